@@ -1,0 +1,12 @@
+"""Pure-PyTorch DeepSeek models. Nothing here imports Lightning or knows about parallelism."""
+
+from dsl_lit.models.config import PRESETS, ModelConfig
+from dsl_lit.models.transformer import Transformer
+
+
+def build_model(cfg: ModelConfig) -> Transformer:
+    """The one constructor every recipe uses; later families dispatch on ``cfg.family`` here."""
+    return Transformer(cfg)
+
+
+__all__ = ["PRESETS", "ModelConfig", "Transformer", "build_model"]

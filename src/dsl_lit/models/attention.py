@@ -1,0 +1,100 @@
+"""Causal self-attention with grouped-query heads and three interchangeable kernels.
+
+``sdpa`` (PyTorch's fused kernel, the default), ``flash_attn`` (the flash-attn package on CUDA; on
+anything else it logs one warning and runs ``sdpa``), and ``eager`` (the explicit softmax formula,
+the reference the other two are tested against).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsl_lit.models.config import ModelConfig
+from dsl_lit.models.layers import apply_rope
+
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning(message)
+
+
+def flash_attn_available(device: torch.device) -> bool:
+    return device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, scale: float | None = None
+) -> torch.Tensor:
+    """Causal attention over [batch, seq, heads, head_dim] tensors; k/v may have fewer heads (GQA).
+
+    Returns [batch, seq, heads, v_head_dim].
+    """
+    if backend == "flash_attn":
+        if flash_attn_available(q.device) and q.dtype in (torch.float16, torch.bfloat16):
+            from flash_attn import flash_attn_func
+
+            return flash_attn_func(q, k, v, causal=True, softmax_scale=scale)
+        _warn_once(
+            "attn_backend=flash_attn requested but flash-attn needs the `gpu` extra, a CUDA device and "
+            f"fp16/bf16 inputs (got device={q.device.type}, dtype={q.dtype}); falling back to sdpa"
+        )
+        backend = "sdpa"
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if backend == "sdpa":
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    elif backend == "eager":
+        out = eager_causal_attention(q, k, v, scale)
+    else:
+        raise ValueError(f"unknown attention backend {backend!r}")
+    return out.transpose(1, 2)
+
+
+def eager_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """Reference: softmax(q k^T * scale + causal mask) v in fp32, on [batch, heads, seq, dim]."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scores = (q.float() @ k.float().transpose(-2, -1)) * scale
+    seq_q, seq_k = q.shape[-2], k.shape[-2]
+    mask = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device).tril(diagonal=seq_k - seq_q)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)
+
+
+class GroupedQueryAttention(nn.Module):
+    """Multi-head attention with ``n_kv_heads`` shared key/value heads and RoPE on q and k."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads
+        self.head_dim = cfg.head_dim
+        self.backend = cfg.attn_backend
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 for the head count lets a tensor-parallel plan shard heads without touching this code.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = causal_attention(q, k, v, self.backend)
+        return self.wo(out.reshape(batch, seq, -1))
