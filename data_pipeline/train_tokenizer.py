@@ -1,0 +1,195 @@
+"""Train a DeepSeek-style byte-level BPE tokenizer with Hugging Face ``tokenizers``.
+
+Why this shape: DeepSeek LLM's released tokenizer pre-splits newlines, letter runs (with one leading
+space), punctuation runs, trailing whitespace, CJK/Hangul runs and single digits, then runs
+byte-level BPE, so any byte sequence round-trips and numbers never merge into multi-digit tokens.
+The output directory loads with ``transformers.AutoTokenizer.from_pretrained`` (no transformers
+import is needed here) and carries ``meta.json`` with the ids and the padded embedding size the
+model needs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import logging
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+log = logging.getLogger(__name__)
+
+BOS_TOKEN = "<｜begin▁of▁sentence｜>"
+EOS_TOKEN = "<｜end▁of▁sentence｜>"
+PAD_TOKEN = "<｜▁pad▁｜>"
+# 15 special tokens, as DeepSeek LLM ships: bos/eos/pad, fill-in-the-middle, chat roles, R1's
+# reasoning tags, and place holders reserved for later use. Their ids are 0..14 in this order.
+DEEPSEEK_SPECIAL_TOKENS: list[str] = [
+    BOS_TOKEN,
+    EOS_TOKEN,
+    PAD_TOKEN,
+    "<｜fim▁hole｜>",
+    "<｜fim▁begin｜>",
+    "<｜fim▁end｜>",
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<think>",
+    "</think>",
+    "<answer>",
+    "</answer>",
+    "<｜place▁holder▁no▁0｜>",
+    "<｜place▁holder▁no▁1｜>",
+    "<｜place▁holder▁no▁2｜>",
+]
+
+# Horizontal whitespace: a leading space may join a word, but a newline never does.
+_HSPACE = r"[^\S\r\n]"
+_CJK = r"\p{Han}\p{Hangul}\p{Hiragana}\p{Katakana}"
+# Alternatives are tried left to right at each position, so newlines always stand alone.
+PRETOKENIZE_PATTERN = "|".join(
+    [
+        r"[\r\n]",  # each line break on its own
+        rf"{_HSPACE}?[\p{{L}}\p{{M}}&&[^{_CJK}]]+",  # a word (Latin, Greek, Cyrillic, ...) + one space
+        rf"{_HSPACE}?[\p{{P}}\p{{S}}]+",  # a run of punctuation / symbols + one space
+        rf"{_HSPACE}+$",  # whitespace at the end of a line
+        rf"[{_CJK}]+",  # runs of CJK ideographs, kana and Hangul
+        r"\p{N}+",  # numbers (split into single digits by the Digits step)
+    ]
+)
+
+EMBEDDING_MULTIPLE = 128
+
+
+def build_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+    """Regex split, then single digits, then bytes mapped to printable characters."""
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+def padded_vocab_size(vocab_size: int, multiple: int = EMBEDDING_MULTIPLE) -> int:
+    """Embedding rows: the vocab rounded up so matmuls and TP shards stay aligned (102400 for 100015)."""
+    return -(-vocab_size // multiple) * multiple
+
+
+def sample_texts(texts: Iterable[str], max_bytes: int | None) -> Iterator[str]:
+    """Yield a deterministic sample of about ``max_bytes`` UTF-8 bytes, or everything when ``None``.
+
+    Keeps the documents whose content hash is smallest (a bottom-k sample): independent of input
+    order and of the machine, uniform over documents, and memory bounded by ``max_bytes``.
+    """
+    if max_bytes is None:
+        yield from texts
+        return
+    if max_bytes <= 0:
+        raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+    heap: list[tuple[int, str]] = []  # max-heap on the hash (stored negated)
+    total = 0
+    for text in texts:
+        key = int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
+        heapq.heappush(heap, (-key, text))
+        total += len(text.encode("utf-8"))
+        while total > max_bytes and heap:
+            _, dropped = heapq.heappop(heap)
+            total -= len(dropped.encode("utf-8"))
+    if not heap:
+        raise ValueError(f"max_bytes={max_bytes} is smaller than any single document; raise it")
+    for _, text in sorted(heap, reverse=True):  # ascending hash order
+        yield text
+
+
+def _hf_configs(special_tokens: list[str]) -> tuple[dict, dict]:
+    """tokenizer_config.json and special_tokens_map.json for transformers (4.x and 5.x)."""
+    named = {"bos_token": special_tokens[0], "eos_token": special_tokens[1], "pad_token": special_tokens[2]}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **named,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        # Spaces are data in byte-level BPE: never "clean" them, or decode(encode(x)) != x.
+        "clean_up_tokenization_spaces": False,
+        "additional_special_tokens": special_tokens[3:],
+    }
+    return config, {**named, "additional_special_tokens": special_tokens[3:]}
+
+
+def _publish(tmp_dir: Path, output_dir: Path) -> None:
+    """Move a finished directory into place; an older one at the same path is replaced."""
+    if output_dir.exists():
+        trash = Path(tempfile.mkdtemp(dir=output_dir.parent, prefix=f".{output_dir.name}.old-"))
+        output_dir.rename(trash / output_dir.name)
+        tmp_dir.rename(output_dir)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        tmp_dir.rename(output_dir)
+
+
+def train_tokenizer(
+    texts: Iterable[str],
+    vocab_size: int,
+    output_dir: Path,
+    special_tokens: list[str] = DEEPSEEK_SPECIAL_TOKENS,
+    max_bytes: int | None = None,
+) -> Path:
+    """Train BBPE on ``texts`` and write a loadable tokenizer directory; returns ``output_dir``.
+
+    ``vocab_size`` includes the special tokens (the first three are used as bos, eos and pad). The
+    directory appears atomically: it is built under a temporary name and renamed when complete.
+    """
+    if len(special_tokens) < 3:
+        raise ValueError("special_tokens must start with bos, eos and pad")
+    min_vocab = 256 + len(special_tokens)
+    if vocab_size < min_vocab:
+        raise ValueError(f"vocab_size={vocab_size} is below the byte alphabet + specials ({min_vocab})")
+    output_dir = Path(output_dir)
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = build_pre_tokenizer()
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(sample_texts(texts, max_bytes), trainer=trainer)
+
+    ids = [tokenizer.token_to_id(t) for t in special_tokens[:3]]
+    meta = {
+        "vocab_size": tokenizer.get_vocab_size(),
+        "padded_vocab_size": padded_vocab_size(tokenizer.get_vocab_size()),
+        "bos_id": ids[0],
+        "eos_id": ids[1],
+        "pad_id": ids[2],
+        "requested_vocab_size": vocab_size,
+        "max_bytes": max_bytes,
+    }
+    if meta["vocab_size"] < vocab_size:
+        log.warning("corpus too small: trained %d of %d requested tokens", meta["vocab_size"], vocab_size)
+    config, special_map = _hf_configs(list(special_tokens))
+
+    tmp_dir = Path(tempfile.mkdtemp(dir=output_dir.parent, prefix=f".{output_dir.name}.tmp-"))
+    try:
+        tmp_dir.chmod(0o755)  # mkdtemp makes it private; the published directory should not be
+        tokenizer.save(str(tmp_dir / "tokenizer.json"))
+        for name, obj in (
+            ("tokenizer_config.json", config),
+            ("special_tokens_map.json", special_map),
+            ("meta.json", meta),  # last: its presence marks a complete directory
+        ):
+            (tmp_dir / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        _publish(tmp_dir, output_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    log.info("tokenizer: %d tokens (embedding %d) -> %s", meta["vocab_size"], meta["padded_vocab_size"], output_dir)
+    return output_dir
