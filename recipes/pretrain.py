@@ -1,0 +1,43 @@
+"""Pretrain a DeepSeek model. Copy this file to make your own recipe.
+
+    python recipes/pretrain.py                                  # the CPU demo
+    python recipes/pretrain.py model=deepseek_llm_tiny optim.lr=1e-3 trainer.max_steps=50
+    python recipes/pretrain.py -m optim.lr=1e-3,2e-3            # a sweep (Hydra multirun)
+"""
+
+from __future__ import annotations
+
+import hydra
+import lightning as L
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from dsl_lit.build import build_trainer, resume_path
+from dsl_lit.config import TrainConfig
+from dsl_lit.data.datamodule import PretrainDataModule
+from dsl_lit.modules import PretrainModule
+from dsl_lit.runs import check_vocab, finish_run, save_resolved_config
+
+
+@hydra.main(config_path="../conf", config_name="pretrain", version_base="1.3")
+def main(hydra_cfg: DictConfig) -> None:
+    # 1. Validate everything before any data, model or process group exists.
+    cfg = TrainConfig.from_hydra(hydra_cfg, run_dir=HydraConfig.get().runtime.output_dir)
+    save_resolved_config(cfg)
+    L.seed_everything(cfg.trainer.seed, workers=True)
+
+    # 2. Data: builds the tokenizer and packed shards on first use.
+    datamodule = PretrainDataModule(cfg.data)
+    check_vocab(cfg, datamodule)
+
+    # 3. The objective, the trainer, and fit (resuming from the run dir's latest checkpoint).
+    module = PretrainModule(
+        cfg.model, cfg.optim, cfg.schedule, cfg.data.micro_batch_size, cfg.schedule.total_steps or cfg.trainer.max_steps
+    )
+    trainer = build_trainer(cfg)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume_path(cfg))
+    finish_run(trainer)
+
+
+if __name__ == "__main__":
+    main()

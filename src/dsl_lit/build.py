@@ -1,0 +1,94 @@
+"""Turning a validated ``TrainConfig`` into Lightning objects: loggers, callbacks, the Trainer.
+
+Kept out of the recipes so that every recipe (pretrain, SFT, DPO, GRPO) builds them one way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+from omegaconf import OmegaConf
+
+from dsl_lit.callbacks.throughput import ThroughputMonitor
+from dsl_lit.checkpoint.directory import DirectoryCheckpointIO, StepCheckpoint, latest_checkpoint
+from dsl_lit.config import TrainConfig
+from dsl_lit.flops import training_flops_per_token
+
+log = logging.getLogger(__name__)
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+if not OmegaConf.has_resolver("project_root"):
+    # ${project_root:} in YAML: where the bundled corpus and the data cache live, wherever you run from.
+    OmegaConf.register_new_resolver("project_root", lambda: str(PROJECT_ROOT))
+
+
+def build_loggers(cfg: TrainConfig) -> list[Logger]:
+    loggers: list[Logger] = []
+    if cfg.logger.csv:
+        # name="" and version="" put metrics.csv directly in the run directory.
+        loggers.append(CSVLogger(save_dir=cfg.run_dir, name="", version=""))
+    wandb_cfg = cfg.logger.wandb
+    if wandb_cfg.enabled and wandb_cfg.mode != "disabled":
+        # WANDB_MODE from the environment wins, so `wandb login` + WANDB_MODE=online goes online.
+        mode = os.environ.get("WANDB_MODE", wandb_cfg.mode)
+        wandb_logger = WandbLogger(
+            project=wandb_cfg.project, entity=wandb_cfg.entity, save_dir=cfg.run_dir,
+            offline=mode == "offline", tags=list(wandb_cfg.tags), name=Path(cfg.run_dir).name,
+        )
+        loggers.append(wandb_logger)
+    for logger in loggers:
+        logger.log_hyperparams(cfg.raw)
+    return loggers
+
+
+def checkpoint_dir(cfg: TrainConfig) -> Path:
+    return Path(cfg.run_dir) / "checkpoints"
+
+
+def resume_path(cfg: TrainConfig) -> str | None:
+    """``checkpoint.resume_from`` if set, else the latest complete checkpoint of this run dir."""
+    if cfg.checkpoint.resume_from:
+        return cfg.checkpoint.resume_from
+    if not cfg.checkpoint.resume:
+        return None
+    latest = latest_checkpoint(checkpoint_dir(cfg))
+    if latest is not None:
+        log.info("resuming from %s", latest)
+    return str(latest) if latest else None
+
+
+def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = None) -> L.Trainer:
+    callbacks: list[L.Callback] = [
+        ThroughputMonitor(
+            training_flops_per_token(cfg.model, cfg.data.seq_len), cfg.precision.name, cfg.trainer.peak_tflops
+        ),
+        *(extra_callbacks or []),
+    ]
+    if cfg.trainer.progress_bar:
+        callbacks.append(TQDMProgressBar(refresh_rate=1))
+    if cfg.checkpoint.every_n_steps:
+        callbacks.append(StepCheckpoint(checkpoint_dir(cfg), cfg.checkpoint.every_n_steps))
+    return L.Trainer(
+        accelerator=cfg.trainer.accelerator,
+        devices=cfg.trainer.devices,
+        num_nodes=cfg.trainer.num_nodes,
+        precision=cfg.precision.lightning,
+        max_steps=cfg.trainer.max_steps,
+        max_epochs=-1,
+        log_every_n_steps=cfg.trainer.log_every_n_steps,
+        logger=build_loggers(cfg) or False,
+        callbacks=callbacks,
+        enable_checkpointing=bool(cfg.checkpoint.every_n_steps),
+        enable_progress_bar=cfg.trainer.progress_bar,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,  # our sampler shards by data-parallel rank, deterministically
+        plugins=[DirectoryCheckpointIO(cfg.raw)],
+        default_root_dir=cfg.run_dir,
+    )

@@ -1,0 +1,229 @@
+"""The typed, validated form of a recipe's Hydra config.
+
+Hydra composes YAML; ``TrainConfig.from_hydra`` turns each group into its dataclass, checks types
+and values, and raises ``ConfigError`` naming the field (``optim.lr=-1.0 must be > 0``) before a
+Trainer, a process group or a dataset exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from omegaconf import DictConfig, OmegaConf
+
+from dsl_lit.data.config import DataConfig
+from dsl_lit.errors import ConfigError
+from dsl_lit.models.config import ModelConfig
+from dsl_lit.optim import OptimConfig, ScheduleConfig
+
+T = TypeVar("T")
+
+_SCALARS = (bool, int, float, str)
+
+
+def _accepts(annotation: Any, value: Any) -> bool:
+    """Loose runtime check of ``value`` against a field annotation (scalars, optionals, literals)."""
+    if annotation is Any or value is None and _is_optional(annotation):
+        return True
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return value in typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_accepts(arg, value) for arg in typing.get_args(annotation))
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation in _SCALARS:
+        return isinstance(value, annotation)
+    if origin in (tuple, list):
+        return isinstance(value, (list, tuple))
+    if origin is dict or annotation is dict:
+        return isinstance(value, dict)
+    return True
+
+
+def _is_optional(annotation: Any) -> bool:
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in typing.get_args(
+        annotation
+    )
+
+
+def dataclass_from_dict(schema: type[T], values: dict[str, Any], prefix: str) -> T:
+    """Build ``schema`` from plain values, naming ``prefix.field`` in any error."""
+    hints = typing.get_type_hints(schema)
+    known = {f.name for f in dataclasses.fields(schema)}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"{prefix}.{key} is not a known field; known fields: {sorted(known)}")
+        if not _accepts(hints[key], value):
+            raise ConfigError(f"{prefix}.{key}={value!r} has the wrong type; expected {hints[key]}")
+        if typing.get_origin(hints[key]) is tuple and isinstance(value, list):
+            values[key] = tuple(value)
+    instance = schema(**values)
+    validate = getattr(instance, "validate", None)
+    return validate() if callable(validate) else instance
+
+
+@dataclass
+class PrecisionConfig:
+    """``precision`` group: fp32, or bf16 compute with fp32 master weights and gradient accumulation."""
+
+    name: str = "fp32"
+
+    LIGHTNING: typing.ClassVar[dict[str, str]] = {"fp32": "32-true", "bf16": "bf16-mixed"}
+
+    def validate(self) -> PrecisionConfig:
+        if self.name not in self.LIGHTNING:
+            raise ConfigError(f"precision.name={self.name!r} is unknown; choose one of {sorted(self.LIGHTNING)}")
+        return self
+
+    @property
+    def lightning(self) -> str:
+        return self.LIGHTNING[self.name]
+
+
+@dataclass
+class ParallelConfig:
+    """``parallel`` group. Data parallelism comes from ``trainer.devices``; tp/pp/ep need the
+    parallel Strategy and must stay 1 until it lands."""
+
+    dp: int | None = None
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+
+    def validate(self) -> ParallelConfig:
+        for name in ("tp", "pp", "ep"):
+            value = getattr(self, name)
+            if value != 1:
+                raise ConfigError(
+                    f"parallel.{name}={value} is not supported yet: tensor, pipeline and expert parallelism "
+                    "arrive with the parallel Strategy; use parallel.{name}=1 and scale with trainer.devices"
+                )
+        if self.dp is not None and self.dp < 1:
+            raise ConfigError(f"parallel.dp={self.dp} must be >= 1 (or null for the whole world size)")
+        return self
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = True
+    project: str = "dsl-lit"
+    mode: str = "offline"
+    entity: str | None = None
+    tags: list[str] = field(default_factory=list)
+
+    def validate(self) -> WandbConfig:
+        if self.mode not in ("offline", "online", "disabled"):
+            raise ConfigError(f"logger.wandb.mode={self.mode!r} must be offline, online or disabled")
+        return self
+
+
+@dataclass
+class LoggerConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    csv: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    """``checkpoint`` group: save every N optimizer steps under ``<run dir>/checkpoints/step-<N>/``."""
+
+    every_n_steps: int = 100
+    resume: bool = True
+    resume_from: str | None = None
+
+    def validate(self) -> CheckpointConfig:
+        if self.every_n_steps < 0:
+            raise ConfigError(f"checkpoint.every_n_steps={self.every_n_steps} must be >= 0 (0 disables saving)")
+        return self
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 100
+    devices: int = 1
+    num_nodes: int = 1
+    accelerator: str = "auto"
+    log_every_n_steps: int = 1
+    seed: int = 1234
+    peak_tflops: float | None = None
+    progress_bar: bool = True
+
+    def validate(self) -> TrainerConfig:
+        for name in ("max_steps", "devices", "num_nodes", "log_every_n_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"trainer.{name}={getattr(self, name)} must be >= 1")
+        if self.accelerator not in ("auto", "cpu", "gpu", "cuda"):
+            raise ConfigError(f"trainer.accelerator={self.accelerator!r} must be auto, cpu, gpu or cuda")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ConfigError(f"trainer.peak_tflops={self.peak_tflops} must be > 0 (or null to detect it)")
+        return self
+
+
+@dataclass
+class TrainConfig:
+    """Everything a pretraining run needs, validated. ``raw`` keeps the resolved dict for logging."""
+
+    model: ModelConfig
+    data: DataConfig
+    optim: OptimConfig
+    schedule: ScheduleConfig
+    precision: PrecisionConfig
+    parallel: ParallelConfig
+    logger: LoggerConfig
+    checkpoint: CheckpointConfig
+    trainer: TrainerConfig
+    run_dir: str = "."
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_hydra(cls, cfg: DictConfig, run_dir: str = ".") -> TrainConfig:
+        raw = typing.cast(dict, OmegaConf.to_container(cfg, resolve=True))
+        model_values = dict(raw.get("model") or {})
+        if "name" not in model_values:
+            raise ConfigError("model.name is missing; pick a preset, e.g. model=deepseek_llm_tiny")
+        model = ModelConfig.from_name(model_values.pop("name"), **model_values)
+        logger_values = dict(raw.get("logger") or {})
+        logger = LoggerConfig(
+            wandb=dataclass_from_dict(WandbConfig, dict(logger_values.pop("wandb", None) or {"enabled": False}),
+                                      "logger.wandb"),
+            csv=bool(logger_values.pop("csv", True)),
+        )
+        groups: dict[str, Any] = {}
+        for name, schema in (("data", DataConfig), ("optim", OptimConfig), ("schedule", ScheduleConfig),
+                             ("precision", PrecisionConfig), ("parallel", ParallelConfig),
+                             ("checkpoint", CheckpointConfig), ("trainer", TrainerConfig)):
+            groups[name] = dataclass_from_dict(schema, dict(raw.get(name) or {}), name)
+        config = cls(model=model, logger=logger, run_dir=run_dir, raw=raw, **groups)
+        return config.validate()
+
+    @property
+    def world_size(self) -> int:
+        return self.trainer.devices * self.trainer.num_nodes
+
+    def validate(self) -> TrainConfig:
+        """Checks that span groups."""
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ConfigError(
+                f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
+                "lower data.seq_len or raise +model.max_seq_len"
+            )
+        dp = self.parallel.dp or self.world_size
+        if dp * self.parallel.tp * self.parallel.pp != self.world_size:
+            raise ConfigError(
+                f"parallel.dp={dp} x tp={self.parallel.tp} x pp={self.parallel.pp} must equal the world size "
+                f"trainer.devices x trainer.num_nodes = {self.world_size}"
+            )
+        self.data.validate(dp_size=dp)
+        if self.data.tokenizer_vocab_size > self.model.vocab_size:
+            raise ConfigError(
+                f"data.tokenizer_vocab_size={self.data.tokenizer_vocab_size} exceeds "
+                f"model.vocab_size={self.model.vocab_size}; the embedding must cover every token id"
+            )
+        return self
