@@ -1,0 +1,1 @@
+"""Checkpoint directories, retention and resume."""
