@@ -1,0 +1,285 @@
+"""Per-family translation between our models and Hugging Face checkpoints.
+
+An adapter knows two things about one model family: how our ``ModelConfig`` maps to an HF
+``config.json`` dict, and how our parameter names (FQNs) map to HF's. It does no file I/O, so a new
+family (DeepSeek-V3, ``model_type`` "deepseek_v3") plugs in by writing another adapter and calling
+:func:`register_adapter`; ``dsl_lit.hf.io`` picks the adapter by HF ``model_type`` when reading and
+by ``ModelConfig.family`` when writing.
+
+State dicts are translated whole (not name by name) because later families need more than renames,
+e.g. stacking per-expert HF weights into one grouped tensor. Renames keep the same tensor objects,
+so a translation costs no memory.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from dsl_lit.errors import ConfigError
+from dsl_lit.models.config import ModelConfig
+
+StateDict = dict[str, torch.Tensor]
+
+# Token ids that HF keeps in config.json; we carry them in ModelConfig.extra so a round trip keeps them.
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def few(names: Iterable[str], limit: int = 5) -> str:
+    """``'a', 'b', ... (and 7 more)``: error messages list a few names, not thousands."""
+    names = sorted(names)
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" ... (and {len(names) - limit} more)" if len(names) > limit else "")
+
+
+class HFAdapter(ABC):
+    """Config and state-dict translation for one model family; see the module docstring."""
+
+    family: ClassVar[str]
+    """Our ``ModelConfig.family``."""
+    model_type: ClassVar[str]
+    """HF ``config.json`` ``model_type``."""
+    architecture: ClassVar[str]
+    """HF class written to ``architectures`` (must load with ``AutoModelForCausalLM``)."""
+
+    @abstractmethod
+    def config_from_hf(self, hf: Mapping[str, Any]) -> ModelConfig:
+        """Build our config from a ``config.json`` dict; ConfigError naming the HF field if we can't."""
+
+    @abstractmethod
+    def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
+        """The architecture part of ``config.json`` (io adds dtype and bookkeeping keys)."""
+
+    @abstractmethod
+    def from_hf(self, hf_state: StateDict, cfg: ModelConfig) -> StateDict:
+        """HF names -> ours. Raise ConfigError listing names that belong to no parameter of ours."""
+
+    @abstractmethod
+    def to_hf(self, state: StateDict, cfg: ModelConfig) -> StateDict:
+        """Our names -> HF's, leaving out tensors HF does not store (e.g. a tied output head)."""
+
+
+_BY_MODEL_TYPE: dict[str, HFAdapter] = {}
+_BY_FAMILY: dict[str, HFAdapter] = {}
+
+
+def register_adapter(adapter: HFAdapter) -> HFAdapter:
+    """Make ``adapter`` the one used for its HF ``model_type`` and our ``family``."""
+    _BY_MODEL_TYPE[adapter.model_type] = adapter
+    _BY_FAMILY[adapter.family] = adapter
+    return adapter
+
+
+def adapter_for_model_type(model_type: Any) -> HFAdapter:
+    if model_type not in _BY_MODEL_TYPE:
+        raise ConfigError(
+            f"config.json model_type={model_type!r} is not supported; supported model types: "
+            f"{sorted(_BY_MODEL_TYPE)}"
+        )
+    return _BY_MODEL_TYPE[model_type]
+
+
+def adapter_for_family(family: str) -> HFAdapter:
+    if family not in _BY_FAMILY:
+        raise ConfigError(
+            f"model.family={family!r} has no Hugging Face adapter; families with one: {sorted(_BY_FAMILY)}"
+        )
+    return _BY_FAMILY[family]
+
+
+def _require(hf: Mapping[str, Any], key: str) -> Any:
+    if hf.get(key) is None:
+        raise ConfigError(f"config.json is missing {key!r}, which the model cannot be built without")
+    return hf[key]
+
+
+class DeepSeekLLMAdapter(HFAdapter):
+    """DeepSeek LLM 7B/67B, released in the plain Llama layout (``LlamaForCausalLM``)."""
+
+    family = "deepseek_llm"
+    model_type = "llama"
+    architecture = "LlamaForCausalLM"
+
+    # Top-level names, ours -> HF.
+    _TOP = {
+        "tok_embeddings.weight": "model.embed_tokens.weight",
+        "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
+    # Names inside one block, ours (after ``layers.<i>.``) -> HF (after ``model.layers.<i>.``).
+    _BLOCK = {
+        "attention_norm.weight": "input_layernorm.weight",
+        "attention.wq.weight": "self_attn.q_proj.weight",
+        "attention.wk.weight": "self_attn.k_proj.weight",
+        "attention.wv.weight": "self_attn.v_proj.weight",
+        "attention.wo.weight": "self_attn.o_proj.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+        "feed_forward.w1.weight": "mlp.gate_proj.weight",
+        "feed_forward.w3.weight": "mlp.up_proj.weight",
+        "feed_forward.w2.weight": "mlp.down_proj.weight",
+    }
+    _TOP_INV = {v: k for k, v in _TOP.items()}
+    _BLOCK_INV = {v: k for k, v in _BLOCK.items()}
+    # Old transformers versions saved RoPE's inverse frequencies; we recompute them from rope_theta.
+    _IGNORED_HF_SUFFIXES = (".rotary_emb.inv_freq",)
+
+    # -- config -----------------------------------------------------------------------------------
+
+    def config_from_hf(self, hf: Mapping[str, Any]) -> ModelConfig:
+        self._reject_unsupported(hf)
+        d_model = int(_require(hf, "hidden_size"))
+        n_heads = int(_require(hf, "num_attention_heads"))
+        head_dim = hf.get("head_dim")
+        if head_dim is not None and n_heads and head_dim * n_heads != d_model:
+            raise ConfigError(
+                f"config.json head_dim={head_dim} differs from hidden_size / num_attention_heads = "
+                f"{d_model}/{n_heads}; our attention derives head_dim from d_model and cannot represent it"
+            )
+        rope = hf.get("rope_parameters") or {}
+        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        extra = {k: hf[k] for k in TOKEN_ID_KEYS if hf.get(k) is not None}
+        return ModelConfig(
+            name="hf",
+            family="deepseek_llm",
+            vocab_size=int(_require(hf, "vocab_size")),
+            n_layers=int(_require(hf, "num_hidden_layers")),
+            d_model=d_model,
+            n_heads=n_heads,
+            n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+            ffn_hidden=int(_require(hf, "intermediate_size")),
+            max_seq_len=int(hf.get("max_position_embeddings", 4096)),
+            rope_theta=float(theta),
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            init_std=float(hf.get("initializer_range", 0.02)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            extra=extra,
+        )
+
+    @staticmethod
+    def _reject_unsupported(hf: Mapping[str, Any]) -> None:
+        """ConfigError naming the first HF field whose value this family's model cannot express."""
+        where = "config.json"
+        if hf.get("rope_scaling"):
+            raise ConfigError(
+                f"{where} rope_scaling={hf['rope_scaling']!r} is not supported for the deepseek_llm family "
+                "yet (our RoPE has no scaling); use a checkpoint without RoPE scaling"
+            )
+        rope = hf.get("rope_parameters") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ConfigError(
+                f"{where} rope_parameters.rope_type={rope_type!r} is not supported for the deepseek_llm "
+                "family yet (only 'default' RoPE without scaling)"
+            )
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ConfigError(
+                f"{where} rope_parameters.partial_rotary_factor={rope['partial_rotary_factor']!r} is not "
+                "supported; our RoPE rotates the whole head dimension"
+            )
+        for key in ("attention_bias", "mlp_bias"):
+            if hf.get(key):
+                raise ConfigError(f"{where} {key}=true is not supported: our projections have no bias")
+        act = hf.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ConfigError(f"{where} hidden_act={act!r} is not supported; our SwiGLU uses silu")
+        archs = hf.get("architectures") or []
+        if archs and DeepSeekLLMAdapter.architecture not in archs:
+            raise ConfigError(
+                f"{where} architectures={archs!r}: only {DeepSeekLLMAdapter.architecture} checkpoints "
+                "(causal LM with an lm_head) can be loaded"
+            )
+
+    def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
+        if not math.isfinite(cfg.rope_theta):
+            raise ConfigError(f"model.rope_theta={cfg.rope_theta!r} cannot be written to config.json")
+        out: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
+            "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.d_model,
+            "intermediate_size": cfg.ffn_hidden,
+            "num_hidden_layers": cfg.n_layers,
+            "num_attention_heads": cfg.n_heads,
+            "num_key_value_heads": cfg.n_kv_heads,
+            "head_dim": cfg.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": cfg.max_seq_len,
+            "initializer_range": cfg.init_std,
+            "rms_norm_eps": cfg.norm_eps,
+            # transformers >= 5 reads rope_parameters; older versions read rope_theta/rope_scaling.
+            "rope_theta": cfg.rope_theta,
+            "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            "attention_bias": False,
+            "mlp_bias": False,
+            "attention_dropout": 0.0,
+            "pretraining_tp": 1,
+            "tie_word_embeddings": cfg.tie_embeddings,
+            "use_cache": True,
+        }
+        out.update({k: cfg.extra[k] for k in TOKEN_ID_KEYS if cfg.extra.get(k) is not None})
+        return out
+
+    # -- weights ----------------------------------------------------------------------------------
+
+    def from_hf(self, hf_state: StateDict, cfg: ModelConfig) -> StateDict:
+        out: StateDict = {}
+        unknown: list[str] = []
+        for hf_name, tensor in hf_state.items():
+            if hf_name.endswith(self._IGNORED_HF_SUFFIXES):
+                continue
+            if cfg.tie_embeddings and hf_name == "lm_head.weight":
+                continue  # tied: the head is the embedding; a stored copy is redundant
+            name = self._hf_to_ours(hf_name)
+            if name is None:
+                unknown.append(hf_name)
+            else:
+                out[name] = tensor
+        if unknown:
+            raise ConfigError(
+                f"checkpoint has {len(unknown)} weight(s) the {self.family} model has no parameter for: "
+                f"{few(unknown)}"
+            )
+        if cfg.tie_embeddings and "tok_embeddings.weight" in out:
+            out["output.weight"] = out["tok_embeddings.weight"]
+        return out
+
+    def to_hf(self, state: StateDict, cfg: ModelConfig) -> StateDict:
+        out: StateDict = {}
+        unknown: list[str] = []
+        for name, tensor in state.items():
+            if cfg.tie_embeddings and name == "output.weight":
+                continue  # HF re-ties lm_head to embed_tokens from tie_word_embeddings
+            hf_name = self._ours_to_hf(name)
+            if hf_name is None:
+                unknown.append(name)
+            else:
+                out[hf_name] = tensor
+        if unknown:
+            raise ConfigError(f"model has parameter(s) with no Hugging Face name: {few(unknown)}")
+        return out
+
+    def _hf_to_ours(self, hf_name: str) -> str | None:
+        if hf_name in self._TOP_INV:
+            return self._TOP_INV[hf_name]
+        parts = hf_name.split(".", 3)  # model, layers, <i>, rest
+        if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+            rest = self._BLOCK_INV.get(parts[3])
+            return None if rest is None else f"layers.{parts[2]}.{rest}"
+        return None
+
+    def _ours_to_hf(self, name: str) -> str | None:
+        if name in self._TOP:
+            return self._TOP[name]
+        parts = name.split(".", 2)  # layers, <i>, rest
+        if len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit():
+            rest = self._BLOCK.get(parts[2])
+            return None if rest is None else f"model.layers.{parts[1]}.{rest}"
+        return None
+
+
+register_adapter(DeepSeekLLMAdapter())
