@@ -186,10 +186,14 @@ def train_tokenizer(
             ("special_tokens_map.json", special_map),
             ("meta.json", meta),  # last: its presence marks a complete directory
         ):
-            (tmp_dir / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+            (tmp_dir / name).write_text(
+                json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+            )
         _publish(tmp_dir, output_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
-    log.info("tokenizer: %d tokens (embedding %d) -> %s", meta["vocab_size"], meta["padded_vocab_size"], output_dir)
+    log.info(
+        "tokenizer: %d tokens (embedding %d) -> %s", meta["vocab_size"], meta["padded_vocab_size"], output_dir
+    )
     return output_dir

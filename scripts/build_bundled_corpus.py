@@ -109,7 +109,9 @@ def write_jsonl_gz(records: Iterable[dict[str, str]], path: Path) -> tuple[int, 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--kjv", type=Path, default=Path("/tmp/deb/kjv.txt"))
     parser.add_argument(
         "--devil-dict",
