@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Create .venv and install dsl-lit into it. Idempotent: reruns are instant until pyproject.toml changes.
+#
+#   scripts/setup.sh                 # CPU build of torch (never pulls a multi-GB CUDA wheel)
+#   TORCH=cuda scripts/setup.sh      # torch with CUDA (PyPI's Linux wheels), for GPU machines
+#   TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 TORCH=cuda scripts/setup.sh
+#   EXTRAS=dev,gpu scripts/setup.sh  # add flash-attn on a CUDA machine
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+TORCH=${TORCH:-cpu}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+EXTRAS=${EXTRAS:-dev}
+stamp="$VENV/.dsl-lit-installed"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16) torch=$TORCH extras=$EXTRAS"
+
+if [[ -f $stamp && "$(cat "$stamp")" == "$want" ]]; then
+  exit 0
+fi
+[[ -x $VENV/bin/python ]] || "$PYTHON" -m venv "$VENV"
+pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+
+if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  if [[ $TORCH == cuda ]]; then
+    echo "[setup] installing torch with CUDA"
+    if [[ -n ${TORCH_INDEX_URL:-} ]]; then "${pip[@]}" torch --index-url "$TORCH_INDEX_URL"; else "${pip[@]}" "torch>=2.6"; fi
+  else
+    echo "[setup] installing the CPU build of torch==$TORCH_VERSION"
+    # A local wheel (pip's find-links) first; else PyTorch's CPU index. Plain PyPI is never asked
+    # for torch here, because on Linux it serves the CUDA build.
+    "${pip[@]}" --no-index "torch==$TORCH_VERSION" 2>/dev/null \
+      || "${pip[@]}" "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
+  fi
+fi
+echo "[setup] installing dsl-lit[$EXTRAS]"
+"${pip[@]}" -e ".[$EXTRAS]"
+echo "$want" > "$stamp"
