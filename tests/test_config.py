@@ -1,0 +1,79 @@
+"""Hydra composition of the real conf/ tree and start-up validation naming the bad field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dsl_lit.config import TrainConfig
+from dsl_lit.errors import ConfigError
+from tests.conftest import CONF, ROOT, compose_config
+
+
+def test_default_config_is_the_cpu_demo():
+    cfg = TrainConfig.from_hydra(compose_config())
+    assert cfg.model.name == "deepseek_llm_tiny"
+    assert cfg.optim.lr == 2.0e-3 and cfg.optim.betas == (0.9, 0.95)
+    assert cfg.precision.lightning == "32-true"
+    assert cfg.logger.wandb.enabled and cfg.logger.wandb.mode == "offline" and cfg.logger.csv
+    assert cfg.data.corpus_dir.endswith("data/corpus")
+
+
+@pytest.mark.parametrize("experiment", sorted(p.stem for p in (CONF / "experiment").glob("*.yaml")))
+def test_every_experiment_composes_and_validates(experiment):
+    cfg = TrainConfig.from_hydra(compose_config(overrides=[f"experiment={experiment}"]))
+    assert cfg.trainer.max_steps > 0
+
+
+def test_deepseek_llm_7b_experiment_numbers():
+    cfg = TrainConfig.from_hydra(compose_config(overrides=["experiment=deepseek_llm_7b"]))
+    assert (cfg.model.n_layers, cfg.model.d_model, cfg.model.vocab_size) == (30, 4096, 102400)
+    assert cfg.data.global_batch_size == 2304 and cfg.data.seq_len == 4096 and cfg.optim.lr == 4.2e-4
+    # 2T tokens at 2304 x 4096 tokens per step
+    assert cfg.trainer.max_steps * 2304 * 4096 == pytest.approx(2e12, rel=1e-4)
+
+
+def test_overrides_reach_the_dataclasses():
+    cfg = TrainConfig.from_hydra(compose_config(overrides=[
+        "optim.lr=1e-3", "trainer.max_steps=50", "precision=bf16", "logger=csv", "schedule=cosine",
+        "+model.n_layers=2", "data.micro_batch_size=4", "checkpoint.every_n_steps=7",
+    ]))
+    assert cfg.optim.lr == 1e-3 and cfg.trainer.max_steps == 50 and cfg.precision.lightning == "bf16-mixed"
+    assert not cfg.logger.wandb.enabled and cfg.schedule.name == "cosine" and cfg.model.n_layers == 2
+    assert cfg.data.micro_batch_size == 4 and cfg.checkpoint.every_n_steps == 7
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("optim.lr=-1", "optim.lr"),
+        ("optim.lr=abc", "optim.lr"),
+        ("data.seq_len=4096", "data.seq_len"),
+        ("data.global_batch_size=12", "data.global_batch_size"),
+        ("parallel.tp=2", "parallel.tp"),
+        ("schedule.warmup_steps=-5", "schedule.warmup_steps"),
+        ("trainer.max_steps=0", "trainer.max_steps"),
+        ("+model.n_heads=7", "model.n_heads"),
+        ("data.tokenizer_vocab_size=16384", "data.tokenizer_vocab_size"),
+        ("logger.wandb.mode=sometimes", "logger.wandb.mode"),
+    ],
+)
+def test_bad_values_fail_naming_the_field(override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        TrainConfig.from_hydra(compose_config(overrides=[override]))
+
+
+def test_recipe_rejects_negative_lr_at_once(tmp_path):
+    start = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "pretrain.py"), "optim.lr=-1", f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )
+    elapsed = time.perf_counter() - start
+    assert result.returncode != 0
+    assert "optim.lr=-1" in result.stderr
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.csv").exists()
+    assert elapsed < 60
