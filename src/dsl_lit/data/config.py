@@ -1,0 +1,58 @@
+"""Config of the pretraining data path, validated at start-up before any process group exists."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsl_lit.errors import ConfigError
+
+
+@dataclass
+class DataConfig:
+    """Where the corpus and the built artefacts live, and how batches are cut.
+
+    ``global_batch_size`` counts sequences per optimizer step over all data-parallel ranks, so the
+    training recipe (and its learning-rate schedule) does not change with the layout.
+    """
+
+    corpus_dir: str  # a directory of *.jsonl.gz documents (the bundled corpus: data/corpus)
+    cache_dir: str  # the tokenizer and the packed shards are built here, once
+    tokenizer_vocab_size: int = 8192
+    tokenizer_max_bytes: int | None = None
+    seq_len: int = 256
+    global_batch_size: int = 32
+    micro_batch_size: int = 8
+    num_workers: int = 0
+    seed: int = 1234
+
+    def validate(self, dp_size: int = 1) -> DataConfig:
+        """Raise ``ConfigError`` naming the first bad field and how to fix it; return self."""
+        for name in ("tokenizer_vocab_size", "seq_len", "global_batch_size", "micro_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"data.{name}={value!r} must be a positive integer")
+        if self.tokenizer_vocab_size < 256 + 15:
+            raise ConfigError(
+                f"data.tokenizer_vocab_size={self.tokenizer_vocab_size} is too small: byte-level BPE needs "
+                "256 byte tokens + 15 special tokens; use at least 271 (512 is a sensible minimum)"
+            )
+        if self.tokenizer_max_bytes is not None and self.tokenizer_max_bytes <= 0:
+            raise ConfigError(
+                f"data.tokenizer_max_bytes={self.tokenizer_max_bytes} must be positive, or null for the whole corpus"
+            )
+        if self.num_workers < 0:
+            raise ConfigError(f"data.num_workers={self.num_workers} must be >= 0")
+        if dp_size <= 0:
+            raise ConfigError(f"data-parallel size {dp_size} must be positive")
+        step = self.micro_batch_size * dp_size
+        if self.global_batch_size % step:
+            raise ConfigError(
+                f"data.global_batch_size={self.global_batch_size} must be a multiple of "
+                f"data.micro_batch_size={self.micro_batch_size} x data-parallel size {dp_size} = {step}: "
+                f"e.g. data.global_batch_size={max(step, self.global_batch_size // step * step)}"
+            )
+        if not self.corpus_dir:
+            raise ConfigError("data.corpus_dir is empty: point it at a directory of *.jsonl.gz documents")
+        if not self.cache_dir:
+            raise ConfigError("data.cache_dir is empty: give a directory for the tokenizer and shards")
+        return self

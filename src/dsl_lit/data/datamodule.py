@@ -1,0 +1,233 @@
+"""``PretrainDataModule``: bundled corpus -> tokenizer -> packed shards -> one global batch per step.
+
+Why one batch per OPTIMIZER step: the LightningModule (or the pipeline schedule) cuts it into
+micro-batches itself, so gradient accumulation and pipeline parallelism never change which samples
+make a step. The sampler is ours (run the Trainer with ``use_distributed_sampler=False``): it is
+keyed on the global sample position, so resuming, even under a different data-parallel size,
+repeats and skips nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from filelock import FileLock
+from torch.utils.data import DataLoader, Dataset
+
+from dsl_lit.data.config import DataConfig
+from dsl_lit.data.packed import META_FILE, PackedTokens
+from dsl_lit.data.sampler import GlobalBatchSampler, num_windows
+
+log = logging.getLogger(__name__)
+
+
+class PackedWindows(Dataset):
+    """Map-style view of window ``i`` = tokens ``[i*seq_len, i*seq_len + seq_len + 1)``."""
+
+    def __init__(self, tokens: PackedTokens, seq_len: int) -> None:
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.num_windows = num_windows(len(tokens), seq_len)
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        if not 0 <= index < self.num_windows:
+            raise IndexError(f"window {index} outside [0, {self.num_windows})")
+        return self.tokens.window(index * self.seq_len, self.seq_len + 1).astype(np.int64)
+
+
+def collate_windows(windows: list[np.ndarray]) -> dict[str, torch.Tensor]:
+    """Stack windows into next-token pairs: labels are the inputs shifted left by one."""
+    stacked = torch.from_numpy(np.stack(windows))
+    return {"input_ids": stacked[:, :-1].contiguous(), "labels": stacked[:, 1:].contiguous()}
+
+
+def corpus_files(corpus_dir: str | Path) -> list[Path]:
+    files = sorted(Path(corpus_dir).glob("*.jsonl.gz")) + sorted(Path(corpus_dir).glob("*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"no *.jsonl.gz or *.jsonl documents in data.corpus_dir={corpus_dir}")
+    return files
+
+
+class PretrainDataModule(L.LightningDataModule):
+    """Builds (once, under a file lock) and serves the packed pretraining stream."""
+
+    def __init__(self, cfg: DataConfig) -> None:
+        super().__init__()
+        self.cfg = cfg.validate()
+        self.consumed_samples = 0
+        self._start_step: int | None = None  # trainer.global_step when the train loader was built
+        self.tokens: PackedTokens | None = None
+        self.num_windows = 0
+
+    # -- where things live --------------------------------------------------------------------
+    @property
+    def tokenizer_dir(self) -> Path:
+        return Path(self.cfg.cache_dir) / "tokenizer"
+
+    @property
+    def shards_dir(self) -> Path:
+        return Path(self.cfg.cache_dir) / "shards"
+
+    @cached_property
+    def tokenizer_meta(self) -> dict[str, Any]:
+        """``vocab_size``, ``padded_vocab_size`` (the model's embedding rows), ``bos_id``, ``eos_id``, ``pad_id``."""
+        path = self.tokenizer_dir / META_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} missing: call prepare_data() first")
+        return json.loads(path.read_text(encoding="utf-8"))
+
+    # -- building -----------------------------------------------------------------------------
+    def _tokenizer_is_current(self) -> bool:
+        path = self.tokenizer_dir / META_FILE
+        if not path.is_file():
+            return False
+        meta = json.loads(path.read_text(encoding="utf-8"))
+        return (
+            meta.get("requested_vocab_size") == self.cfg.tokenizer_vocab_size
+            and meta.get("max_bytes") == self.cfg.tokenizer_max_bytes
+        )
+
+    def _shards_are_current(self) -> bool:
+        from data_pipeline.tokenize_pack import file_sha256
+
+        path = self.shards_dir / META_FILE
+        if not path.is_file():
+            return False
+        meta = json.loads(path.read_text(encoding="utf-8"))
+        return meta.get("tokenizer_sha256") == file_sha256(self.tokenizer_dir / "tokenizer.json")
+
+    def prepare_data(self) -> None:
+        """Train the tokenizer and pack the corpus unless a matching build is already in ``cache_dir``.
+
+        A file lock makes concurrent callers wait for one build; each artefact appears atomically.
+        """
+        from data_pipeline.sources import load_documents
+        from data_pipeline.tokenize_pack import tokenize_pack
+        from data_pipeline.train_tokenizer import train_tokenizer
+
+        cache = Path(self.cfg.cache_dir)
+        cache.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(cache / ".prepare.lock")):
+            fresh_tokenizer = not self._tokenizer_is_current()
+            if not fresh_tokenizer and self._shards_are_current():
+                return
+            start = time.perf_counter()
+            files = corpus_files(self.cfg.corpus_dir)
+            docs = load_documents(files, cache_dir=cache / "hf_datasets")
+            log.info("data: %d documents from %d files in %s", len(docs), len(files), self.cfg.corpus_dir)
+            if fresh_tokenizer:
+                t0 = time.perf_counter()
+                texts = (t for batch in docs.iter(batch_size=1000) for t in batch["text"])
+                train_tokenizer(
+                    texts,
+                    self.cfg.tokenizer_vocab_size,
+                    self.tokenizer_dir,
+                    max_bytes=self.cfg.tokenizer_max_bytes,
+                )
+                log.info(
+                    "data: trained tokenizer in %.1fs -> %s", time.perf_counter() - t0, self.tokenizer_dir
+                )
+            t0 = time.perf_counter()
+            tokenize_pack(docs, self.tokenizer_dir, self.shards_dir)
+            log.info("data: packed shards in %.1fs -> %s", time.perf_counter() - t0, self.shards_dir)
+            log.info("data: prepare_data took %.1fs", time.perf_counter() - start)
+        self.__dict__.pop("tokenizer_meta", None)  # drop a stale cached value
+
+    # -- serving ------------------------------------------------------------------------------
+    def dp_coordinates(self) -> tuple[int, int]:
+        """(dp_rank, dp_size): the strategy's data-parallel coordinates when it defines them (TP and
+        PP ranks share data), else the trainer's global rank and world size, else (0, 1)."""
+        trainer = self.trainer
+        if trainer is None:
+            return 0, 1
+        strategy = trainer.strategy
+        if hasattr(strategy, "dp_rank") and hasattr(strategy, "dp_size"):
+            return int(strategy.dp_rank), int(strategy.dp_size)
+        return int(trainer.global_rank), int(trainer.world_size)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.tokens is not None:
+            return
+        self.cfg.validate(dp_size=self.dp_coordinates()[1])
+        self.tokens = PackedTokens(self.shards_dir)
+        if self.tokens.meta["padded_vocab_size"] != self.tokenizer_meta["padded_vocab_size"]:
+            raise RuntimeError(f"{self.shards_dir} was built with another tokenizer: delete it and rerun")
+        self.num_windows = num_windows(len(self.tokens), self.cfg.seq_len)
+        log.info(
+            "data: %d tokens, %d documents, %d windows of %d tokens",
+            len(self.tokens),
+            self.tokens.num_documents,
+            self.num_windows,
+            self.cfg.seq_len,
+        )
+
+    def batch_sampler(self) -> GlobalBatchSampler:
+        dp_rank, dp_size = self.dp_coordinates()
+        return GlobalBatchSampler(
+            self.num_windows,
+            self.cfg.global_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            seed=self.cfg.seed,
+            consumed_samples=self.consumed_samples,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """One batch per optimizer step for this rank: ``input_ids`` and ``labels`` of shape
+        ``[global_batch_size // dp_size, seq_len]``, starting at ``consumed_samples``."""
+        if self.tokens is None:
+            self.setup("fit")
+        assert self.tokens is not None
+        if self.trainer is not None:
+            if self._start_step is not None:  # rebuilt mid-run: continue where the last loader got to
+                self.consumed_samples = self.state_dict()["consumed_samples"]
+            self._start_step = int(self.trainer.global_step)
+        return DataLoader(
+            PackedWindows(self.tokens, self.cfg.seq_len),
+            batch_sampler=self.batch_sampler(),
+            collate_fn=collate_windows,
+            num_workers=self.cfg.num_workers,
+            persistent_workers=self.cfg.num_workers > 0,
+        )
+
+    # -- resumption ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Samples consumed so far: exact, since one training step consumes one global batch.
+
+        Counted from where this run's loader started (``global_step * global_batch_size`` for a run
+        that never changed its batch size), so a resume with a new batch size stays exact.
+        """
+        consumed = self.consumed_samples
+        if self.trainer is not None:
+            start_step = self._start_step if self._start_step is not None else 0
+            start = self.consumed_samples if self._start_step is not None else 0
+            consumed = start + (int(self.trainer.global_step) - start_step) * self.cfg.global_batch_size
+        return {
+            "consumed_samples": consumed,
+            "global_batch_size": self.cfg.global_batch_size,
+            "seq_len": self.cfg.seq_len,
+            "seed": self.cfg.seed,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume at ``consumed_samples``; the next ``train_dataloader()`` starts there."""
+        for key in ("seq_len", "seed"):
+            if key in state_dict and state_dict[key] != getattr(self.cfg, key):
+                log.warning(
+                    "data: resuming with data.%s=%s but the checkpoint used %s: the sample order changes",
+                    key,
+                    getattr(self.cfg, key),
+                    state_dict[key],
+                )
+        self.consumed_samples = int(state_dict["consumed_samples"])
