@@ -96,7 +96,7 @@ def weight_map(directory: Path) -> dict[str, Path]:
     index = directory / SAFE_INDEX_NAME
     if single.is_file():
         with safe_open(str(single), framework="pt") as f:
-            return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+            return {name: single for name in f.keys()}
     if index.is_file():
         mapping = _read_json(index).get("weight_map")
         if not isinstance(mapping, dict) or not mapping:
@@ -289,7 +289,9 @@ def save_pretrained(
     model = getattr(model, "_orig_mod", model)  # torch.compile wrapper
     cfg = getattr(model, "config", None)
     if not isinstance(cfg, ModelConfig):
-        raise ConfigError(f"save_pretrained needs a dsl_lit model with a ModelConfig .config, got {type(model)}")
+        raise ConfigError(
+            f"save_pretrained needs a dsl_lit model with a ModelConfig .config, got {type(model)}"
+        )
     adapter = adapter_for_family(cfg.family)
     target_dtype = resolve_dtype(dtype)
     limit = parse_size(max_shard_size)
@@ -320,12 +322,18 @@ def save_pretrained(
 
     metadata = {"format": "pt"}  # transformers checks this key
     if len(shards) == 1:
-        save_file({n: _prepare(hf_state[n], target_dtype) for n in shards[0]}, str(directory / SAFE_WEIGHTS_NAME), metadata)
+        save_file(
+            {n: _prepare(hf_state[n], target_dtype) for n in shards[0]},
+            str(directory / SAFE_WEIGHTS_NAME),
+            metadata,
+        )
     else:
         mapping: dict[str, str] = {}
         for i, names in enumerate(shards, start=1):
             fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file({n: _prepare(hf_state[n], target_dtype) for n in names}, str(directory / fname), metadata)
+            save_file(
+                {n: _prepare(hf_state[n], target_dtype) for n in names}, str(directory / fname), metadata
+            )
             mapping.update(dict.fromkeys(names, fname))
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": mapping}
         _write_json(directory / SAFE_INDEX_NAME, index)
