@@ -76,15 +76,19 @@ def build_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
 
 
 def padded_vocab_size(vocab_size: int, multiple: int = EMBEDDING_MULTIPLE) -> int:
-    """Embedding rows: the vocab rounded up so matmuls and TP shards stay aligned (102400 for 100015)."""
+    """Embedding rows: the vocab rounded up to a multiple of 128 so matmuls and TP shards stay aligned.
+
+    (DeepSeek LLM padded its 100015 tokens further, to 102400; a preset can still ask for that.)
+    """
     return -(-vocab_size // multiple) * multiple
 
 
 def sample_texts(texts: Iterable[str], max_bytes: int | None) -> Iterator[str]:
     """Yield a deterministic sample of about ``max_bytes`` UTF-8 bytes, or everything when ``None``.
 
-    Keeps the documents whose content hash is smallest (a bottom-k sample): independent of input
-    order and of the machine, uniform over documents, and memory bounded by ``max_bytes``.
+    Keeps the documents with the smallest content hashes that fit in the budget together (the
+    longest prefix in hash order): independent of input order and of the machine, uniform over
+    documents, and memory bounded by ``max_bytes``.
     """
     if max_bytes is None:
         yield from texts
@@ -92,14 +96,18 @@ def sample_texts(texts: Iterable[str], max_bytes: int | None) -> Iterator[str]:
     if max_bytes <= 0:
         raise ValueError(f"max_bytes must be positive, got {max_bytes}")
     heap: list[tuple[int, str]] = []  # max-heap on the hash (stored negated)
+    cutoff: int | None = None  # every hash >= cutoff is out, whenever it arrives
     total = 0
     for text in texts:
         key = int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
+        if cutoff is not None and key >= cutoff:
+            continue
         heapq.heappush(heap, (-key, text))
         total += len(text.encode("utf-8"))
         while total > max_bytes and heap:
-            _, dropped = heapq.heappop(heap)
-            total -= len(dropped.encode("utf-8"))
+            cutoff = -heap[0][0]
+            while heap and -heap[0][0] == cutoff:  # equal hashes (duplicate texts) leave together
+                total -= len(heapq.heappop(heap)[1].encode("utf-8"))
     if not heap:
         raise ValueError(f"max_bytes={max_bytes} is smaller than any single document; raise it")
     for _, text in sorted(heap, reverse=True):  # ascending hash order
