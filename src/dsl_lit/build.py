@@ -7,19 +7,23 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
-from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+from lightning.pytorch.loggers import Logger, WandbLogger
 from omegaconf import OmegaConf
 
 from dsl_lit.callbacks.throughput import ThroughputMonitor
 from dsl_lit.checkpoint.directory import DirectoryCheckpointIO, StepCheckpoint, latest_checkpoint
 from dsl_lit.config import TrainConfig
 from dsl_lit.flops import training_flops_per_token
+from dsl_lit.loggers import RunCSVLogger
 
 log = logging.getLogger(__name__)
+# Lightning warns that manual-optimization checkpoints hold post-step weights: that is what we want.
+warnings.filterwarnings("ignore", message=".*ModelCheckpoint with manual optimization.*")
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 if not OmegaConf.has_resolver("project_root"):
@@ -30,8 +34,7 @@ if not OmegaConf.has_resolver("project_root"):
 def build_loggers(cfg: TrainConfig) -> list[Logger]:
     loggers: list[Logger] = []
     if cfg.logger.csv:
-        # name="" and version="" put metrics.csv directly in the run directory.
-        loggers.append(CSVLogger(save_dir=cfg.run_dir, name="", version=""))
+        loggers.append(RunCSVLogger(cfg.run_dir))
     wandb_cfg = cfg.logger.wandb
     if wandb_cfg.enabled and wandb_cfg.mode != "disabled":
         # WANDB_MODE from the environment wins, so `wandb login` + WANDB_MODE=online goes online.

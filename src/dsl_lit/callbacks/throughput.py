@@ -21,7 +21,7 @@ _GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
 }
 
 
-def measure_matmul_tflops(dtype: torch.dtype, size: int = 1024, repeats: int = 8) -> float:
+def measure_matmul_tflops(dtype: torch.dtype, size: int = 2048, repeats: int = 3) -> float:
     """Peak for devices without a table entry (CPUs): time a square GEMM in the training dtype."""
     a = torch.randn(size, size, dtype=dtype)
     b = torch.randn(size, size, dtype=dtype)
