@@ -1,0 +1,186 @@
+"""PretrainDataModule: build once, batches per optimizer step, exact resume through Lightning."""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import threading
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.strategies import SingleDeviceStrategy
+
+from dsl_lit.data.config import DataConfig
+from dsl_lit.data.datamodule import PretrainDataModule
+from dsl_lit.errors import ConfigError
+
+CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus"
+SEQ, G = 32, 8
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A slice of the bundled corpus: 120 dictionary entries and 30 Bible chapters."""
+    out = tmp_path_factory.mktemp("corpus")
+    for name, count in (("devils_dictionary.jsonl.gz", 120), ("kjv_bible.jsonl.gz", 30)):
+        with gzip.open(CORPUS / name, "rt", encoding="utf-8") as src, gzip.open(out / name, "wt") as dst:
+            for _, line in zip(range(count), src):
+                dst.write(line)
+    return out
+
+
+def make_cfg(corpus: Path, cache: Path, **kw: object) -> DataConfig:
+    args = {"tokenizer_vocab_size": 512, "seq_len": SEQ, "global_batch_size": G, "micro_batch_size": 2, **kw}
+    return DataConfig(corpus_dir=str(corpus), cache_dir=str(cache), **args)
+
+
+@pytest.fixture(scope="module")
+def cfg(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> DataConfig:
+    cfg = make_cfg(small_corpus, tmp_path_factory.mktemp("cache"))
+    PretrainDataModule(cfg).prepare_data()
+    return cfg
+
+
+def first_batches(dm: PretrainDataModule, n: int) -> list[dict[str, torch.Tensor]]:
+    it = iter(dm.train_dataloader())
+    return [next(it) for _ in range(n)]
+
+
+def test_config_validation_names_fields(tmp_path: Path) -> None:
+    ok = make_cfg(tmp_path, tmp_path)
+    assert ok.validate(dp_size=4) is ok
+    with pytest.raises(
+        ConfigError, match=r"data\.global_batch_size=8 .*data\.micro_batch_size=2 x .* 8 = 16"
+    ):
+        ok.validate(dp_size=8)
+    with pytest.raises(ConfigError, match=r"data\.seq_len=0"):
+        make_cfg(tmp_path, tmp_path, seq_len=0).validate()
+    with pytest.raises(ConfigError, match=r"data\.tokenizer_vocab_size=100"):
+        make_cfg(tmp_path, tmp_path, tokenizer_vocab_size=100).validate()
+    with pytest.raises(ConfigError, match=r"data\.tokenizer_max_bytes=0"):
+        make_cfg(tmp_path, tmp_path, tokenizer_max_bytes=0).validate()
+
+
+def test_batches_are_global_batches_of_shifted_windows(cfg: DataConfig) -> None:
+    dm = PretrainDataModule(cfg)
+    dm.setup("fit")
+    meta = dm.tokenizer_meta
+    assert meta["padded_vocab_size"] % 128 == 0 and meta["eos_id"] == 1
+    batch = first_batches(dm, 1)[0]
+    assert batch["input_ids"].shape == batch["labels"].shape == (G, SEQ)
+    assert batch["input_ids"].dtype == batch["labels"].dtype == torch.long
+    assert torch.equal(batch["input_ids"][:, 1:], batch["labels"][:, :-1])
+    window = next(iter(dm.batch_sampler()))[0]
+    expected = torch.from_numpy(dm.tokens.window(window * SEQ, SEQ + 1).astype("int64"))
+    assert torch.equal(batch["input_ids"][0], expected[:-1]) and torch.equal(batch["labels"][0], expected[1:])
+    assert int(batch["input_ids"].max()) < meta["vocab_size"]
+
+
+def test_prepare_data_reuses_a_complete_build(cfg: DataConfig) -> None:
+    meta = Path(cfg.cache_dir) / "shards" / "meta.json"
+    before = meta.stat().st_mtime_ns
+    PretrainDataModule(cfg).prepare_data()
+    assert meta.stat().st_mtime_ns == before
+
+
+def test_concurrent_prepare_builds_once(
+    small_corpus: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = make_cfg(small_corpus, tmp_path / "cache", tokenizer_max_bytes=60_000)
+    caplog.set_level(logging.INFO, logger="dsl_lit.data.datamodule")
+    threads = [threading.Thread(target=PretrainDataModule(cfg).prepare_data) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum("trained tokenizer" in r.getMessage() for r in caplog.records) == 1
+    dm = PretrainDataModule(cfg)
+    dm.setup()
+    assert dm.num_windows > 0
+    assert (
+        sorted(p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(".") and "tmp" in p.name)
+        == []
+    )
+
+
+def test_state_dict_round_trip_resumes_exactly(cfg: DataConfig) -> None:
+    dm = PretrainDataModule(cfg)
+    full = first_batches(dm, 5)
+    resumed = PretrainDataModule(cfg)
+    resumed.load_state_dict({**dm.state_dict(), "consumed_samples": 3 * G})
+    assert resumed.state_dict()["consumed_samples"] == 3 * G
+    for a, b in zip(full[3:], first_batches(resumed, 2)):
+        assert torch.equal(a["input_ids"], b["input_ids"])
+
+
+class _Recorder(L.LightningModule):
+    """Trains an embedding on the batches and keeps what it saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(512, 4)
+        self.seen: list[torch.Tensor] = []
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.seen.append(batch["input_ids"].clone())
+        return self.emb(batch["input_ids"]).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _trainer(max_steps: int, root: Path, **kw: object) -> L.Trainer:
+    return L.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        default_root_dir=root,
+        **kw,
+    )
+
+
+def test_lightning_checkpoint_resume_continues_the_stream(cfg: DataConfig, tmp_path: Path) -> None:
+    straight = _Recorder()
+    _trainer(5, tmp_path).fit(straight, datamodule=PretrainDataModule(cfg))
+
+    first = _Recorder()
+    trainer = _trainer(2, tmp_path)
+    dm = PretrainDataModule(cfg)
+    trainer.fit(first, datamodule=dm)
+    assert dm.state_dict()["consumed_samples"] == 2 * G
+    trainer.save_checkpoint(tmp_path / "step2.ckpt")
+
+    second = _Recorder()
+    resumed_dm = PretrainDataModule(cfg)
+    _trainer(5, tmp_path).fit(second, datamodule=resumed_dm, ckpt_path=tmp_path / "step2.ckpt")
+    assert resumed_dm.state_dict()["consumed_samples"] == 5 * G
+    seen = first.seen + second.seen
+    assert len(seen) == len(straight.seen) == 5
+    assert all(torch.equal(a, b) for a, b in zip(seen, straight.seen))
+
+
+class _DataParallelView(SingleDeviceStrategy):
+    """A one-process strategy that reports itself as rank 1 of 2 data-parallel ranks."""
+
+    dp_rank = 1
+    dp_size = 2
+
+
+def test_dp_coordinates_come_from_the_strategy(cfg: DataConfig, tmp_path: Path) -> None:
+    dm1 = PretrainDataModule(cfg)
+    assert dm1.dp_coordinates() == (0, 1)
+    global_batch = first_batches(dm1, 1)[0]
+
+    dm = PretrainDataModule(cfg)
+    dm.trainer = _trainer(1, tmp_path, strategy=_DataParallelView(device=torch.device("cpu")))
+    assert dm.dp_coordinates() == (1, 2)
+    local = first_batches(dm, 1)[0]
+    assert local["input_ids"].shape == (G // 2, SEQ)
+    assert torch.equal(local["input_ids"], global_batch["input_ids"][G // 2 :])
