@@ -5,12 +5,14 @@ from __future__ import annotations
 import gzip
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
+from omegaconf import DictConfig
 
 from dsl_lit.data.config import DataConfig
 from dsl_lit.data.datamodule import PretrainDataModule
@@ -184,3 +186,12 @@ def test_dp_coordinates_come_from_the_strategy(cfg: DataConfig, tmp_path: Path) 
     local = first_batches(dm, 1)[0]
     assert local["input_ids"].shape == (G // 2, SEQ)
     assert torch.equal(local["input_ids"], global_batch["input_ids"][G // 2 :])
+
+
+def test_accepts_the_composed_hydra_data_node(compose_cfg: Callable[[str], DictConfig]) -> None:
+    node = compose_cfg("pretrain").data
+    dm = PretrainDataModule(node)
+    assert isinstance(dm.cfg, DataConfig) and dm.cfg.seq_len == node.seq_len
+    assert Path(dm.cfg.corpus_dir) == CORPUS
+    with pytest.raises(ConfigError, match=r"data\.seq_lenn"):
+        PretrainDataModule({"corpus_dir": "c", "cache_dir": "d", "seq_lenn": 3})

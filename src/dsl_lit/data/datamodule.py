@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -62,9 +63,9 @@ def corpus_files(corpus_dir: str | Path) -> list[Path]:
 class PretrainDataModule(L.LightningDataModule):
     """Builds (once, under a file lock) and serves the packed pretraining stream."""
 
-    def __init__(self, cfg: DataConfig) -> None:
+    def __init__(self, cfg: DataConfig | Mapping[str, Any]) -> None:
         super().__init__()
-        self.cfg = cfg.validate()
+        self.cfg = DataConfig.coerce(cfg).validate()
         self.consumed_samples = 0
         self._start_step: int | None = None  # trainer.global_step when the train loader was built
         self.tokens: PackedTokens | None = None
