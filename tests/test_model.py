@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from dsl_lit.errors import ConfigError
-from dsl_lit.models import ModelConfig, build_model
-from dsl_lit.models import attention
+from dsl_lit.models import ModelConfig, attention, build_model
 from dsl_lit.models.attention import causal_attention
 
 
