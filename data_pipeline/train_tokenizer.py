@@ -21,6 +21,8 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from dsl_lit.utils.fs import publish_dir
+
 log = logging.getLogger(__name__)
 
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
@@ -129,15 +131,6 @@ def _hf_configs(special_tokens: list[str]) -> tuple[dict, dict]:
     return config, {**named, "additional_special_tokens": special_tokens[3:]}
 
 
-def _publish(tmp_dir: Path, output_dir: Path) -> None:
-    """Move a finished directory into place; an older one at the same path is replaced."""
-    if output_dir.exists():
-        trash = Path(tempfile.mkdtemp(dir=output_dir.parent, prefix=f".{output_dir.name}.old-"))
-        output_dir.rename(trash / output_dir.name)
-        tmp_dir.rename(output_dir)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        tmp_dir.rename(output_dir)
 
 
 def train_tokenizer(
@@ -197,7 +190,7 @@ def train_tokenizer(
             (tmp_dir / name).write_text(
                 json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
             )
-        _publish(tmp_dir, output_dir)
+        publish_dir(tmp_dir, output_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise

@@ -24,6 +24,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import CheckpointIO
 from safetensors.torch import load_file, save_file
 
+from dsl_lit.utils.fs import publish_dir
+
 log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -58,9 +60,7 @@ class DirectoryCheckpointIO(CheckpointIO):
         torch.save(state, tmp / _STATE)
         (tmp / "config.yaml").write_text(yaml.safe_dump(self.resolved_config, sort_keys=False))
         (tmp / _META).write_text(json.dumps({"global_step": checkpoint.get("global_step"), "complete": True}))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        publish_dir(tmp, final)
 
     def load_checkpoint(self, path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(path)

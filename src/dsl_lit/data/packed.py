@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from dsl_lit.utils.fs import publish_dir
+
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
 
@@ -47,15 +49,6 @@ def index_name(index: int) -> str:
     return f"shard-{index:05d}.idx.npy"
 
 
-def _publish(tmp_dir: Path, output_dir: Path) -> None:
-    """Move a finished directory into place, replacing an older one at the same path."""
-    if output_dir.exists():
-        trash = Path(tempfile.mkdtemp(dir=output_dir.parent, prefix=f".{output_dir.name}.old-"))
-        output_dir.rename(trash / output_dir.name)
-        tmp_dir.rename(output_dir)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        tmp_dir.rename(output_dir)
 
 
 class PackedShardWriter:
@@ -158,7 +151,7 @@ class PackedShardWriter:
             **(extra_meta or {}),
         }
         (self._tmp_dir / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        _publish(self._tmp_dir, self.output_dir)
+        publish_dir(self._tmp_dir, self.output_dir)
         self._closed = True
         return self.output_dir
 

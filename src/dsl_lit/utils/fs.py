@@ -1,0 +1,22 @@
+"""Atomic publication of directories: readers see either the old complete one or the new one."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def publish_dir(tmp_dir: Path, output_dir: Path) -> None:
+    """Move a finished ``tmp_dir`` to ``output_dir`` by rename; an older one there is replaced.
+
+    Both must be on the same filesystem (callers build ``tmp_dir`` beside ``output_dir``).
+    """
+    tmp_dir, output_dir = Path(tmp_dir), Path(output_dir)
+    if output_dir.exists():
+        trash = Path(tempfile.mkdtemp(dir=output_dir.parent, prefix=f".{output_dir.name}.old-"))
+        output_dir.rename(trash / output_dir.name)
+        tmp_dir.rename(output_dir)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        tmp_dir.rename(output_dir)
