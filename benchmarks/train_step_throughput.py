@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -67,7 +68,7 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 save_pretrained(model, tmp)
                 hf_model = AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="sdpa")
-        for bf16 in (False, True):
+        for bf16 in [p == "bf16" for p in args.precisions]:
             n_tokens = args.batch * args.seq
             ours = n_tokens / step_seconds(model, tokens, bf16, args.steps, hf=False)
             mfu = ours * flops_per_token / (peaks[bf16] * 1e12)
