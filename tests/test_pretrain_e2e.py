@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +27,7 @@ def run_recipe(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     result = subprocess.run(
         [sys.executable, str(ROOT / "recipes" / "pretrain.py"), *SMALL, f"hydra.run.dir={run_dir}", *overrides],
         capture_output=True, text=True, cwd=ROOT, timeout=600,
-        env={**__import__("os").environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"},
+        env={**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result

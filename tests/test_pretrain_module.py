@@ -3,12 +3,14 @@ the mean next-token cross-entropy."""
 
 from __future__ import annotations
 
+import csv
+
 import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
 from dsl_lit.loggers import RunCSVLogger
-from dsl_lit.models import ModelConfig
+from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.modules import PretrainModule
 from dsl_lit.optim import OptimConfig, ScheduleConfig
 
@@ -47,8 +49,6 @@ def test_logged_loss_is_mean_cross_entropy_before_the_update():
     torch.manual_seed(0)
     cfg = ModelConfig.from_name("deepseek_llm_tiny", vocab_size=128, n_layers=2, d_model=64, n_heads=4,
                                 n_kv_heads=2, ffn_hidden=96)
-    from dsl_lit.models import build_model
-
     reference = build_model(cfg)
     expected = torch.nn.functional.cross_entropy(reference(batch["input_ids"]).reshape(-1, 128),
                                                  batch["labels"].reshape(-1))
@@ -66,8 +66,6 @@ def test_csv_logger_appends_and_replaces_rows_after_the_resume_step(tmp_path):
     for step in range(4, 8):
         resumed.log_metrics({"train/loss": 1.0 * step, "perf/mfu": 0.5}, step=step)
     resumed.save()
-    import csv
-
     rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
     assert [int(r["step"]) for r in rows] == list(range(8))
     assert [float(r["train/loss"]) for r in rows] == [10, 9, 8, 7, 4, 5, 6, 7]
