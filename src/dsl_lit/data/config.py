@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from dsl_lit.errors import ConfigError
+from dsl_lit.schema import dataclass_from_dict
 
 
 @dataclass
@@ -32,17 +33,11 @@ class DataConfig:
         """Accept a ``DataConfig`` or a mapping (a Hydra ``DictConfig`` node, resolved on access)."""
         if isinstance(cfg, cls):
             return cfg
-        known = {f.name for f in fields(cls)}
         values = {str(k): cfg[k] for k in cfg}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(
-                f"unknown data field(s) {', '.join('data.' + u for u in unknown)}: known are {sorted(known)}"
-            )
         missing = sorted(k for k in ("corpus_dir", "cache_dir") if k not in values)
         if missing:
             raise ConfigError(f"missing data field(s) {', '.join('data.' + m for m in missing)}")
-        return cls(**values)
+        return dataclass_from_dict(cls, values, "data")
 
     def validate(self, dp_size: int = 1) -> DataConfig:
         """Raise ``ConfigError`` naming the first bad field and how to fix it; return self."""
