@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsl_lit.models.config import ModelConfig
+from dsl_lit.models.kv_cache import KVCache
 from dsl_lit.models.layers import apply_rope
 
 log = logging.getLogger(__name__)
@@ -32,44 +33,73 @@ def flash_attn_available(device: torch.device) -> bool:
     return device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
 
 
-def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, scale: float | None = None
+def attention_mask(
+    seq_q: int, seq_k: int, key_valid: torch.Tensor | None, device: torch.device
 ) -> torch.Tensor:
-    """Causal attention over [batch, seq, heads, head_dim] tensors; k/v may have fewer heads (GQA).
+    """Boolean mask [batch or 1, 1, seq_q, seq_k]: the queries are the last ``seq_q`` positions,
+    each sees earlier keys that are valid (not padding), and always itself, so that a padding
+    query never has an empty softmax row (which would put NaN into later layers)."""
+    causal = torch.ones(seq_q, seq_k, dtype=torch.bool, device=device).tril(diagonal=seq_k - seq_q)
+    if key_valid is None:
+        return causal[None, None]
+    itself = torch.eye(seq_q, seq_k, dtype=torch.bool, device=device).roll(seq_k - seq_q, dims=1)
+    return (causal & key_valid[:, None, None, :]) | itself
 
-    Returns [batch, seq, heads, v_head_dim].
+
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    backend: str,
+    scale: float | None = None,
+    key_valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention over [batch, seq, heads, head_dim] tensors; k/v may have fewer heads (GQA)
+    and more positions than q (cached decoding: q holds the last positions). ``key_valid``
+    [batch, seq_k] marks real tokens in left-padded batches.
+
+    Returns [batch, seq_q, heads, v_head_dim].
     """
+    seq_q, seq_k = q.shape[1], k.shape[1]
+    plain_causal = key_valid is None and seq_q == seq_k
     if backend == "flash_attn":
-        if flash_attn_available(q.device) and q.dtype in (torch.float16, torch.bfloat16):
+        if flash_attn_available(q.device) and q.dtype in (torch.float16, torch.bfloat16) and plain_causal:
             from flash_attn import flash_attn_func
 
-            return flash_attn_func(q, k, v, causal=True, softmax_scale=scale)
+            v_dim = v.shape[-1]
+            if v_dim != q.shape[-1]:  # flash-attn wants one head dim: pad v (MLA), slice the output
+                v = F.pad(v, (0, q.shape[-1] - v_dim))
+            return flash_attn_func(q, k, v, causal=True, softmax_scale=scale)[..., :v_dim]
         _warn_once(
-            "attn_backend=flash_attn requested but flash-attn needs the `gpu` extra, a CUDA device and "
-            f"fp16/bf16 inputs (got device={q.device.type}, dtype={q.dtype}); falling back to sdpa"
+            "attn_backend=flash_attn requested but flash-attn needs the `gpu` extra, a CUDA device, "
+            f"fp16/bf16 inputs and no padding mask (got device={q.device.type}, dtype={q.dtype}, "
+            f"masked={not plain_causal}); falling back to sdpa"
         )
         backend = "sdpa"
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    mask = None if plain_causal else attention_mask(seq_q, seq_k, key_valid, q.device)
     if backend == "sdpa":
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=plain_causal, scale=scale, enable_gqa=True
+        )
     elif backend == "eager":
-        out = eager_causal_attention(q, k, v, scale)
+        out = eager_causal_attention(q, k, v, scale, mask)
     else:
         raise ValueError(f"unknown attention backend {backend!r}")
     return out.transpose(1, 2)
 
 
 def eager_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Reference: softmax(q k^T * scale + causal mask) v in fp32, on [batch, heads, seq, dim]."""
+    """Reference: softmax(q k^T * scale + mask) v in fp32, on [batch, heads, seq, dim]."""
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     scores = (q.float() @ k.float().transpose(-2, -1)) * scale
-    seq_q, seq_k = q.shape[-2], k.shape[-2]
-    mask = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device).tril(diagonal=seq_k - seq_q)
+    if mask is None:
+        mask = attention_mask(q.shape[-2], k.shape[-2], None, q.device)
     scores = scores.masked_fill(~mask, float("-inf"))
     return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)
 
@@ -77,8 +107,9 @@ def eager_causal_attention(
 class GroupedQueryAttention(nn.Module):
     """Multi-head attention with ``n_kv_heads`` shared key/value heads and RoPE on q and k."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0) -> None:
         super().__init__()
+        self.layer_id = layer_id
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads
         self.head_dim = cfg.head_dim
@@ -88,7 +119,13 @@ class GroupedQueryAttention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache | None = None,
+        key_valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 for the head count lets a tensor-parallel plan shard heads without touching this code.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
@@ -96,5 +133,7 @@ class GroupedQueryAttention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = causal_attention(q, k, v, self.backend)
+        if cache is not None:
+            k, v = cache.update(self.layer_id, k, v)
+        out = causal_attention(q, k, v, self.backend, key_valid=key_valid)
         return self.wo(out.reshape(batch, seq, -1))

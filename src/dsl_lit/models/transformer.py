@@ -12,74 +12,125 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsl_lit.models.attention import GroupedQueryAttention
+from dsl_lit.models.block import TransformerBlock
 from dsl_lit.models.config import ModelConfig
-from dsl_lit.models.layers import RMSNorm, RotaryEmbedding, SwiGLU
-
-
-class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
-        super().__init__()
-        self.layer_id = layer_id
-        self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attention = GroupedQueryAttention(cfg)
-        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.feed_forward = SwiGLU(cfg.d_model, cfg.ffn_hidden)
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
-        return h + self.feed_forward(self.ffn_norm(h))
+from dsl_lit.models.kv_cache import KVCache
+from dsl_lit.models.layers import RMSNorm, RotaryEmbedding
+from dsl_lit.models.moe import MoE, TopKRouter
+from dsl_lit.models.mtp import MTPModule
 
 
 class Transformer(nn.Module):
-    """``forward(input_ids[batch, seq]) -> logits[batch, seq, vocab]``."""
+    """``forward(input_ids[batch, seq]) -> logits[batch, seq, vocab]``.
+
+    DeepSeek-V3 configs add ``mtp`` modules (:meth:`mtp_logits`, used by the pretraining loss);
+    MoE blocks leave a ``balance_loss`` that :meth:`balance_loss` collects.
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         cfg.validate()
         self.config = cfg
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.rope = RotaryEmbedding(cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        depth = cfg.mtp_depth if cfg.family == "deepseek_v3" else 0
+        self.mtp = nn.ModuleDict({str(k): MTPModule(cfg, cfg.n_layers + k) for k in range(depth)})
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.init_weights()
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Normal(0, init_std) for every matrix, ones for norms (DeepSeek: std 0.006)."""
+        """Normal(0, init_std) for every matrix (expert stacks and router included), ones for norms,
+        zeros for the expert bias (DeepSeek: std 0.006)."""
         std = self.config.init_std
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, (RMSNorm, RotaryEmbedding)):
-                module.reset_parameters()
+            elif isinstance(module, TopKRouter):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                module.expert_bias.zero_()
+            elif hasattr(module, "w1") and isinstance(module.w1, nn.Parameter):  # GroupedExperts
+                for weight in (module.w1, module.w2, module.w3):
+                    nn.init.normal_(weight, mean=0.0, std=std)
+            elif hasattr(module, "reset_parameters") and not isinstance(module, Transformer):
+                module.reset_parameters()  # RMSNorm, RotaryEmbedding, ExpertLoad
 
-    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Run embedding (when this stage has it) and the blocks; returns the un-normed residual."""
+    def hidden_states(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        key_valid: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Run embedding (when this stage has it) and the blocks; returns the un-normed residual.
+
+        ``positions`` [batch, seq] and ``key_valid`` [batch, cached + seq] describe left-padded
+        batches; ``cache`` makes the call incremental (positions continue from ``cache.length``).
+        """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope = self.rope(h.shape[1])
+        offset = cache.length if cache is not None else 0
+        rope = self.rope(h.shape[1], offset, positions)
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h, rope, cache, key_valid)
+        if cache is not None:
+            cache.advance(h.shape[1])
         return h
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.hidden_states(tokens)
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and output projection (each only on the stage that holds it)."""
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
 
-    def num_params(self, exclude_embeddings: bool = False) -> int:
-        """Parameter count (shared tensors once). ``exclude_embeddings`` drops the input embedding."""
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        key_valid: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        return self.head(self.hidden_states(tokens, positions, key_valid, cache))
+
+    def mtp_logits(self, hidden: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
+        """Logits of each MTP depth k = 1..D: [batch, seq - k, vocab], predicting labels[:, k:].
+
+        ``hidden`` is the main model's un-normed output (:meth:`hidden_states`) for ``tokens``.
+        """
+        logits = []
+        for k, module in enumerate(self.mtp.values(), start=1):
+            hidden = module(hidden[:, :-1], self.tok_embeddings(tokens[:, k:]), self.rope(hidden.shape[1] - 1))
+            logits.append(self.output(module.norm(hidden)))
+        return logits
+
+    def moe_layers(self) -> list[MoE]:
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def balance_loss(self) -> torch.Tensor | None:
+        """Sum of the balance losses the MoE blocks left in the last training forward."""
+        losses = [m.balance_loss for m in self.moe_layers() if m.balance_loss is not None]
+        return torch.stack(losses).sum() if losses else None
+
+    def num_params(
+        self, exclude_embeddings: bool = False, include_mtp: bool = False, activated: bool = False
+    ) -> int:
+        """Parameter count (shared tensors once). ``exclude_embeddings`` drops the input embedding;
+        MTP modules are left out unless ``include_mtp`` (papers quote the main model);
+        ``activated`` counts only the ``top_k`` routed experts a token uses."""
         seen: set[int] = set()
         total = 0
+        cfg = self.config
         for name, p in self.named_parameters():
             if id(p) in seen or (exclude_embeddings and name.startswith("tok_embeddings")):
                 continue
+            if not include_mtp and name.startswith("mtp."):
+                continue
             seen.add(id(p))
-            total += p.numel()
+            numel = p.numel()
+            if activated and ".experts.w" in name:
+                numel = numel // cfg.n_routed_experts * cfg.n_activated_experts
+            total += numel
         return total

@@ -1,0 +1,217 @@
+"""DeepSeekMoE: shared experts plus fine-grained routed experts, with auxiliary-loss-free balancing.
+
+Routing (DeepSeek-V3 section 2.1.2), all in fp32 whatever the activation dtype:
+
+1. affinities ``s = sigmoid(x W^T)`` (or softmax, as V2);
+2. selection uses ``s + b``, where ``b`` is the per-expert ``expert_bias`` buffer: it has no
+   gradient and never enters the gate values, it only changes *which* experts are picked;
+3. node-limited routing: experts form ``n_expert_groups`` groups; a token keeps the
+   ``n_limited_groups`` groups with the highest sum of their two best biased scores and picks its
+   top-k experts inside them;
+4. the gate values are the *unbiased* ``s`` of the chosen experts, normalised to sum to one (V3),
+   times ``route_scale``.
+
+After each optimizer step the training loop calls :meth:`TopKRouter.update_bias` with the expert
+loads of the whole step: ``b += gamma * sign(mean_load - load)`` (overloaded experts get less
+attractive). Every token goes to its k experts: there is no capacity limit and no token dropping.
+
+Experts run on tokens sorted by expert, as one grouped matmul per projection
+(``torch._grouped_mm``) or one matmul per expert over contiguous slices; the naive loop that masks
+all tokens for every expert is kept only as a reference for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsl_lit.models.config import ModelConfig
+from dsl_lit.models.layers import SwiGLU
+
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
+class ExpertLoad(nn.Module):
+    """Tokens routed to each expert since the last bias update (a buffer, so it follows ``.to()``).
+
+    Kept in its own parameter-less module so that it can be re-created after meta-device loading.
+    """
+
+    def __init__(self, n_experts: int) -> None:
+        super().__init__()
+        self.register_buffer("counts", torch.zeros(n_experts, dtype=torch.float32), persistent=False)
+
+    def reset_parameters(self) -> None:
+        self.counts.zero_()
+
+
+class TopKRouter(nn.Module):
+    """The gate: scores, node-limited top-k selection with the balancing bias, and gate values."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_experts = cfg.n_routed_experts
+        self.top_k = cfg.n_activated_experts
+        self.n_groups = cfg.n_expert_groups
+        self.n_limited_groups = cfg.n_limited_groups
+        self.score_func = cfg.score_func
+        self.route_scale = cfg.route_scale
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.d_model))
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+        self.load = ExpertLoad(cfg.n_routed_experts)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` [tokens, d_model] -> (scores [tokens, E] fp32, gate values [tokens, k] fp32,
+        expert ids [tokens, k])."""
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(dim=-1)
+        with torch.no_grad():
+            choice = scores + self.expert_bias
+            if self.n_limited_groups < self.n_groups:
+                grouped = choice.view(x.shape[0], self.n_groups, -1)
+                best = min(2, grouped.shape[-1])
+                group_scores = grouped.topk(best, dim=-1).values.sum(dim=-1)
+                keep = group_scores.topk(self.n_limited_groups, dim=-1).indices
+                group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+                choice = choice.masked_fill(~group_mask.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
+            indices = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, indices)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights * self.route_scale
+        if self.training:
+            with torch.no_grad():
+                self.load.counts += torch.bincount(indices.flatten(), minlength=self.n_experts).float()
+        return scores, weights, indices
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor, rate: float) -> None:
+        """``b += rate * sign(mean_load - load)``; ``load`` counts tokens over the whole step."""
+        load = load.float()
+        self.expert_bias += rate * torch.sign(load.mean() - load)
+
+
+def _grouped_mm_usable(x: torch.Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cuda":  # the CUDA kernel needs bf16 and Hopper or newer
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return x.device.type == "cpu"
+
+
+class GroupedExperts(nn.Module):
+    """``n`` SwiGLU experts with weights stacked as [experts, out, in] (each slice an nn.Linear
+    weight), applied to tokens already sorted by expert."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int, backend: str = "grouped_mm") -> None:
+        super().__init__()
+        self.n_experts = n_experts
+        self.backend = backend
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``x`` [tokens, dim] sorted by expert; ``counts`` [experts] tokens per expert."""
+        backend = self.backend
+        if backend == "grouped_mm" and not _grouped_mm_usable(x):
+            message = (
+                f"expert_backend=grouped_mm is not available for device={x.device.type}, dtype={x.dtype} "
+                "(needs torch._grouped_mm: CPU, or CUDA with bf16 on sm90+); using expert_backend=split"
+            )
+            if message not in _warned:
+                _warned.add(message)
+                log.warning(message)
+            backend = "split"
+        if backend == "grouped_mm":
+            offsets = counts.cumsum(0).to(torch.int32)
+
+            def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                return torch._grouped_mm(a, w.to(a.dtype).transpose(-2, -1), offs=offsets)
+
+            return mm(F.silu(mm(x, self.w1)) * mm(x, self.w3), self.w2)
+        outputs = []
+        for e, chunk in enumerate(x.split(counts.tolist())):
+            if chunk.shape[0]:
+                w1, w2, w3 = (w[e].to(chunk.dtype) for w in (self.w1, self.w2, self.w3))
+                outputs.append(F.linear(F.silu(F.linear(chunk, w1)) * F.linear(chunk, w3), w2))
+        return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[-1])
+
+    def forward_reference(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """The naive per-expert loop over unsorted tokens (masking all tokens for every expert)."""
+        out = torch.zeros_like(x)
+        for e in range(self.n_experts):
+            token, slot = torch.where(indices == e)
+            if token.numel():
+                h = x[token]
+                y = F.linear(F.silu(F.linear(h, self.w1[e])) * F.linear(h, self.w3[e]), self.w2[e])
+                out.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    """Shared experts (always on) plus routed experts; ``forward(x[batch, seq, d]) -> same shape``.
+
+    In training it also leaves ``balance_loss`` (a scalar with gradient, already times its alpha,
+    averaged over the sequences of this forward) for the objective to add, and counts the expert
+    loads for the bias update.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_experts = cfg.n_routed_experts
+        self.top_k = cfg.n_activated_experts
+        self.seq_balance_alpha = cfg.seq_balance_alpha
+        self.batch_balance_alpha = cfg.batch_balance_alpha
+        self.gate = TopKRouter(cfg)
+        self.experts = GroupedExperts(cfg.n_routed_experts, cfg.d_model, cfg.moe_ffn_hidden, cfg.expert_backend)
+        self.shared_experts = (
+            SwiGLU(cfg.d_model, cfg.n_shared_experts * cfg.moe_ffn_hidden) if cfg.n_shared_experts else None
+        )
+        self.balance_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        flat = x.reshape(-1, dim)
+        scores, weights, indices = self.gate(flat)
+        if self.experts.backend == "loop":
+            routed = self.experts.forward_reference(flat, weights, indices)
+        else:
+            routed = self._dispatch(flat, weights, indices)
+        out = routed.view(batch, seq, dim)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        self.balance_loss = self._balance_loss(scores, indices, batch) if self.training else None
+        return out
+
+    def _dispatch(self, flat: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Sort token copies by expert, run the experts, scale by the gate, scatter-add back."""
+        flat_ids = indices.flatten()
+        order = flat_ids.argsort(stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.n_experts)
+        token_of = order // self.top_k
+        expert_out = self.experts(flat[token_of], counts)
+        expert_out = expert_out * weights.flatten()[order, None].to(expert_out.dtype)
+        return torch.zeros_like(flat).index_add_(0, token_of, expert_out)
+
+    def _balance_loss(self, scores: torch.Tensor, indices: torch.Tensor, batch: int) -> torch.Tensor | None:
+        """Sequence-wise (V3 eq. 17-20) and/or batch-wise balance loss: alpha * sum_i f_i P_i with
+        f_i = E/(k T) * (tokens choosing i), P_i = mean normalised affinity of expert i."""
+        if not (self.seq_balance_alpha or self.batch_balance_alpha):
+            return None
+        E, k = self.n_experts, self.top_k
+        probs = scores / scores.sum(dim=-1, keepdim=True)  # sigmoid scores normalised per token
+        chosen = torch.zeros_like(probs).scatter_(1, indices, 1.0)
+        loss = scores.new_zeros(())
+        if self.seq_balance_alpha:
+            per_seq_f = chosen.view(batch, -1, E).mean(dim=1) * E / k
+            per_seq_p = probs.view(batch, -1, E).mean(dim=1)
+            loss = loss + self.seq_balance_alpha * (per_seq_f * per_seq_p).sum(dim=-1).mean()
+        if self.batch_balance_alpha:
+            loss = loss + self.batch_balance_alpha * (chosen.mean(dim=0) * E / k * probs.mean(dim=0)).sum()
+        return loss
