@@ -32,7 +32,8 @@ def main(hydra_cfg: DictConfig) -> None:
 
     # 3. The objective, the trainer, and fit (resuming from the run dir's latest checkpoint).
     module = PretrainModule(
-        cfg.model, cfg.optim, cfg.schedule, cfg.data.micro_batch_size, cfg.schedule.total_steps or cfg.trainer.max_steps
+        cfg.model, cfg.optim, cfg.schedule, cfg.data.micro_batch_size,
+        total_steps=cfg.schedule.total_steps or cfg.trainer.max_steps, objective=cfg.objective,
     )
     trainer = build_trainer(cfg)
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume_path(cfg))

@@ -1,45 +1,119 @@
-"""PretrainModule under a real Trainer: micro-batching does not change the update, and the loss is
-the mean next-token cross-entropy."""
+"""PretrainModule under a real Trainer: micro-batching does not change the update, the loss is the
+mean next-token cross-entropy, and DeepSeek-V3's MTP, balance loss and bias update behave."""
 
 from __future__ import annotations
 
 import csv
 
 import lightning as L
+import pytest
 import torch
 from torch.utils.data import DataLoader
 
 from dsl_lit.loggers import RunCSVLogger
 from dsl_lit.models import ModelConfig, build_model
+from dsl_lit.models.moe import TopKRouter
 from dsl_lit.modules import PretrainModule
+from dsl_lit.modules.objective import ObjectiveConfig
 from dsl_lit.optim import OptimConfig, ScheduleConfig
 
 
-def _fit_one_step(micro_batch_size: int, batch: dict[str, torch.Tensor]) -> PretrainModule:
+def _llm() -> ModelConfig:
+    return ModelConfig.from_name("deepseek_llm_tiny", vocab_size=128, n_layers=2, d_model=64, n_heads=4,
+                                 n_kv_heads=2, ffn_hidden=96)
+
+
+def _v3(**overrides) -> ModelConfig:
+    """Tiny V3 with MLA, MoE (node-limited), MTP and a large balance-loss alpha so its gradient shows."""
+    return ModelConfig.from_name(
+        "deepseek_v3_tiny", **{**dict(vocab_size=128, n_layers=2, n_dense_layers=1, d_model=64, n_heads=4,
+                                      q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                      v_head_dim=16, ffn_hidden=96, n_routed_experts=8, n_activated_experts=2,
+                                      n_expert_groups=4, n_limited_groups=2, moe_ffn_hidden=32,
+                                      seq_balance_alpha=0.1, mtp_depth=2), **overrides})
+
+
+def _fit(cfg: ModelConfig, micro_batch_size: int, batches: list[dict[str, torch.Tensor]],
+         objective: ObjectiveConfig | None = None, logger=False) -> PretrainModule:
     torch.manual_seed(0)
-    cfg = ModelConfig.from_name("deepseek_llm_tiny", vocab_size=128, n_layers=2, d_model=64, n_heads=4,
-                                n_kv_heads=2, ffn_hidden=96)
     # eps=1 makes the first AdamW update ~ g / (|g| + 1): linear in the gradient, so it is compared
     module = PretrainModule(cfg, OptimConfig(lr=1.0, eps=1.0), ScheduleConfig(name="constant", warmup_steps=0),
-                            micro_batch_size, total_steps=1)
-    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
-    loader = DataLoader([batch], batch_size=None)
-    trainer.fit(module, train_dataloaders=loader)
+                            micro_batch_size, total_steps=len(batches), objective=objective)
+    trainer = L.Trainer(accelerator="cpu", max_steps=len(batches), logger=logger, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                        log_every_n_steps=1)
+    trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
+    module.logged = dict(trainer.callback_metrics)
     module.logged_loss = trainer.callback_metrics["train/loss"]
     return module
 
 
-def test_micro_batch_split_gives_the_same_update():
-    torch.manual_seed(1)
-    tokens = torch.randint(0, 128, (8, 33))
+def _fit_one_step(micro_batch_size: int, batch: dict[str, torch.Tensor]) -> PretrainModule:
+    return _fit(_llm(), micro_batch_size, [batch])
+
+
+def _batch(seed: int, rows: int = 8, seq: int = 32) -> dict[str, torch.Tensor]:
+    tokens = torch.randint(0, 128, (rows, seq + 1), generator=torch.Generator().manual_seed(seed))
     labels = tokens[:, 1:].clone()
     labels[0, :5] = -100  # unequal target counts per micro-batch must still average over the whole step
-    batch = {"input_ids": tokens[:, :-1], "labels": labels}
-    whole, split = _fit_one_step(8, batch), _fit_one_step(2, batch)
-    for (name, a), (_, b) in zip(whole.model.named_parameters(), split.model.named_parameters()):
+    return {"input_ids": tokens[:, :-1], "labels": labels}
+
+
+@pytest.mark.parametrize("family", ["deepseek_llm", "deepseek_v3"])
+def test_micro_batch_split_gives_the_same_update(family):
+    """Also covers V3's MTP and balance-loss normalisation and the bias update over the step."""
+    cfg = _llm() if family == "deepseek_llm" else _v3()
+    batch = _batch(1)
+    whole, split = _fit(cfg, 8, [batch]), _fit(cfg, 2, [batch])
+    for (name, a), (_, b) in zip(whole.model.state_dict().items(), split.model.state_dict().items()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
-    torch.testing.assert_close(whole.logged_loss, split.logged_loss, atol=1e-6, rtol=1e-6)
+    for key in ("train/loss", "train/mtp_loss", "train/balance_loss"):
+        if key in whole.logged:
+            torch.testing.assert_close(whole.logged[key], split.logged[key], atol=1e-6, rtol=1e-6)
+    if family == "deepseek_v3":
+        assert {"train/mtp_loss", "train/balance_loss"} <= set(whole.logged)
+
+
+def test_v3_objective_is_main_plus_weighted_mtp_plus_balance():
+    cfg, batch = _v3(), _batch(3)
+    torch.manual_seed(0)
+    reference = build_model(cfg).train()
+    hidden = reference.hidden_states(batch["input_ids"])
+    labels = batch["labels"]
+    main = torch.nn.functional.cross_entropy(reference.head(hidden).flatten(0, 1), labels.flatten())
+    mtp = [torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[:, k:].flatten())
+           for k, logits in enumerate(reference.mtp_logits(hidden, batch["input_ids"]), start=1)]
+    module = _fit(cfg, 4, [batch])
+    torch.testing.assert_close(module.logged["train/loss"], main, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(module.logged["train/mtp_loss"], sum(mtp) / 2, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(module.logged["train/balance_loss"], reference.balance_loss(), atol=1e-6, rtol=1e-4)
+
+
+def test_bias_update_sees_every_micro_batch_of_the_step():
+    cfg, batch = _v3(), _batch(4)
+    torch.manual_seed(0)
+    reference = build_model(cfg).train()
+    # the loads the whole step routes, MTP blocks included (weights do not change mid-step)
+    reference.mtp_logits(reference.hidden_states(batch["input_ids"]), batch["input_ids"])
+    routers = [m for m in reference.modules() if isinstance(m, TopKRouter)]
+    loads = torch.stack([r.load.counts for r in routers])
+    objective = ObjectiveConfig(bias_update_rate=[0.01], bias_update_boundaries=[])
+    module = _fit(cfg, 2, [batch], objective=objective)  # 4 micro-batches
+    torch.testing.assert_close(module.last_expert_load, loads)
+    for router, load in zip([m for m in module.model.modules() if isinstance(m, TopKRouter)], loads):
+        torch.testing.assert_close(router.expert_bias, 0.01 * torch.sign(load.mean() - load))
+        assert router.load.counts.sum() == 0  # reset for the next step
+    # gamma 0 (the last phase of DeepSeek-V3's schedule) leaves the bias alone
+    frozen = _fit(cfg, 2, [batch], objective=ObjectiveConfig(bias_update_rate=[0.0], bias_update_boundaries=[]))
+    assert all(r.expert_bias.abs().sum() == 0 for r in frozen.model.modules() if isinstance(r, TopKRouter))
+
+
+def test_mtp_weight_follows_its_schedule(tmp_path):
+    objective = ObjectiveConfig(mtp_weight=[0.3, 0.1], mtp_weight_boundaries=[0.5])
+    _fit(_v3(mtp_depth=1), 4, [_batch(s) for s in range(4)], objective=objective, logger=RunCSVLogger(tmp_path))
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    weights = {int(r["step"]): float(r["train/mtp_weight"]) for r in rows if r.get("train/mtp_weight")}
+    assert weights == {0: pytest.approx(0.3), 1: pytest.approx(0.3), 2: pytest.approx(0.1), 3: pytest.approx(0.1)}
 
 
 def test_logged_loss_is_mean_cross_entropy_before_the_update():
@@ -47,8 +121,7 @@ def test_logged_loss_is_mean_cross_entropy_before_the_update():
     tokens = torch.randint(0, 128, (4, 17))
     batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:].clone()}
     torch.manual_seed(0)
-    cfg = ModelConfig.from_name("deepseek_llm_tiny", vocab_size=128, n_layers=2, d_model=64, n_heads=4,
-                                n_kv_heads=2, ffn_hidden=96)
+    cfg = _llm()
     reference = build_model(cfg)
     expected = torch.nn.functional.cross_entropy(reference(batch["input_ids"]).reshape(-1, 128),
                                                  batch["labels"].reshape(-1))

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from dsl_lit.data.config import DataConfig
 from dsl_lit.errors import ConfigError
 from dsl_lit.models.config import ModelConfig
+from dsl_lit.modules.objective import ObjectiveConfig
 from dsl_lit.optim import OptimConfig, ScheduleConfig
 from dsl_lit.schema import dataclass_from_dict
 
@@ -79,6 +80,8 @@ class WandbConfig:
 class LoggerConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     csv: bool = True
+    expert_load_every_n_steps: int = 50
+    """How often the per-layer expert-load heatmap goes to W&B (0: never); scalars log every step."""
 
 
 @dataclass
@@ -130,6 +133,7 @@ class TrainConfig:
     logger: LoggerConfig
     checkpoint: CheckpointConfig
     trainer: TrainerConfig
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     run_dir: str = "."
     raw: dict[str, Any] = field(default_factory=dict)
 
@@ -145,11 +149,13 @@ class TrainConfig:
             wandb=dataclass_from_dict(WandbConfig, dict(logger_values.pop("wandb", None) or {"enabled": False}),
                                       "logger.wandb"),
             csv=bool(logger_values.pop("csv", True)),
+            expert_load_every_n_steps=int(logger_values.pop("expert_load_every_n_steps", 50)),
         )
         groups: dict[str, Any] = {}
         for name, schema in (("data", DataConfig), ("optim", OptimConfig), ("schedule", ScheduleConfig),
                              ("precision", PrecisionConfig), ("parallel", ParallelConfig),
-                             ("checkpoint", CheckpointConfig), ("trainer", TrainerConfig)):
+                             ("checkpoint", CheckpointConfig), ("trainer", TrainerConfig),
+                             ("objective", ObjectiveConfig)):
             groups[name] = dataclass_from_dict(schema, dict(raw.get(name) or {}), name)
         config = cls(model=model, logger=logger, run_dir=run_dir, raw=raw, **groups)
         return config.validate()

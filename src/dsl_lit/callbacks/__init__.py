@@ -1,1 +1,1 @@
-"""Training callbacks: throughput/MFU now; expert-bias updates, NaN guards and EMA later."""
+"""Training callbacks: throughput/MFU and expert load now; NaN guards and EMA later."""

@@ -79,9 +79,14 @@ def causal_attention(
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     mask = None if plain_causal else attention_mask(seq_q, seq_k, key_valid, q.device)
     if backend == "sdpa":
+        v_dim = v.shape[-1]
+        if v_dim != q.shape[-1]:
+            # MLA's v is narrower than q/k; SDPA's fused kernels need one head dim, and padding v
+            # with zeros (sliced off below) beats the unfused math path by ~1.6x on CPU.
+            v = F.pad(v, (0, q.shape[-1] - v_dim))
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=plain_causal, scale=scale, enable_gqa=True
-        )
+        )[..., :v_dim]
     elif backend == "eager":
         out = eager_causal_attention(q, k, v, scale, mask)
     else:

@@ -4,7 +4,11 @@ Why manual optimization: one ``training_step`` is one optimizer step over this r
 global batch. The module splits it into micro-batches and runs forward+backward for each, so the
 same module can later hand the whole step to a pipeline schedule (which owns its own backward) or
 to a ZeRO-1 optimizer, with no private Lightning loop internals. Subclasses only say what the loss
-of a micro-batch is and how many targets a batch holds.
+of a micro-batch is and which step-wide counts normalise it.
+
+After each optimizer step the module also runs DeepSeek-V3's auxiliary-loss-free balancing: the
+expert loads counted over all micro-batches of the step (summed over data-parallel ranks) move
+each router's expert bias.
 """
 
 from __future__ import annotations
@@ -16,9 +20,12 @@ import torch
 from torch import nn
 
 from dsl_lit.models import ModelConfig, build_model
+from dsl_lit.models.moe import TopKRouter
+from dsl_lit.modules.objective import ObjectiveConfig
 from dsl_lit.optim import OptimConfig, ScheduleConfig, build_lr_scheduler, build_optimizer
 
 Batch = dict[str, torch.Tensor]
+Metrics = dict[str, torch.Tensor]
 
 
 def split_micro_batches(batch: Batch, micro_batch_size: int) -> list[Batch]:
@@ -35,6 +42,7 @@ class CausalLMModule(L.LightningModule):
         schedule: ScheduleConfig,
         micro_batch_size: int,
         total_steps: int,
+        objective: ObjectiveConfig | None = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -43,8 +51,11 @@ class CausalLMModule(L.LightningModule):
         self.schedule_config = schedule
         self.micro_batch_size = micro_batch_size
         self.total_steps = total_steps
+        self.objective = (objective or ObjectiveConfig()).validate()
         self.model: nn.Module | None = None
         self.tokens_seen = 0
+        self.last_expert_load: torch.Tensor | None = None
+        """[moe layers, experts] tokens routed in the last step (all ranks), for monitoring."""
 
     # -- model construction -------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -56,13 +67,19 @@ class CausalLMModule(L.LightningModule):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
 
-    # -- what a subclass defines -------------------------------------------------------------------
-    def num_targets(self, batch: Batch) -> torch.Tensor:
-        """How many loss terms the whole step's batch holds (the loss is normalised by it)."""
-        return (batch["labels"] != -100).sum()
+    @property
+    def progress(self) -> float:
+        """Fraction of training done before the current step (drives coefficient schedules)."""
+        return self.trainer.global_step / max(1, self.total_steps)
 
-    def micro_batch_loss(self, micro_batch: Batch) -> torch.Tensor:
-        """Summed (not averaged) loss of one micro-batch."""
+    # -- what a subclass defines -------------------------------------------------------------------
+    def loss_normalizers(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Step-wide counts the micro-batch losses are divided by (here: the step's targets)."""
+        return {"targets": (batch["labels"] != -100).sum().clamp_min(1).float()}
+
+    def micro_batch_loss(self, micro_batch: Batch, normalizers: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
+        """(objective to backpropagate, detached metrics) of one micro-batch, each already divided
+        by the step-wide ``normalizers`` so that summing over micro-batches gives the step's value."""
         raise NotImplementedError
 
     def tokens_in_batch(self, batch: Batch) -> int:
@@ -70,35 +87,57 @@ class CausalLMModule(L.LightningModule):
         return batch["input_ids"].numel()
 
     # -- one optimizer step --------------------------------------------------------------------------
-    def forward_backward(self, batch: Batch) -> torch.Tensor:
+    def forward_backward(self, batch: Batch) -> Metrics:
         """Forward and backward over micro-batches; gradients accumulate in the (fp32) parameters.
 
-        Returns this rank's mean loss per target for logging. Each micro-batch loss is divided by
-        the target count of the whole step, so the accumulated gradient equals the gradient of the
-        mean over the step however the batch is split.
+        Returns this rank's step metrics (``loss``: mean loss per target). Each micro-batch loss is
+        divided by counts of the whole step, so the accumulated gradient equals the gradient of
+        the step's mean however the batch is split.
         """
-        total = self.num_targets(batch).clamp_min(1).to(torch.float32)
-        loss_sum = torch.zeros((), device=self.device)
+        normalizers = self.loss_normalizers(batch)
+        totals: Metrics = {}
         for micro_batch in split_micro_batches(batch, self.micro_batch_size):
-            loss = self.micro_batch_loss(micro_batch) / total
-            self.manual_backward(loss)
-            loss_sum += loss.detach()
-        return loss_sum
+            objective, metrics = self.micro_batch_loss(micro_batch, normalizers)
+            self.manual_backward(objective)
+            for name, value in metrics.items():
+                totals[name] = totals.get(name, 0.0) + value
+        return totals
 
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
-        loss = self.forward_backward(batch)
+        metrics = self.forward_backward(batch)
         max_norm = self.optim_config.grad_clip or float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         lr = optimizer.param_groups[0]["lr"]
+        progress = self.progress
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
+        self.update_expert_bias(self.objective.bias_update_rate_at(progress))
         self.tokens_seen += self.tokens_in_batch(batch) * self.trainer.world_size
-        self.log("train/loss", loss, prog_bar=True, sync_dist=self.trainer.world_size > 1)
+        sync = self.trainer.world_size > 1
+        self.log("train/loss", metrics["loss"], prog_bar=True, sync_dist=sync)
+        for name, value in metrics.items():
+            if name != "loss":
+                self.log(f"train/{name}", value, sync_dist=sync)
         self.log_dict({"train/lr": lr, "train/grad_norm": grad_norm.float()})
-        return loss
+        return metrics["loss"]
+
+    @torch.no_grad()
+    def update_expert_bias(self, rate: float) -> None:
+        """Auxiliary-loss-free balancing after the optimizer step: every router's bias moves by
+        ``rate * sign(mean load - load)`` using the loads of all micro-batches and all ranks."""
+        routers = [m for m in self.model.modules() if isinstance(m, TopKRouter)]
+        if not routers:
+            return
+        loads = torch.stack([router.load.counts for router in routers])
+        if self.trainer.world_size > 1:
+            loads = self.trainer.strategy.reduce(loads, reduce_op="sum")
+        for router, load in zip(routers, loads):
+            router.update_bias(load, rate)
+            router.load.reset_parameters()
+        self.last_expert_load = loads
 
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer = build_optimizer(self.model, self.optim_config)

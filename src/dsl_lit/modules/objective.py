@@ -1,0 +1,35 @@
+"""The ``objective`` config group: coefficients of DeepSeek-V3's training objective that change
+during training (both as piecewise-constant functions of the fraction of training done).
+
+Ignored by models without MTP modules or MoE layers, so one group serves every recipe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dsl_lit.errors import ConfigError
+from dsl_lit.optim.schedules import check_piecewise, piecewise_constant
+
+
+@dataclass
+class ObjectiveConfig:
+    mtp_weight: list[float] = field(default_factory=lambda: [0.3, 0.1])
+    """lambda of the MTP loss: 0.3 for the first 10T of 14.8T tokens, then 0.1."""
+    mtp_weight_boundaries: list[float] = field(default_factory=lambda: [10.0 / 14.8])
+    bias_update_rate: list[float] = field(default_factory=lambda: [0.001, 0.0])
+    """gamma of the auxiliary-loss-free bias update: 0.001 for the first 14.3T tokens, then 0."""
+    bias_update_boundaries: list[float] = field(default_factory=lambda: [14.3 / 14.8])
+
+    def validate(self, prefix: str = "objective") -> ObjectiveConfig:
+        check_piecewise(self.mtp_weight, self.mtp_weight_boundaries, f"{prefix}.mtp_weight")
+        check_piecewise(self.bias_update_rate, self.bias_update_boundaries, f"{prefix}.bias_update_rate")
+        if any(v < 0 for v in [*self.mtp_weight, *self.bias_update_rate]):
+            raise ConfigError(f"{prefix}.mtp_weight and {prefix}.bias_update_rate values must be >= 0")
+        return self
+
+    def mtp_weight_at(self, progress: float) -> float:
+        return piecewise_constant(progress, self.mtp_weight, self.mtp_weight_boundaries)
+
+    def bias_update_rate_at(self, progress: float) -> float:
+        return piecewise_constant(progress, self.bias_update_rate, self.bias_update_boundaries)
