@@ -15,7 +15,8 @@ from tests.conftest import CONF, ROOT, compose_config
 
 def test_default_config_is_the_cpu_demo():
     cfg = TrainConfig.from_hydra(compose_config())
-    assert cfg.model.name == "deepseek_llm_tiny"
+    assert cfg.model.name == "deepseek_v3_tiny" and cfg.model.mtp_depth == 1 and cfg.model.is_moe
+    assert cfg.objective.mtp_weight == [0.3, 0.1] and cfg.objective.bias_update_rate[-1] == 0.0
     assert cfg.optim.lr == 2.0e-3 and cfg.optim.betas == (0.9, 0.95)
     assert cfg.precision.lightning == "32-true"
     assert cfg.logger.wandb.enabled and cfg.logger.wandb.mode == "offline" and cfg.logger.csv
@@ -34,6 +35,15 @@ def test_deepseek_llm_7b_experiment_numbers():
     assert cfg.data.global_batch_size == 2304 and cfg.data.seq_len == 4096 and cfg.optim.lr == 4.2e-4
     # 2T tokens at 2304 x 4096 tokens per step
     assert cfg.trainer.max_steps * 2304 * 4096 == pytest.approx(2e12, rel=1e-4)
+
+
+def test_deepseek_v3_671b_experiment_numbers():
+    cfg = TrainConfig.from_hydra(compose_config(overrides=["experiment=deepseek_v3_671b"]))
+    m = cfg.model
+    assert (m.n_layers, m.d_model, m.n_heads, m.vocab_size) == (61, 7168, 128, 129280)
+    assert (m.n_routed_experts, m.n_activated_experts, m.n_expert_groups, m.n_limited_groups) == (256, 8, 8, 4)
+    assert cfg.optim.lr == 2.2e-4 and cfg.data.seq_len == 4096 and cfg.data.global_batch_size == 15360
+    assert cfg.trainer.max_steps * 15360 * 4096 == pytest.approx(14.8e12, rel=1e-4)
 
 
 def test_overrides_reach_the_dataclasses():
@@ -56,7 +66,8 @@ def test_overrides_reach_the_dataclasses():
         ("parallel.tp=2", "parallel.tp"),
         ("schedule.warmup_steps=-5", "schedule.warmup_steps"),
         ("trainer.max_steps=0", "trainer.max_steps"),
-        ("+model.n_heads=7", "model.n_heads"),
+        ("+model.n_expert_groups=3", "model.n_expert_groups"),
+        ("objective.mtp_weight=[0.3]", "objective.mtp_weight"),
         ("data.tokenizer_vocab_size=16384", "data.tokenizer_vocab_size"),
         ("logger.wandb.mode=sometimes", "logger.wandb.mode"),
     ],
