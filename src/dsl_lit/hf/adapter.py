@@ -1,21 +1,22 @@
 """Per-family translation between our models and Hugging Face checkpoints.
 
 An adapter knows two things about one model family: how our ``ModelConfig`` maps to an HF
-``config.json`` dict, and how our parameter names (FQNs) map to HF's. It does no file I/O, so a new
-family (DeepSeek-V3, ``model_type`` "deepseek_v3") plugs in by writing another adapter and calling
-:func:`register_adapter`; ``dsl_lit.hf.io`` picks the adapter by HF ``model_type`` when reading and
-by ``ModelConfig.family`` when writing.
+``config.json`` dict, and how our parameter names (FQNs) map to HF's. It does no file I/O, so a
+family plugs in by writing an adapter and calling :func:`register_adapter` (DeepSeek LLM here,
+DeepSeek-V3/V2 in ``dsl_lit.hf.deepseek_v3``); ``dsl_lit.hf.io`` picks the adapter by HF
+``model_type`` when reading and by ``ModelConfig.family`` when writing. The helpers below are shared
+by the families.
 
-State dicts are translated whole (not name by name) because later families need more than renames,
+State dicts are translated whole (not name by name) because some families need more than renames,
 e.g. stacking per-expert HF weights into one grouped tensor. Renames keep the same tensor objects,
-so a translation costs no memory.
+so a rename costs no memory.
 """
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -45,10 +46,21 @@ class HFAdapter(ABC):
     """HF ``config.json`` ``model_type``."""
     architecture: ClassVar[str]
     """HF class written to ``architectures`` (must load with ``AutoModelForCausalLM``)."""
+    fp32_suffixes: ClassVar[tuple[str, ...]] = ()
+    """HF names ending with one of these are read and written in fp32 whatever dtype is asked for
+    (transformers' ``_keep_in_fp32_modules_strict``), e.g. a router's score-correction bias."""
 
     @abstractmethod
     def config_from_hf(self, hf: Mapping[str, Any]) -> ModelConfig:
         """Build our config from a ``config.json`` dict; ConfigError naming the HF field if we can't."""
+
+    def config_for_checkpoint(self, cfg: ModelConfig, hf_names: Collection[str]) -> ModelConfig:
+        """Adjust ``cfg`` (from :meth:`config_from_hf`) to the tensors the checkpoint really holds,
+        e.g. drop optional modules that config.json declares but whose weights were not saved."""
+        return cfg
+
+    def keeps_fp32(self, hf_name: str) -> bool:
+        return hf_name.endswith(self.fp32_suffixes) if self.fp32_suffixes else False
 
     @abstractmethod
     def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
@@ -67,10 +79,12 @@ _BY_MODEL_TYPE: dict[str, HFAdapter] = {}
 _BY_FAMILY: dict[str, HFAdapter] = {}
 
 
-def register_adapter(adapter: HFAdapter) -> HFAdapter:
-    """Make ``adapter`` the one used for its HF ``model_type`` and our ``family``."""
+def register_adapter(adapter: HFAdapter, *, for_family: bool = True) -> HFAdapter:
+    """Make ``adapter`` the one used for its HF ``model_type`` (reading) and, unless ``for_family``
+    is False, for our ``family`` (writing): a family read from several model types writes with one."""
     _BY_MODEL_TYPE[adapter.model_type] = adapter
-    _BY_FAMILY[adapter.family] = adapter
+    if for_family:
+        _BY_FAMILY[adapter.family] = adapter
     return adapter
 
 
@@ -97,6 +111,117 @@ def _require(hf: Mapping[str, Any], key: str) -> Any:
     return hf[key]
 
 
+# -- pieces shared by the families -----------------------------------------------------------------
+
+# Top-level names, ours -> HF (every family so far).
+TOP_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# The two norms of a block, ours (after ``layers.<i>.``) -> HF (after ``model.layers.<i>.``).
+BLOCK_NORM_NAMES = {
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+# One SwiGLU (``dsl_lit.models.layers.SwiGLU``, or one expert), ours -> HF's ``*_proj`` names.
+SWIGLU_NAMES = {
+    "w1.weight": "gate_proj.weight",
+    "w3.weight": "up_proj.weight",
+    "w2.weight": "down_proj.weight",
+}
+
+
+def token_ids_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The token ids of config.json, for ``ModelConfig.extra`` (so that a round trip keeps them)."""
+    return {k: hf[k] for k in TOKEN_ID_KEYS if hf.get(k) is not None}
+
+
+def token_ids_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    return {k: cfg.extra[k] for k in TOKEN_ID_KEYS if cfg.extra.get(k) is not None}
+
+
+def hf_rope(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json's RoPE settings as one dict with ``rope_type`` and ``rope_theta``, read the way
+    transformers >= 5 reads them: the legacy ``rope_scaling`` (``type`` or ``rope_type``) wins over
+    ``rope_parameters``; ``rope_theta`` may sit in either dict or at the top level."""
+    params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    params.setdefault("rope_type", params.pop("type", "default"))
+    theta = params.get("rope_theta")
+    if theta is None:
+        theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10000.0))
+    params["rope_theta"] = float(theta)
+    return params
+
+
+def reject_unsupported_common(hf: Mapping[str, Any], architecture: str) -> None:
+    """ConfigError for config.json fields no family of ours supports: biases, a non-silu
+    activation, or an architecture other than the causal LM ``architecture``."""
+    where = "config.json"
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            raise ConfigError(f"{where} {key}=true is not supported: our projections have no bias")
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ConfigError(f"{where} hidden_act={act!r} is not supported; our SwiGLU uses silu")
+    archs = hf.get("architectures") or []
+    if archs and architecture not in archs:
+        raise ConfigError(
+            f"{where} architectures={archs!r}: only {architecture} checkpoints "
+            "(causal LM with an lm_head) can be loaded"
+        )
+
+
+def renamed_from_hf(
+    hf_state: StateDict,
+    cfg: ModelConfig,
+    rename: Callable[[str], str | None],
+    family: str,
+    ignored_suffixes: tuple[str, ...] = (),
+) -> StateDict:
+    """HF names -> ours through ``rename`` (None: no parameter of ours), handling a tied head.
+
+    ConfigError lists every HF name that ``rename`` does not know.
+    """
+    out: StateDict = {}
+    unknown: list[str] = []
+    for hf_name, tensor in hf_state.items():
+        if ignored_suffixes and hf_name.endswith(ignored_suffixes):
+            continue
+        if cfg.tie_embeddings and hf_name == "lm_head.weight":
+            continue  # tied: the head is the embedding; a stored copy is redundant
+        name = rename(hf_name)
+        if name is None:
+            unknown.append(hf_name)
+        else:
+            out[name] = tensor
+    if unknown:
+        raise ConfigError(
+            f"checkpoint has {len(unknown)} weight(s) the {family} model has no parameter for: {few(unknown)}"
+        )
+    if cfg.tie_embeddings and "tok_embeddings.weight" in out:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return out
+
+
+def renamed_to_hf(state: StateDict, cfg: ModelConfig, rename: Callable[[str], str | None]) -> StateDict:
+    """Our names -> HF's through ``rename``, leaving out a tied output head (HF re-ties it from
+    ``tie_word_embeddings``). ConfigError lists every name ``rename`` does not know."""
+    out: StateDict = {}
+    unknown: list[str] = []
+    for name, tensor in state.items():
+        if cfg.tie_embeddings and name == "output.weight":
+            continue
+        hf_name = rename(name)
+        if hf_name is None:
+            unknown.append(name)
+        else:
+            out[hf_name] = tensor
+    if unknown:
+        raise ConfigError(f"model has parameter(s) with no Hugging Face name: {few(unknown)}")
+    return out
+
+
 class DeepSeekLLMAdapter(HFAdapter):
     """DeepSeek LLM 7B/67B, released in the plain Llama layout (``LlamaForCausalLM``)."""
 
@@ -104,23 +229,15 @@ class DeepSeekLLMAdapter(HFAdapter):
     model_type = "llama"
     architecture = "LlamaForCausalLM"
 
-    # Top-level names, ours -> HF.
-    _TOP = {
-        "tok_embeddings.weight": "model.embed_tokens.weight",
-        "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight",
-    }
+    _TOP = TOP_NAMES
     # Names inside one block, ours (after ``layers.<i>.``) -> HF (after ``model.layers.<i>.``).
     _BLOCK = {
-        "attention_norm.weight": "input_layernorm.weight",
+        **BLOCK_NORM_NAMES,
         "attention.wq.weight": "self_attn.q_proj.weight",
         "attention.wk.weight": "self_attn.k_proj.weight",
         "attention.wv.weight": "self_attn.v_proj.weight",
         "attention.wo.weight": "self_attn.o_proj.weight",
-        "ffn_norm.weight": "post_attention_layernorm.weight",
-        "feed_forward.w1.weight": "mlp.gate_proj.weight",
-        "feed_forward.w3.weight": "mlp.up_proj.weight",
-        "feed_forward.w2.weight": "mlp.down_proj.weight",
+        **{f"feed_forward.{ours}": f"mlp.{hf}" for ours, hf in SWIGLU_NAMES.items()},
     }
     _TOP_INV = {v: k for k, v in _TOP.items()}
     _BLOCK_INV = {v: k for k, v in _BLOCK.items()}
@@ -139,9 +256,6 @@ class DeepSeekLLMAdapter(HFAdapter):
                 f"config.json head_dim={head_dim} differs from hidden_size / num_attention_heads = "
                 f"{d_model}/{n_heads}; our attention derives head_dim from d_model and cannot represent it"
             )
-        rope = hf.get("rope_parameters") or {}
-        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-        extra = {k: hf[k] for k in TOKEN_ID_KEYS if hf.get(k) is not None}
         return ModelConfig(
             name="hf",
             family="deepseek_llm",
@@ -152,11 +266,11 @@ class DeepSeekLLMAdapter(HFAdapter):
             n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
             ffn_hidden=int(_require(hf, "intermediate_size")),
             max_seq_len=int(hf.get("max_position_embeddings", 4096)),
-            rope_theta=float(theta),
+            rope_theta=hf_rope(hf)["rope_theta"],
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             init_std=float(hf.get("initializer_range", 0.02)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            extra=extra,
+            extra=token_ids_from_hf(hf),
         )
 
     @staticmethod
@@ -180,18 +294,7 @@ class DeepSeekLLMAdapter(HFAdapter):
                 f"{where} rope_parameters.partial_rotary_factor={rope['partial_rotary_factor']!r} is not "
                 "supported; our RoPE rotates the whole head dimension"
             )
-        for key in ("attention_bias", "mlp_bias"):
-            if hf.get(key):
-                raise ConfigError(f"{where} {key}=true is not supported: our projections have no bias")
-        act = hf.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ConfigError(f"{where} hidden_act={act!r} is not supported; our SwiGLU uses silu")
-        archs = hf.get("architectures") or []
-        if archs and DeepSeekLLMAdapter.architecture not in archs:
-            raise ConfigError(
-                f"{where} architectures={archs!r}: only {DeepSeekLLMAdapter.architecture} checkpoints "
-                "(causal LM with an lm_head) can be loaded"
-            )
+        reject_unsupported_common(hf, DeepSeekLLMAdapter.architecture)
 
     def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
         if not math.isfinite(cfg.rope_theta):
@@ -221,47 +324,16 @@ class DeepSeekLLMAdapter(HFAdapter):
             "tie_word_embeddings": cfg.tie_embeddings,
             "use_cache": True,
         }
-        out.update({k: cfg.extra[k] for k in TOKEN_ID_KEYS if cfg.extra.get(k) is not None})
+        out.update(token_ids_to_hf(cfg))
         return out
 
     # -- weights ----------------------------------------------------------------------------------
 
     def from_hf(self, hf_state: StateDict, cfg: ModelConfig) -> StateDict:
-        out: StateDict = {}
-        unknown: list[str] = []
-        for hf_name, tensor in hf_state.items():
-            if hf_name.endswith(self._IGNORED_HF_SUFFIXES):
-                continue
-            if cfg.tie_embeddings and hf_name == "lm_head.weight":
-                continue  # tied: the head is the embedding; a stored copy is redundant
-            name = self._hf_to_ours(hf_name)
-            if name is None:
-                unknown.append(hf_name)
-            else:
-                out[name] = tensor
-        if unknown:
-            raise ConfigError(
-                f"checkpoint has {len(unknown)} weight(s) the {self.family} model has no parameter for: "
-                f"{few(unknown)}"
-            )
-        if cfg.tie_embeddings and "tok_embeddings.weight" in out:
-            out["output.weight"] = out["tok_embeddings.weight"]
-        return out
+        return renamed_from_hf(hf_state, cfg, self._hf_to_ours, self.family, self._IGNORED_HF_SUFFIXES)
 
     def to_hf(self, state: StateDict, cfg: ModelConfig) -> StateDict:
-        out: StateDict = {}
-        unknown: list[str] = []
-        for name, tensor in state.items():
-            if cfg.tie_embeddings and name == "output.weight":
-                continue  # HF re-ties lm_head to embed_tokens from tie_word_embeddings
-            hf_name = self._ours_to_hf(name)
-            if hf_name is None:
-                unknown.append(name)
-            else:
-                out[hf_name] = tensor
-        if unknown:
-            raise ConfigError(f"model has parameter(s) with no Hugging Face name: {few(unknown)}")
-        return out
+        return renamed_to_hf(state, cfg, self._ours_to_hf)
 
     def _hf_to_ours(self, hf_name: str) -> str | None:
         if hf_name in self._TOP_INV:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -116,9 +116,13 @@ def weight_map(directory: Path) -> dict[str, Path]:
 
 
 def read_safetensors(
-    files: dict[str, Path], dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+    files: dict[str, Path],
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    keep_fp32: Callable[[str], bool] | None = None,
 ) -> StateDict:
-    """Load the named tensors, casting floating ones to ``dtype`` one at a time (bounded peak memory)."""
+    """Load the named tensors, casting floating ones to ``dtype`` one at a time (bounded peak memory);
+    names for which ``keep_fp32`` is true are read as fp32 whatever ``dtype`` is."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -134,8 +138,9 @@ def read_safetensors(
                 raise ConfigError(f"{path.name} lacks tensor(s) its index assigns to it: {few(lost)}")
             for name in names:
                 tensor = f.get_tensor(name)
-                if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
-                    tensor = tensor.to(dtype)
+                want = torch.float32 if keep_fp32 is not None and keep_fp32(name) else dtype
+                if want is not None and tensor.is_floating_point() and tensor.dtype != want:
+                    tensor = tensor.to(want)
                 out[name] = tensor
     return out
 
@@ -206,14 +211,16 @@ def from_pretrained(
     """Load a Hugging Face checkpoint directory into our model; returns ``(model, config)``.
 
     ``dtype`` None keeps the checkpoint's (``dtype``/``torch_dtype`` in config.json, else as stored).
-    RoPE tables stay fp32 whatever ``dtype`` is, as transformers computes them.
+    RoPE tables stay fp32 whatever ``dtype`` is, as transformers computes them, and so do the
+    tensors the adapter keeps in fp32 (e.g. DeepSeek-V3's expert bias).
     """
     directory = Path(path)
     if not (directory / CONFIG_NAME).is_file():
         raise FileNotFoundError(f"{directory} is not a Hugging Face checkpoint directory (no {CONFIG_NAME})")
     hf_config = _read_json(directory / CONFIG_NAME)
     adapter = adapter_for_model_type(hf_config.get("model_type"))
-    cfg = adapter.config_from_hf(hf_config)
+    files = weight_map(directory)
+    cfg = adapter.config_for_checkpoint(adapter.config_from_hf(hf_config), files.keys())
     cfg.name = directory.resolve().name
     cfg.attn_backend = attn_backend  # type: ignore[assignment]
     cfg.validate()
@@ -226,7 +233,7 @@ def from_pretrained(
 
     with torch.device("meta"):
         model = build_model(cfg)
-    hf_state = read_safetensors(weight_map(directory), dtype=target_dtype, device=device)
+    hf_state = read_safetensors(files, dtype=target_dtype, device=device, keep_fp32=adapter.keeps_fp32)
     state = adapter.from_hf(hf_state, cfg)
     del hf_state
     check_state_dict(state, model.state_dict(), what=f"loading {directory}")
@@ -273,6 +280,22 @@ def _prepare(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return tensor
 
 
+def _prepare_shard(
+    hf_state: StateDict, names: list[str], dtype_of: Callable[[str], torch.dtype | None]
+) -> StateDict:
+    """:func:`_prepare` each tensor; a tensor stored under several names (e.g. DeepSeek-V3's MTP
+    layer repeating the shared embedding) is copied, since one file may not hold shared storage."""
+    out: StateDict = {}
+    seen: set[int] = set()
+    for name in names:
+        tensor = _prepare(hf_state[name], dtype_of(name))
+        if tensor.untyped_storage().data_ptr() in seen:
+            tensor = tensor.clone()
+        seen.add(tensor.untyped_storage().data_ptr())
+        out[name] = tensor
+    return out
+
+
 def save_pretrained(
     model: nn.Module,
     path: str | Path,
@@ -302,16 +325,21 @@ def save_pretrained(
     check_state_dict(state, reference, what="saving (the model must hold every layer, unsharded)")
     hf_state = adapter.to_hf(state, cfg)
 
-    floating = [t.dtype for t in hf_state.values() if t.is_floating_point()]
+    # Tensors the adapter keeps in fp32 (as transformers does) are written fp32 whatever the dtype.
+    fp32 = {name for name in hf_state if adapter.keeps_fp32(name)}
+    floating = [t.dtype for name, t in hf_state.items() if t.is_floating_point() and name not in fp32]
     written_dtype = target_dtype or (floating[0] if floating else torch.float32)
     if target_dtype is None and len(set(floating)) > 1:
         raise ConfigError(f"model mixes dtypes {sorted(map(str, set(floating)))}; pass dtype= to save in one")
 
-    def nbytes(t: torch.Tensor) -> int:
-        size = (target_dtype or t.dtype).itemsize if t.is_floating_point() else t.element_size()
+    def dtype_of(name: str) -> torch.dtype | None:
+        return torch.float32 if name in fp32 else target_dtype
+
+    def nbytes(name: str, t: torch.Tensor) -> int:
+        size = (dtype_of(name) or t.dtype).itemsize if t.is_floating_point() else t.element_size()
         return t.numel() * size
 
-    sizes = {name: nbytes(t) for name, t in hf_state.items()}
+    sizes = {name: nbytes(name, t) for name, t in hf_state.items()}
     shards = _shard(list(hf_state), sizes, limit)
 
     directory = Path(path)
@@ -322,18 +350,12 @@ def save_pretrained(
 
     metadata = {"format": "pt"}  # transformers checks this key
     if len(shards) == 1:
-        save_file(
-            {n: _prepare(hf_state[n], target_dtype) for n in shards[0]},
-            str(directory / SAFE_WEIGHTS_NAME),
-            metadata,
-        )
+        save_file(_prepare_shard(hf_state, shards[0], dtype_of), str(directory / SAFE_WEIGHTS_NAME), metadata)
     else:
         mapping: dict[str, str] = {}
         for i, names in enumerate(shards, start=1):
             fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(
-                {n: _prepare(hf_state[n], target_dtype) for n in names}, str(directory / fname), metadata
-            )
+            save_file(_prepare_shard(hf_state, names, dtype_of), str(directory / fname), metadata)
             mapping.update(dict.fromkeys(names, fname))
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": mapping}
         _write_json(directory / SAFE_INDEX_NAME, index)
