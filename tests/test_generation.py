@@ -31,6 +31,16 @@ SHRINK = {
 }
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The models are tiny: one intra-op thread is as fast and avoids OpenMP spin-waits on a
+    busy machine (5x slower there with two); restored for the rest of the session."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @functools.cache
 def _model(name: str):
     torch.manual_seed(0)
@@ -82,8 +92,15 @@ def test_cached_logits_match_full_recompute(name):
     assert diff < 1e-4, diff
 
 
+def test_positions_count_only_real_tokens():
+    valid = torch.tensor([[False, False, True, True, True], [True, True, True, True, True]])
+    assert positions_from_mask(valid).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
+
+
 @pytest.mark.parametrize("name", PRESETS)
 def test_left_padding_does_not_change_a_prompt(name):
+    # This catches a wrong key mask; a uniform position shift alone would not show (RoPE only sees
+    # relative positions), hence the positions test above and the cached-step checks elsewhere.
     model = _model(name)
     short, long_a, long_b = _prompts((4, 11, 15))
     alone = generate(model, [short], 12, output_logits=True)
