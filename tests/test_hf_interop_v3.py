@@ -7,8 +7,8 @@ different experts, and the balancing bias is non-zero and large enough to change
 picked (both asserted below), so a dropped or misnamed bias changes the logits. rope_theta and
 routed_scaling_factor are non-default so a dropped config field does too.
 
-rms_norm_eps is the hub's 1e-6: transformers normalises the MLA latents with 1e-6 whatever
-rms_norm_eps says, our model with rms_norm_eps (see dsl_lit.hf.deepseek_v3).
+The MLA latent norms use eps 1e-6 whatever rms_norm_eps says, in transformers, in DeepSeek's
+reference code and in ours (dsl_lit.models.mla.LATENT_NORM_EPS).
 """
 
 from __future__ import annotations

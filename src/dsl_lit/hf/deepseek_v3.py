@@ -91,10 +91,6 @@ _OUR_EXPERT = re.compile(r"feed_forward\.experts\.(\d+)\.(w[123]\.weight)")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _HF_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
-# transformers (like DeepSeek's reference code) normalises the query and KV latents with eps 1e-6
-# whatever rms_norm_eps says; our MLA uses norm_eps for them.
-_LATENT_NORM_EPS = 1e-6
-
 _HF_YARN_KEYS = {  # HF rope_parameters key -> our rope_scaling key
     "factor": "factor",
     "original_max_position_embeddings": "original_max_seq_len",
@@ -103,16 +99,6 @@ _HF_YARN_KEYS = {  # HF rope_parameters key -> our rope_scaling key
     "mscale": "mscale",
     "mscale_all_dim": "mscale_all_dim",
 }
-
-
-def _warn_latent_norm_eps(eps: float) -> None:
-    if eps != _LATENT_NORM_EPS:
-        log.warning(
-            "rms_norm_eps=%g: transformers normalises the MLA query/KV latents with eps %g whatever "
-            "rms_norm_eps is, our model with rms_norm_eps; outputs will differ slightly",
-            eps,
-            _LATENT_NORM_EPS,
-        )
 
 
 class DeepSeekV3Adapter(HFAdapter):
@@ -192,7 +178,6 @@ class DeepSeekV3Adapter(HFAdapter):
         """ConfigError naming the first config.json field our model cannot express."""
         where = f"config.json (model_type {self.model_type!r})"
         reject_unsupported_common(hf, self.architecture)
-        _warn_latent_norm_eps(float(hf.get("rms_norm_eps", 1e-6)))
         score_func = hf.get("scoring_func") or self.score_func
         if score_func != self.score_func:
             raise ConfigError(
@@ -293,7 +278,6 @@ class DeepSeekV3Adapter(HFAdapter):
         return cfg
 
     def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
-        _warn_latent_norm_eps(cfg.norm_eps)
         return self._writer(cfg)._config_to_hf(cfg)
 
     def _writer(self, cfg: ModelConfig) -> DeepSeekV3Adapter:

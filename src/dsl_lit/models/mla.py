@@ -9,6 +9,7 @@ has none). A KV cache therefore stores only the latent and the rotary key per to
 Names follow DeepSeek's reference code: wq / wq_a, q_norm, wq_b, wkv_a, kv_norm, wkv_b, wo.
 """
 
+
 from __future__ import annotations
 
 import torch
@@ -18,6 +19,10 @@ from dsl_lit.models.attention import causal_attention
 from dsl_lit.models.config import ModelConfig
 from dsl_lit.models.kv_cache import KVCache
 from dsl_lit.models.layers import RMSNorm, apply_rope, yarn_softmax_scale
+
+LATENT_NORM_EPS = 1e-6
+"""DeepSeek's reference code (and transformers) norm the latents with eps 1e-6 whatever
+``rms_norm_eps`` says; matching it keeps checkpoints exact."""
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -40,10 +45,10 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             self.wq = None
             self.wq_a = nn.Linear(cfg.d_model, cfg.q_lora_rank, bias=False)
-            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
             self.wq_b = nn.Linear(cfg.q_lora_rank, q_out, bias=False)
         self.wkv_a = nn.Linear(cfg.d_model, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
-        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(cfg.kv_lora_rank, cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.v_head_dim, cfg.d_model, bias=False)
 

@@ -1,0 +1,150 @@
+"""DeepSeek-V3: our training step and MoE layer against transformers' on the same config and weights.
+
+Prints two tables measured in one run, in one process, interleaving the candidates and taking
+medians (DESIGN.md section 6):
+
+1. forward + backward of the whole model (hidden 256, 6 layers, 32 routed experts top-4, seq 256,
+   batch 4 by default) for ours and `transformers`' DeepseekV3ForCausalLM loaded from our
+   save_pretrained (the same weights, logits checked equal first);
+2. one MoE layer (forward + backward) with our expert backends (``grouped_mm``: tokens sorted by
+   expert, one grouped matmul per projection; ``split``: one matmul per expert slice; ``loop``:
+   the naive per-expert masking loop) and transformers' DeepseekV3MoE with the same weights.
+
+    .venv/bin/python -m benchmarks.deepseek_v3_vs_transformers [--repeats 7] [--dtype fp32|bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import tempfile
+
+import torch
+
+from benchmarks.timing import interleaved_medians
+from dsl_lit.hf import save_pretrained
+from dsl_lit.models import ModelConfig, build_model
+from dsl_lit.models.moe import MoE
+from dsl_lit.ops import cross_entropy
+
+
+def bench_config(args: argparse.Namespace, backend: str = "grouped_mm") -> ModelConfig:
+    """The issue's comparison point; MTP and the balance loss off, as transformers has neither."""
+    return ModelConfig.from_name(
+        "deepseek_v3_tiny", d_model=args.hidden, n_layers=args.layers, n_routed_experts=args.experts,
+        n_activated_experts=args.top_k, n_expert_groups=4, n_limited_groups=2, mtp_depth=0,
+        seq_balance_alpha=0.0, expert_backend=backend, max_seq_len=max(1024, args.seq),
+    )
+
+
+def randomise(model: torch.nn.Module) -> None:
+    """Random weights and expert bias, so routing is spread and the bias matters."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("expert_bias"):
+                t.copy_(torch.randn(t.shape, generator=gen) * 0.01)
+            elif t.is_floating_point() and t.ndim > 1:
+                t.copy_(torch.randn(t.shape, generator=gen) * 0.02)
+
+
+def train_step(model: torch.nn.Module, tokens: torch.Tensor, dtype: torch.dtype, hf: bool):
+    autocast = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+
+    def run() -> None:
+        with autocast:
+            logits = model(input_ids=tokens[:, :-1]).logits if hf else model(tokens[:, :-1])
+            loss = cross_entropy(logits, tokens[:, 1:], reduction="mean")
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return run
+
+
+def hf_moe_from_ours(ours: MoE, hf_config) -> torch.nn.Module:
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    theirs = DeepseekV3MoE(hf_config)
+    with torch.no_grad():
+        theirs.gate.weight.copy_(ours.gate.weight)
+        theirs.gate.e_score_correction_bias.copy_(ours.gate.expert_bias)
+        theirs.experts.gate_up_proj.copy_(torch.cat([ours.experts.w1, ours.experts.w3], dim=1))
+        theirs.experts.down_proj.copy_(ours.experts.w2)
+        for a, b in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+            getattr(theirs.shared_experts, a).weight.copy_(getattr(ours.shared_experts, b).weight)
+    return theirs
+
+
+def layer_step(layer: torch.nn.Module, x: torch.Tensor):
+    def run() -> None:
+        x.grad = None
+        layer(x).square().mean().backward()
+        layer.zero_grad(set_to_none=True)
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    args = parser.parse_args()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = bench_config(args)
+    ours = build_model(cfg)
+    randomise(ours)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_pretrained(ours, tmp)
+        theirs = AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="sdpa")
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1))
+    with torch.no_grad():
+        diff = (ours.eval()(tokens) - theirs.eval()(input_ids=tokens).logits).abs().max().item()
+    ours.train(), theirs.train()
+    print(f"threads={torch.get_num_threads()} dtype={args.dtype} hidden={args.hidden} layers={args.layers} "
+          f"experts={args.experts} top-{args.top_k} batch={args.batch}x{args.seq}; "
+          f"max |logits ours - transformers| = {diff:.2e}")
+
+    medians = interleaved_medians(
+        {"ours": train_step(ours, tokens, dtype, hf=False), "transformers": train_step(theirs, tokens, dtype, hf=True)},
+        args.repeats,
+    )
+    n_tokens = args.batch * args.seq
+    print(f"\n{'model fwd+bwd':<26}{'ms':>9}{'tokens/s':>11}{'vs transformers':>17}")
+    for name, seconds in medians.items():
+        print(f"{name:<26}{seconds * 1e3:>9.1f}{n_tokens / seconds:>11.0f}"
+              f"{medians['transformers'] / seconds:>16.2f}x")
+
+    layers = {}
+    for backend in ("grouped_mm", "split", "loop"):
+        torch.manual_seed(1)
+        layer = MoE(bench_config(args, backend)).train()
+        if layers:
+            layer.load_state_dict(next(iter(layers.values())).state_dict())
+        else:
+            randomise(layer)
+        layers[f"ours ({backend})"] = layer
+    layers["transformers DeepseekV3MoE"] = hf_moe_from_ours(layers["ours (grouped_mm)"], theirs.config).train()
+    x = torch.randn(args.batch, args.seq, args.hidden, requires_grad=True, dtype=dtype)
+    with torch.no_grad():
+        reference = layers["ours (loop)"](x)
+        for name, layer in layers.items():
+            err = (layer.to(dtype)(x) - reference).abs().max().item()
+            assert err < (1e-4 if dtype == torch.float32 else 5e-2), f"{name} differs from the loop by {err}"
+    medians = interleaved_medians({name: layer_step(layer, x) for name, layer in layers.items()}, args.repeats)
+    base = medians["ours (loop)"]
+    print(f"\n{'MoE layer fwd+bwd':<30}{'ms':>9}{'vs per-expert loop':>20}")
+    for name, seconds in medians.items():
+        print(f"{name:<30}{seconds * 1e3:>9.1f}{base / seconds:>19.2f}x")
+
+
+if __name__ == "__main__":
+    main()
