@@ -118,70 +118,35 @@ def _hf_rope(rope_scaling: dict | None) -> dict:
     return {"rope_type": "yarn", "rope_theta": THETA, **yarn}
 
 
-def _hf_v3_model(q_lora_rank: int | None = 32, rope_scaling: dict | None = None, max_pos: int = 64):
-    cfg = DeepseekV3Config(
-        vocab_size=VOCAB,
-        hidden_size=D,
-        intermediate_size=FFN,
-        moe_intermediate_size=MOE_FFN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=HEADS,
-        n_shared_experts=1,
-        n_routed_experts=EXPERTS,
-        routed_scaling_factor=ROUTE_SCALE,
-        kv_lora_rank=32,
-        q_lora_rank=q_lora_rank,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-        qk_nope_head_dim=16,
-        n_group=GROUPS,
-        topk_group=TOPK_GROUPS,
-        num_experts_per_tok=TOP_K,
-        first_k_dense_replace=1,
-        norm_topk_prob=True,
-        max_position_embeddings=max_pos,
-        rms_norm_eps=EPS,
-        rope_parameters=_hf_rope(rope_scaling),
-        bos_token_id=0,
-        eos_token_id=1,
-    )  # num_mtp_layers stays at its default 1: transformers writes it but saves no MTP layer
+def _hf_common(rope_scaling: dict | None, max_pos: int) -> dict:
+    """Config fields the V2 and V3 HF configs share."""
+    return dict(
+        vocab_size=VOCAB, hidden_size=D, intermediate_size=FFN, moe_intermediate_size=MOE_FFN,
+        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS, n_shared_experts=1,
+        n_routed_experts=EXPERTS, routed_scaling_factor=ROUTE_SCALE, kv_lora_rank=32, qk_rope_head_dim=8,
+        v_head_dim=16, qk_nope_head_dim=16, num_experts_per_tok=TOP_K, first_k_dense_replace=1,
+        max_position_embeddings=max_pos, rms_norm_eps=EPS, rope_parameters=_hf_rope(rope_scaling),
+        bos_token_id=0, eos_token_id=1,
+    )
+
+
+def _randomised_eager(model_cls, cfg) -> torch.nn.Module:
     cfg._attn_implementation = "eager"
-    model = DeepseekV3ForCausalLM(cfg).eval()
+    model = model_cls(cfg).eval()
     _randomise(model)
     return model
+
+
+def _hf_v3_model(q_lora_rank: int | None = 32, rope_scaling: dict | None = None, max_pos: int = 64):
+    # num_mtp_layers stays at its default 1: transformers writes it but saves no MTP layer
+    cfg = DeepseekV3Config(**_hf_common(rope_scaling, max_pos), q_lora_rank=q_lora_rank, n_group=GROUPS,
+                           topk_group=TOPK_GROUPS, norm_topk_prob=True)
+    return _randomised_eager(DeepseekV3ForCausalLM, cfg)
 
 
 def _hf_v2_model(rope_scaling: dict | None = None, max_pos: int = 64):
-    cfg = DeepseekV2Config(
-        vocab_size=VOCAB,
-        hidden_size=D,
-        intermediate_size=FFN,
-        moe_intermediate_size=MOE_FFN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=HEADS,
-        n_shared_experts=1,
-        n_routed_experts=EXPERTS,
-        routed_scaling_factor=ROUTE_SCALE,
-        kv_lora_rank=32,
-        q_lora_rank=None,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-        qk_nope_head_dim=16,
-        num_experts_per_tok=TOP_K,
-        first_k_dense_replace=1,
-        topk_method="greedy",
-        max_position_embeddings=max_pos,
-        rms_norm_eps=EPS,
-        rope_parameters=_hf_rope(rope_scaling),
-        bos_token_id=0,
-        eos_token_id=1,
-    )
-    cfg._attn_implementation = "eager"
-    model = DeepseekV2ForCausalLM(cfg).eval()
-    _randomise(model)
-    return model
+    cfg = DeepseekV2Config(**_hf_common(rope_scaling, max_pos), q_lora_rank=None, topk_method="greedy")
+    return _randomised_eager(DeepseekV2ForCausalLM, cfg)
 
 
 def _ids(seq: int = SEQ, seed: int = 1) -> torch.Tensor:
