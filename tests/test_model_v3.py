@@ -122,6 +122,18 @@ def test_bias_changes_selection_but_not_gate_values():
     assert not router.expert_bias.requires_grad and "expert_bias" in dict(router.named_buffers())
 
 
+def test_router_stays_fp32_under_bf16_autocast():
+    router = TopKRouter(_tiny())
+    torch.nn.init.normal_(router.weight, std=0.5)
+    x = torch.randn(16, 64)
+    reference = torch.sigmoid(x @ router.weight.T)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        scores, weights, _ = router(x.bfloat16())
+    assert scores.dtype == weights.dtype == torch.float32
+    torch.testing.assert_close(scores, torch.sigmoid(x.bfloat16().float() @ router.weight.T))
+    assert (scores - reference).abs().max() < 2e-2  # only the bf16 input rounding remains
+
+
 def test_bias_update_is_sign_of_mean_minus_load():
     router = TopKRouter(_tiny())
     router.update_bias(torch.tensor([10.0, 0, 2, 2, 2, 2, 2, 4]), rate=0.001)

@@ -41,7 +41,8 @@ def losses(run_dir: Path) -> dict[int, str]:
 @pytest.mark.slow
 def test_train_checkpoint_and_exact_resume(tmp_path):
     full, split = tmp_path / "full", tmp_path / "split"
-    run_recipe(full, "trainer.max_steps=12", "checkpoint.every_n_steps=4")  # default logger: W&B + CSV
+    # default model deepseek_v3_tiny (2 layers: dense, MoE; one MTP module); default logger W&B + CSV
+    run_recipe(full, "trainer.max_steps=12", "checkpoint.every_n_steps=4", "logger.expert_load_every_n_steps=4")
     run_recipe(split, "trainer.max_steps=6", "checkpoint.every_n_steps=4", "logger=csv")
     # the rerun of the same run dir resumes from step-4 (step 6 was not a multiple of 4, but the final
     # step is saved too, so it resumes from step-6)
@@ -49,7 +50,7 @@ def test_train_checkpoint_and_exact_resume(tmp_path):
 
     full_losses, split_losses = losses(full), losses(split)
     assert sorted(full_losses) == list(range(12)) and sorted(split_losses) == list(range(12))
-    assert full_losses == split_losses  # bit for bit: same data order, schedule and optimizer state
+    assert full_losses == split_losses  # bit for bit: same data order, schedule, optimizer state, expert bias
     assert float(full_losses[11]) < float(full_losses[0]) - 1.0
 
     ckpts = sorted(p.name for p in (full / "checkpoints").iterdir())
@@ -59,11 +60,18 @@ def test_train_checkpoint_and_exact_resume(tmp_path):
     state = torch.load(step12 / "trainer_state.pt", weights_only=True)
     assert state["PretrainDataModule"]["consumed_samples"] == 12 * 8
     weights = load_file(str(step12 / "model.safetensors"))
-    assert "model.layers.1.attention.wq.weight" in weights and "model.layers.2.attention.wq.weight" not in weights
+    assert "model.layers.1.attention.wkv_a.weight" in weights and "model.layers.2.attention.wkv_a.weight" not in weights
+    bias = weights["model.layers.1.feed_forward.gate.expert_bias"]
+    assert bias.dtype == torch.float32 and bias.abs().sum() > 0  # the balancing bias moved and was saved
+    assert "model.mtp.0.eh_proj.weight" in weights
     assert (step12 / "config.yaml").read_text().count("global_batch_size: 8") == 1
     assert (full / "resolved_config.yaml").is_file() and (full / ".hydra" / "config.yaml").is_file()
     assert list((full / "wandb").glob("offline-run-*")), "W&B offline run missing"
     with (full / "metrics.csv").open() as f:
         header = next(csv.reader(f))
-    for key in ("train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/tokens_seen", "perf/mfu"):
+    for key in ("train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/tokens_seen", "perf/mfu",
+                "train/mtp_loss", "train/mtp_weight", "train/balance_loss", "moe/load_max_over_mean",
+                "moe/load_max_over_mean/layers.1", "moe/load_max_over_mean/mtp.0", "moe/bias_abs_mean"):
         assert key in header
+    heatmaps = list((full / "wandb").glob("offline-run-*/files/media/images/moe/expert_load_*.png"))
+    assert len(heatmaps) == 3, heatmaps  # steps 4, 8 and 12

@@ -68,7 +68,8 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` [tokens, d_model] -> (scores [tokens, E] fp32, gate values [tokens, k] fp32,
         expert ids [tokens, k])."""
-        logits = F.linear(x.float(), self.weight.float())
+        with torch.autocast(x.device.type, enabled=False):  # bf16 autocast must not reach the gate
+            logits = F.linear(x.float(), self.weight.float())
         scores = logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(dim=-1)
         with torch.no_grad():
             choice = scores + self.expert_bias
