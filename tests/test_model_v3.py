@@ -161,6 +161,20 @@ def test_grouped_and_split_experts_equal_the_per_expert_loop(score_func):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+def test_grouped_mm_unavailable_falls_back_to_split_loudly(caplog, monkeypatch):
+    from dsl_lit.models import moe as moe_module
+
+    moe = MoE(_tiny())
+    _randomise(moe)
+    x = torch.randn(2, 9, 64)
+    expected = moe(x)
+    monkeypatch.setattr(moe_module, "_grouped_mm_usable", lambda _: False)  # e.g. fp32 on a CUDA GPU
+    monkeypatch.setattr(moe_module, "_warned", set())
+    with caplog.at_level("WARNING", logger="dsl_lit.models.moe"):
+        torch.testing.assert_close(moe(x), expected, atol=1e-5, rtol=1e-5)
+    assert "using expert_backend=split" in caplog.text
+
+
 def test_sequence_balance_loss_matches_the_paper_formula():
     cfg = _tiny(seq_balance_alpha=0.01, batch_balance_alpha=0.0)
     moe = MoE(cfg).train()
