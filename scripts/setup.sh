@@ -29,9 +29,10 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   else
     echo "[setup] installing the CPU build of torch==$TORCH_VERSION"
     # A local wheel (pip's find-links) first; else PyTorch's CPU index. Plain PyPI is never asked
-    # for torch here, because on Linux it serves the CUDA build.
+    # for torch here, because on Linux it serves the CUDA build. One retry: where that index is
+    # unreachable but a local mirror has the wheels, pip's five default retries only waste time.
     "${pip[@]}" --no-index "torch==$TORCH_VERSION" 2>/dev/null \
-      || "${pip[@]}" "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
+      || "${pip[@]}" --retries 1 "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
   fi
 fi
 echo "[setup] installing dsl-lit[$EXTRAS]"
