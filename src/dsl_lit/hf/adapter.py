@@ -154,6 +154,24 @@ def hf_rope(hf: Mapping[str, Any]) -> dict[str, Any]:
     return params
 
 
+def supported_rope(hf: Mapping[str, Any], rope_types: tuple[str, ...], family: str) -> dict[str, Any]:
+    """:func:`hf_rope`, or ConfigError naming the field when its type is not in ``rope_types`` or
+    it rotates only part of the head."""
+    rope = hf_rope(hf)
+    source = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"  # where the user wrote it
+    if rope["rope_type"] not in rope_types:
+        raise ConfigError(
+            f"config.json {source}.rope_type={rope['rope_type']!r} is not supported for the {family} "
+            f"family; supported: {rope_types}"
+        )
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(
+            f"config.json {source}.partial_rotary_factor={rope['partial_rotary_factor']!r} is not "
+            "supported; our RoPE rotates the whole rotary head dimension"
+        )
+    return rope
+
+
 def reject_unsupported_common(hf: Mapping[str, Any], architecture: str) -> None:
     """ConfigError for config.json fields no family of ours supports: biases, a non-silu
     activation, or an architecture other than the causal LM ``architecture``."""
@@ -276,24 +294,7 @@ class DeepSeekLLMAdapter(HFAdapter):
     @staticmethod
     def _reject_unsupported(hf: Mapping[str, Any]) -> None:
         """ConfigError naming the first HF field whose value this family's model cannot express."""
-        where = "config.json"
-        if hf.get("rope_scaling"):
-            raise ConfigError(
-                f"{where} rope_scaling={hf['rope_scaling']!r} is not supported for the deepseek_llm family "
-                "yet (our RoPE has no scaling); use a checkpoint without RoPE scaling"
-            )
-        rope = hf.get("rope_parameters") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ConfigError(
-                f"{where} rope_parameters.rope_type={rope_type!r} is not supported for the deepseek_llm "
-                "family yet (only 'default' RoPE without scaling)"
-            )
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ConfigError(
-                f"{where} rope_parameters.partial_rotary_factor={rope['partial_rotary_factor']!r} is not "
-                "supported; our RoPE rotates the whole head dimension"
-            )
+        supported_rope(hf, ("default",), "deepseek_llm")
         reject_unsupported_common(hf, DeepSeekLLMAdapter.architecture)
 
     def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:

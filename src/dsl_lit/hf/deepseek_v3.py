@@ -41,6 +41,7 @@ from dsl_lit.hf.adapter import (
     reject_unsupported_common,
     renamed_from_hf,
     renamed_to_hf,
+    supported_rope,
     token_ids_from_hf,
     token_ids_to_hf,
 )
@@ -223,17 +224,7 @@ class DeepSeekV3Adapter(HFAdapter):
                 f"{where} norm_topk_prob=true is not supported: DeepSeek-V2's own code then skips "
                 "routed_scaling_factor and transformers ignores norm_topk_prob, so its meaning is ambiguous"
             )
-        rope = hf_rope(hf)
-        if rope["rope_type"] not in ("default", "yarn"):
-            raise ConfigError(
-                f"{where} rope_parameters.rope_type={rope['rope_type']!r} is not supported; "
-                "only 'default' and 'yarn' (DeepSeek's context extension)"
-            )
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ConfigError(
-                f"{where} rope_parameters.partial_rotary_factor="
-                f"{rope['partial_rotary_factor']!r} is not supported"
-            )
+        rope = supported_rope(hf, ("default", "yarn"), self.family)
         if rope["rope_type"] == "yarn":
             if rope.get("attention_factor") is not None:
                 raise ConfigError(
