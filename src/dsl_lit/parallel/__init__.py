@@ -1,0 +1,1 @@
+"""Parallelism applied from outside the models: the Lightning Strategy and its pieces."""

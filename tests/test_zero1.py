@@ -1,0 +1,83 @@
+"""ZeRO-1 on real gloo process groups (2 and 3 ranks): the same updates, norms and optimizer state
+as one AdamW over the mean gradient, with 1/dp of the optimizer memory per rank."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dsl_lit.models import ModelConfig, build_model
+from dsl_lit.optim import OptimConfig, build_optimizer, param_groups
+from dsl_lit.parallel.zero1 import ZeRO1AdamW
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model(ModelConfig.from_name("deepseek_llm_tiny", vocab_size=64, n_layers=2, d_model=32,
+                                             n_heads=4, n_kv_heads=2, ffn_hidden=48))
+
+
+def _grads(model: torch.nn.Module, tokens: torch.Tensor) -> None:
+    logits = model(tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+
+
+def _worker(rank: int, world: int, init_file: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        cfg = OptimConfig(lr=1e-2, weight_decay=0.1)
+        reference, ours = _model(), _model()
+        ref_opt = build_optimizer(reference, cfg)
+        opt = ZeRO1AdamW(param_groups(ours, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+        total = sum(p.numel() for p in ours.parameters())
+        assert opt.state_numel() == 0 + sum(b.master.numel() for b in opt.buckets)
+        for step in range(3):
+            data = torch.randint(0, 64, (world, 2, 17), generator=torch.Generator().manual_seed(step))
+            for r in range(world):  # the reference sees every rank's data: mean of per-rank gradients
+                _grads(reference, data[r])
+            for p in reference.parameters():
+                p.grad /= world
+            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            _grads(ours, data[rank])
+            norm = opt.reduce_gradients(max_norm=0.5)
+            opt.step()
+            opt.zero_grad()
+            torch.testing.assert_close(norm, ref_norm, atol=1e-6, rtol=1e-5)
+            for (name, a), b in zip(ours.named_parameters(), reference.parameters()):
+                torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=f"step {step} {name}")
+        # optimizer memory: master + two moments of 1/world of the parameters (plus padding)
+        assert abs(opt.state_numel() - 3 * total / world) <= 3 * 2 * world
+        # the state dict is a plain AdamW's, whatever the dp size, and loads back
+        ours_sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+        assert ours_sd["param_groups"] == ref_sd["param_groups"]
+        for pid, ref_state in ref_sd["state"].items():
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                torch.testing.assert_close(ours_sd["state"][pid][key], ref_state[key], atol=1e-7, rtol=1e-6)
+        fresh_model = copy.deepcopy(reference)
+        fresh = ZeRO1AdamW(param_groups(fresh_model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+        fresh.load_state_dict(ref_sd)
+        data = torch.randint(0, 64, (world, 2, 17), generator=torch.Generator().manual_seed(9))
+        for r in range(world):
+            _grads(reference, data[r])
+        for p in reference.parameters():
+            p.grad /= world
+        ref_opt.step()
+        _grads(fresh_model, data[rank])
+        fresh.reduce_gradients(max_norm=None)
+        fresh.step()
+        for a, b in zip(fresh_model.parameters(), reference.parameters()):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_zero1_matches_adamw_on_the_mean_gradient(tmp_path, world):
+    mp.spawn(_worker, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
