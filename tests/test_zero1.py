@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.optim import OptimConfig, build_optimizer, param_groups
+from dsl_lit.optim.clip import clip_grad_norm_
 from dsl_lit.parallel.zero1 import ZeRO1AdamW
 
 
@@ -42,7 +43,7 @@ def _worker(rank: int, world: int, init_file: str) -> None:
                 _grads(reference, data[r])
             for p in reference.parameters():
                 p.grad /= world
-            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+            ref_norm = clip_grad_norm_(reference.parameters(), 0.5)
             ref_opt.step()
             ref_opt.zero_grad()
             _grads(ours, data[rank])

@@ -21,6 +21,7 @@ from dsl_lit.checkpoint.directory import DirectoryCheckpointIO, StepCheckpoint, 
 from dsl_lit.config import TrainConfig
 from dsl_lit.flops import training_flops_per_token
 from dsl_lit.loggers import RunCSVLogger
+from dsl_lit.parallel.strategy import DeepSeekStrategy
 
 log = logging.getLogger(__name__)
 # Lightning warns that manual-optimization checkpoints hold post-step weights: that is what we want.
@@ -79,8 +80,11 @@ def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = N
         callbacks.append(TQDMProgressBar(refresh_rate=1))
     if cfg.checkpoint.every_n_steps:
         callbacks.append(StepCheckpoint(checkpoint_dir(cfg), cfg.checkpoint.every_n_steps))
+    # One process: Lightning's single-device strategy. Several: ours (reduces once per step, ZeRO-1).
+    strategy = DeepSeekStrategy(zero1=cfg.parallel.zero1) if cfg.world_size > 1 else "auto"
     return L.Trainer(
         accelerator=cfg.trainer.accelerator,
+        strategy=strategy,
         devices=cfg.trainer.devices,
         num_nodes=cfg.trainer.num_nodes,
         precision=cfg.precision.lightning,

@@ -18,6 +18,7 @@ from dsl_lit.errors import ConfigError
 from dsl_lit.models.config import ModelConfig
 from dsl_lit.modules.objective import ObjectiveConfig
 from dsl_lit.optim import OptimConfig, ScheduleConfig
+from dsl_lit.parallel.layout import validate_layout
 from dsl_lit.schema import dataclass_from_dict
 
 
@@ -39,26 +40,33 @@ class PrecisionConfig:
         return self.LIGHTNING[self.name]
 
 
+PP_SCHEDULES = ("1F1B", "Interleaved1F1B", "DualPipeV", "GPipe")
+
+
 @dataclass
 class ParallelConfig:
-    """``parallel`` group. Data parallelism comes from ``trainer.devices``; tp/pp/ep need the
-    parallel Strategy and must stay 1 until it lands."""
+    """``parallel`` group: the device-mesh layout. ``dp`` defaults to what tp and pp leave of the
+    world size (``trainer.devices x trainer.num_nodes``); ``ep`` shards experts over dp ranks."""
 
     dp: int | None = None
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    sequence_parallel: bool = False
+    pp_schedule: str = "1F1B"
+    pp_virtual_stages: int = 1
+    zero1: bool = False
 
     def validate(self) -> ParallelConfig:
-        for name in ("tp", "pp", "ep"):
-            value = getattr(self, name)
-            if value != 1:
-                raise ConfigError(
-                    f"parallel.{name}={value} is not supported yet: tensor, pipeline and expert parallelism "
-                    "arrive with the parallel Strategy; use parallel.{name}=1 and scale with trainer.devices"
-                )
+        for name in ("tp", "pp", "ep", "pp_virtual_stages"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"parallel.{name}={getattr(self, name)} must be >= 1")
         if self.dp is not None and self.dp < 1:
-            raise ConfigError(f"parallel.dp={self.dp} must be >= 1 (or null for the whole world size)")
+            raise ConfigError(f"parallel.dp={self.dp} must be >= 1 (or null for what tp and pp leave)")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ConfigError(f"parallel.pp_schedule={self.pp_schedule!r} is unknown; choose one of {PP_SCHEDULES}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1 (it shards the sequence over tp)")
         return self
 
 
@@ -171,12 +179,7 @@ class TrainConfig:
                 f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
                 "lower data.seq_len or raise +model.max_seq_len"
             )
-        dp = self.parallel.dp or self.world_size
-        if dp * self.parallel.tp * self.parallel.pp != self.world_size:
-            raise ConfigError(
-                f"parallel.dp={dp} x tp={self.parallel.tp} x pp={self.parallel.pp} must equal the world size "
-                f"trainer.devices x trainer.num_nodes = {self.world_size}"
-            )
+        dp = validate_layout(self.parallel, self.model, self.world_size)
         self.data.validate(dp_size=dp)
         if self.data.tokenizer_vocab_size > self.model.vocab_size:
             raise ConfigError(

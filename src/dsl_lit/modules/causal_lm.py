@@ -23,6 +23,8 @@ from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.models.moe import TopKRouter
 from dsl_lit.modules.objective import ObjectiveConfig
 from dsl_lit.optim import OptimConfig, ScheduleConfig, build_lr_scheduler, build_optimizer
+from dsl_lit.optim.clip import clip_grad_norm_
+from dsl_lit.parallel.strategy import DeepSeekStrategy
 
 Batch = dict[str, torch.Tensor]
 Metrics = dict[str, torch.Tensor]
@@ -107,8 +109,7 @@ class CausalLMModule(L.LightningModule):
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
         metrics = self.forward_backward(batch)
-        max_norm = self.optim_config.grad_clip or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = self.finish_gradients(optimizer.optimizer, self.optim_config.grad_clip or None)
         lr = optimizer.param_groups[0]["lr"]
         progress = self.progress
         optimizer.step()
@@ -139,8 +140,20 @@ class CausalLMModule(L.LightningModule):
             router.load.reset_parameters()
         self.last_expert_load = loads
 
+    def finish_gradients(self, optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor:
+        """Gradients of the whole step are ready: reduce them across data-parallel ranks (the
+        strategy's job when it has one) and clip by the global norm; returns the norm."""
+        strategy = self.trainer.strategy
+        if isinstance(strategy, DeepSeekStrategy):
+            return strategy.finish_gradients(self.model, optimizer, max_norm)
+        return clip_grad_norm_(self.model.parameters(), max_norm)
+
     def configure_optimizers(self) -> dict[str, Any]:
-        optimizer = build_optimizer(self.model, self.optim_config)
+        strategy = self.trainer.strategy
+        if isinstance(strategy, DeepSeekStrategy):
+            optimizer = strategy.build_optimizer(self.model, self.optim_config)
+        else:
+            optimizer = build_optimizer(self.model, self.optim_config)
         scheduler = build_lr_scheduler(optimizer, self.schedule_config, self.total_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dsl_lit.optim.clip import clip_by_norm_, squared_norm
+
 
 @dataclass
 class _Bucket:
@@ -72,22 +74,16 @@ class ZeRO1AdamW(torch.optim.AdamW):
         """Mean the accumulated gradients over dp onto the local shards; clip by the global norm.
 
         Returns the global gradient norm before clipping (what ``clip_grad_norm_`` returns)."""
-        square = None
         for b in self.buckets:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
             flat = _flat(grads, b.padded, b.master.device)
             shard = torch.empty_like(b.master)
             dist.reduce_scatter_tensor(shard, flat, op=dist.ReduceOp.SUM, group=self.group)
-            shard /= self.world
-            b.master.grad = shard
-            part = shard.pow(2).sum()
-            square = part if square is None else square + part
+            b.master.grad = shard.div_(self.world)
+        shards = [b.master.grad for b in self.buckets]
+        square = squared_norm(shards)
         dist.all_reduce(square, group=self.group)
-        norm = square.sqrt()
-        if max_norm:
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            for b in self.buckets:
-                b.master.grad.mul_(coef)
+        norm = clip_by_norm_(shards, square.sqrt(), max_norm)
         for p in self._params():
             p.grad = None  # the full-size gradients are no longer needed
         return norm

@@ -1,0 +1,67 @@
+"""Start-up validation of a parallel layout against the model, before any process group exists.
+
+Every message names the field and the fix (``parallel.tp=3 does not divide model.n_heads=16``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dsl_lit.errors import ConfigError
+from dsl_lit.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from dsl_lit.config import ParallelConfig
+
+IMPLEMENTED = ("dp", "zero1")
+"""What the strategy applies today; tp, pp and ep are validated but not yet applied."""
+
+
+def validate_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int) -> int:
+    """Check the layout; return the data-parallel size."""
+    tp, pp, ep = parallel.tp, parallel.pp, parallel.ep
+    if world_size % (tp * pp):
+        raise ConfigError(
+            f"parallel.tp={tp} x parallel.pp={pp} = {tp * pp} does not divide the world size "
+            f"trainer.devices x trainer.num_nodes = {world_size}"
+        )
+    dp = parallel.dp or world_size // (tp * pp)
+    if dp * tp * pp != world_size:
+        raise ConfigError(
+            f"parallel.dp={dp} x tp={tp} x pp={pp} must equal the world size trainer.devices x "
+            f"trainer.num_nodes = {world_size}; leave parallel.dp=null to use what tp and pp leave"
+        )
+    if tp > 1:
+        if model.n_heads % tp:
+            raise ConfigError(f"parallel.tp={tp} does not divide model.n_heads={model.n_heads}; pick a divisor")
+        if model.family == "deepseek_llm" and model.n_kv_heads % tp and tp % model.n_kv_heads:
+            raise ConfigError(
+                f"parallel.tp={tp} and model.n_kv_heads={model.n_kv_heads}: one must divide the other "
+                "(kv heads are sharded, or replicated across tp ranks)"
+            )
+        if model.vocab_size % tp:
+            raise ConfigError(f"parallel.tp={tp} does not divide model.vocab_size={model.vocab_size} (vocab-parallel head)")
+    stages = pp * parallel.pp_virtual_stages
+    if pp > 1 and stages > model.n_layers:
+        raise ConfigError(
+            f"parallel.pp={pp} x parallel.pp_virtual_stages={parallel.pp_virtual_stages} = {stages} stages "
+            f"exceed model.n_layers={model.n_layers}; each stage needs at least one layer"
+        )
+    if parallel.pp_schedule in ("Interleaved1F1B", "DualPipeV") and pp > 1 and parallel.pp_virtual_stages < 2:
+        raise ConfigError(
+            f"parallel.pp_schedule={parallel.pp_schedule} runs several stages per rank; set parallel.pp_virtual_stages=2"
+        )
+    if ep > 1:
+        if not model.is_moe:
+            raise ConfigError(f"parallel.ep={ep} needs a model with routed experts (model {model.name!r} has none)")
+        if model.n_routed_experts % ep:
+            raise ConfigError(f"parallel.ep={ep} does not divide model.n_routed_experts={model.n_routed_experts}")
+        if dp % ep:
+            raise ConfigError(f"parallel.ep={ep} does not divide the data-parallel size {dp}: experts shard over dp ranks")
+    for name, value in (("tp", tp), ("pp", pp), ("ep", ep)):
+        if value > 1:
+            raise ConfigError(
+                f"parallel.{name}={value} is a valid layout but not implemented yet: the strategy applies "
+                f"{IMPLEMENTED} today (tensor, pipeline and expert parallelism are next); use parallel.{name}=1"
+            )
+    return dp
