@@ -33,9 +33,14 @@ def run_recipe(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     return result
 
 
-def losses(run_dir: Path) -> dict[int, str]:
+def metric(run_dir: Path, key: str) -> dict[int, str]:
+    """``key`` per step from the run's metrics.csv (as written, so equality is bit for bit)."""
     with (run_dir / "metrics.csv").open() as f:
-        return {int(r["step"]): r["train/loss"] for r in csv.DictReader(f) if r.get("train/loss")}
+        return {int(r["step"]): r[key] for r in csv.DictReader(f) if r.get(key)}
+
+
+def losses(run_dir: Path) -> dict[int, str]:
+    return metric(run_dir, "train/loss")
 
 
 @pytest.mark.slow

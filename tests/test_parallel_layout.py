@@ -1,0 +1,59 @@
+"""Parallel layouts are validated at start-up, naming the field, before any process group exists."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsl_lit.config import ParallelConfig, TrainConfig
+from dsl_lit.errors import ConfigError
+from dsl_lit.models import ModelConfig
+from dsl_lit.parallel.layout import validate_layout
+from tests.conftest import compose_config
+
+LLM = ModelConfig.from_name("deepseek_llm_7b")  # 32 heads, 32 kv heads, 30 layers, no experts
+V3 = ModelConfig.from_name("deepseek_v3_671b")  # 128 heads, 61 layers, 256 experts
+
+
+@pytest.mark.parametrize(
+    ("layout", "model", "world", "message"),
+    [
+        (dict(tp=3), LLM, 6, "parallel.tp=3 does not divide model.n_heads=32"),
+        (dict(tp=4), ModelConfig.from_name("deepseek_llm_67b"), 4, "not implemented yet"),  # 8 kv heads: ok shape
+        (dict(tp=6), ModelConfig.from_name("deepseek_llm_tiny", n_heads=12, n_kv_heads=4, d_model=384), 6,
+         "parallel.tp=6 and model.n_kv_heads=4: one must divide the other"),
+        (dict(tp=2, pp=2), LLM, 6, "parallel.tp=2 x parallel.pp=2 = 4 does not divide the world size"),
+        (dict(dp=3), LLM, 4, "parallel.dp=3 x tp=1 x pp=1 must equal the world size"),
+        (dict(pp=8, pp_virtual_stages=4), LLM, 8, "32 stages exceed model.n_layers=30"),
+        (dict(pp=2, pp_schedule="DualPipeV"), LLM, 2, "set parallel.pp_virtual_stages=2"),
+        (dict(ep=2), LLM, 2, "parallel.ep=2 needs a model with routed experts"),
+        (dict(ep=3), V3, 3, "parallel.ep=3 does not divide model.n_routed_experts=256"),
+        (dict(ep=4), V3, 2, "parallel.ep=4 does not divide the data-parallel size 2"),
+        (dict(ep=8), V3, 16, "parallel.ep=8 is a valid layout but not implemented yet"),
+    ],
+)
+def test_bad_layouts_name_the_field(layout, model, world, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate_layout(ParallelConfig(**layout).validate(), model, world)
+
+
+def test_dp_defaults_to_what_tp_and_pp_leave():
+    assert validate_layout(ParallelConfig().validate(), LLM, 8) == 8
+    assert validate_layout(ParallelConfig(dp=4).validate(), LLM, 4) == 4
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("parallel.pp_schedule=ZB", "parallel.pp_schedule='ZB' is unknown"),
+        ("parallel.sequence_parallel=true", "parallel.sequence_parallel=true needs parallel.tp > 1"),
+        ("parallel.tp=0", "parallel.tp=0 must be >= 1"),
+    ],
+)
+def test_parallel_group_errors(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        TrainConfig.from_hydra(compose_config(overrides=[override]))
+
+
+def test_zero1_group_composes():
+    cfg = TrainConfig.from_hydra(compose_config(overrides=["parallel=zero1", "trainer.devices=2"]))
+    assert cfg.parallel.zero1 and cfg.parallel.dp is None and cfg.world_size == 2
