@@ -98,8 +98,12 @@ class CausalLMModule(L.LightningModule):
         """
         normalizers = self.loss_normalizers(batch)
         totals: Metrics = {}
-        for micro_batch in split_micro_batches(batch, self.micro_batch_size):
+        micro_batches = split_micro_batches(batch, self.micro_batch_size)
+        strategy = self.trainer.strategy
+        for i, micro_batch in enumerate(micro_batches):
             objective, metrics = self.micro_batch_loss(micro_batch, normalizers)
+            if i == len(micro_batches) - 1 and isinstance(strategy, DeepSeekStrategy):
+                strategy.before_last_backward(self.model, self.optimizers().optimizer)
             self.manual_backward(objective)
             for name, value in metrics.items():
                 totals[name] = totals.get(name, 0.0) + value

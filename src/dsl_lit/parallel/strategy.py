@@ -7,8 +7,9 @@ are validated by :mod:`dsl_lit.parallel.layout` and arrive next.
 Why not Lightning's DDPStrategy as is: DDP all-reduces on every backward, but our modules run
 several micro-batches per optimizer step inside ``training_step`` (so that a pipeline schedule or
 ZeRO-1 can own the step). Here gradients accumulate locally over the micro-batches and are
-reduced once per step by :meth:`DeepSeekStrategy.finish_gradients` (mean over dp, in buckets, or
-reduce-scattered onto ZeRO-1 shards), followed by a global-norm clip. The model is not wrapped, so
+reduced once per step: plain DP all-reduces buckets from backward hooks during the last
+micro-batch's backward (:mod:`dsl_lit.parallel.grad_sync`), ZeRO-1 reduce-scatters onto its shards;
+:meth:`DeepSeekStrategy.finish_gradients` completes it and clips by the global norm. The model is not wrapped, so
 module names stay the single-device ones and checkpoints do not depend on the layout.
 """
 
@@ -23,21 +24,8 @@ from torch import nn
 
 from dsl_lit.optim import OptimConfig, build_optimizer, param_groups
 from dsl_lit.optim.clip import clip_grad_norm_
+from dsl_lit.parallel.grad_sync import OverlappedGradientReducer
 from dsl_lit.parallel.zero1 import ZeRO1AdamW
-
-BUCKET_NUMEL = 16 * 2**20  # 64 MiB of fp32 per all-reduce: few calls, bounded extra memory
-
-
-def _grad_buckets(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-    buckets: list[list[nn.Parameter]] = [[]]
-    size = 0
-    for p in params:
-        if size and size + p.numel() > BUCKET_NUMEL:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(p)
-        size += p.numel()
-    return [b for b in buckets if b]
 
 
 class DeepSeekStrategy(DDPStrategy):
@@ -46,6 +34,7 @@ class DeepSeekStrategy(DDPStrategy):
     def __init__(self, zero1: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.zero1 = zero1
+        self._reducer: OverlappedGradientReducer | None = None
 
     # -- data-parallel coordinates (the data module shards batches by these) ------------------------
     @property
@@ -70,22 +59,30 @@ class DeepSeekStrategy(DDPStrategy):
             return build_optimizer(model, cfg)
         return ZeRO1AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
 
+    def before_last_backward(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """The module is about to run the step's last backward: arm the overlapped reduction
+        (plain DP; ZeRO-1 reduce-scatters its whole shards after backward)."""
+        if self.world_size == 1 or isinstance(optimizer, ZeRO1AdamW):
+            return
+        if self._reducer is None:
+            self._reducer = OverlappedGradientReducer(model)
+        self._reducer.arm()
+
     @torch.no_grad()
     def finish_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor:
-        """Reduce the step's accumulated gradients over dp and clip them by the global norm."""
+        """Complete the step's gradient reduction over dp and clip by the global norm."""
         if isinstance(optimizer, ZeRO1AdamW):
             return optimizer.reduce_gradients(max_norm)
-        params = [p for p in model.parameters() if p.requires_grad]
-        for p in params:  # a parameter unused on this rank still takes part in every all-reduce
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
         if self.world_size > 1:
-            for bucket in _grad_buckets(params):
-                flat = torch.cat([p.grad.flatten() for p in bucket])
-                dist.all_reduce(flat)
-                flat /= self.world_size
-                offset = 0
-                for p in bucket:
-                    p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
-                    offset += p.numel()
-        return clip_grad_norm_(params, max_norm)
+            if self._reducer is None:
+                self._reducer = OverlappedGradientReducer(model)
+            if not self._reducer.armed:  # no overlap was armed: wait() reduces every bucket now
+                self._reducer.arm()
+            self._reducer.wait()
+        return clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
+
+    def teardown(self) -> None:
+        if self._reducer is not None:
+            self._reducer.remove()
+            self._reducer = None
+        super().teardown()

@@ -1,0 +1,94 @@
+"""Data-parallel gradient reduction overlapped with the backward of the step's last micro-batch.
+
+Gradients accumulate locally over a step's micro-batches (no communication); during the *last*
+micro-batch's backward, a bucket's all-reduce starts asynchronously the moment its last gradient
+is final (a post-accumulate-grad hook), so communication of the later layers runs while autograd
+still computes the earlier ones (DeepSeek LLM section 3.3 overlaps this way). Buckets follow the
+reverse of the parameter order, roughly the order backward produces them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+BUCKET_NUMEL = 4 * 2**20  # 16 MiB of fp32: several buckets per model, so some finish early
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.ready = 0
+        self.flat: torch.Tensor | None = None
+        self.work: dist.Work | None = None
+
+
+class OverlappedGradientReducer:
+    """Mean of gradients over the dp group, launched bucket by bucket from backward hooks."""
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None = None, bucket_numel: int = BUCKET_NUMEL):
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.buckets: list[_Bucket] = []
+        current: list[nn.Parameter] = []
+        size = 0
+        for p in reversed(self.params):
+            if current and size + p.numel() > bucket_numel:
+                self.buckets.append(_Bucket(current))
+                current, size = [], 0
+            current.append(p)
+            size += p.numel()
+        if current:
+            self.buckets.append(_Bucket(current))
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.armed = False
+        self.launched_in_backward = 0
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+
+    def arm(self) -> None:
+        """The next backward is the step's last: reduce buckets as their gradients become final."""
+        self.armed = True
+        self.launched_in_backward = 0
+        for b in self.buckets:
+            b.ready, b.flat, b.work = 0, None, None
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self.armed:
+            return
+        bucket = self._bucket_of[id(p)]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._launch(bucket)
+            self.launched_in_backward += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        bucket.flat = torch.cat([g.flatten() for g in grads])
+        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+
+    @torch.no_grad()
+    def wait(self) -> None:
+        """Finish every bucket (launching those whose hooks never fired, e.g. unused parameters)
+        and write the mean gradients back."""
+        for bucket in self.buckets:
+            if bucket.work is None:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            bucket.work.wait()
+            bucket.flat /= self.world
+            offset = 0
+            for p in bucket.params:
+                chunk = bucket.flat[offset : offset + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = chunk.clone()
+                else:
+                    p.grad.copy_(chunk)
+                offset += p.numel()
+            bucket.flat = bucket.work = None
+        self.armed = False
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
