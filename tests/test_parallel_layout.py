@@ -18,7 +18,8 @@ V3 = ModelConfig.from_name("deepseek_v3_671b")  # 128 heads, 61 layers, 256 expe
     ("layout", "model", "world", "message"),
     [
         (dict(tp=3), LLM, 6, "parallel.tp=3 does not divide model.n_heads=32"),
-        (dict(tp=4), ModelConfig.from_name("deepseek_llm_67b"), 4, "not implemented yet"),  # 8 kv heads: ok shape
+        (dict(tp=2, zero1=True), LLM, 4, "parallel.zero1=true with parallel.tp > 1 is not implemented yet"),
+        (dict(tp=16), ModelConfig.from_name("deepseek_llm_67b"), 16, "replicating kv heads across tp ranks"),
         (dict(tp=6), ModelConfig.from_name("deepseek_llm_tiny", n_heads=12, n_kv_heads=4, d_model=384), 6,
          "parallel.tp=6 and model.n_kv_heads=4: one must divide the other"),
         (dict(tp=2, pp=2), LLM, 6, "parallel.tp=2 x parallel.pp=2 = 4 does not divide the world size"),
@@ -39,6 +40,8 @@ def test_bad_layouts_name_the_field(layout, model, world, message):
 def test_dp_defaults_to_what_tp_and_pp_leave():
     assert validate_layout(ParallelConfig().validate(), LLM, 8) == 8
     assert validate_layout(ParallelConfig(dp=4).validate(), LLM, 4) == 4
+    assert validate_layout(ParallelConfig(tp=4).validate(), ModelConfig.from_name("deepseek_llm_67b"), 8) == 2
+    assert validate_layout(ParallelConfig(tp=8).validate(), V3, 16) == 2  # MLA: tp divides the 128 heads
 
 
 @pytest.mark.parametrize(

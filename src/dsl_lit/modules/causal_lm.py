@@ -137,8 +137,11 @@ class CausalLMModule(L.LightningModule):
         if not routers:
             return
         loads = torch.stack([router.load.counts for router in routers])
-        if self.trainer.world_size > 1:
-            loads = self.trainer.strategy.reduce(loads, reduce_op="sum")
+        strategy = self.trainer.strategy
+        if isinstance(strategy, DeepSeekStrategy):
+            loads = strategy.reduce_over_dp(loads, reduce_op="sum")
+        elif self.trainer.world_size > 1:
+            loads = strategy.reduce(loads, reduce_op="sum")
         for router, load in zip(routers, loads):
             router.update_bias(load, rate)
             router.load.reset_parameters()

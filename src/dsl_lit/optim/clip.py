@@ -11,15 +11,34 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 def squared_norm(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Sum of squares of all elements, in float64 (a 0-d tensor on the tensors' device)."""
-    total = None
+    """Sum of squares of all elements, in float64 (a 0-d tensor on the tensors' device).
+
+    Tensor-parallel (DTensor) tensors count every shard once: the squares of sharded ones are
+    summed over their mesh, replicated ones are counted on this rank only."""
+    total = torch.zeros((), dtype=torch.float64)
+    sharded: dict[int, tuple[torch.Tensor, object]] = {}
     for t in tensors:
-        part = torch.linalg.vector_norm(t, dtype=torch.float64).square()
-        total = part if total is None else total + part
-    return total if total is not None else torch.zeros((), dtype=torch.float64)
+        if isinstance(t, DTensor):
+            part = torch.linalg.vector_norm(t.to_local(), dtype=torch.float64).square().cpu()
+            if any(p.is_shard() for p in t.placements):
+                key = id(t.device_mesh)
+                previous = sharded.get(key, (torch.zeros((), dtype=torch.float64), t.device_mesh))[0]
+                sharded[key] = (previous + part, t.device_mesh)
+                continue
+        else:
+            part = torch.linalg.vector_norm(t, dtype=torch.float64).square().cpu()
+        total = total + part
+    for partial, mesh in sharded.values():
+        device = mesh.device_type
+        partial = partial.to(device)
+        dist.all_reduce(partial, group=mesh.get_group())
+        total = total + partial.cpu()
+    return total
 
 
 @torch.no_grad()
@@ -29,7 +48,7 @@ def clip_by_norm_(tensors: Iterable[torch.Tensor], norm: torch.Tensor, max_norm:
     if max_norm:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for t in tensors:
-            t.mul_(coef.to(t.dtype))
+            t.mul_(coef.item())
     return norm.float()
 
 

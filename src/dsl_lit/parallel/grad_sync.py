@@ -12,8 +12,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 BUCKET_NUMEL = 4 * 2**20  # 16 MiB of fp32: several buckets per model, so some finish early
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor-parallel (DTensor) tensor; plain tensors unchanged."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class _Bucket:
@@ -35,11 +41,11 @@ class OverlappedGradientReducer:
         current: list[nn.Parameter] = []
         size = 0
         for p in reversed(self.params):
-            if current and size + p.numel() > bucket_numel:
+            if current and size + local(p).numel() > bucket_numel:
                 self.buckets.append(_Bucket(current))
                 current, size = [], 0
             current.append(p)
-            size += p.numel()
+            size += local(p).numel()
         if current:
             self.buckets.append(_Bucket(current))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
@@ -64,7 +70,7 @@ class OverlappedGradientReducer:
             self.launched_in_backward += 1
 
     def _launch(self, bucket: _Bucket) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in bucket.params]
         bucket.flat = torch.cat([g.flatten() for g in grads])
         bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
 
@@ -80,12 +86,12 @@ class OverlappedGradientReducer:
             bucket.flat /= self.world
             offset = 0
             for p in bucket.params:
-                chunk = bucket.flat[offset : offset + p.numel()].view_as(p)
+                shard = local(p)  # tensor-parallel parameters reduce their local shard over dp
+                chunk = bucket.flat[offset : offset + shard.numel()].view_as(shard)
                 if p.grad is None:
-                    p.grad = chunk.clone()
-                else:
-                    p.grad.copy_(chunk)
-                offset += p.numel()
+                    p.grad = torch.zeros_like(p)
+                local(p.grad).copy_(chunk)
+                offset += shard.numel()
             bucket.flat = bucket.work = None
         self.armed = False
 

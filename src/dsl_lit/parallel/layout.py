@@ -13,8 +13,8 @@ from dsl_lit.models.config import ModelConfig
 if TYPE_CHECKING:
     from dsl_lit.config import ParallelConfig
 
-IMPLEMENTED = ("dp", "zero1")
-"""What the strategy applies today; tp, pp and ep are validated but not yet applied."""
+IMPLEMENTED = ("dp", "zero1", "tp")
+"""What the strategy applies today; pp, ep and sequence parallelism are validated but not yet applied."""
 
 
 def validate_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int) -> int:
@@ -34,10 +34,15 @@ def validate_layout(parallel: ParallelConfig, model: ModelConfig, world_size: in
     if tp > 1:
         if model.n_heads % tp:
             raise ConfigError(f"parallel.tp={tp} does not divide model.n_heads={model.n_heads}; pick a divisor")
-        if model.family == "deepseek_llm" and model.n_kv_heads % tp and tp % model.n_kv_heads:
+        if model.family == "deepseek_llm" and model.n_kv_heads % tp:
+            if tp % model.n_kv_heads:
+                raise ConfigError(
+                    f"parallel.tp={tp} and model.n_kv_heads={model.n_kv_heads}: one must divide the other "
+                    "(kv heads are sharded, or replicated across tp ranks)"
+                )
             raise ConfigError(
-                f"parallel.tp={tp} and model.n_kv_heads={model.n_kv_heads}: one must divide the other "
-                "(kv heads are sharded, or replicated across tp ranks)"
+                f"parallel.tp={tp} exceeds model.n_kv_heads={model.n_kv_heads}: replicating kv heads across "
+                f"tp ranks is not implemented yet; use parallel.tp <= {model.n_kv_heads}"
             )
         if model.vocab_size % tp:
             raise ConfigError(f"parallel.tp={tp} does not divide model.vocab_size={model.vocab_size} (vocab-parallel head)")
@@ -58,7 +63,11 @@ def validate_layout(parallel: ParallelConfig, model: ModelConfig, world_size: in
             raise ConfigError(f"parallel.ep={ep} does not divide model.n_routed_experts={model.n_routed_experts}")
         if dp % ep:
             raise ConfigError(f"parallel.ep={ep} does not divide the data-parallel size {dp}: experts shard over dp ranks")
-    for name, value in (("tp", tp), ("pp", pp), ("ep", ep)):
+    if parallel.zero1 and tp > 1:
+        raise ConfigError("parallel.zero1=true with parallel.tp > 1 is not implemented yet; use one of them")
+    if parallel.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel=true is not implemented yet; tensor parallelism runs without it")
+    for name, value in (("pp", pp), ("ep", ep)):
         if value > 1:
             raise ConfigError(
                 f"parallel.{name}={value} is a valid layout but not implemented yet: the strategy applies "

@@ -1,8 +1,9 @@
 """The Lightning Strategy that runs our LightningModules on a device mesh.
 
-Today it does data parallelism over ``trainer.devices x trainer.num_nodes`` processes (gloo on CPU,
-NCCL on GPU), plain or with ZeRO-1 (``parallel.zero1``); tensor, pipeline and expert parallelism
-are validated by :mod:`dsl_lit.parallel.layout` and arrive next.
+Today it runs a (dp, tp) device mesh over ``trainer.devices x trainer.num_nodes`` processes (gloo
+on CPU, NCCL on GPU): data parallelism, plain or with ZeRO-1 (``parallel.zero1``), and tensor
+parallelism with each family's plan (:mod:`dsl_lit.parallel.tensor_parallel`); pipeline, expert
+and sequence parallelism are validated by :mod:`dsl_lit.parallel.layout` and arrive next.
 
 Why not Lightning's DDPStrategy as is: DDP all-reduces on every backward, but our modules run
 several micro-batches per optimizer step inside ``training_step`` (so that a pipeline schedule or
@@ -21,51 +22,114 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dsl_lit.optim import OptimConfig, build_optimizer, param_groups
 from dsl_lit.optim.clip import clip_grad_norm_
 from dsl_lit.parallel.grad_sync import OverlappedGradientReducer
+from dsl_lit.parallel.tensor_parallel import apply_tensor_parallel
 from dsl_lit.parallel.zero1 import ZeRO1AdamW
 
 
 class DeepSeekStrategy(DDPStrategy):
     strategy_name = "dsl_lit"
 
-    def __init__(self, zero1: bool = False, **kwargs: Any) -> None:
+    def __init__(self, tp: int = 1, zero1: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.tp = tp
         self.zero1 = zero1
+        self.mesh: DeviceMesh | None = None
         self._reducer: OverlappedGradientReducer | None = None
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        # Mesh (dp, tp): the tp ranks of one replica are adjacent (same node when tp <= GPUs per node).
+        self.mesh = init_device_mesh(
+            self.root_device.type, (self.world_size // self.tp, self.tp), mesh_dim_names=("dp", "tp")
+        )
 
     # -- data-parallel coordinates (the data module shards batches by these) ------------------------
     @property
     def dp_rank(self) -> int:
-        return self.global_rank
+        return self.mesh["dp"].get_local_rank() if self.mesh is not None else self.global_rank
 
     @property
     def dp_size(self) -> int:
-        return self.world_size
+        return self.world_size // self.tp
 
-    # -- no DDP wrapper ---------------------------------------------------------------------------
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh["dp"].get_group() if self.mesh is not None else None
+
+    def reduce_over_dp(self, tensor: torch.Tensor, reduce_op: str = "sum") -> torch.Tensor:
+        """Reduce across data-parallel replicas only (tp ranks of a replica hold the same value)."""
+        if self.world_size == 1:
+            return tensor
+        return self.reduce(tensor, group=self.dp_group, reduce_op=reduce_op)
+
+    # -- no DDP wrapper; tensor parallelism applied here -------------------------------------------
     def configure_ddp(self) -> None:
-        """Keep the module unwrapped; start every rank from rank 0's weights and buffers."""
+        """Keep the module unwrapped; start every rank from rank 0's weights and buffers; then
+        shard the model over the tp mesh dimension with its family's plan."""
         if dist.is_available() and dist.is_initialized():
             with torch.no_grad():
                 for tensor in [*self.model.parameters(), *self.model.buffers()]:
                     dist.broadcast(tensor, src=0)
+        if self.tp > 1:
+            module = self.lightning_module
+            apply_tensor_parallel(module.model, module.model_config, self.mesh["tp"])
+
+    # -- checkpoints hold full tensors, whatever the layout -----------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = super().lightning_module_state_dict()
+        return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Optimizer state with full tensors (tensor-parallel moments gathered): layout-independent."""
+        state = super().optimizer_state(optimizer)  # its per-parameter dicts are the live ones: copy
+        gathered = {
+            index: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in per_param.items()}
+            for index, per_param in state.get("state", {}).items()
+        }
+        return {**state, "state": gathered}
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Re-shard full moments onto this rank's tensor-parallel parameters before loading."""
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            for index, per_param in state.get("state", {}).items():
+                param = params[int(index)]
+                if not isinstance(param, DTensor):
+                    continue
+                for key, value in per_param.items():
+                    if torch.is_tensor(value) and value.shape == param.shape:
+                        per_param[key] = distribute_tensor(value, param.device_mesh, param.placements)
+        super().load_optimizer_state_dict(checkpoint)
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        state = checkpoint["state_dict"]
+        own = self.lightning_module.state_dict()
+        for name, value in own.items():
+            if isinstance(value, DTensor) and name in state:
+                state[name] = distribute_tensor(state[name], value.device_mesh, value.placements)
+        super().load_model_state_dict(checkpoint, strict=strict)
 
     def build_optimizer(self, model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
         """AdamW, or with ``parallel.zero1`` its dp-sharded form (same hyperparameters)."""
-        if not (self.zero1 and self.world_size > 1):
+        if not (self.zero1 and self.dp_size > 1):
             return build_optimizer(model, cfg)
-        return ZeRO1AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+        return ZeRO1AdamW(
+            param_groups(model, cfg.weight_decay), group=self.dp_group, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps
+        )
 
     def before_last_backward(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """The module is about to run the step's last backward: arm the overlapped reduction
         (plain DP; ZeRO-1 reduce-scatters its whole shards after backward)."""
-        if self.world_size == 1 or isinstance(optimizer, ZeRO1AdamW):
+        if self.dp_size == 1 or isinstance(optimizer, ZeRO1AdamW):
             return
         if self._reducer is None:
-            self._reducer = OverlappedGradientReducer(model)
+            self._reducer = OverlappedGradientReducer(model, self.dp_group)
         self._reducer.arm()
 
     @torch.no_grad()
@@ -73,9 +137,9 @@ class DeepSeekStrategy(DDPStrategy):
         """Complete the step's gradient reduction over dp and clip by the global norm."""
         if isinstance(optimizer, ZeRO1AdamW):
             return optimizer.reduce_gradients(max_norm)
-        if self.world_size > 1:
+        if self.dp_size > 1:
             if self._reducer is None:
-                self._reducer = OverlappedGradientReducer(model)
+                self._reducer = OverlappedGradientReducer(model, self.dp_group)
             if not self._reducer.armed:  # no overlap was armed: wait() reduces every bucket now
                 self._reducer.arm()
             self._reducer.wait()

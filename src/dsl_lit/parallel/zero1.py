@@ -81,7 +81,7 @@ class ZeRO1AdamW(torch.optim.AdamW):
             dist.reduce_scatter_tensor(shard, flat, op=dist.ReduceOp.SUM, group=self.group)
             b.master.grad = shard.div_(self.world)
         shards = [b.master.grad for b in self.buckets]
-        square = squared_norm(shards)
+        square = squared_norm(shards).to(shards[0].device)
         dist.all_reduce(square, group=self.group)
         norm = clip_by_norm_(shards, square.sqrt(), max_norm)
         for p in self._params():

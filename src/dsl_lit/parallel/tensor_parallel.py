@@ -1,0 +1,65 @@
+"""Tensor-parallel plans: which of a model's modules are split across the ``tp`` mesh dimension.
+
+Megatron-style: a column-parallel projection splits its output features (heads, FFN hidden) so
+each rank computes its own heads; the row-parallel projection after it splits its input features
+and all-reduces the output. The model code is unchanged because it reshapes with ``-1`` heads.
+Each family declares a plan here (model code knows nothing of it); the strategy applies it.
+
+- DeepSeek LLM: wq / wk / wv column, wo row; SwiGLU w1 / w3 column, w2 row.
+- DeepSeek-V3 MLA: the low-rank down-projections (wq_a, wkv_a) and their norms stay replicated,
+  the up-projections (wq_b or wq, wkv_b) are column-parallel, wo row-parallel; dense FFNs and the
+  shared experts as SwiGLU; the router and the routed experts stay replicated (experts shard
+  with expert parallelism instead). MTP blocks get the same plan; eh_proj is replicated.
+- The output head is column-parallel over the vocabulary and gathers the logits (a vocab-parallel
+  cross-entropy that avoids the gather comes later); embeddings and norms are replicated.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from dsl_lit.models.config import ModelConfig
+
+SWIGLU = {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
+
+
+def _block_plan(cfg: ModelConfig, layer_id: int, prefix: str) -> dict[str, ParallelStyle]:
+    plan: dict[str, ParallelStyle] = {}
+    if cfg.family == "deepseek_v3":
+        up = ["wq_b", "wkv_b"] if cfg.q_lora_rank is not None else ["wq", "wkv_b"]
+        plan.update({f"{prefix}.attention.{name}": ColwiseParallel() for name in up})
+        plan[f"{prefix}.attention.wo"] = RowwiseParallel()
+    else:
+        plan.update({f"{prefix}.attention.{name}": ColwiseParallel() for name in ("wq", "wk", "wv")})
+        plan[f"{prefix}.attention.wo"] = RowwiseParallel()
+    ffn = f"{prefix}.feed_forward.shared_experts" if cfg.is_moe_layer(layer_id) else f"{prefix}.feed_forward"
+    if not cfg.is_moe_layer(layer_id) or cfg.n_shared_experts:
+        plan.update({f"{ffn}.{name}": style for name, style in SWIGLU.items()})
+    return plan
+
+
+def tensor_parallel_plan(cfg: ModelConfig) -> dict[str, ParallelStyle]:
+    """Module FQN -> parallel style for the whole model (names as in ``Transformer``)."""
+    plan: dict[str, ParallelStyle] = {}
+    for i in range(cfg.n_layers):
+        plan.update(_block_plan(cfg, i, f"layers.{i}"))
+    depth = cfg.mtp_depth if cfg.family == "deepseek_v3" else 0
+    for k in range(depth):
+        plan.update(_block_plan(cfg, cfg.n_layers + k, f"mtp.{k}.block"))
+    plan["output"] = ColwiseParallel(output_layouts=Replicate())
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, cfg: ModelConfig, tp_mesh: DeviceMesh) -> nn.Module:
+    """Shard ``model`` in place over ``tp_mesh`` (modules a pipeline stage dropped are skipped)."""
+    present = {name for name, _ in model.named_modules()}
+    plan = {name: style for name, style in tensor_parallel_plan(cfg).items() if name in present}
+    return parallelize_module(model, tp_mesh, plan)
