@@ -1,4 +1,4 @@
-"""The real recipe on 2 gloo processes: data parallel (plain and ZeRO-1) and tensor parallel give
+"""The real recipe on 2 and 4 gloo processes: data parallel (plain and ZeRO-1) and tensor parallel give
 the per-step losses and gradient norms of one process on the same global batch, for both model
 families; a tensor-parallel checkpoint resumes on one process."""
 
@@ -19,9 +19,10 @@ def test_data_parallel_and_zero1_match_one_process(tmp_path, model):
         "dp2": ["trainer.devices=2"],
         "dp2_zero1": ["trainer.devices=2", "parallel=zero1"],
         "tp2": ["trainer.devices=2", "parallel.tp=2"],
+        "dp2_tp2": ["trainer.devices=4", "parallel.tp=2"],
     }
-    if model == "deepseek_llm_tiny":
-        del runs["dp2"]  # the V3 case covers plain DP; keep the suite short
+    if model == "deepseek_llm_tiny":  # the V3 case covers plain DP and the 2-D mesh; keep the suite short
+        del runs["dp2"], runs["dp2_tp2"]
     results = {}
     for name, overrides in runs.items():
         run_recipe(tmp_path / name, f"model={model}", *STEPS, "checkpoint.every_n_steps=0", *overrides)
