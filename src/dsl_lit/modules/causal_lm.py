@@ -13,6 +13,7 @@ each router's expert bias.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import lightning as L
@@ -100,13 +101,15 @@ class CausalLMModule(L.LightningModule):
         totals: Metrics = {}
         micro_batches = split_micro_batches(batch, self.micro_batch_size)
         strategy = self.trainer.strategy
-        for i, micro_batch in enumerate(micro_batches):
-            objective, metrics = self.micro_batch_loss(micro_batch, normalizers)
-            if i == len(micro_batches) - 1 and isinstance(strategy, DeepSeekStrategy):
-                strategy.before_last_backward(self.model, self.optimizers().optimizer)
-            self.manual_backward(objective)
-            for name, value in metrics.items():
-                totals[name] = totals.get(name, 0.0) + value
+        ours = isinstance(strategy, DeepSeekStrategy)
+        with strategy.loss_context() if ours else contextlib.nullcontext():
+            for i, micro_batch in enumerate(micro_batches):
+                objective, metrics = self.micro_batch_loss(micro_batch, normalizers)
+                if ours and i == len(micro_batches) - 1:
+                    strategy.before_last_backward(self.model, self.optimizers().optimizer)
+                self.manual_backward(objective)
+                for name, value in metrics.items():
+                    totals[name] = totals.get(name, 0.0) + value
         return totals
 
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:

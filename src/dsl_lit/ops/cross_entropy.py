@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 
 def cross_entropy(
@@ -15,7 +16,11 @@ def cross_entropy(
 ) -> torch.Tensor:
     """CE over the last dim of ``logits`` [..., vocab] against ``targets`` [...]; ``sum`` by default so
     callers normalise by the token count of the whole optimizer step, not of one micro-batch."""
-    return F.cross_entropy(
+    loss = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
         ignore_index=ignore_index, reduction=reduction,
     )
+    # Vocab-parallel logits (tensor parallelism): a DTensor sharded on the vocabulary; the loss is
+    # computed without gathering them, under torch's loss_parallel context (forward and backward),
+    # which the strategy opens. The reduced loss is replicated: hand back a plain tensor.
+    return loss.to_local() if isinstance(loss, DTensor) else loss

@@ -16,6 +16,7 @@ module names stay the single-device ones and checkpoints do not depend on the la
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from dsl_lit.optim import OptimConfig, build_optimizer, param_groups
 from dsl_lit.optim.clip import clip_grad_norm_
@@ -122,6 +124,10 @@ class DeepSeekStrategy(DDPStrategy):
         return ZeRO1AdamW(
             param_groups(model, cfg.weight_decay), group=self.dp_group, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps
         )
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """Around a step's forwards and backwards: vocab-parallel cross-entropy under tp."""
+        return loss_parallel() if self.tp > 1 else contextlib.nullcontext()
 
     def before_last_backward(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """The module is about to run the step's last backward: arm the overlapped reduction
