@@ -33,10 +33,7 @@ def test_data_parallel_and_zero1_match_one_process(tmp_path, model):
         assert sorted(run_losses) == list(range(6)), name
         for step in range(6):
             assert float(run_losses[step]) == pytest.approx(float(reference_losses[step]), rel=2e-3), (name, step)
-            # the first step's gradients are the same computation up to summation order; later, a
-            # rounding difference can flip a near-tie in MoE routing for a token or two
-            tolerance = 1e-4 if step == 0 else 1e-2
-            assert float(norms[step]) == pytest.approx(float(reference_norms[step]), rel=tolerance), (name, step)
+            assert float(norms[step]) == pytest.approx(float(reference_norms[step]), rel=1e-4), (name, step)
     # one Hydra output directory per run, not one per rank
     assert not list(tmp_path.glob("*/.hydra/*rank*"))
 
