@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -27,3 +28,10 @@ def compose_config(name: str = "pretrain", overrides: list[str] | None = None) -
 @pytest.fixture
 def compose_cfg():
     return compose_config
+
+
+def edit_config_json(path: Path, **changes: object) -> None:
+    """Overwrite keys of a saved Hugging Face ``config.json`` (tests of bad checkpoints)."""
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))

@@ -20,6 +20,7 @@ from dsl_lit.errors import ConfigError
 from dsl_lit.hf import adapter_for_family, adapter_for_model_type, from_pretrained, save_pretrained
 from dsl_lit.hf.io import parse_size
 from dsl_lit.models import ModelConfig, Transformer, build_model
+from tests.conftest import edit_config_json
 
 VOCAB, D, LAYERS, HEADS, FFN = 256, 64, 2, 4, 128
 THETA, EPS = 5000.0, 1e-5
@@ -318,12 +319,6 @@ def saved(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def _edit_config(path: Path, **changes: object) -> None:
-    config = json.loads((path / "config.json").read_text())
-    config.update(changes)
-    (path / "config.json").write_text(json.dumps(config))
-
-
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
@@ -341,7 +336,7 @@ def _edit_config(path: Path, **changes: object) -> None:
     ],
 )
 def test_unsupported_config_is_a_config_error(saved: Path, changes: dict[str, object], match: str) -> None:
-    _edit_config(saved, **changes)
+    edit_config_json(saved, **changes)
     with pytest.raises(ConfigError, match=match):
         from_pretrained(saved)
 

@@ -40,6 +40,7 @@ from dsl_lit.hf import (
 )
 from dsl_lit.models import ModelConfig, Transformer, build_model
 from dsl_lit.models.moe import TopKRouter
+from tests.conftest import edit_config_json
 
 VOCAB, D, LAYERS, HEADS, FFN, MOE_FFN = 256, 64, 3, 4, 96, 32
 EXPERTS, TOP_K, GROUPS, TOPK_GROUPS = 8, 2, 4, 2
@@ -498,12 +499,6 @@ def saved_v2(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def _edit_config(path: Path, **changes: object) -> None:
-    config = json.loads((path / "config.json").read_text())
-    config.update(changes)
-    (path / "config.json").write_text(json.dumps(config))
-
-
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
@@ -527,7 +522,7 @@ def _edit_config(path: Path, **changes: object) -> None:
     ],
 )
 def test_unsupported_v3_config_is_a_config_error(saved: Path, changes: dict, match: str) -> None:
-    _edit_config(saved, **changes)
+    edit_config_json(saved, **changes)
     with pytest.raises(ConfigError, match=match):
         from_pretrained(saved)
 
@@ -543,7 +538,7 @@ def test_unsupported_v3_config_is_a_config_error(saved: Path, changes: dict, mat
     ],
 )
 def test_unsupported_v2_config_is_a_config_error(saved_v2: Path, changes: dict, match: str) -> None:
-    _edit_config(saved_v2, **changes)
+    edit_config_json(saved_v2, **changes)
     with pytest.raises(ConfigError, match=match):
         from_pretrained(saved_v2)
 
