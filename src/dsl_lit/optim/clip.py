@@ -15,30 +15,32 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
+def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    if not tensors:
+        return None
+    return torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors]).square().sum()
+
+
 def squared_norm(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     """Sum of squares of all elements, in float64 (a 0-d tensor on the tensors' device).
 
     Tensor-parallel (DTensor) tensors count every shard once: the squares of sharded ones are
     summed over their mesh, replicated ones are counted on this rank only."""
-    total = torch.zeros((), dtype=torch.float64)
-    sharded: dict[int, tuple[torch.Tensor, object]] = {}
+    replicated: list[torch.Tensor] = []
+    sharded: dict[int, tuple[list[torch.Tensor], object]] = {}
     for t in tensors:
         if isinstance(t, DTensor):
-            part = torch.linalg.vector_norm(t.to_local(), dtype=torch.float64).square().cpu()
             if any(p.is_shard() for p in t.placements):
-                key = id(t.device_mesh)
-                previous = sharded.get(key, (torch.zeros((), dtype=torch.float64), t.device_mesh))[0]
-                sharded[key] = (previous + part, t.device_mesh)
+                sharded.setdefault(id(t.device_mesh), ([], t.device_mesh))[0].append(t.to_local())
                 continue
-        else:
-            part = torch.linalg.vector_norm(t, dtype=torch.float64).square().cpu()
-        total = total + part
-    for partial, mesh in sharded.values():
-        device = mesh.device_type
-        partial = partial.to(device)
-        dist.all_reduce(partial, group=mesh.get_group())
-        total = total + partial.cpu()
-    return total
+            t = t.to_local()
+        replicated.append(t)
+    total = _sum_of_squares(replicated)
+    for shards, mesh in sharded.values():
+        part = _sum_of_squares(shards)
+        dist.all_reduce(part, group=mesh.get_group())
+        total = part if total is None else total + part
+    return total if total is not None else torch.zeros((), dtype=torch.float64)
 
 
 @torch.no_grad()
