@@ -49,3 +49,18 @@ def test_tensor_parallel_checkpoint_resumes_on_one_process(tmp_path):
     assert sorted(resumed) == [3, 4, 5]
     for step in (3, 4, 5):
         assert float(resumed[step]) == pytest.approx(float(tp_losses[step]), rel=1e-5), step
+
+
+@pytest.mark.slow
+def test_zero1_checkpoint_resumes_under_zero1_and_on_one_process(tmp_path):
+    """ZeRO-1 saves a plain AdamW state (moments gathered per parameter), so a rerun resumes
+    exactly and another layout can continue from it."""
+    full, resumed, single = tmp_path / "full", tmp_path / "resumed", tmp_path / "single"
+    zero1 = ["trainer.devices=2", "parallel=zero1"]
+    run_recipe(full, *STEPS, *zero1, "checkpoint.every_n_steps=0")
+    run_recipe(resumed, *STEPS, *zero1, "checkpoint.every_n_steps=3", "trainer.max_steps=3")
+    run_recipe(resumed, *STEPS, *zero1, "checkpoint.every_n_steps=3")  # same run dir: resumes from step-3
+    run_recipe(single, *STEPS, "trainer.devices=1", f"checkpoint.resume_from={resumed / 'checkpoints' / 'step-3'}")
+    assert losses(resumed) == losses(full)  # bit for bit
+    for step in (3, 4, 5):
+        assert float(losses(single)[step]) == pytest.approx(float(losses(full)[step]), rel=1e-5), step

@@ -28,13 +28,14 @@ def _grads(model: torch.nn.Module, tokens: torch.Tensor) -> None:
     loss.backward()
 
 
-def _worker(rank: int, world: int, init_file: str) -> None:
+def _worker(rank: int, world: int, init_file: str, bucket_numel: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         cfg = OptimConfig(lr=1e-2, weight_decay=0.1)
         reference, ours = _model(), _model()
         ref_opt = build_optimizer(reference, cfg)
-        opt = ZeRO1AdamW(param_groups(ours, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+        opt = ZeRO1AdamW(param_groups(ours, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                         bucket_numel=bucket_numel)
         total = sum(p.numel() for p in ours.parameters())
         assert opt.state_numel() == 0 + sum(b.master.numel() for b in opt.buckets)
         for step in range(3):
@@ -46,7 +47,11 @@ def _worker(rank: int, world: int, init_file: str) -> None:
             ref_norm = clip_grad_norm_(reference.parameters(), 0.5)
             ref_opt.step()
             ref_opt.zero_grad()
+            if step == 1:  # overlapped: buckets reduce-scatter from the backward hooks
+                opt.arm()
             _grads(ours, data[rank])
+            if step == 1:
+                assert opt.launched_in_backward == len(opt.buckets)
             norm = opt.reduce_gradients(max_norm=0.5)
             opt.step()
             opt.zero_grad()
@@ -54,7 +59,8 @@ def _worker(rank: int, world: int, init_file: str) -> None:
             for (name, a), b in zip(ours.named_parameters(), reference.parameters()):
                 torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=f"step {step} {name}")
         # optimizer memory: master + two moments of 1/world of the parameters (plus padding)
-        assert abs(opt.state_numel() - 3 * total / world) <= 3 * 2 * world
+        assert len(opt.buckets) > (2 if bucket_numel < total else 1)
+        assert abs(opt.state_numel() - 3 * total / world) <= 3 * len(opt.buckets) * world
         # the state dict is a plain AdamW's, whatever the dp size, and loads back
         ours_sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
         assert ours_sd["param_groups"] == ref_sd["param_groups"]
@@ -62,7 +68,8 @@ def _worker(rank: int, world: int, init_file: str) -> None:
             for key in ("exp_avg", "exp_avg_sq", "step"):
                 torch.testing.assert_close(ours_sd["state"][pid][key], ref_state[key], atol=1e-7, rtol=1e-6)
         fresh_model = copy.deepcopy(reference)
-        fresh = ZeRO1AdamW(param_groups(fresh_model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+        fresh = ZeRO1AdamW(param_groups(fresh_model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                           bucket_numel=bucket_numel)
         fresh.load_state_dict(ref_sd)
         data = torch.randint(0, 64, (world, 2, 17), generator=torch.Generator().manual_seed(9))
         for r in range(world):
@@ -79,6 +86,7 @@ def _worker(rank: int, world: int, init_file: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_zero1_matches_adamw_on_the_mean_gradient(tmp_path, world):
-    mp.spawn(_worker, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
+@pytest.mark.parametrize(("world", "bucket_numel"), [(2, 2**22), (3, 2**22), (2, 3000)])
+def test_zero1_matches_adamw_on_the_mean_gradient(tmp_path, world, bucket_numel):
+    """One bucket per parameter group, or many small ones (more buckets than ranks)."""
+    mp.spawn(_worker, args=(world, str(tmp_path / "init"), bucket_numel), nprocs=world, join=True)

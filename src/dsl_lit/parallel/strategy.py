@@ -8,8 +8,9 @@ and sequence parallelism are validated by :mod:`dsl_lit.parallel.layout` and arr
 Why not Lightning's DDPStrategy as is: DDP all-reduces on every backward, but our modules run
 several micro-batches per optimizer step inside ``training_step`` (so that a pipeline schedule or
 ZeRO-1 can own the step). Here gradients accumulate locally over the micro-batches and are
-reduced once per step: plain DP all-reduces buckets from backward hooks during the last
-micro-batch's backward (:mod:`dsl_lit.parallel.grad_sync`), ZeRO-1 reduce-scatters onto its shards;
+reduced once per step, bucket by bucket from backward hooks during the last micro-batch's backward:
+all-reduced for plain DP (:mod:`dsl_lit.parallel.grad_sync`), reduce-scattered onto the optimizer
+shards for ZeRO-1 (:mod:`dsl_lit.parallel.zero1`);
 :meth:`DeepSeekStrategy.finish_gradients` completes it and clips by the global norm. The model is not wrapped, so
 module names stay the single-device ones and checkpoints do not depend on the layout.
 """
@@ -99,6 +100,8 @@ class DeepSeekStrategy(DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         """Re-shard full moments onto this rank's tensor-parallel parameters before loading."""
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            if isinstance(optimizer, ZeRO1AdamW):
+                continue  # it slices its own shards out of the full state (and zero1 excludes tp)
             params = [p for group in optimizer.param_groups for p in group["params"]]
             for index, per_param in state.get("state", {}).items():
                 param = params[int(index)]
@@ -131,8 +134,11 @@ class DeepSeekStrategy(DDPStrategy):
 
     def before_last_backward(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """The module is about to run the step's last backward: arm the overlapped reduction
-        (plain DP; ZeRO-1 reduce-scatters its whole shards after backward)."""
-        if self.dp_size == 1 or isinstance(optimizer, ZeRO1AdamW):
+        (all-reduce buckets for plain DP, reduce-scatter buckets for ZeRO-1)."""
+        if self.dp_size == 1:
+            return
+        if isinstance(optimizer, ZeRO1AdamW):
+            optimizer.arm()
             return
         if self._reducer is None:
             self._reducer = OverlappedGradientReducer(model, self.dp_group)

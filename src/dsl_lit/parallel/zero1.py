@@ -1,15 +1,18 @@
 """ZeRO-1: AdamW whose fp32 master weights and moments are sharded over the data-parallel group.
 
-Each parameter group (decay / no decay) is flattened into one fp32 buffer, padded to a multiple
-of the dp size and cut into dp equal shards; rank r owns shard r: its master weights and its two
-Adam moments, so optimizer memory per rank is 1/dp of the total (DeepSeek LLM section 3.3,
-DeepSeek-V3 section 3.2). One step is
+Each parameter group (decay / no decay) is cut into buckets of consecutive parameters (in reverse
+order, roughly the order backward finishes them); each bucket is flattened into fp32, padded to a
+multiple of the dp size and split into dp equal shards. Rank r owns shard r of every bucket: its
+master weights and its two Adam moments, so optimizer memory per rank is 1/dp of the total
+(DeepSeek LLM section 3.3, DeepSeek-V3 section 3.2). One step is
 
-1. :meth:`reduce_gradients`: the gradients each rank accumulated over its micro-batches are
-   reduce-scattered (mean over dp) straight onto the owner's shard, and clipped by the *global*
-   norm (shard norms all-reduced), exactly as ``clip_grad_norm_`` would on the full gradient;
-2. :meth:`step`: AdamW updates the local shard; the updated shards are all-gathered into every
-   rank's model parameters.
+1. during the step's last backward (after :meth:`arm`), each bucket's gradients are
+   reduce-scattered onto their owners asynchronously as soon as the bucket is complete, so the
+   communication overlaps the rest of backward (DeepSeek LLM overlaps it the same way);
+2. :meth:`reduce_gradients` waits for them (launching any bucket whose hooks did not fire), takes
+   the mean over dp and clips by the *global* norm (shard norms all-reduced, in float64);
+3. :meth:`step`: AdamW updates the local shards; the shards are all-gathered into every rank's
+   model parameters.
 
 ``state_dict`` gathers the moments and returns them per original parameter, in the very layout a
 plain ``torch.optim.AdamW`` over the model would save, so checkpoints do not depend on the dp size
@@ -27,16 +30,21 @@ import torch.distributed as dist
 
 from dsl_lit.optim.clip import clip_by_norm_, squared_norm
 
+BUCKET_NUMEL = 4 * 2**20  # 16 MiB of fp32 per bucket: several per model, so some finish early
+
 
 @dataclass
 class _Bucket:
-    """One parameter group flattened: ``padded`` = ``shard_size`` x dp >= ``numel``."""
+    """Consecutive parameters of one group, flattened: ``padded`` = ``shard_size`` x dp."""
 
     params: list[torch.Tensor]
-    numel: int
     shard_size: int
     padded: int
     master: torch.Tensor  # this rank's fp32 shard; the tensor the inner AdamW updates
+    ready: int = 0
+    flat: torch.Tensor | None = None
+    grad: torch.Tensor | None = None
+    work: Any = None
 
 
 def _flat(tensors: list[torch.Tensor], padded: int, device: torch.device) -> torch.Tensor:
@@ -48,38 +56,87 @@ def _flat(tensors: list[torch.Tensor], padded: int, device: torch.device) -> tor
     return out
 
 
+def _chunks(params: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    chunks: list[list[torch.Tensor]] = []
+    size = 0
+    for p in params:
+        if not chunks or size + p.numel() > limit:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(p)
+        size += p.numel()
+    return chunks
+
+
 class ZeRO1AdamW(torch.optim.AdamW):
-    def __init__(self, param_groups: list[dict[str, Any]], group: dist.ProcessGroup | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        param_groups: list[dict[str, Any]],
+        group: dist.ProcessGroup | None = None,
+        bucket_numel: int = BUCKET_NUMEL,
+        **kwargs: Any,
+    ):
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.group_params = [list(g["params"]) for g in param_groups]
+        self.param_index = {id(p): i for i, p in enumerate(p for ps in self.group_params for p in ps)}
         self.buckets: list[_Bucket] = []
         shard_groups = []
-        for g in param_groups:
-            params = list(g["params"])
-            device = params[0].device if params else torch.device("cpu")
-            numel = sum(p.numel() for p in params)
-            shard = math.ceil(numel / self.world)
-            flat = _flat(params, shard * self.world, device)
-            master = flat[self.rank * shard : (self.rank + 1) * shard].clone()
-            self.buckets.append(_Bucket(params, numel, shard, shard * self.world, master))
-            shard_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [master]})
+        for g, params in zip(param_groups, self.group_params):
+            masters = []
+            for chunk in _chunks(list(reversed(params)), bucket_numel):
+                shard = math.ceil(sum(p.numel() for p in chunk) / self.world)
+                flat = _flat(chunk, shard * self.world, chunk[0].device)
+                master = flat[self.rank * shard : (self.rank + 1) * shard].clone()
+                self.buckets.append(_Bucket(chunk, shard, shard * self.world, master))
+                masters.append(master)
+            shard_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": masters})
         super().__init__(shard_groups, **kwargs)
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._bucket_of_master = {id(b.master): b for b in self.buckets}
+        self.armed = False
+        self.launched_in_backward = 0
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params()]
 
     def _params(self) -> list[torch.Tensor]:
         return [p for b in self.buckets for p in b.params]
 
+    # -- gradients: reduce-scatter overlapped with the last backward -------------------------------
+    def arm(self) -> None:
+        """The next backward is the step's last: reduce-scatter buckets as they complete."""
+        self.armed = True
+        self.launched_in_backward = 0
+        for b in self.buckets:
+            b.ready, b.flat, b.grad, b.work = 0, None, None, None
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self.armed:
+            return
+        bucket = self._bucket_of[id(p)]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._launch(bucket)
+            self.launched_in_backward += 1
+
+    def _launch(self, b: _Bucket) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+        b.flat = _flat(grads, b.padded, b.master.device)
+        b.grad = torch.empty_like(b.master)
+        b.work = dist.reduce_scatter_tensor(b.grad, b.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
     @torch.no_grad()
     def reduce_gradients(self, max_norm: float | None) -> torch.Tensor:
-        """Mean the accumulated gradients over dp onto the local shards; clip by the global norm.
-
-        Returns the global gradient norm before clipping (what ``clip_grad_norm_`` returns)."""
+        """Finish the mean of the accumulated gradients over dp onto the local shards; clip by the
+        global norm. Returns the global gradient norm before clipping (as ``clip_grad_norm_``)."""
         for b in self.buckets:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-            flat = _flat(grads, b.padded, b.master.device)
-            shard = torch.empty_like(b.master)
-            dist.reduce_scatter_tensor(shard, flat, op=dist.ReduceOp.SUM, group=self.group)
-            b.master.grad = shard.div_(self.world)
+            if b.work is None:
+                self._launch(b)
+        for b in self.buckets:
+            b.work.wait()
+            b.master.grad = b.grad.div_(self.world)
+            b.flat = b.grad = b.work = None
+        self.armed = False
         shards = [b.master.grad for b in self.buckets]
         square = squared_norm(shards).to(shards[0].device)
         dist.all_reduce(square, group=self.group)
@@ -115,43 +172,61 @@ class ZeRO1AdamW(torch.optim.AdamW):
             offset += p.numel()
         return out
 
+    def _masters(self) -> list[torch.Tensor]:
+        return [m for g in self.param_groups for m in g["params"]]
+
     def state_dict(self) -> dict[str, Any]:
         """A plain AdamW state dict over the model's parameters (a collective: call on every rank)."""
         inner = super().state_dict()
         state: dict[int, dict[str, Any]] = {}
-        groups = []
-        index = 0
-        for bucket, group in zip(self.buckets, inner["param_groups"]):
-            shard_state = inner["state"].get(group["params"][0])
-            ids = list(range(index, index + len(bucket.params)))
-            if shard_state:
-                moments = {k: self._gather(shard_state[k], bucket) for k in ("exp_avg", "exp_avg_sq")}
-                for i, pid in enumerate(ids):
-                    state[pid] = {"step": shard_state["step"].clone(), **{k: v[i] for k, v in moments.items()}}
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
-            index += len(ids)
+        for index, master in enumerate(self._masters()):
+            shard_state = inner["state"].get(index)
+            if not shard_state:
+                continue
+            bucket = self._bucket_of_master[id(master)]
+            moments = {k: self._gather(shard_state[k], bucket) for k in ("exp_avg", "exp_avg_sq")}
+            for i, p in enumerate(bucket.params):
+                state[self.param_index[id(p)]] = {
+                    "step": shard_state["step"].clone(), **{k: v[i] for k, v in moments.items()}
+                }
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [self.param_index[id(p)] for p in params]}
+            for g, params in zip(inner["param_groups"], self.group_params)
+        ]
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a plain AdamW state dict (from any dp size, with or without ZeRO-1): keep our shard."""
+        """Load a plain AdamW state dict (from any dp size, with or without ZeRO-1): keep our shards."""
+        for group_index, (group, params) in enumerate(zip(state_dict["param_groups"], self.group_params)):
+            if len(group["params"]) != len(params):
+                raise ValueError(f"optimizer param group {group_index} has {len(group['params'])} params, "
+                                 f"the model {len(params)}")
+        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        ours = [p for params in self.group_params for p in params]
+        saved_state = {id(p): state_dict["state"].get(pid) for p, pid in zip(ours, saved_ids)}
         state: dict[int, dict[str, Any]] = {}
-        groups = []
-        for group_index, (bucket, group) in enumerate(zip(self.buckets, state_dict["param_groups"])):
-            ids = group["params"]
-            if len(ids) != len(bucket.params):
-                raise ValueError(f"optimizer param group {group_index} has {len(ids)} params, the model {len(bucket.params)}")
-            per_param = [state_dict["state"].get(pid) for pid in ids]
-            if per_param and all(s is not None for s in per_param):
-                shard_state = {"step": torch.as_tensor(per_param[0]["step"]).clone()}
-                lo, hi = self.rank * bucket.shard_size, (self.rank + 1) * bucket.shard_size
-                for key in ("exp_avg", "exp_avg_sq"):
-                    flat = _flat([s[key] for s in per_param], bucket.padded, bucket.master.device)
-                    shard_state[key] = flat[lo:hi].clone()
-                state[group_index] = shard_state
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [group_index]})
+        for index, master in enumerate(self._masters()):
+            bucket = self._bucket_of_master[id(master)]
+            per_param = [saved_state[id(p)] for p in bucket.params]
+            if not all(s is not None for s in per_param):
+                continue
+            lo, hi = self.rank * bucket.shard_size, (self.rank + 1) * bucket.shard_size
+            shard_state = {"step": torch.as_tensor(per_param[0]["step"]).clone()}
+            for key in ("exp_avg", "exp_avg_sq"):
+                shard_state[key] = _flat([s[key] for s in per_param], bucket.padded, master.device)[lo:hi].clone()
+            state[index] = shard_state
+        masters = iter(range(len(self._masters())))
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [next(masters) for _ in inner["params"]]}
+            for g, inner in zip(state_dict["param_groups"], self.param_groups)
+        ]
         super().load_state_dict({"state": state, "param_groups": groups})
 
     def state_numel(self) -> int:
         """Numbers this rank holds for the optimizer: fp32 master shards plus both moments."""
         moments = sum(t.numel() for s in self.state.values() for k, t in s.items() if k != "step")
         return moments + sum(b.master.numel() for b in self.buckets)
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
