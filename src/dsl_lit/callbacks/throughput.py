@@ -9,6 +9,8 @@ from typing import Any
 import lightning as L
 import torch
 
+from dsl_lit.parallel.strategy import data_parallel_size
+
 log = logging.getLogger(__name__)
 
 # Dense peak TFLOP/s per GPU (no sparsity) for bf16 and fp32 (TF32 tensor cores) training.
@@ -69,7 +71,7 @@ class ThroughputMonitor(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         seconds = time.perf_counter() - self._start
-        tokens = pl_module.tokens_in_batch(batch) * trainer.world_size
+        tokens = pl_module.tokens_in_batch(batch) * data_parallel_size(trainer)  # tp ranks share data
         tokens_per_s = tokens / seconds
         mfu = tokens_per_s * self.flops_per_token / (self.peak * 1e12 * trainer.world_size)
         pl_module.log("perf/tokens_per_s", tokens_per_s, prog_bar=True)

@@ -25,7 +25,7 @@ from dsl_lit.models.moe import TopKRouter
 from dsl_lit.modules.objective import ObjectiveConfig
 from dsl_lit.optim import OptimConfig, ScheduleConfig, build_lr_scheduler, build_optimizer
 from dsl_lit.optim.clip import clip_grad_norm_
-from dsl_lit.parallel.strategy import DeepSeekStrategy
+from dsl_lit.parallel.strategy import DeepSeekStrategy, data_parallel_size
 
 Batch = dict[str, torch.Tensor]
 Metrics = dict[str, torch.Tensor]
@@ -123,7 +123,7 @@ class CausalLMModule(L.LightningModule):
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         self.update_expert_bias(self.objective.bias_update_rate_at(progress))
-        self.tokens_seen += self.tokens_in_batch(batch) * self.trainer.world_size
+        self.tokens_seen += self.tokens_in_batch(batch) * data_parallel_size(self.trainer)
         sync = self.trainer.world_size > 1
         self.log("train/loss", metrics["loss"], prog_bar=True, sync_dist=sync)
         for name, value in metrics.items():

@@ -35,6 +35,11 @@ from dsl_lit.parallel.tensor_parallel import apply_tensor_parallel
 from dsl_lit.parallel.zero1 import ZeRO1AdamW
 
 
+def data_parallel_size(trainer: Any) -> int:
+    """Replicas that see different data: the world size without tensor-parallel duplicates."""
+    return int(getattr(trainer.strategy, "dp_size", trainer.world_size))
+
+
 class DeepSeekStrategy(DDPStrategy):
     strategy_name = "dsl_lit"
 
