@@ -29,7 +29,7 @@ def _worker(rank: int, world: int, init_file: str) -> None:
         reducer.wait()
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):
             torch.testing.assert_close(p.grad, q.grad / world, atol=1e-6, rtol=1e-5, msg=name)
-        reducer.remove()
+        reducer.remove_hooks()
     finally:
         dist.destroy_process_group()
 

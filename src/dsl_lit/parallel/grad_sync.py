@@ -30,7 +30,44 @@ class _Bucket:
         self.work: dist.Work | None = None
 
 
-class OverlappedGradientReducer:
+class LastBackwardBuckets:
+    """Backward hooks shared by the DP reducer and ZeRO-1: after :meth:`arm`, count per bucket
+    the parameters whose gradient became final and call ``_launch(bucket)`` once a bucket is
+    complete. Buckets need ``params``, ``ready``, ``flat`` and ``work`` attributes."""
+
+    buckets: list
+
+    def _install_hooks(self) -> None:
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.armed = False
+        self.launched_in_backward = 0
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b.params]
+
+    def arm(self) -> None:
+        """The next backward is the step's last: launch buckets as their gradients become final."""
+        self.armed = True
+        self.launched_in_backward = 0
+        for b in self.buckets:
+            b.ready, b.flat, b.work = 0, None, None
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self.armed:
+            return
+        bucket = self._bucket_of[id(p)]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._launch(bucket)
+            self.launched_in_backward += 1
+
+    def _launch(self, bucket: object) -> None:
+        raise NotImplementedError
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+class OverlappedGradientReducer(LastBackwardBuckets):
     """Mean of gradients over the dp group, launched bucket by bucket from backward hooks."""
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None = None, bucket_numel: int = BUCKET_NUMEL):
@@ -48,26 +85,7 @@ class OverlappedGradientReducer:
             size += local(p).numel()
         if current:
             self.buckets.append(_Bucket(current))
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self.armed = False
-        self.launched_in_backward = 0
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
-
-    def arm(self) -> None:
-        """The next backward is the step's last: reduce buckets as their gradients become final."""
-        self.armed = True
-        self.launched_in_backward = 0
-        for b in self.buckets:
-            b.ready, b.flat, b.work = 0, None, None
-
-    def _on_grad(self, p: torch.Tensor) -> None:
-        if not self.armed:
-            return
-        bucket = self._bucket_of[id(p)]
-        bucket.ready += 1
-        if bucket.ready == len(bucket.params):
-            self._launch(bucket)
-            self.launched_in_backward += 1
+        self._install_hooks()
 
     def _launch(self, bucket: _Bucket) -> None:
         grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in bucket.params]
@@ -94,7 +112,3 @@ class OverlappedGradientReducer:
                 offset += shard.numel()
             bucket.flat = bucket.work = None
         self.armed = False
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()

@@ -164,6 +164,6 @@ class DeepSeekStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         if self._reducer is not None:
-            self._reducer.remove()
+            self._reducer.remove_hooks()
             self._reducer = None
         super().teardown()

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from dsl_lit.optim.clip import clip_by_norm_, squared_norm
+from dsl_lit.parallel.grad_sync import LastBackwardBuckets
 
 BUCKET_NUMEL = 4 * 2**20  # 16 MiB of fp32 per bucket: several per model, so some finish early
 
@@ -68,7 +69,7 @@ def _chunks(params: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
     return chunks
 
 
-class ZeRO1AdamW(torch.optim.AdamW):
+class ZeRO1AdamW(LastBackwardBuckets, torch.optim.AdamW):
     def __init__(
         self,
         param_groups: list[dict[str, Any]],
@@ -93,32 +94,13 @@ class ZeRO1AdamW(torch.optim.AdamW):
                 masters.append(master)
             shard_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": masters})
         super().__init__(shard_groups, **kwargs)
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._bucket_of_master = {id(b.master): b for b in self.buckets}
-        self.armed = False
-        self.launched_in_backward = 0
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params()]
+        self._install_hooks()
 
     def _params(self) -> list[torch.Tensor]:
         return [p for b in self.buckets for p in b.params]
 
-    # -- gradients: reduce-scatter overlapped with the last backward -------------------------------
-    def arm(self) -> None:
-        """The next backward is the step's last: reduce-scatter buckets as they complete."""
-        self.armed = True
-        self.launched_in_backward = 0
-        for b in self.buckets:
-            b.ready, b.flat, b.grad, b.work = 0, None, None, None
-
-    def _on_grad(self, p: torch.Tensor) -> None:
-        if not self.armed:
-            return
-        bucket = self._bucket_of[id(p)]
-        bucket.ready += 1
-        if bucket.ready == len(bucket.params):
-            self._launch(bucket)
-            self.launched_in_backward += 1
-
+    # -- gradients: reduce-scatter overlapped with the last backward (hooks: LastBackwardBuckets) ---
     def _launch(self, b: _Bucket) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
         b.flat = _flat(grads, b.padded, b.master.device)
@@ -226,7 +208,3 @@ class ZeRO1AdamW(torch.optim.AdamW):
         """Numbers this rank holds for the optimizer: fp32 master shards plus both moments."""
         moments = sum(t.numel() for s in self.state.values() for k, t in s.items() if k != "step")
         return moments + sum(b.master.numel() for b in self.buckets)
-
-    def remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
