@@ -80,8 +80,15 @@ def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = N
         callbacks.append(TQDMProgressBar(refresh_rate=1))
     if cfg.checkpoint.every_n_steps:
         callbacks.append(StepCheckpoint(checkpoint_dir(cfg), cfg.checkpoint.every_n_steps))
-    # One process: Lightning's single-device strategy. Several: ours (dp x tp mesh, ZeRO-1).
-    strategy = DeepSeekStrategy(tp=cfg.parallel.tp, zero1=cfg.parallel.zero1) if cfg.world_size > 1 else "auto"
+    # One process: Lightning's single-device strategy. Several: ours (pp x dp x tp mesh, ZeRO-1).
+    par = cfg.parallel
+    strategy = (
+        DeepSeekStrategy(
+            tp=par.tp, pp=par.pp, zero1=par.zero1, pp_schedule=par.pp_schedule, pp_virtual_stages=par.pp_virtual_stages
+        )
+        if cfg.world_size > 1
+        else "auto"
+    )
     return L.Trainer(
         accelerator=cfg.trainer.accelerator,
         strategy=strategy,

@@ -98,11 +98,15 @@ class Transformer(nn.Module):
     def mtp_logits(self, hidden: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
         """Logits of each MTP depth k = 1..D: [batch, seq - k, vocab], predicting labels[:, k:].
 
-        ``hidden`` is the main model's un-normed output (:meth:`hidden_states`) for ``tokens``.
+        ``hidden`` is the main model's un-normed output (:meth:`hidden_states`) for ``tokens``;
+        ``tokens`` may also be their embeddings [batch, seq, d_model] (a pipeline's last stage
+        receives those from the first, where the embedding lives).
         """
+        embeddings = tokens if tokens.is_floating_point() else None
         logits = []
         for k, module in enumerate(self.mtp.values(), start=1):
-            hidden = module(hidden[:, :-1], self.tok_embeddings(tokens[:, k:]), self.rope(hidden.shape[1] - 1))
+            shifted = embeddings[:, k:] if embeddings is not None else self.tok_embeddings(tokens[:, k:])
+            hidden = module(hidden[:, :-1], shifted, self.rope(hidden.shape[1] - 1))
             logits.append(self.output(module.norm(hidden)))
         return logits
 

@@ -75,15 +75,52 @@ class CausalLMModule(L.LightningModule):
         """Fraction of training done before the current step (drives coefficient schedules)."""
         return self.trainer.global_step / max(1, self.total_steps)
 
+    @property
+    def mtp_depth(self) -> int:
+        """MTP modules of the model (from the config: a pipeline stage may not hold them)."""
+        cfg = self.model_config
+        return cfg.mtp_depth if cfg.family == "deepseek_v3" else 0
+
     # -- what a subclass defines -------------------------------------------------------------------
     def loss_normalizers(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """Step-wide counts the micro-batch losses are divided by (here: the step's targets)."""
-        return {"targets": (batch["labels"] != -100).sum().clamp_min(1).float()}
+        """Step-wide counts the micro-batch losses are divided by: the step's targets and
+        sequences (the MoE balance loss is a mean over sequences)."""
+        labels = batch["labels"]
+        return {
+            "targets": (labels != -100).sum().clamp_min(1).float(),
+            "sequences": torch.tensor(float(labels.shape[0]), device=labels.device),
+        }
+
+    def loss_from_outputs(
+        self, outputs: tuple[torch.Tensor, ...], labels: torch.Tensor, normalizers: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, Metrics]:
+        """(objective to backpropagate, detached metrics) of one micro-batch from the model's
+        outputs (logits, then MTP logits), each already divided by the step-wide ``normalizers``
+        so that summing over micro-batches gives the step's value. A pipeline's last stage calls
+        this too, so it must not run the model."""
+        raise NotImplementedError
+
+    def step_metrics(self) -> dict[str, float]:
+        """Extra per-step values to log (e.g. a coefficient schedule)."""
+        return {}
+
+    def model_outputs(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(logits, logits of each MTP depth): what a pipeline's last stage also returns."""
+        hidden = self.model.hidden_states(input_ids)
+        logits = self.model.head(hidden)
+        return (logits, *self.model.mtp_logits(hidden, input_ids)) if len(self.model.mtp) else (logits,)
 
     def micro_batch_loss(self, micro_batch: Batch, normalizers: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
-        """(objective to backpropagate, detached metrics) of one micro-batch, each already divided
-        by the step-wide ``normalizers`` so that summing over micro-batches gives the step's value."""
-        raise NotImplementedError
+        """Run the model on one micro-batch; its objective plus the MoE balance loss (the share of
+        the step's sequences it covers)."""
+        outputs = self.model_outputs(micro_batch["input_ids"])
+        objective, metrics = self.loss_from_outputs(outputs, micro_batch["labels"], normalizers)
+        balance = self.model.balance_loss()
+        if balance is not None:
+            balance = balance * micro_batch["labels"].shape[0] / normalizers["sequences"]
+            objective = objective + balance
+            metrics["balance_loss"] = balance.detach()
+        return objective, metrics
 
     def tokens_in_batch(self, batch: Batch) -> int:
         """Tokens processed by this rank in one step (for throughput; includes padding)."""
@@ -95,13 +132,16 @@ class CausalLMModule(L.LightningModule):
 
         Returns this rank's step metrics (``loss``: mean loss per target). Each micro-batch loss is
         divided by counts of the whole step, so the accumulated gradient equals the gradient of
-        the step's mean however the batch is split.
+        the step's mean however the batch is split. Under pipeline parallelism the strategy's
+        schedule runs the micro-batches instead (same losses, same normalisation).
         """
         normalizers = self.loss_normalizers(batch)
-        totals: Metrics = {}
-        micro_batches = split_micro_batches(batch, self.micro_batch_size)
         strategy = self.trainer.strategy
         ours = isinstance(strategy, DeepSeekStrategy)
+        if ours and strategy.pp > 1:
+            return strategy.pipeline_forward_backward(self, batch, normalizers)
+        totals: Metrics = {}
+        micro_batches = split_micro_batches(batch, self.micro_batch_size)
         with strategy.loss_context() if ours else contextlib.nullcontext():
             for i, micro_batch in enumerate(micro_batches):
                 objective, metrics = self.micro_batch_loss(micro_batch, normalizers)
@@ -116,6 +156,7 @@ class CausalLMModule(L.LightningModule):
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
         metrics = self.forward_backward(batch)
+        extra = self.step_metrics()  # before the step: global_step moves with optimizer.step()
         grad_norm = self.finish_gradients(optimizer.optimizer, self.optim_config.grad_clip or None)
         lr = optimizer.param_groups[0]["lr"]
         progress = self.progress
@@ -130,6 +171,8 @@ class CausalLMModule(L.LightningModule):
             if name != "loss":
                 self.log(f"train/{name}", value, sync_dist=sync)
         self.log_dict({"train/lr": lr, "train/grad_norm": grad_norm.float()})
+        for name, value in extra.items():
+            self.log(f"train/{name}", value)
         return metrics["loss"]
 
     @torch.no_grad()

@@ -20,28 +20,26 @@ class PretrainModule(CausalLMModule):
         labels = batch["labels"]
         normalizers = super().loss_normalizers(batch)
         normalizers["sequences"] = torch.tensor(float(labels.shape[0]), device=labels.device)
-        for k in range(1, len(self.model.mtp) + 1):
+        for k in range(1, self.mtp_depth + 1):
             normalizers[f"mtp_{k}"] = (labels[:, k:] != -100).sum().clamp_min(1).float()
         return normalizers
 
-    def micro_batch_loss(self, micro_batch: Batch, normalizers: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
-        tokens, labels = micro_batch["input_ids"], micro_batch["labels"]
-        hidden = self.model.hidden_states(tokens)
-        loss = cross_entropy(self.model.head(hidden), labels) / normalizers["targets"]
+    def loss_from_outputs(
+        self, outputs: tuple[torch.Tensor, ...], labels: torch.Tensor, normalizers: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, Metrics]:
+        logits, *mtp_logits = outputs
+        loss = cross_entropy(logits, labels) / normalizers["targets"]
         objective, metrics = loss, {"loss": loss.detach()}
-        if len(self.model.mtp):
-            mtp_logits = self.model.mtp_logits(hidden, tokens)
+        if mtp_logits:
             mtp_loss = sum(
                 cross_entropy(logits, labels[:, k:]) / normalizers[f"mtp_{k}"]
                 for k, logits in enumerate(mtp_logits, start=1)
             ) / len(mtp_logits)
-            weight = self.objective.mtp_weight_at(self.progress)
-            objective = objective + weight * mtp_loss
+            objective = objective + self.objective.mtp_weight_at(self.progress) * mtp_loss
             metrics["mtp_loss"] = mtp_loss.detach()
-            self.log("train/mtp_weight", weight)
-        balance = self.model.balance_loss()
-        if balance is not None:
-            balance = balance * labels.shape[0] / normalizers["sequences"]
-            objective = objective + balance
-            metrics["balance_loss"] = balance.detach()
         return objective, metrics
+
+    def step_metrics(self) -> dict[str, float]:
+        if not self.mtp_depth:
+            return {}
+        return {"mtp_weight": self.objective.mtp_weight_at(self.progress)}

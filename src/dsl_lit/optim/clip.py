@@ -54,7 +54,15 @@ def clip_by_norm_(tensors: Iterable[torch.Tensor], norm: torch.Tensor, max_norm:
     return norm.float()
 
 
-def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float | None) -> torch.Tensor:
-    """Like ``torch.nn.utils.clip_grad_norm_`` with the norm in float64; returns the norm."""
+def clip_grad_norm_(
+    params: Iterable[torch.nn.Parameter], max_norm: float | None, sum_over: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Like ``torch.nn.utils.clip_grad_norm_`` with the norm in float64; returns the norm.
+
+    ``sum_over``: a group whose ranks hold *different* parameters (pipeline stages), whose squares
+    add up to the model's norm."""
     grads = [p.grad for p in params if p.grad is not None]
-    return clip_by_norm_(grads, squared_norm(grads).sqrt(), max_norm)
+    square = squared_norm(grads)
+    if sum_over is not None:
+        dist.all_reduce(square, group=sum_over)
+    return clip_by_norm_(grads, square.sqrt(), max_norm)

@@ -13,8 +13,8 @@ from dsl_lit.models.config import ModelConfig
 if TYPE_CHECKING:
     from dsl_lit.config import ParallelConfig
 
-IMPLEMENTED = ("dp", "zero1", "tp")
-"""What the strategy applies today; pp, ep and sequence parallelism are validated but not yet applied."""
+IMPLEMENTED = ("dp", "zero1", "tp", "pp")
+"""What the strategy applies today; ep and sequence parallelism are validated but not yet applied."""
 
 
 def validate_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int) -> int:
@@ -67,10 +67,10 @@ def validate_layout(parallel: ParallelConfig, model: ModelConfig, world_size: in
         raise ConfigError("parallel.zero1=true with parallel.tp > 1 is not implemented yet; use one of them")
     if parallel.sequence_parallel:
         raise ConfigError("parallel.sequence_parallel=true is not implemented yet; tensor parallelism runs without it")
-    for name, value in (("pp", pp), ("ep", ep)):
+    for name, value in (("ep", ep),):
         if value > 1:
             raise ConfigError(
                 f"parallel.{name}={value} is a valid layout but not implemented yet: the strategy applies "
-                f"{IMPLEMENTED} today (tensor, pipeline and expert parallelism are next); use parallel.{name}=1"
+                f"{IMPLEMENTED} today (expert parallelism is next); use parallel.{name}=1"
             )
     return dp

@@ -1,9 +1,10 @@
 """The Lightning Strategy that runs our LightningModules on a device mesh.
 
-Today it runs a (dp, tp) device mesh over ``trainer.devices x trainer.num_nodes`` processes (gloo
-on CPU, NCCL on GPU): data parallelism, plain or with ZeRO-1 (``parallel.zero1``), and tensor
-parallelism with each family's plan (:mod:`dsl_lit.parallel.tensor_parallel`); pipeline, expert
-and sequence parallelism are validated by :mod:`dsl_lit.parallel.layout` and arrive next.
+It runs a (pp, dp, tp) device mesh over ``trainer.devices x trainer.num_nodes`` processes (gloo
+on CPU, NCCL on GPU): data parallelism, plain or with ZeRO-1 (``parallel.zero1``), tensor
+parallelism with each family's plan (:mod:`dsl_lit.parallel.tensor_parallel`) and pipeline
+parallelism with a ``torch.distributed.pipelining`` schedule (:mod:`dsl_lit.parallel.pipeline`).
+The tp ranks of a stage are adjacent (one node), then dp, then pp outermost.
 
 Why not Lightning's DDPStrategy as is: DDP all-reduces on every backward, but our modules run
 several micro-batches per optimizer step inside ``training_step`` (so that a pipeline schedule or
@@ -31,6 +32,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from dsl_lit.optim import OptimConfig, build_optimizer, param_groups
 from dsl_lit.optim.clip import clip_grad_norm_
 from dsl_lit.parallel.grad_sync import OverlappedGradientReducer
+from dsl_lit.parallel.pipeline import PipelineRunner
 from dsl_lit.parallel.tensor_parallel import apply_tensor_parallel
 from dsl_lit.parallel.zero1 import ZeRO1AdamW
 
@@ -43,18 +45,28 @@ def data_parallel_size(trainer: Any) -> int:
 class DeepSeekStrategy(DDPStrategy):
     strategy_name = "dsl_lit"
 
-    def __init__(self, tp: int = 1, zero1: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        tp: int = 1,
+        pp: int = 1,
+        zero1: bool = False,
+        pp_schedule: str = "1F1B",
+        pp_virtual_stages: int = 1,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
-        self.tp = tp
-        self.zero1 = zero1
+        self.tp, self.pp, self.zero1 = tp, pp, zero1
+        self.pp_schedule, self.pp_virtual_stages = pp_schedule, pp_virtual_stages
         self.mesh: DeviceMesh | None = None
         self._reducer: OverlappedGradientReducer | None = None
+        self._pipeline: PipelineRunner | None = None
+        self._pp_metric_names: list[str] | None = None
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        # Mesh (dp, tp): the tp ranks of one replica are adjacent (same node when tp <= GPUs per node).
+        dp = self.world_size // (self.tp * self.pp)
         self.mesh = init_device_mesh(
-            self.root_device.type, (self.world_size // self.tp, self.tp), mesh_dim_names=("dp", "tp")
+            self.root_device.type, (self.pp, dp, self.tp), mesh_dim_names=("pp", "dp", "tp")
         )
 
     # -- data-parallel coordinates (the data module shards batches by these) ------------------------
@@ -64,11 +76,15 @@ class DeepSeekStrategy(DDPStrategy):
 
     @property
     def dp_size(self) -> int:
-        return self.world_size // self.tp
+        return self.world_size // (self.tp * self.pp)
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
         return self.mesh["dp"].get_group() if self.mesh is not None else None
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh["pp"].get_group() if self.mesh is not None and self.pp > 1 else None
 
     def reduce_over_dp(self, tensor: torch.Tensor, reduce_op: str = "sum") -> torch.Tensor:
         """Reduce across data-parallel replicas only (tp ranks of a replica hold the same value)."""
@@ -84,14 +100,58 @@ class DeepSeekStrategy(DDPStrategy):
             with torch.no_grad():
                 for tensor in [*self.model.parameters(), *self.model.buffers()]:
                     dist.broadcast(tensor, src=0)
+        module = self.lightning_module
+        if self.pp > 1:  # drop what this rank's stages do not hold, before sharding the rest
+            self._pipeline = PipelineRunner(
+                module.model, module.model_config, self.pp_group, self.pp_schedule,
+                self.pp_virtual_stages, self.root_device,
+            )
         if self.tp > 1:
-            module = self.lightning_module
             apply_tensor_parallel(module.model, module.model_config, self.mesh["tp"])
+
+    # -- pipeline parallelism: the schedule runs the step's micro-batches ---------------------------
+    def pipeline_forward_backward(self, module: Any, batch: dict[str, torch.Tensor], normalizers: dict) -> dict:
+        """Run one step's forwards and backwards through the pipeline schedule; returns the step
+        metrics summed over stages (the loss from the last stage, balance losses from where their
+        MoE layers are), the same on every rank of the pipeline."""
+        rows = batch["input_ids"].shape[0]
+        self._pipeline.build_schedule(rows // module.micro_batch_size, self._pipeline_loss)
+        self._pp_module, self._pp_normalizers, self._pp_totals = module, normalizers, {}
+        with self.loss_context():
+            self._pipeline.step(batch["input_ids"], batch["labels"], float(rows))
+        totals: dict[str, torch.Tensor] = dict(self._pp_totals)
+        balance = self._pipeline.balance_total()
+        if balance is not None:
+            totals["balance_loss"] = balance
+        if self._pp_metric_names is None:  # which metrics exist is agreed once
+            names: list[Any] = [None] * self.pp
+            dist.all_gather_object(names, sorted(totals), group=self.pp_group)
+            self._pp_metric_names = sorted(set().union(*names))
+        zero = torch.zeros((), device=self.root_device)
+        values = torch.stack([totals.get(k, zero).float().reshape(()) for k in self._pp_metric_names])
+        dist.all_reduce(values, group=self.pp_group)
+        self._pp_module = self._pp_normalizers = None
+        return dict(zip(self._pp_metric_names, values))
+
+    def _pipeline_loss(self, outputs: tuple[torch.Tensor, ...], labels: torch.Tensor, record: bool) -> torch.Tensor:
+        """The schedule's loss function on the last stage: the module's own objective (metrics
+        recorded except in the schedule's shape-inference pass)."""
+        objective, metrics = self._pp_module.loss_from_outputs(outputs, labels, self._pp_normalizers)
+        if not record:
+            return objective
+        for name, value in metrics.items():
+            self._pp_totals[name] = self._pp_totals.get(name, 0.0) + value
+        return objective
 
     # -- checkpoints hold full tensors, whatever the layout -----------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
         state = super().lightning_module_state_dict()
-        return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+        state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+        if self.pp > 1:  # every stage's tensors, by their single-device names
+            parts: list[Any] = [None] * self.pp
+            dist.all_gather_object(parts, state, group=self.pp_group)
+            state = {k: v for part in parts for k, v in part.items()}
+        return state
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Optimizer state with full tensors (tensor-parallel moments gathered): layout-independent."""
@@ -130,7 +190,8 @@ class DeepSeekStrategy(DDPStrategy):
         if not (self.zero1 and self.dp_size > 1):
             return build_optimizer(model, cfg)
         return ZeRO1AdamW(
-            param_groups(model, cfg.weight_decay), group=self.dp_group, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps
+            param_groups(model, cfg.weight_decay), group=self.dp_group, norm_group=self.pp_group,
+            lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
         )
 
     def loss_context(self) -> contextlib.AbstractContextManager:
@@ -160,7 +221,7 @@ class DeepSeekStrategy(DDPStrategy):
             if not self._reducer.armed:  # no overlap was armed: wait() reduces every bucket now
                 self._reducer.arm()
             self._reducer.wait()
-        return clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
+        return clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm, self.pp_group)
 
     def teardown(self) -> None:
         if self._reducer is not None:

@@ -75,9 +75,11 @@ class ZeRO1AdamW(LastBackwardBuckets, torch.optim.AdamW):
         param_groups: list[dict[str, Any]],
         group: dist.ProcessGroup | None = None,
         bucket_numel: int = BUCKET_NUMEL,
+        norm_group: dist.ProcessGroup | None = None,
         **kwargs: Any,
     ):
         self.group = group
+        self.norm_group = norm_group  # pipeline stages: their squared norms add up to the model's
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.group_params = [list(g["params"]) for g in param_groups]
@@ -122,6 +124,8 @@ class ZeRO1AdamW(LastBackwardBuckets, torch.optim.AdamW):
         shards = [b.master.grad for b in self.buckets]
         square = squared_norm(shards).to(shards[0].device)
         dist.all_reduce(square, group=self.group)
+        if self.norm_group is not None:
+            dist.all_reduce(square, group=self.norm_group)
         norm = clip_by_norm_(shards, square.sqrt(), max_norm)
         for p in self._params():
             p.grad = None  # the full-size gradients are no longer needed

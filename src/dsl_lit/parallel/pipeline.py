@@ -1,0 +1,310 @@
+"""Pipeline parallelism: split a ``Transformer`` into stages and run a step with a schedule from
+``torch.distributed.pipelining`` (GPipe, 1F1B, Interleaved1F1B, DualPipeV).
+
+How a model becomes stages (the model code knows nothing of it):
+
+- :func:`split_layers` cuts the layers into contiguous stages of balanced *cost*: a layer costs
+  its activated matmul weights, and the last stage also pays for the output head and the MTP
+  modules (DeepSeek-V3's multi-token prediction lives on the last stage, where the head is);
+  the embedding lookup costs no matmul. Every stage keeps at least one layer.
+- :func:`stages_of_rank` places stages on pp ranks: one per rank (GPipe, 1F1B), round-robin
+  (Interleaved1F1B), or the V of DualPipeV (rank r holds stages r and 2*pp-1-r, so the first
+  and the last stage share rank 0).
+- :func:`prune_to_stages` deletes from this rank's model what its stages do not own. Module
+  names stay the single-device ones (``layers.7...``), so checkpoints reshard by name.
+- :class:`PipelineStageModule` is one stage's forward over the shared (pruned) model. The MTP
+  modules need the token embeddings, which live on the first stage: the first stage sends them
+  down the pipeline beside the hidden states, so their gradient flows back to the one embedding
+  (no duplicated, tied embedding to keep in sync as Megatron does).
+- The sequence-wise balance loss of MoE layers is made where the layer is, not on the last stage:
+  :class:`_AttachAuxLoss` hooks its gradient onto the stage's output (as DeepSeek-V2's reference
+  code does), scaled by the micro-batch's share of the step's sequences.
+
+The loss function the schedule calls on the last stage is the LightningModule's own
+``loss_from_outputs``, divided by step-wide counts, so the schedule runs with
+``scale_grads=False`` and accumulated gradients equal the single-device ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+from dsl_lit.models.config import ModelConfig
+from dsl_lit.models.moe import MoE
+
+SCHEDULES = {
+    "GPipe": ScheduleGPipe,
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "DualPipeV": ScheduleDualPipeV,
+}
+MULTI_STAGE = ("Interleaved1F1B", "DualPipeV")
+
+
+def layer_cost(cfg: ModelConfig, layer_id: int) -> float:
+    """Activated matmul weights of one block (attention + dense FFN or shared + top-k experts)."""
+    d = cfg.d_model
+    if cfg.family == "deepseek_v3":
+        q = d * cfg.n_heads * cfg.qk_head_dim if cfg.q_lora_rank is None else (
+            d * cfg.q_lora_rank + cfg.q_lora_rank * cfg.n_heads * cfg.qk_head_dim
+        )
+        kv = d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        kv += cfg.kv_lora_rank * cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        attention = q + kv + cfg.n_heads * cfg.v_head_dim * d
+    else:
+        head_dim = d // cfg.n_heads
+        attention = 2 * d * d + 2 * d * cfg.n_kv_heads * head_dim
+    if cfg.is_moe_layer(layer_id):
+        ffn = 3 * d * cfg.moe_ffn_hidden * (cfg.n_activated_experts + cfg.n_shared_experts)
+    else:
+        ffn = 3 * d * cfg.ffn_hidden
+    return float(attention + ffn)
+
+
+def split_layers(cfg: ModelConfig, n_stages: int) -> list[list[int]]:
+    """Contiguous layer ranges, one per stage, minimising the most expensive stage's cost.
+
+    The last stage also carries the head (d x vocab) and each MTP module (its block, its
+    projection and the head again)."""
+    costs = [layer_cost(cfg, i) for i in range(cfg.n_layers)]
+    head = float(cfg.d_model * cfg.vocab_size)
+    depth = cfg.mtp_depth if cfg.family == "deepseek_v3" else 0
+    tail = head + depth * (layer_cost(cfg, cfg.n_layers) + 2 * cfg.d_model * cfg.d_model + head)
+    n = len(costs)
+    if not 1 <= n_stages <= n:
+        raise ValueError(f"{n_stages} pipeline stages cannot split {n} layers (each stage needs one)")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(stage: int, start: int, end: int) -> float:
+        return prefix[end] - prefix[start] + (tail if stage == n_stages - 1 else 0.0)
+
+    # best[s][i]: least max-cost of splitting layers [0, i) into stages 0..s-1 (exact DP; n is small)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for i in range(s, n - (n_stages - s) + 1):
+            for j in range(s - 1, i):
+                value = max(best[s - 1][j], cost(s - 1, j, i))
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    bounds, i = [], n
+    for s in range(n_stages, 0, -1):
+        bounds.append((cut[s][i], i))
+        i = cut[s][i]
+    return [list(range(a, b)) for a, b in reversed(bounds)]
+
+
+def stages_of_rank(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
+    """Indices of the stages this pp rank runs, in the order the schedule expects."""
+    if schedule == "DualPipeV":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(virtual)]
+
+
+def prune_to_stages(model: nn.Module, stage_layers: list[list[int]], owned: list[int]) -> None:
+    """Delete the layers, embedding, head and MTP modules that none of ``owned`` stages use."""
+    keep = {layer for s in owned for layer in stage_layers[s]}
+    for name in list(model.layers.keys()):
+        if int(name) not in keep:
+            del model.layers[name]
+    last = len(stage_layers) - 1
+    if 0 not in owned:
+        model.tok_embeddings = None
+    if last not in owned:
+        model.norm = None
+        model.output = None
+        model.mtp = nn.ModuleDict()
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on ``hidden``; in backward, gives ``aux`` the gradient 1, so an auxiliary loss
+    computed inside a stage is optimised without travelling to the last stage."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape, dtype, device = ctx.aux_meta
+        return grad, torch.ones(shape, dtype=dtype, device=device)
+
+
+class PipelineStageModule(nn.Module):
+    """One pipeline stage over the rank's shared, pruned ``Transformer``.
+
+    ``forward(x, embeddings=None)``: the first stage takes token ids, later stages the previous
+    stage's hidden states (and, with MTP, the token embeddings). The last stage returns the
+    logits, then one logits tensor per MTP depth; the others return what the next stage takes.
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: list[int], is_first: bool, is_last: bool) -> None:
+        super().__init__()
+        self.model = model  # shared by the rank's stages; parameters() below lists only ours
+        self.layer_ids = layer_ids
+        self.is_first, self.is_last = is_first, is_last
+        self.carries_embeddings = len(model.mtp) > 0 or (
+            model.config.family == "deepseek_v3" and model.config.mtp_depth > 0
+        )
+        self.balance_scale = 0.0
+        """1 / (sequences in the step on this rank), set per step: the micro-batch's share of the
+        balance loss is its rows times this."""
+        self.balance_total: torch.Tensor | None = None
+        """Detached sum of this stage's balance losses over the step (for the metric)."""
+        self.in_metadata_pass = False
+
+    def owned_modules(self) -> list[nn.Module]:
+        m = self.model
+        owned: list[nn.Module] = [m.layers[str(i)] for i in self.layer_ids]
+        if self.is_first:
+            owned.append(m.tok_embeddings)
+        if self.is_last:
+            owned += [m.norm, m.output, m.mtp]
+        return owned
+
+    def parameters(self, recurse: bool = True):  # noqa: D102 - only this stage's weights
+        seen: set[int] = set()
+        for module in self.owned_modules():
+            for p in module.parameters(recurse):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        for p in self.parameters(recurse):
+            yield prefix + names[id(p)], p
+
+    def moe_layers(self) -> list[MoE]:
+        """This stage's MoE layers (the MTP blocks' too, on the last stage)."""
+        return [m for module in self.owned_modules() for m in module.modules() if isinstance(m, MoE)]
+
+    @contextlib.contextmanager
+    def metadata_pass(self) -> Iterator[None]:
+        """``torch.distributed.pipelining`` runs each stage once on the first micro-batch (or on
+        uninitialised buffers) to learn shapes; that pass must not count expert loads or losses."""
+        loads = [(m.gate.load.counts, m.gate.load.counts.clone()) for m in self.moe_layers()]
+        self.in_metadata_pass = True
+        try:
+            yield
+        finally:
+            self.in_metadata_pass = False
+            for counts, saved in loads:
+                counts.copy_(saved)
+
+    def forward(self, x: torch.Tensor, embeddings: torch.Tensor | None = None) -> Any:
+        m = self.model
+        if self.is_first:
+            x = m.tok_embeddings(x)
+            embeddings = x if self.carries_embeddings else None
+        rope = m.rope(x.shape[1])
+        for i in self.layer_ids:
+            x = m.layers[str(i)](x, rope)
+        if not self.is_last:
+            x = self._attach_balance_losses(x)
+            return (x, embeddings.view_as(embeddings)) if self.carries_embeddings else x
+        logits = m.head(x)
+        mtp_logits = m.mtp_logits(x, embeddings) if len(m.mtp) else []
+        logits = self._attach_balance_losses(logits)  # after the MTP blocks ran: theirs count too
+        return (logits, *mtp_logits) if mtp_logits else logits
+
+    def _attach_balance_losses(self, x: torch.Tensor) -> torch.Tensor:
+        losses = [m.balance_loss for m in self.moe_layers() if m.balance_loss is not None]
+        if not losses or not torch.is_grad_enabled():
+            return x
+        aux = torch.stack(losses).sum() * (x.shape[0] * self.balance_scale)
+        if not self.in_metadata_pass:
+            self.balance_total = aux.detach() if self.balance_total is None else self.balance_total + aux.detach()
+        return _AttachAuxLoss.apply(x, aux)
+
+
+class _Stage(PipelineStage):
+    """A ``PipelineStage`` whose shape-inference passes leave no trace in our counters."""
+
+    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        with self.submod.metadata_pass():
+            return super()._prepare_forward_infra(*args, **kwargs)
+
+    def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        with self.submod.metadata_pass():
+            return super()._prepare_backward_infra(*args, **kwargs)
+
+
+class PipelineRunner:
+    """This rank's stages: prunes the model at construction (before the optimizer and tensor
+    parallelism see it), builds the schedule at the first step (when the number of micro-batches
+    is known), then runs each optimizer step's forwards and backwards with :meth:`step`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: ModelConfig,
+        pp_group: dist.ProcessGroup,
+        schedule: str,
+        virtual_stages: int,
+        device: torch.device,
+    ) -> None:
+        self.pp_group, self.schedule_name, self.device = pp_group, schedule, device
+        pp = dist.get_world_size(pp_group)
+        virtual = 2 if schedule == "DualPipeV" else (virtual_stages if schedule in MULTI_STAGE else 1)
+        self.n_stages = pp * virtual
+        self.stage_layers = split_layers(cfg, self.n_stages)
+        self.owned = stages_of_rank(dist.get_rank(pp_group), pp, virtual, schedule)
+        prune_to_stages(model, self.stage_layers, self.owned)
+        self.modules = [
+            PipelineStageModule(model, self.stage_layers[s], s == 0, s == self.n_stages - 1) for s in self.owned
+        ]
+        self.has_first = any(m.is_first for m in self.modules)
+        self.has_last = any(m.is_last for m in self.modules)
+        self.schedule: Any = None
+        self._n_microbatches = 0
+
+    def build_schedule(self, n_microbatches: int, loss_fn: Callable[..., torch.Tensor]) -> None:
+        """Create the stages and the schedule (once per number of micro-batches)."""
+        if self.schedule is not None and n_microbatches == self._n_microbatches:
+            return
+        stages = [
+            _Stage(module, s, self.n_stages, self.device, group=self.pp_group)
+            for module, s in zip(self.modules, self.owned)
+        ]
+        schedule_cls = SCHEDULES[self.schedule_name]
+        arg: Any = stages if self.schedule_name in MULTI_STAGE else stages[0]
+        last = next((m for m in self.modules if m.is_last), None)
+
+        def stage_loss(outputs: Any, target: torch.Tensor) -> torch.Tensor:
+            outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+            return loss_fn(outputs, target, record=last is not None and not last.in_metadata_pass)
+
+        self.schedule = schedule_cls(arg, n_microbatches=n_microbatches, loss_fn=stage_loss, scale_grads=False)
+        self._n_microbatches = n_microbatches
+
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, step_sequences: float) -> None:
+        """Forward and backward of every micro-batch; gradients accumulate in the parameters."""
+        for module in self.modules:
+            module.balance_scale = 1.0 / step_sequences
+            module.balance_total = None
+        args = (input_ids,) if self.has_first else ()
+        target = labels if self.has_last else None
+        self.schedule.step(*args, target=target, return_outputs=False)
+
+    def balance_total(self) -> torch.Tensor | None:
+        totals = [m.balance_total for m in self.modules if m.balance_total is not None]
+        return torch.stack(totals).sum() if totals else None
