@@ -105,6 +105,36 @@ def _grouped_mm_usable(x: torch.Tensor) -> bool:
     return x.device.type == "cpu"
 
 
+def grouped_swiglu(
+    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, backend: str
+) -> torch.Tensor:
+    """SwiGLU experts on tokens sorted by expert: ``x`` [tokens, dim], ``counts`` [experts] tokens
+    per expert, weights stacked [experts, out, in]. A function of the weights (not of a module) so
+    that expert parallelism can run it on the experts this rank holds."""
+    if backend == "grouped_mm" and not _grouped_mm_usable(x):
+        message = (
+            f"expert_backend=grouped_mm is not available for device={x.device.type}, dtype={x.dtype} "
+            "(needs torch._grouped_mm: CPU, or CUDA with bf16 on sm90+); using expert_backend=split"
+        )
+        if message not in _warned:
+            _warned.add(message)
+            log.warning(message)
+        backend = "split"
+    if backend == "grouped_mm":
+        offsets = counts.cumsum(0).to(torch.int32)
+
+        def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return torch._grouped_mm(a, w.to(a.dtype).transpose(-2, -1), offs=offsets)
+
+        return mm(F.silu(mm(x, w1)) * mm(x, w3), w2)
+    outputs = []
+    for e, chunk in enumerate(x.split(counts.tolist())):
+        if chunk.shape[0]:
+            a, b, c = (w[e].to(chunk.dtype) for w in (w1, w2, w3))
+            outputs.append(F.linear(F.silu(F.linear(chunk, a)) * F.linear(chunk, c), b))
+    return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[-1])
+
+
 class GroupedExperts(nn.Module):
     """``n`` SwiGLU experts with weights stacked as [experts, out, in] (each slice an nn.Linear
     weight), applied to tokens already sorted by expert."""
@@ -119,29 +149,7 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` [tokens, dim] sorted by expert; ``counts`` [experts] tokens per expert."""
-        backend = self.backend
-        if backend == "grouped_mm" and not _grouped_mm_usable(x):
-            message = (
-                f"expert_backend=grouped_mm is not available for device={x.device.type}, dtype={x.dtype} "
-                "(needs torch._grouped_mm: CPU, or CUDA with bf16 on sm90+); using expert_backend=split"
-            )
-            if message not in _warned:
-                _warned.add(message)
-                log.warning(message)
-            backend = "split"
-        if backend == "grouped_mm":
-            offsets = counts.cumsum(0).to(torch.int32)
-
-            def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-                return torch._grouped_mm(a, w.to(a.dtype).transpose(-2, -1), offs=offsets)
-
-            return mm(F.silu(mm(x, self.w1)) * mm(x, self.w3), self.w2)
-        outputs = []
-        for e, chunk in enumerate(x.split(counts.tolist())):
-            if chunk.shape[0]:
-                w1, w2, w3 = (w[e].to(chunk.dtype) for w in (self.w1, self.w2, self.w3))
-                outputs.append(F.linear(F.silu(F.linear(chunk, w1)) * F.linear(chunk, w3), w2))
-        return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[-1])
+        return grouped_swiglu(x, counts, self.w1, self.w2, self.w3, self.backend)
 
     def forward_reference(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """The naive per-expert loop over unsorted tokens (masking all tokens for every expert)."""

@@ -9,6 +9,8 @@ reverse of the parameter order, roughly the order backward produces them.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -68,12 +70,27 @@ class LastBackwardBuckets:
 
 
 class OverlappedGradientReducer(LastBackwardBuckets):
-    """Mean of gradients over the dp group, launched bucket by bucket from backward hooks."""
+    """Sum of gradients over ``group`` divided by ``divisor``, launched bucket by bucket from
+    backward hooks.
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None = None, bucket_numel: int = BUCKET_NUMEL):
+    ``params`` is a module (all its trainable parameters) or an explicit list, so that one model
+    can have several reducers: with expert parallelism the non-expert parameters reduce over the
+    dp group (divisor dp: the mean), while routed experts reduce over the expert-data-parallel
+    group (the ranks holding the same experts) and still divide by the full dp size, because the
+    all-to-all already summed the other ep ranks' contributions into each local expert gradient.
+    """
+
+    def __init__(
+        self,
+        params: nn.Module | Iterable[nn.Parameter],
+        group: dist.ProcessGroup | None = None,
+        bucket_numel: int = BUCKET_NUMEL,
+        divisor: int | None = None,
+    ):
         self.group = group
-        self.world = dist.get_world_size(group)
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.divisor = divisor if divisor is not None else dist.get_world_size(group)
+        params = params.parameters() if isinstance(params, nn.Module) else params
+        self.params = [p for p in params if p.requires_grad]
         self.buckets: list[_Bucket] = []
         current: list[nn.Parameter] = []
         size = 0
@@ -95,13 +112,13 @@ class OverlappedGradientReducer(LastBackwardBuckets):
     @torch.no_grad()
     def wait(self) -> None:
         """Finish every bucket (launching those whose hooks never fired, e.g. unused parameters)
-        and write the mean gradients back."""
+        and write the reduced gradients (sum / divisor) back."""
         for bucket in self.buckets:
             if bucket.work is None:
                 self._launch(bucket)
         for bucket in self.buckets:
             bucket.work.wait()
-            bucket.flat /= self.world
+            bucket.flat /= self.divisor
             offset = 0
             for p in bucket.params:
                 shard = local(p)  # tensor-parallel parameters reduce their local shard over dp

@@ -1,0 +1,171 @@
+"""Expert parallelism: the routed experts of every MoE layer are split over the ``ep`` ranks and
+token copies travel to their experts' rank and back by all-to-all (DeepSeek-V3 section 3.2).
+
+Applied from outside the model, like the tensor-parallel plans: :func:`apply_expert_parallel`
+turns each ``GroupedExperts`` stack (w1 / w2 / w3, [experts, out, in]) into a DTensor parameter
+``Shard(0)`` over the 1-D ep mesh, names unchanged, so ep rank ``r`` holds experts
+``[r E/ep, (r+1) E/ep)`` and the strategy's ``full_tensor()`` on save and ``distribute_tensor`` on
+load work by name. The MoE instance gets an all-to-all ``_dispatch``; the router, the shared
+experts, the loads and the balance loss are untouched: every rank routes its own tokens.
+
+The ep ranks are data-parallel ranks (``parallel.ep`` divides dp). A rank's local expert gradient
+already sums the contributions of every token the ep group sent it, so the routed experts reduce
+over the *expert-data-parallel* group only (the dp ranks holding the same experts) while dividing
+by the full dp size; the other parameters reduce over dp as usual (:func:`expert_parameters`
+tells them apart, see ``OverlappedGradientReducer``).
+
+Node-limited routing is meant to bound a token's communication: with ``n_limited_groups <
+n_expert_groups`` the expert groups must line up with the ep ranks (one divides the other), so a
+token reaches at most :func:`max_ranks_per_token` ranks.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from dsl_lit.errors import ConfigError
+from dsl_lit.models.config import ModelConfig
+from dsl_lit.models.moe import MoE, grouped_swiglu
+
+EXPERT_WEIGHTS = ("w1", "w2", "w3")
+
+
+def check_expert_parallel(cfg: ModelConfig, ep: int) -> None:
+    """Raise ConfigError (naming the fields and the fix) for an ep size this model cannot use."""
+    if not isinstance(ep, int) or ep < 1:
+        raise ConfigError(f"parallel.ep={ep!r} must be a positive integer")
+    if ep == 1:
+        return
+    if not cfg.is_moe:
+        raise ConfigError(f"parallel.ep={ep} needs a model with routed experts (model {cfg.name!r} has none)")
+    if cfg.n_routed_experts % ep:
+        raise ConfigError(
+            f"parallel.ep={ep} does not divide model.n_routed_experts={cfg.n_routed_experts}; "
+            "every ep rank must hold the same number of experts"
+        )
+    if cfg.expert_backend == "loop":
+        raise ConfigError(
+            f"model.expert_backend=loop is a single-device reference and cannot run with parallel.ep={ep}; "
+            "use expert_backend=grouped_mm or split"
+        )
+    groups, limited = cfg.n_expert_groups, cfg.n_limited_groups
+    if limited < groups and groups % ep and ep % groups:
+        raise ConfigError(
+            f"model.n_expert_groups={groups} and parallel.ep={ep}: with model.n_limited_groups={limited} < "
+            "n_expert_groups, node-limited routing bounds the ranks a token is sent to only if the expert "
+            f"groups line up with ep ranks; make one divide the other (e.g. model.n_expert_groups={ep})"
+        )
+
+
+def max_ranks_per_token(cfg: ModelConfig, ep: int) -> int:
+    """Most ep ranks one token's copies can reach under ``cfg``'s routing (groups aligned to ranks)."""
+    bound = min(cfg.n_activated_experts, ep)
+    groups, limited = cfg.n_expert_groups, cfg.n_limited_groups
+    if limited < groups:
+        if groups % ep == 0:  # each rank holds groups/ep whole groups
+            bound = min(bound, limited)
+        elif ep % groups == 0:  # each group spans ep/groups ranks
+            bound = min(bound, limited * (ep // groups))
+    return bound
+
+
+def ranks_per_token(indices: torch.Tensor, n_experts: int, ep: int) -> torch.Tensor:
+    """For a routing result ``indices`` [tokens, k] (expert ids), the number of distinct ep ranks
+    each token is sent to ([tokens], int64), with contiguous blocks of experts per rank."""
+    rank = indices // (n_experts // ep)
+    hit = torch.zeros(indices.shape[0], ep, dtype=torch.bool, device=indices.device)
+    return hit.scatter_(1, rank, True).sum(dim=1)
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The routed experts' stacked weights, in ``model.parameters()`` order: their gradients reduce
+    over the expert-data-parallel group instead of all dp ranks."""
+    ids = {id(getattr(m.experts, name)) for m in model.modules() if isinstance(m, MoE) for name in EXPERT_WEIGHTS}
+    return [p for p in model.parameters() if id(p) in ids]
+
+
+def init_expert_parallel_mesh(device_type: str, dp: int, ep: int, tp: int = 1) -> DeviceMesh:
+    """A (edp, ep, tp) mesh with the flattened ``dp`` = (edp, ep) dimension: ``mesh["ep"]`` for
+    :func:`apply_expert_parallel`, ``mesh["dp"]`` for the non-expert reduction and the data
+    sampler (dp rank = edp * ep + ep rank), ``mesh["edp"]`` for the routed experts' reduction.
+
+    ep ranks are adjacent dp ranks, so an ep group stays on as few nodes as tp allows."""
+    if dp % ep:
+        raise ConfigError(f"parallel.ep={ep} does not divide the data-parallel size {dp}: experts shard over dp ranks")
+    mesh = init_device_mesh(device_type, (dp // ep, ep, tp), mesh_dim_names=("edp", "ep", "tp"))
+    mesh["edp", "ep"]._flatten("dp")
+    return mesh
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Shard every MoE layer's routed experts over the 1-D ``ep_mesh`` (in place) and make its
+    dispatch an all-to-all. Replicas must hold the same weights (rank 0 of ``ep_mesh`` is the
+    source, as when loading); a mesh of size 1 leaves the model as it is."""
+    if ep_mesh.ndim != 1:
+        raise ValueError(f"apply_expert_parallel needs a 1-D ep mesh, got {ep_mesh.ndim} dims")
+    ep = ep_mesh.size()
+    if ep == 1:
+        return
+    for module in model.modules():
+        if not isinstance(module, MoE):
+            continue
+        experts = module.experts
+        if experts.n_experts % ep:
+            raise ConfigError(f"parallel.ep={ep} does not divide model.n_routed_experts={experts.n_experts}")
+        if experts.backend == "loop":
+            raise ConfigError(f"model.expert_backend=loop cannot run with parallel.ep={ep}; use grouped_mm or split")
+        for name in EXPERT_WEIGHTS:
+            weight = getattr(experts, name)
+            if isinstance(weight, DTensor):
+                raise ValueError(f"{name} of {type(experts).__name__} is already a DTensor: apply expert parallelism once")
+            shard = distribute_tensor(weight.detach(), ep_mesh, [Shard(0)])
+            experts.register_parameter(name, nn.Parameter(shard, requires_grad=weight.requires_grad))
+        module.ep_group = ep_mesh.get_group()
+        module._dispatch = types.MethodType(_all_to_all_dispatch, module)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _all_to_all_dispatch(
+    self: MoE, flat: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
+) -> torch.Tensor:
+    """``MoE._dispatch`` over ep ranks: sort copies by expert (hence by destination rank), send
+    them, run the local experts on what arrived, send the outputs back, scale by the gate and
+    scatter-add. Every rank takes part in both all-to-alls, forward and backward."""
+    group = self.ep_group
+    ep = dist.get_world_size(group)
+    n_local = self.n_experts // ep
+    flat_ids = indices.flatten()
+    order = flat_ids.argsort(stable=True)
+    counts = torch.bincount(flat_ids, minlength=self.n_experts)
+    token_of = order // self.top_k
+    # recv_counts[src, e]: copies rank src sends to this rank's local expert e
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts, group=group)
+    recv_counts = recv_counts.view(ep, n_local)
+    send_splits = counts.view(ep, n_local).sum(dim=1).tolist()
+    recv_splits = recv_counts.sum(dim=1).tolist()  # the one host sync: all_to_all needs sizes
+    received = all_to_all_single_autograd(flat.index_select(0, token_of), recv_splits, send_splits, group)
+    # arrivals are ordered (source rank, local expert); the experts want (local expert, source rank)
+    local_ids = torch.arange(n_local, device=flat.device).repeat(ep)
+    local_ids = local_ids.repeat_interleave(recv_counts.flatten(), output_size=sum(recv_splits))
+    regroup = local_ids.argsort(stable=True)
+    x = received.index_select(0, regroup)
+    w1, w2, w3 = (_local(getattr(self.experts, name)) for name in EXPERT_WEIGHTS)
+    if x.shape[0]:
+        out = grouped_swiglu(x, recv_counts.sum(dim=0), w1, w2, w3, self.experts.backend)
+    else:  # nothing arrived: stay in the graph (x and weights) so backward's all-to-all and grad hooks run
+        out = x * 0 + (w1.sum() + w2.sum() + w3.sum()).to(x.dtype) * 0
+    out = out.index_select(0, regroup.argsort())  # back to (source rank, local expert)
+    returned = all_to_all_single_autograd(out, send_splits, recv_splits, group)
+    returned = returned * weights.flatten().index_select(0, order).unsqueeze(1).to(returned.dtype)
+    return torch.zeros_like(flat).index_add_(0, token_of, returned)
