@@ -24,8 +24,12 @@ V3 = ModelConfig.from_name("deepseek_v3_671b")  # 128 heads, 61 layers, 256 expe
          "parallel.tp=6 and model.n_kv_heads=4: one must divide the other"),
         (dict(tp=2, pp=2), LLM, 6, "parallel.tp=2 x parallel.pp=2 = 4 does not divide the world size"),
         (dict(dp=3), LLM, 4, "parallel.dp=3 x tp=1 x pp=1 must equal the world size"),
-        (dict(pp=8, pp_virtual_stages=4), LLM, 8, "32 stages exceed model.n_layers=30"),
-        (dict(pp=2, pp_schedule="DualPipeV"), LLM, 2, "set parallel.pp_virtual_stages=2"),
+        (dict(pp=8, pp_virtual_stages=4, pp_schedule="Interleaved1F1B"), LLM, 8, "32 stages exceed model.n_layers=30"),
+        (dict(pp=2, pp_schedule="Interleaved1F1B"), LLM, 2, "set parallel.pp_virtual_stages=2"),
+        (dict(pp=2, pp_virtual_stages=2), LLM, 2, "parallel.pp_schedule=1F1B runs one stage per rank"),
+        (dict(pp=2, pp_schedule="DualPipeV", pp_virtual_stages=3), LLM, 2, "must be 2 (or 1, read as 2)"),
+        (dict(pp=2), ModelConfig.from_name("deepseek_llm_tiny", tie_embeddings=True), 2,
+         "model.tie_embeddings=true with parallel.pp=2"),
         (dict(ep=2), LLM, 2, "parallel.ep=2 needs a model with routed experts"),
         (dict(ep=3), V3, 3, "parallel.ep=3 does not divide model.n_routed_experts=256"),
         (dict(ep=4), V3, 2, "parallel.ep=4 does not divide the data-parallel size 2"),
@@ -60,3 +64,18 @@ def test_parallel_group_errors(override, message):
 def test_zero1_group_composes():
     cfg = TrainConfig.from_hydra(compose_config(overrides=["parallel=zero1", "trainer.devices=2"]))
     assert cfg.parallel.zero1 and cfg.parallel.dp is None and cfg.world_size == 2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["parallel.pp=2", "parallel.pp_schedule=DualPipeV"], "DualPipeV needs at least 2 x parallel.pp=4 micro-batches"),
+        (["parallel.pp=4", "+model.n_layers=4"], "1F1B needs at least parallel.pp=4 micro-batches per step, got 2"),
+        (["parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B", "parallel.pp_virtual_stages=2",
+          "trainer.devices=2", "data.global_batch_size=10"], "the 5 micro-batches per step to be a multiple"),
+    ],
+)
+def test_pipeline_micro_batch_counts(overrides, message):
+    base = ["trainer.devices=4", "data.global_batch_size=4", "data.micro_batch_size=2"]
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        TrainConfig.from_hydra(compose_config(overrides=[*base, *overrides]))

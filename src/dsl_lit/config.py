@@ -18,7 +18,7 @@ from dsl_lit.errors import ConfigError
 from dsl_lit.models.config import ModelConfig
 from dsl_lit.modules.objective import ObjectiveConfig
 from dsl_lit.optim import OptimConfig, ScheduleConfig
-from dsl_lit.parallel.layout import validate_layout
+from dsl_lit.parallel.layout import validate_layout, validate_pipeline_micro_batches
 from dsl_lit.schema import dataclass_from_dict
 
 
@@ -181,6 +181,9 @@ class TrainConfig:
             )
         dp = validate_layout(self.parallel, self.model, self.world_size)
         self.data.validate(dp_size=dp)
+        validate_pipeline_micro_batches(
+            self.parallel, self.data.global_batch_size // (dp * self.data.micro_batch_size)
+        )
         if self.data.tokenizer_vocab_size > self.model.vocab_size:
             raise ConfigError(
                 f"data.tokenizer_vocab_size={self.data.tokenizer_vocab_size} exceeds "

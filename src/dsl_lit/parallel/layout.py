@@ -46,15 +46,33 @@ def validate_layout(parallel: ParallelConfig, model: ModelConfig, world_size: in
             )
         if model.vocab_size % tp:
             raise ConfigError(f"parallel.tp={tp} does not divide model.vocab_size={model.vocab_size} (vocab-parallel head)")
-    stages = pp * parallel.pp_virtual_stages
+    virtual = parallel.pp_virtual_stages
+    if parallel.pp_schedule == "DualPipeV":
+        if virtual not in (1, 2):
+            raise ConfigError(
+                f"parallel.pp_schedule=DualPipeV runs exactly 2 stages per rank (a V); "
+                f"parallel.pp_virtual_stages={virtual} must be 2 (or 1, read as 2)"
+            )
+        virtual = 2
+    elif parallel.pp_schedule in ("1F1B", "GPipe") and virtual != 1:
+        raise ConfigError(
+            f"parallel.pp_schedule={parallel.pp_schedule} runs one stage per rank; set parallel.pp_virtual_stages=1 "
+            "or use parallel.pp_schedule=Interleaved1F1B"
+        )
+    stages = pp * virtual
     if pp > 1 and stages > model.n_layers:
         raise ConfigError(
             f"parallel.pp={pp} x parallel.pp_virtual_stages={parallel.pp_virtual_stages} = {stages} stages "
             f"exceed model.n_layers={model.n_layers}; each stage needs at least one layer"
         )
-    if parallel.pp_schedule in ("Interleaved1F1B", "DualPipeV") and pp > 1 and parallel.pp_virtual_stages < 2:
+    if parallel.pp_schedule == "Interleaved1F1B" and pp > 1 and virtual < 2:
         raise ConfigError(
-            f"parallel.pp_schedule={parallel.pp_schedule} runs several stages per rank; set parallel.pp_virtual_stages=2"
+            "parallel.pp_schedule=Interleaved1F1B runs several stages per rank; set parallel.pp_virtual_stages=2 (or more)"
+        )
+    if pp > 1 and model.tie_embeddings:
+        raise ConfigError(
+            f"model.tie_embeddings=true with parallel.pp={pp}: the embedding (first stage) and the head (last stage) "
+            "would be one tensor on two ranks; untie them or use parallel.pp=1"
         )
     if ep > 1:
         if not model.is_moe:
@@ -74,3 +92,23 @@ def validate_layout(parallel: ParallelConfig, model: ModelConfig, world_size: in
                 f"{IMPLEMENTED} today (expert parallelism is next); use parallel.{name}=1"
             )
     return dp
+
+
+def validate_pipeline_micro_batches(parallel: ParallelConfig, n_micro_batches: int) -> None:
+    """What each schedule needs of the micro-batches per rank and step
+    (``data.global_batch_size / (dp x data.micro_batch_size)``)."""
+    pp, schedule = parallel.pp, parallel.pp_schedule
+    if pp == 1:
+        return
+    fix = "raise data.global_batch_size or lower data.micro_batch_size"
+    if schedule == "1F1B" and n_micro_batches < pp:
+        raise ConfigError(f"parallel.pp_schedule=1F1B needs at least parallel.pp={pp} micro-batches per step, got "
+                          f"{n_micro_batches}; {fix}")
+    if schedule == "DualPipeV" and n_micro_batches < 2 * pp:
+        raise ConfigError(f"parallel.pp_schedule=DualPipeV needs at least 2 x parallel.pp={2 * pp} micro-batches "
+                          f"per step, got {n_micro_batches}; {fix}")
+    if schedule == "Interleaved1F1B":
+        rounds = max(1, n_micro_batches // pp)
+        if n_micro_batches % rounds:
+            raise ConfigError(f"parallel.pp_schedule=Interleaved1F1B needs the {n_micro_batches} micro-batches per step "
+                              f"to be a multiple of parallel.pp={pp} (or fewer than it); {fix}")

@@ -140,7 +140,7 @@ class _AttachAuxLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
         ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
-        return hidden.view_as(hidden)
+        return hidden.clone()  # not a view: pipelining schedules detach_() stage outputs
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,7 +220,10 @@ class PipelineStageModule(nn.Module):
             x = m.layers[str(i)](x, rope)
         if not self.is_last:
             x = self._attach_balance_losses(x)
-            return (x, embeddings.view_as(embeddings)) if self.carries_embeddings else x
+            if not self.carries_embeddings:
+                return x
+            # a stage's outputs must be its own tensors (the zero-bubble schedules detach_ them)
+            return x, embeddings if self.is_first else embeddings.clone()
         logits = m.head(x)
         mtp_logits = m.mtp_logits(x, embeddings) if len(m.mtp) else []
         logits = self._attach_balance_losses(logits)  # after the MTP blocks ran: theirs count too

@@ -32,6 +32,13 @@ from torch.distributed.tensor.parallel import loss_parallel
 from dsl_lit.optim import OptimConfig, build_optimizer, param_groups
 from dsl_lit.optim.clip import clip_grad_norm_
 from dsl_lit.parallel.grad_sync import OverlappedGradientReducer
+from dsl_lit.parallel.optimizer_state import (
+    full_model_param_names,
+    merge_stages,
+    optimizer_param_names,
+    to_full_order,
+    to_stage_order,
+)
 from dsl_lit.parallel.pipeline import PipelineRunner
 from dsl_lit.parallel.tensor_parallel import apply_tensor_parallel
 from dsl_lit.parallel.zero1 import ZeRO1AdamW
@@ -160,10 +167,23 @@ class DeepSeekStrategy(DDPStrategy):
             index: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in per_param.items()}
             for index, per_param in state.get("state", {}).items()
         }
-        return {**state, "state": gathered}
+        state = {**state, "state": gathered}
+        if self.pp > 1:  # renumber as one process would and merge the stages' parts
+            module = self.lightning_module
+            full = full_model_param_names(module.model_config)
+            part = to_full_order(state, optimizer_param_names(module.model), full)
+            parts: list[Any] = [None] * self.pp
+            dist.all_gather_object(parts, part, group=self.pp_group)
+            state = merge_stages(parts, full)
+        return state
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         """Re-shard full moments onto this rank's tensor-parallel parameters before loading."""
+        if self.pp > 1:  # keep this stage's entries, numbered as its optimizer numbers them
+            module = self.lightning_module
+            full = full_model_param_names(module.model_config)
+            local = optimizer_param_names(module.model)
+            checkpoint["optimizer_states"] = [to_stage_order(s, local, full) for s in checkpoint["optimizer_states"]]
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             if isinstance(optimizer, ZeRO1AdamW):
                 continue  # it slices its own shards out of the full state (and zero1 excludes tp)
@@ -180,6 +200,8 @@ class DeepSeekStrategy(DDPStrategy):
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         state = checkpoint["state_dict"]
         own = self.lightning_module.state_dict()
+        if self.pp > 1:  # this stage's tensors only
+            checkpoint["state_dict"] = state = {k: v for k, v in state.items() if k in own}
         for name, value in own.items():
             if isinstance(value, DTensor) and name in state:
                 state[name] = distribute_tensor(state[name], value.device_mesh, value.placements)
