@@ -33,7 +33,9 @@ V3 = ModelConfig.from_name("deepseek_v3_671b")  # 128 heads, 61 layers, 256 expe
         (dict(ep=2), LLM, 2, "parallel.ep=2 needs a model with routed experts"),
         (dict(ep=3), V3, 3, "parallel.ep=3 does not divide model.n_routed_experts=256"),
         (dict(ep=4), V3, 2, "parallel.ep=4 does not divide the data-parallel size 2"),
-        (dict(ep=8), V3, 16, "parallel.ep=8 is a valid layout but not implemented yet"),
+        (dict(ep=2, zero1=True), V3, 2, "parallel.zero1=true with parallel.ep=2 is not implemented yet"),
+        (dict(ep=3), ModelConfig.from_name("deepseek_v3_tiny", n_routed_experts=12), 3,
+         "model.n_expert_groups=4 and parallel.ep=3"),
     ],
 )
 def test_bad_layouts_name_the_field(layout, model, world, message):

@@ -84,7 +84,7 @@ def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = N
     par = cfg.parallel
     strategy = (
         DeepSeekStrategy(
-            tp=par.tp, pp=par.pp, zero1=par.zero1, pp_schedule=par.pp_schedule, pp_virtual_stages=par.pp_virtual_stages
+            tp=par.tp, pp=par.pp, ep=par.ep, zero1=par.zero1, pp_schedule=par.pp_schedule, pp_virtual_stages=par.pp_virtual_stages
         )
         if cfg.world_size > 1
         else "auto"

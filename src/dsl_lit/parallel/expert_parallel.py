@@ -91,15 +91,17 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if id(p) in ids]
 
 
-def init_expert_parallel_mesh(device_type: str, dp: int, ep: int, tp: int = 1) -> DeviceMesh:
-    """A (edp, ep, tp) mesh with the flattened ``dp`` = (edp, ep) dimension: ``mesh["ep"]`` for
-    :func:`apply_expert_parallel`, ``mesh["dp"]`` for the non-expert reduction and the data
-    sampler (dp rank = edp * ep + ep rank), ``mesh["edp"]`` for the routed experts' reduction.
+def init_expert_parallel_mesh(device_type: str, dp: int, ep: int, tp: int = 1, pp: int = 1) -> DeviceMesh:
+    """The strategy's (pp, edp, ep, tp) mesh with the flattened ``dp`` = (edp, ep) dimension:
+    ``mesh["ep"]`` for :func:`apply_expert_parallel`, ``mesh["dp"]`` for the non-expert reduction
+    and the data sampler (dp rank = edp * ep + ep rank), ``mesh["edp"]`` for the routed experts'
+    reduction, ``mesh["tp"]`` and ``mesh["pp"]`` for tensor and pipeline parallelism.
 
-    ep ranks are adjacent dp ranks, so an ep group stays on as few nodes as tp allows."""
+    tp ranks are adjacent (one node), then ep ranks, so an ep group stays on as few nodes as tp
+    allows; pipeline stages are outermost."""
     if dp % ep:
         raise ConfigError(f"parallel.ep={ep} does not divide the data-parallel size {dp}: experts shard over dp ranks")
-    mesh = init_device_mesh(device_type, (dp // ep, ep, tp), mesh_dim_names=("edp", "ep", "tp"))
+    mesh = init_device_mesh(device_type, (pp, dp // ep, ep, tp), mesh_dim_names=("pp", "edp", "ep", "tp"))
     mesh["edp", "ep"]._flatten("dp")
     return mesh
 

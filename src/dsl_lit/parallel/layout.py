@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING
 
 from dsl_lit.errors import ConfigError
 from dsl_lit.models.config import ModelConfig
+from dsl_lit.parallel.expert_parallel import check_expert_parallel
 
 if TYPE_CHECKING:
     from dsl_lit.config import ParallelConfig
 
-IMPLEMENTED = ("dp", "zero1", "tp", "pp")
-"""What the strategy applies today; ep and sequence parallelism are validated but not yet applied."""
+IMPLEMENTED = ("dp", "zero1", "tp", "pp", "ep")
+"""What the strategy applies today; sequence parallelism is validated but not yet applied."""
 
 
 def validate_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int) -> int:
@@ -75,22 +76,18 @@ def validate_layout(parallel: ParallelConfig, model: ModelConfig, world_size: in
             "would be one tensor on two ranks; untie them or use parallel.pp=1"
         )
     if ep > 1:
-        if not model.is_moe:
-            raise ConfigError(f"parallel.ep={ep} needs a model with routed experts (model {model.name!r} has none)")
-        if model.n_routed_experts % ep:
-            raise ConfigError(f"parallel.ep={ep} does not divide model.n_routed_experts={model.n_routed_experts}")
+        check_expert_parallel(model, ep)
         if dp % ep:
             raise ConfigError(f"parallel.ep={ep} does not divide the data-parallel size {dp}: experts shard over dp ranks")
+        if parallel.zero1:
+            raise ConfigError(
+                f"parallel.zero1=true with parallel.ep={ep} is not implemented yet: ZeRO-1's reduce-scatter over dp "
+                "would mix different ranks' experts; use one of them"
+            )
     if parallel.zero1 and tp > 1:
         raise ConfigError("parallel.zero1=true with parallel.tp > 1 is not implemented yet; use one of them")
     if parallel.sequence_parallel:
         raise ConfigError("parallel.sequence_parallel=true is not implemented yet; tensor parallelism runs without it")
-    for name, value in (("ep", ep),):
-        if value > 1:
-            raise ConfigError(
-                f"parallel.{name}={value} is a valid layout but not implemented yet: the strategy applies "
-                f"{IMPLEMENTED} today (expert parallelism is next); use parallel.{name}=1"
-            )
     return dp
 
 

@@ -25,12 +25,13 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from dsl_lit.optim import OptimConfig, build_optimizer, param_groups
 from dsl_lit.optim.clip import clip_grad_norm_
+from dsl_lit.parallel.expert_parallel import apply_expert_parallel, expert_parameters, init_expert_parallel_mesh
 from dsl_lit.parallel.grad_sync import OverlappedGradientReducer
 from dsl_lit.parallel.optimizer_state import (
     full_model_param_names,
@@ -56,25 +57,24 @@ class DeepSeekStrategy(DDPStrategy):
         self,
         tp: int = 1,
         pp: int = 1,
+        ep: int = 1,
         zero1: bool = False,
         pp_schedule: str = "1F1B",
         pp_virtual_stages: int = 1,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.tp, self.pp, self.zero1 = tp, pp, zero1
+        self.tp, self.pp, self.ep, self.zero1 = tp, pp, ep, zero1
         self.pp_schedule, self.pp_virtual_stages = pp_schedule, pp_virtual_stages
         self.mesh: DeviceMesh | None = None
-        self._reducer: OverlappedGradientReducer | None = None
+        self._reducers: list[OverlappedGradientReducer] | None = None
         self._pipeline: PipelineRunner | None = None
         self._pp_metric_names: list[str] | None = None
 
     def setup_environment(self) -> None:
         super().setup_environment()
         dp = self.world_size // (self.tp * self.pp)
-        self.mesh = init_device_mesh(
-            self.root_device.type, (self.pp, dp, self.tp), mesh_dim_names=("pp", "dp", "tp")
-        )
+        self.mesh = init_expert_parallel_mesh(self.root_device.type, dp, self.ep, self.tp, self.pp)
 
     # -- data-parallel coordinates (the data module shards batches by these) ------------------------
     @property
@@ -115,6 +115,8 @@ class DeepSeekStrategy(DDPStrategy):
             )
         if self.tp > 1:
             apply_tensor_parallel(module.model, module.model_config, self.mesh["tp"])
+        if self.ep > 1:
+            apply_expert_parallel(module.model, self.mesh["ep"])
 
     # -- pipeline parallelism: the schedule runs the step's micro-batches ---------------------------
     def pipeline_forward_backward(self, module: Any, batch: dict[str, torch.Tensor], normalizers: dict) -> dict:
@@ -220,6 +222,21 @@ class DeepSeekStrategy(DDPStrategy):
         """Around a step's forwards and backwards: vocab-parallel cross-entropy under tp."""
         return loss_parallel() if self.tp > 1 else contextlib.nullcontext()
 
+    def _gradient_reducers(self, model: nn.Module) -> list[OverlappedGradientReducer]:
+        """Plain DP: one all-reduce over dp. With expert parallelism the routed experts (each
+        rank's own) reduce over the ranks holding the same experts, divided by the full dp size:
+        their local gradient already sums the tokens of the whole ep group."""
+        if self._reducers is None:
+            experts = expert_parameters(model) if self.ep > 1 else []
+            expert_ids = {id(p) for p in experts}
+            dense = [p for p in model.parameters() if p.requires_grad and id(p) not in expert_ids]
+            self._reducers = [OverlappedGradientReducer(dense, self.dp_group)]
+            if experts:  # (with ep = dp the edp group is this rank alone: only the division remains)
+                self._reducers.append(
+                    OverlappedGradientReducer(experts, self.mesh["edp"].get_group(), divisor=self.dp_size)
+                )
+        return self._reducers
+
     def before_last_backward(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """The module is about to run the step's last backward: arm the overlapped reduction
         (all-reduce buckets for plain DP, reduce-scatter buckets for ZeRO-1)."""
@@ -228,9 +245,8 @@ class DeepSeekStrategy(DDPStrategy):
         if isinstance(optimizer, ZeRO1AdamW):
             optimizer.arm()
             return
-        if self._reducer is None:
-            self._reducer = OverlappedGradientReducer(model, self.dp_group)
-        self._reducer.arm()
+        for reducer in self._gradient_reducers(model):
+            reducer.arm()
 
     @torch.no_grad()
     def finish_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor:
@@ -238,15 +254,14 @@ class DeepSeekStrategy(DDPStrategy):
         if isinstance(optimizer, ZeRO1AdamW):
             return optimizer.reduce_gradients(max_norm)
         if self.dp_size > 1:
-            if self._reducer is None:
-                self._reducer = OverlappedGradientReducer(model, self.dp_group)
-            if not self._reducer.armed:  # no overlap was armed: wait() reduces every bucket now
-                self._reducer.arm()
-            self._reducer.wait()
+            for reducer in self._gradient_reducers(model):
+                if not reducer.armed:  # no overlap was armed (pipeline): wait() reduces every bucket now
+                    reducer.arm()
+                reducer.wait()
         return clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm, self.pp_group)
 
     def teardown(self) -> None:
-        if self._reducer is not None:
-            self._reducer.remove_hooks()
-            self._reducer = None
+        for reducer in self._reducers or []:
+            reducer.remove_hooks()
+        self._reducers = None
         super().teardown()
