@@ -1,78 +1,154 @@
-"""Tensor-parallel plans on a real 2-rank gloo mesh: sharded models give the single-device logits,
-losses and gradients for both families (MLA with and without query compression, MoE, MTP), and
-the vocab-parallel cross-entropy never needs the gathered logits."""
+"""Tensor-parallel plans on real gloo meshes (2 and 4 ranks): sharded models give the single-device
+logits, losses (main, MTP, MoE balance), MTP logits, gradients and gradient norm for both families
+(MLA with and without query compression, MoE, MTP), with and without sequence parallelism, with
+a vocab-parallel embedding (tied or not), and with kv heads replicated when tp > n_kv_heads. The
+vocab-parallel cross-entropy never needs the gathered logits, and checkpoints (full tensors by
+name) round-trip through the sharded layout."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.ops import cross_entropy
+from dsl_lit.optim.clip import squared_norm
 from dsl_lit.parallel.tensor_parallel import apply_tensor_parallel
 
-CONFIGS = [
-    ("deepseek_llm_tiny", dict(n_layers=2, vocab_size=256)),
-    ("deepseek_v3_tiny", dict(n_layers=3, vocab_size=256, seq_balance_alpha=0.0)),
-    ("deepseek_v3_tiny", dict(n_layers=3, vocab_size=256, q_lora_rank=None, seq_balance_alpha=0.0)),
+LLM = ("deepseek_llm_tiny", dict(n_layers=2, vocab_size=256))
+V3 = ("deepseek_v3_tiny", dict(n_layers=3, vocab_size=256, seq_balance_alpha=0.01))  # dense, MoE, MTP (MoE)
+V3_NO_Q_LORA = (V3[0], dict(V3[1], q_lora_rank=None))
+
+# (preset, overrides, sequence_parallel); 16 input tokens: divisible by tp, the MTP's 15 are not
+TP2_CASES = [
+    (*LLM, False),
+    (*V3, False),
+    (*V3_NO_Q_LORA, False),
+    (LLM[0], dict(LLM[1], tie_embeddings=True), False),
+    (LLM[0], dict(LLM[1], n_kv_heads=1), False),  # tp=2 > n_kv_heads: the kv head replicated
+    (*LLM, True),
+    (*V3, True),
+    (*V3_NO_Q_LORA, True),
+    (LLM[0], dict(LLM[1], n_kv_heads=1), True),
+]
+TP4_CASES = [
+    (LLM[0], dict(LLM[1], n_kv_heads=2), True),  # ranks 0, 1 use kv head 0; ranks 2, 3 kv head 1
+    (LLM[0], dict(LLM[1], n_kv_heads=2), False),
 ]
 
 
-def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+Outputs = tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor]
+
+
+def _run(model: torch.nn.Module, tokens: torch.Tensor) -> Outputs:
+    """(hidden states, logits, MTP logits, the pretraining objective) as the modules compute them."""
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     hidden = model.hidden_states(inputs)
-    loss = cross_entropy(model.head(hidden), labels)
-    for k, logits in enumerate(model.mtp_logits(hidden, inputs), start=1):
-        loss = loss + cross_entropy(logits, labels[:, k:])
-    return loss
+    logits = model.head(hidden)
+    mtp = model.mtp_logits(hidden, inputs)
+    loss = cross_entropy(logits, labels)
+    for k, mtp_logits in enumerate(mtp, start=1):
+        loss = loss + cross_entropy(mtp_logits, labels[:, k:])
+    balance = model.balance_loss()
+    return hidden, logits, mtp, loss if balance is None else loss + balance
 
 
-def _worker(rank: int, world: int, init_file: str) -> None:
+def _check_case(mesh: DeviceMesh, name: str, overrides: dict, sequence_parallel: bool) -> None:
+    world = mesh.size()
+    case = f"{name} {overrides} sp={sequence_parallel} tp={world}"
+    cfg = ModelConfig.from_name(name, **overrides)
+    torch.manual_seed(0)
+    reference = build_model(cfg)
+    torch.manual_seed(0)
+    sharded = apply_tensor_parallel(build_model(cfg), cfg, mesh, sequence_parallel=sequence_parallel)
+    assert isinstance(sharded.layers["1"].attention.wo.weight, DTensor)
+    embedding = sharded.tok_embeddings.weight
+    assert isinstance(embedding, DTensor) and embedding.placements == (Shard(0),)  # vocab-parallel
+    assert embedding.to_local().shape[0] == cfg.vocab_size // world
+    if cfg.tie_embeddings:
+        assert sharded.output.weight is embedding
+    tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
+    _, expected_logits, expected_mtp, expected = _run(reference, tokens)
+    expected.backward()
+    with loss_parallel():
+        hidden, logits, mtp, loss = _run(sharded, tokens)
+        loss.backward()
+    if sequence_parallel:  # the residual stream is sequence shards, the rotary tables were full
+        assert isinstance(hidden, DTensor) and hidden.placements == (Shard(1),), case
+        assert hidden.shape[1] == 16 and hidden.to_local().shape[1] == 16 // world, case
+    else:
+        assert not isinstance(hidden, DTensor), case
+    assert isinstance(logits, DTensor) and logits.placements[0].is_shard(dim=logits.ndim - 1), case
+    assert logits.to_local().shape[-1] == cfg.vocab_size // world, case  # never gathered
+    assert len(mtp) == len(expected_mtp) == (cfg.mtp_depth if cfg.family == "deepseek_v3" else 0)
+    close = dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(loss, expected, **close, msg=lambda m: f"{case} loss: {m}")
+    torch.testing.assert_close(_full(logits), expected_logits, **close, msg=lambda m: f"{case} logits: {m}")
+    for got, want in zip(mtp, expected_mtp):
+        torch.testing.assert_close(_full(got), want, **close, msg=lambda m: f"{case} MTP logits: {m}")
+    grads = dict(reference.named_parameters())
+    for param_name, p in sharded.named_parameters():
+        if isinstance(p.grad, DTensor):  # what the gradient norm and the dp reduction rely on
+            assert not any(pl.is_partial() for pl in p.grad.placements), f"{case} {param_name}"
+        torch.testing.assert_close(_full(p.grad), grads[param_name].grad, **close,
+                                   msg=lambda m, pn=param_name: f"{case} {pn}: {m}")
+    norm = squared_norm([p.grad for p in sharded.parameters()])
+    expected_norm = squared_norm([p.grad for p in reference.parameters()])
+    torch.testing.assert_close(norm, expected_norm, atol=0, rtol=1e-6, msg=lambda m: f"{case} grad norm: {m}")
+    # checkpoints: full tensors under the single-device names, loaded back by re-distributing them
+    state = {k: _full(v) for k, v in sharded.state_dict().items()}
+    reference_state = reference.state_dict()
+    assert state.keys() == reference_state.keys(), case
+    for key, value in state.items():
+        torch.testing.assert_close(value, reference_state[key], atol=0, rtol=0,
+                                   msg=lambda m, k=key: f"{case} {k}: {m}")
+    torch.manual_seed(1)  # different weights until the checkpoint is loaded
+    restored = apply_tensor_parallel(build_model(cfg), cfg, mesh, sequence_parallel=sequence_parallel)
+    own = restored.state_dict()
+    restored.load_state_dict({
+        k: distribute_tensor(v, own[k].device_mesh, own[k].placements) if isinstance(own[k], DTensor) else v
+        for k, v in state.items()
+    })
+    with torch.no_grad(), loss_parallel():
+        torch.testing.assert_close(_full(restored(tokens[:, :-1])), expected_logits, **close,
+                                   msg=lambda m: f"{case} restored: {m}")
+
+
+def _worker(rank: int, world: int, init_file: str, cases: list) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
+        torch.set_num_threads(1)
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-        for name, overrides in CONFIGS:
-            cfg = ModelConfig.from_name(name, **overrides)
-            torch.manual_seed(0)
-            reference = build_model(cfg)
-            torch.manual_seed(0)
-            sharded = apply_tensor_parallel(build_model(cfg), cfg, mesh)
-            assert isinstance(sharded.layers["1"].attention.wo.weight, DTensor)
-            tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
-            expected = _loss(reference, tokens)
-            expected.backward()
+        for name, overrides, sequence_parallel in cases:
+            _check_case(mesh, name, overrides, sequence_parallel)
+        if world == 2:  # the op itself: vocab-parallel loss and gradient equal the plain ones
+            full = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(2), requires_grad=True)
+            targets = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(3))
+            targets[0, 0] = -100
+            plain = cross_entropy(full, targets)
+            plain.backward()
+            logits = distribute_tensor(full.detach(), mesh, [Shard(-1)]).requires_grad_()
             with loss_parallel():
-                logits = sharded(tokens[:, :-1])
-                assert isinstance(logits, DTensor) and logits.placements[0].is_shard(dim=logits.ndim - 1)
-                assert logits.to_local().shape[-1] == cfg.vocab_size // world  # never gathered
-                loss = _loss(sharded, tokens)
+                loss = cross_entropy(logits, targets)
                 loss.backward()
-            torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
-            grads = dict(reference.named_parameters())
-            for param_name, p in sharded.named_parameters():
-                grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                torch.testing.assert_close(grad, grads[param_name].grad, atol=1e-4, rtol=1e-3,
-                                           msg=lambda m, n=name, pn=param_name: f"{n} {pn}: {m}")
-        # the op itself: vocab-parallel loss and gradient equal the plain ones, with ignore_index
-        full = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(2), requires_grad=True)
-        targets = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(3))
-        targets[0, 0] = -100
-        plain = cross_entropy(full, targets)
-        plain.backward()
-        logits = distribute_tensor(full.detach(), mesh, [Shard(-1)]).requires_grad_()
-        with loss_parallel():
-            loss = cross_entropy(logits, targets)
-            loss.backward()
-        assert not isinstance(loss, DTensor)
-        torch.testing.assert_close(loss, plain)
-        torch.testing.assert_close(logits.grad.full_tensor(), full.grad)
+            assert not isinstance(loss, DTensor)
+            torch.testing.assert_close(loss, plain)
+            torch.testing.assert_close(logits.grad.full_tensor(), full.grad)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def test_tensor_parallel_matches_one_device(tmp_path):
-    mp.spawn(_worker, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
+@pytest.mark.slow
+@pytest.mark.parametrize("world, cases", [(2, TP2_CASES), (4, TP4_CASES)], ids=["tp2", "tp4"])
+def test_tensor_parallel_matches_one_device(tmp_path, world, cases):
+    mp.spawn(_worker, args=(world, str(tmp_path / "init"), cases), nprocs=world, join=True)
