@@ -1,0 +1,143 @@
+"""Pipeline parallelism: how layers are split and placed, layout-independent optimizer state, and
+on real gloo process groups, every schedule's gradients, losses and expert loads against one
+process running the same micro-batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dsl_lit.models import ModelConfig, build_model
+from dsl_lit.ops import cross_entropy
+from dsl_lit.parallel.optimizer_state import (
+    full_model_param_names,
+    merge_stages,
+    optimizer_param_names,
+    to_full_order,
+    to_stage_order,
+)
+from dsl_lit.parallel.pipeline import PipelineRunner, layer_cost, split_layers, stages_of_rank
+
+V3 = ModelConfig.from_name("deepseek_v3_tiny", n_layers=4, mtp_depth=1, seq_balance_alpha=0.01)
+
+
+def test_split_balances_cost_and_gives_the_head_to_the_last_stage():
+    cfg = ModelConfig.from_name("deepseek_llm_tiny", n_layers=8)
+    split = split_layers(cfg, 4)
+    assert [i for stage in split for i in stage] == list(range(8))  # contiguous, all layers, in order
+    assert all(stage for stage in split)
+    head = cfg.d_model * cfg.vocab_size
+    assert head > layer_cost(cfg, 0)  # the tiny model's head outweighs a layer...
+    assert len(split[-1]) < len(split[0])  # ...so the last stage gets fewer layers
+    costs = [sum(layer_cost(cfg, i) for i in s) + (head if k == 3 else 0) for k, s in enumerate(split)]
+    naive = [sum(layer_cost(cfg, i) for i in range(2 * k, 2 * k + 2)) + (head if k == 3 else 0) for k in range(4)]
+    assert max(costs) < max(naive)
+    assert split_layers(cfg, 8) == [[i] for i in range(8)]
+    with pytest.raises(ValueError, match="9 pipeline stages cannot split 8 layers"):
+        split_layers(cfg, 9)
+
+
+def test_stage_placement_per_schedule():
+    assert stages_of_rank(1, 4, 1, "1F1B") == [1]
+    assert stages_of_rank(1, 4, 2, "Interleaved1F1B") == [1, 5]  # round robin
+    assert stages_of_rank(0, 4, 2, "DualPipeV") == [0, 7]  # the V: first and last stage on rank 0
+    assert stages_of_rank(3, 4, 2, "DualPipeV") == [3, 4]
+
+
+def test_optimizer_state_renumbers_by_name_and_back():
+    """Two stages' AdamW states merge into the single-process numbering and split back."""
+    full = full_model_param_names(V3)
+    model = build_model(V3)
+    reference = torch.optim.AdamW([{"params": [p for n, p in model.named_parameters() if p.ndim >= 2]},
+                                   {"params": [p for n, p in model.named_parameters() if p.ndim < 2]}])
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    reference.step()
+    expected = reference.state_dict()
+    names = {id(p): n for n, p in model.named_parameters()}
+    flat = [n for group in full for n in group]
+    assert flat == [names[id(p)] for g in reference.param_groups for p in g["params"]]
+    parts = []
+    for layers in ([0, 1], [2, 3]):
+        stage = build_model(V3)
+        stage.load_state_dict(model.state_dict())
+        split = [[0, 1], [2, 3]]
+        from dsl_lit.parallel.pipeline import prune_to_stages
+
+        prune_to_stages(stage, split, [split.index(layers)])
+        local = optimizer_param_names(stage)
+        local_state = to_stage_order(expected, local, full)
+        assert len(local_state["state"]) == sum(len(g) for g in local)
+        parts.append(to_full_order(local_state, local, full))
+    merged = merge_stages(parts, full)
+    assert merged["state"].keys() == expected["state"].keys()
+    for index, per_param in expected["state"].items():
+        for key, value in per_param.items():
+            assert torch.equal(merged["state"][index][key], value), (index, key)
+    assert [g["params"] for g in merged["param_groups"]] == [g["params"] for g in expected["param_groups"]]
+
+
+def _reference(tokens: torch.Tensor, labels: torch.Tensor, micro: int) -> tuple[torch.nn.Module, float]:
+    """One process: the same objective (main + MTP + balance) over the same micro-batches."""
+    torch.manual_seed(0)
+    model = build_model(V3)
+    total = 0.0
+    targets = (labels != -100).sum()
+    for mb_tokens, mb_labels in zip(tokens.split(micro), labels.split(micro)):
+        hidden = model.hidden_states(mb_tokens)
+        loss = cross_entropy(model.head(hidden), mb_labels) / targets
+        mtp = model.mtp_logits(hidden, mb_tokens)[0]
+        mtp_loss = cross_entropy(mtp, mb_labels[:, 1:]) / (labels[:, 1:] != -100).sum()
+        balance = model.balance_loss() * mb_tokens.shape[0] / tokens.shape[0]
+        (loss + 0.3 * mtp_loss + balance).backward()
+        total += loss.item()
+    return model, total
+
+
+def _worker(rank: int, world: int, init_file: str, schedule: str) -> None:
+    torch.set_num_threads(1)  # two processes on two cores
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        generator = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, V3.vocab_size, (8, 16), generator=generator)
+        labels = torch.roll(tokens, -1, dims=1)
+        labels[:, -1] = -100
+        reference, reference_loss = _reference(tokens, labels, micro=2)
+        torch.manual_seed(0)
+        model = build_model(V3)
+        runner = PipelineRunner(model, V3, dist.group.WORLD, schedule, 2, torch.device("cpu"))
+        targets, mtp_targets = (labels != -100).sum(), (labels[:, 1:] != -100).sum()
+        seen = []
+
+        def loss_fn(outputs, target, record):
+            logits, mtp = outputs
+            loss = cross_entropy(logits, target) / targets
+            if record:
+                seen.append(loss.detach())
+            return loss + 0.3 * cross_entropy(mtp, target[:, 1:]) / mtp_targets
+
+        runner.build_schedule(4, loss_fn)
+        runner.step(tokens, labels, float(tokens.shape[0]))
+        reference_params = dict(reference.named_parameters())
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, reference_params[name].grad, atol=2e-6, rtol=1e-4, msg=name)
+        reference_loads = {n: b for n, b in reference.named_buffers() if n.endswith("load.counts")}
+        for name, counts in model.named_buffers():
+            if name.endswith("load.counts"):  # the schedule's shape-inference pass counted nothing
+                assert torch.equal(counts, reference_loads[name]), name
+        if runner.has_last:
+            assert len(seen) == 4
+            assert sum(seen).item() == pytest.approx(reference_loss, rel=1e-6)
+        assert runner.balance_total() is not None
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1F1B", "DualPipeV", "Interleaved1F1B", "GPipe"])
+def test_pipeline_gradients_equal_one_process(tmp_path, schedule):
+    """Each stage's gradients (MTP, balance loss and the embedding fed to MTP included) equal the
+    single-process ones for the same 4 micro-batches."""
+    mp.spawn(_worker, args=(2, str(tmp_path / "init"), schedule), nprocs=2, join=True)
