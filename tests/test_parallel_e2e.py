@@ -1,6 +1,7 @@
-"""The real recipe on 2 and 4 gloo processes: data parallel (plain and ZeRO-1) and tensor parallel give
-the per-step losses and gradient norms of one process on the same global batch, for both model
-families; a tensor-parallel checkpoint resumes on one process."""
+"""The real recipe on 2 and 4 gloo processes: data parallel with ZeRO-1, tensor, pipeline (1F1B and
+DualPipeV) and expert parallel layouts and their products give the per-step losses and gradient
+norms of one process on the same global batch, for both model families; checkpoints of any layout
+resume in another."""
 
 from __future__ import annotations
 
@@ -11,18 +12,26 @@ from tests.test_pretrain_e2e import losses, metric, run_recipe
 STEPS = ["trainer.max_steps=6", "logger=csv", "trainer.accelerator=cpu", "data.micro_batch_size=2"]
 
 
+LAYOUTS = {
+    "dp2_zero1": ["trainer.devices=2", "parallel=zero1"],
+    "tp2": ["trainer.devices=2", "parallel.tp=2"],
+    "pp2_1f1b": ["trainer.devices=2", "parallel=pp_1f1b"],
+    "pp2_dualpipev": ["trainer.devices=2", "parallel=pp_dualpipev", "data.micro_batch_size=1"],
+    "dp2_ep2": ["trainer.devices=2", "parallel.ep=2"],
+    "tp2_pp2": ["trainer.devices=4", "parallel.tp=2", "parallel.pp=2", "data.micro_batch_size=1"],
+    "dp2_tp2": ["trainer.devices=4", "parallel.tp=2"],
+}
+LAYOUTS_PER_MODEL = {  # the V3 runs cover the 4-process meshes and EP; keep the suite short
+    "deepseek_v3_tiny": list(LAYOUTS),
+    "deepseek_llm_tiny": ["dp2_zero1", "tp2", "pp2_1f1b", "pp2_dualpipev"],
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["deepseek_v3_tiny", "deepseek_llm_tiny"])
-def test_data_parallel_and_zero1_match_one_process(tmp_path, model):
-    runs = {
-        "single": ["trainer.devices=1"],
-        "dp2": ["trainer.devices=2"],
-        "dp2_zero1": ["trainer.devices=2", "parallel=zero1"],
-        "tp2": ["trainer.devices=2", "parallel.tp=2"],
-        "dp2_tp2": ["trainer.devices=4", "parallel.tp=2"],
-    }
-    if model == "deepseek_llm_tiny":  # the V3 case covers plain DP and the 2-D mesh; keep the suite short
-        del runs["dp2"], runs["dp2_tp2"]
+@pytest.mark.parametrize("model", list(LAYOUTS_PER_MODEL))
+def test_every_layout_matches_one_process(tmp_path, model):
+    """Per-step losses and gradient norms of each layout equal one process on the same global batch."""
+    runs = {"single": ["trainer.devices=1"], **{name: LAYOUTS[name] for name in LAYOUTS_PER_MODEL[model]}}
     results = {}
     for name, overrides in runs.items():
         run_recipe(tmp_path / name, f"model={model}", *STEPS, "checkpoint.every_n_steps=0", *overrides)
@@ -36,6 +45,22 @@ def test_data_parallel_and_zero1_match_one_process(tmp_path, model):
             assert float(norms[step]) == pytest.approx(float(reference_norms[step]), rel=1e-4), (name, step)
     # one Hydra output directory per run, not one per rank
     assert not list(tmp_path.glob("*/.hydra/*rank*"))
+
+
+@pytest.mark.slow
+def test_pipeline_and_expert_parallel_checkpoints_resume_in_other_layouts(tmp_path):
+    """A checkpoint saved by pipeline stages (x expert parallel) holds the whole model and a
+    single-process optimizer state: one process and a DualPipeV pipeline continue it."""
+    saved, single, dualpipe = tmp_path / "saved", tmp_path / "single", tmp_path / "dualpipe"
+    run_recipe(saved, *STEPS, "trainer.devices=4", "parallel=pp_1f1b", "parallel.ep=2", "data.micro_batch_size=1",
+               "checkpoint.every_n_steps=3")
+    step3 = f"checkpoint.resume_from={saved / 'checkpoints' / 'step-3'}"
+    run_recipe(single, *STEPS, "trainer.devices=1", step3)
+    run_recipe(dualpipe, *STEPS, "trainer.devices=2", "parallel=pp_dualpipev", "data.micro_batch_size=1", step3)
+    for run in (single, dualpipe):
+        assert sorted(losses(run)) == [3, 4, 5]
+        for step in (3, 4, 5):
+            assert float(losses(run)[step]) == pytest.approx(float(losses(saved)[step]), rel=1e-5), (run.name, step)
 
 
 @pytest.mark.slow

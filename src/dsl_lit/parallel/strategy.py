@@ -31,7 +31,11 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from dsl_lit.optim import OptimConfig, build_optimizer, param_groups
 from dsl_lit.optim.clip import clip_grad_norm_
-from dsl_lit.parallel.expert_parallel import apply_expert_parallel, expert_parameters, init_expert_parallel_mesh
+from dsl_lit.parallel.expert_parallel import (
+    apply_expert_parallel,
+    expert_parameters,
+    init_expert_parallel_mesh,
+)
 from dsl_lit.parallel.grad_sync import OverlappedGradientReducer
 from dsl_lit.parallel.optimizer_state import (
     full_model_param_names,
