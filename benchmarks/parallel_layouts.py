@@ -26,6 +26,10 @@ LAYOUTS = {
     "dp2 zero1": ["trainer.devices=2", "parallel=zero1"],
     "tp2": ["trainer.devices=2", "parallel.tp=2"],
     "dp2 x tp2": ["trainer.devices=4", "parallel.tp=2"],
+    "pp2 1F1B": ["trainer.devices=2", "parallel=pp_1f1b"],
+    "pp2 DualPipeV": ["trainer.devices=2", "parallel=pp_dualpipev"],
+    "dp2 x ep2": ["trainer.devices=2", "parallel=ep"],
+    "tp2 x pp2": ["trainer.devices=4", "parallel.tp=2", "parallel=pp_1f1b"],
 }
 
 
@@ -44,7 +48,7 @@ def main() -> None:
               "trainer.accelerator=cpu", "trainer.progress_bar=false", "logger=csv", "checkpoint.every_n_steps=0",
               "data.global_batch_size=16", "data.micro_batch_size=4", "data.seq_len=128"]
     print(f"cpu cores={os.cpu_count()} model={args.model} global batch 16 x 128 tokens, {args.steps} steps")
-    header = f"{'layout':<12}{'procs':>6}{'step s':>9}{'tokens/s':>10}{'vs single':>11}"
+    header = f"{'layout':<15}{'procs':>6}{'step s':>9}{'tokens/s':>10}{'vs single':>11}"
     print(header)
     print("-" * len(header))
     baseline = None
@@ -58,7 +62,7 @@ def main() -> None:
             seconds = statistics.median(step_times(run_dir)[2:])
             baseline = baseline or seconds
             procs = next(int(o.split("=")[1]) for o in LAYOUTS[name] if o.startswith("trainer.devices="))
-            print(f"{name:<12}{procs:>6}{seconds:>9.3f}{16 * 128 / seconds:>10.0f}{baseline / seconds:>10.2f}x")
+            print(f"{name:<15}{procs:>6}{seconds:>9.3f}{16 * 128 / seconds:>10.0f}{baseline / seconds:>10.2f}x")
 
 
 if __name__ == "__main__":
