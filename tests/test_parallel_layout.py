@@ -19,7 +19,7 @@ V3 = ModelConfig.from_name("deepseek_v3_671b")  # 128 heads, 61 layers, 256 expe
     [
         (dict(tp=3), LLM, 6, "parallel.tp=3 does not divide model.n_heads=32"),
         (dict(tp=2, zero1=True), LLM, 4, "parallel.zero1=true with parallel.tp > 1 is not implemented yet"),
-        (dict(tp=16), ModelConfig.from_name("deepseek_llm_67b"), 16, "replicating kv heads across tp ranks"),
+        (dict(tp=2, pp=2, sequence_parallel=True), LLM, 4, "parallel.sequence_parallel=true with parallel.pp=2"),
         (dict(tp=6), ModelConfig.from_name("deepseek_llm_tiny", n_heads=12, n_kv_heads=4, d_model=384), 6,
          "parallel.tp=6 and model.n_kv_heads=4: one must divide the other"),
         (dict(tp=2, pp=2), LLM, 6, "parallel.tp=2 x parallel.pp=2 = 4 does not divide the world size"),
@@ -48,6 +48,8 @@ def test_dp_defaults_to_what_tp_and_pp_leave():
     assert validate_layout(ParallelConfig(dp=4).validate(), LLM, 4) == 4
     assert validate_layout(ParallelConfig(tp=4).validate(), ModelConfig.from_name("deepseek_llm_67b"), 8) == 2
     assert validate_layout(ParallelConfig(tp=8).validate(), V3, 16) == 2  # MLA: tp divides the 128 heads
+    # DeepSeek LLM 67B has 8 kv heads: tp=16 replicates each on two ranks
+    assert validate_layout(ParallelConfig(tp=16).validate(), ModelConfig.from_name("deepseek_llm_67b"), 32) == 2
 
 
 @pytest.mark.parametrize(
@@ -55,12 +57,15 @@ def test_dp_defaults_to_what_tp_and_pp_leave():
     [
         ("parallel.pp_schedule=ZB", "parallel.pp_schedule='ZB' is unknown"),
         ("parallel.sequence_parallel=true", "parallel.sequence_parallel=true needs parallel.tp > 1"),
+        ("parallel.tp=2 parallel.sequence_parallel=true trainer.devices=2 data.seq_len=63", "make data.seq_len a multiple"),
+        ("trainer.val_every_n_steps=5 data.val_windows=8", "set data.val_windows to at least data.global_batch_size=16"),
+        ("data.val_windows=-1", "data.val_windows=-1 must be >= 0"),
         ("parallel.tp=0", "parallel.tp=0 must be >= 1"),
     ],
 )
 def test_parallel_group_errors(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-        TrainConfig.from_hydra(compose_config(overrides=[override]))
+        TrainConfig.from_hydra(compose_config(overrides=override.split()))
 
 
 def test_zero1_group_composes():

@@ -84,7 +84,7 @@ def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = N
     par = cfg.parallel
     strategy = (
         DeepSeekStrategy(
-            tp=par.tp, pp=par.pp, ep=par.ep, zero1=par.zero1, pp_schedule=par.pp_schedule, pp_virtual_stages=par.pp_virtual_stages
+            tp=par.tp, pp=par.pp, ep=par.ep, sequence_parallel=par.sequence_parallel, zero1=par.zero1, pp_schedule=par.pp_schedule, pp_virtual_stages=par.pp_virtual_stages
         )
         if cfg.world_size > 1
         else "auto"
@@ -104,7 +104,10 @@ def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = N
         enable_progress_bar=cfg.trainer.progress_bar,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        limit_val_batches=0,
+        val_check_interval=cfg.trainer.val_every_n_steps or None,
+        check_val_every_n_epoch=None if cfg.trainer.val_every_n_steps else 1,
+        limit_val_batches=None if cfg.trainer.val_every_n_steps else 0,
+        inference_mode=False,  # no_grad, not inference tensors: pipeline buffers outlive validation
         use_distributed_sampler=False,  # our sampler shards by data-parallel rank, deterministically
         plugins=[DirectoryCheckpointIO(cfg.raw)],
         default_root_dir=cfg.run_dir,

@@ -116,6 +116,8 @@ class TrainerConfig:
     seed: int = 1234
     peak_tflops: float | None = None
     progress_bar: bool = True
+    val_every_n_steps: int = 0
+    """Validate on ``data.val_windows`` every N optimizer steps (0: never)."""
 
     def validate(self) -> TrainerConfig:
         for name in ("max_steps", "devices", "num_nodes", "log_every_n_steps"):
@@ -123,6 +125,8 @@ class TrainerConfig:
                 raise ConfigError(f"trainer.{name}={getattr(self, name)} must be >= 1")
         if self.accelerator not in ("auto", "cpu", "gpu", "cuda"):
             raise ConfigError(f"trainer.accelerator={self.accelerator!r} must be auto, cpu, gpu or cuda")
+        if self.val_every_n_steps < 0:
+            raise ConfigError(f"trainer.val_every_n_steps={self.val_every_n_steps} must be >= 0 (0 disables validation)")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ConfigError(f"trainer.peak_tflops={self.peak_tflops} must be > 0 (or null to detect it)")
         return self
@@ -180,10 +184,20 @@ class TrainConfig:
                 "lower data.seq_len or raise +model.max_seq_len"
             )
         dp = validate_layout(self.parallel, self.model, self.world_size)
+        if self.parallel.sequence_parallel and self.data.seq_len % self.parallel.tp:
+            raise ConfigError(
+                f"parallel.sequence_parallel=true shards data.seq_len={self.data.seq_len} over parallel.tp="
+                f"{self.parallel.tp} ranks; make data.seq_len a multiple of it"
+            )
         self.data.validate(dp_size=dp)
         validate_pipeline_micro_batches(
             self.parallel, self.data.global_batch_size // (dp * self.data.micro_batch_size)
         )
+        if self.trainer.val_every_n_steps and self.data.val_windows < self.data.global_batch_size:
+            raise ConfigError(
+                f"trainer.val_every_n_steps={self.trainer.val_every_n_steps} needs held-out data: set data.val_windows "
+                f"to at least data.global_batch_size={self.data.global_batch_size} (now {self.data.val_windows})"
+            )
         if self.data.tokenizer_vocab_size > self.model.vocab_size:
             raise ConfigError(
                 f"data.tokenizer_vocab_size={self.data.tokenizer_vocab_size} exceeds "

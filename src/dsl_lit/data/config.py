@@ -27,6 +27,9 @@ class DataConfig:
     micro_batch_size: int = 8
     num_workers: int = 0
     seed: int = 1234
+    val_windows: int = 0
+    """Windows at the end of the packed stream held out for validation (never trained on),
+    validated in whole global batches (``val_windows // global_batch_size`` of them)."""
 
     @classmethod
     def coerce(cls, cfg: DataConfig | Mapping[str, Any]) -> DataConfig:
@@ -54,6 +57,8 @@ class DataConfig:
             raise ConfigError(
                 f"data.tokenizer_max_bytes={self.tokenizer_max_bytes} must be positive, or null for the whole corpus"
             )
+        if self.val_windows < 0:
+            raise ConfigError(f"data.val_windows={self.val_windows} must be >= 0 (0: no held-out data)")
         if self.num_workers < 0:
             raise ConfigError(f"data.num_workers={self.num_workers} must be >= 0")
         if dp_size <= 0:

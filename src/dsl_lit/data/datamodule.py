@@ -24,6 +24,7 @@ from filelock import FileLock
 from torch.utils.data import DataLoader, Dataset
 
 from dsl_lit.data.config import DataConfig
+from dsl_lit.errors import ConfigError
 from dsl_lit.data.packed import META_FILE, PackedTokens
 from dsl_lit.data.sampler import GlobalBatchSampler, num_windows
 
@@ -70,6 +71,7 @@ class PretrainDataModule(L.LightningDataModule):
         self._start_step: int | None = None  # trainer.global_step when the train loader was built
         self.tokens: PackedTokens | None = None
         self.num_windows = 0
+        self.train_windows = 0
 
     # -- where things live --------------------------------------------------------------------
     @property
@@ -165,6 +167,12 @@ class PretrainDataModule(L.LightningDataModule):
         if self.tokens.meta["padded_vocab_size"] != self.tokenizer_meta["padded_vocab_size"]:
             raise RuntimeError(f"{self.shards_dir} was built with another tokenizer: delete it and rerun")
         self.num_windows = num_windows(len(self.tokens), self.cfg.seq_len)
+        self.train_windows = self.num_windows - self.cfg.val_windows
+        if self.train_windows < self.cfg.global_batch_size:
+            raise ConfigError(
+                f"data.val_windows={self.cfg.val_windows} leaves {self.train_windows} of {self.num_windows} windows "
+                f"for training, fewer than data.global_batch_size={self.cfg.global_batch_size}; lower it"
+            )
         log.info(
             "data: %d tokens, %d documents, %d windows of %d tokens",
             len(self.tokens),
@@ -176,7 +184,7 @@ class PretrainDataModule(L.LightningDataModule):
     def batch_sampler(self) -> GlobalBatchSampler:
         dp_rank, dp_size = self.dp_coordinates()
         return GlobalBatchSampler(
-            self.num_windows,
+            self.train_windows,
             self.cfg.global_batch_size,
             dp_rank=dp_rank,
             dp_size=dp_size,
@@ -200,6 +208,21 @@ class PretrainDataModule(L.LightningDataModule):
             collate_fn=collate_windows,
             num_workers=self.cfg.num_workers,
             persistent_workers=self.cfg.num_workers > 0,
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        """The held-out windows (the last ``data.val_windows``), in order, as global batches of
+        which this rank takes its contiguous slice: every layout validates on the same samples."""
+        if self.tokens is None:
+            self.setup("validate")
+        dp_rank, dp_size = self.dp_coordinates()
+        size, share = self.cfg.global_batch_size, self.cfg.global_batch_size // dp_size
+        batches = [
+            list(range(start + dp_rank * share, start + (dp_rank + 1) * share))
+            for start in range(self.train_windows, self.num_windows - size + 1, size)
+        ]
+        return DataLoader(
+            PackedWindows(self.tokens, self.cfg.seq_len), batch_sampler=batches, collate_fn=collate_windows
         )
 
     # -- resumption ---------------------------------------------------------------------------

@@ -176,6 +176,27 @@ class CausalLMModule(L.LightningModule):
         return metrics["loss"]
 
     @torch.no_grad()
+    def validation_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        """Held-out loss (``val/loss``, the main next-token loss per target), for any layout: under
+        pipeline parallelism the schedule's forward-only pass computes it on the last stage."""
+        normalizers = self.loss_normalizers(batch)
+        strategy = self.trainer.strategy
+        ours = isinstance(strategy, DeepSeekStrategy)
+        if ours and strategy.pp > 1:
+            metrics = strategy.pipeline_forward_backward(self, batch, normalizers, backward=False)
+        else:
+            metrics = {}
+            with strategy.loss_context() if ours else contextlib.nullcontext():
+                for micro_batch in split_micro_batches(batch, self.micro_batch_size):
+                    outputs = self.model_outputs(micro_batch["input_ids"])
+                    for name, value in self.loss_from_outputs(outputs, micro_batch["labels"], normalizers)[1].items():
+                        metrics[name] = metrics.get(name, 0.0) + value
+        sync = self.trainer.world_size > 1
+        for name, value in metrics.items():
+            self.log(f"val/{name}", value, sync_dist=sync, prog_bar=name == "loss")
+        return metrics["loss"]
+
+    @torch.no_grad()
     def update_expert_bias(self, rate: float) -> None:
         """Auxiliary-loss-free balancing after the optimizer step: every router's bias moves by
         ``rate * sign(mean load - load)`` using the loads of all micro-batches and all ranks."""

@@ -14,8 +14,8 @@ from dsl_lit.parallel.expert_parallel import check_expert_parallel
 if TYPE_CHECKING:
     from dsl_lit.config import ParallelConfig
 
-IMPLEMENTED = ("dp", "zero1", "tp", "pp", "ep")
-"""What the strategy applies today; sequence parallelism is validated but not yet applied."""
+IMPLEMENTED = ("dp", "zero1", "tp", "sequence_parallel", "pp", "ep")
+"""What the strategy applies: every ``parallel`` field (some combinations are rejected below)."""
 
 
 def validate_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int) -> int:
@@ -35,15 +35,10 @@ def validate_layout(parallel: ParallelConfig, model: ModelConfig, world_size: in
     if tp > 1:
         if model.n_heads % tp:
             raise ConfigError(f"parallel.tp={tp} does not divide model.n_heads={model.n_heads}; pick a divisor")
-        if model.family == "deepseek_llm" and model.n_kv_heads % tp:
-            if tp % model.n_kv_heads:
-                raise ConfigError(
-                    f"parallel.tp={tp} and model.n_kv_heads={model.n_kv_heads}: one must divide the other "
-                    "(kv heads are sharded, or replicated across tp ranks)"
-                )
+        if model.family == "deepseek_llm" and model.n_kv_heads % tp and tp % model.n_kv_heads:
             raise ConfigError(
-                f"parallel.tp={tp} exceeds model.n_kv_heads={model.n_kv_heads}: replicating kv heads across "
-                f"tp ranks is not implemented yet; use parallel.tp <= {model.n_kv_heads}"
+                f"parallel.tp={tp} and model.n_kv_heads={model.n_kv_heads}: one must divide the other "
+                "(kv heads are sharded, or replicated across tp ranks)"
             )
         if model.vocab_size % tp:
             raise ConfigError(f"parallel.tp={tp} does not divide model.vocab_size={model.vocab_size} (vocab-parallel head)")
@@ -86,8 +81,11 @@ def validate_layout(parallel: ParallelConfig, model: ModelConfig, world_size: in
             )
     if parallel.zero1 and tp > 1:
         raise ConfigError("parallel.zero1=true with parallel.tp > 1 is not implemented yet; use one of them")
-    if parallel.sequence_parallel:
-        raise ConfigError("parallel.sequence_parallel=true is not implemented yet; tensor parallelism runs without it")
+    if parallel.sequence_parallel and pp > 1:
+        raise ConfigError(
+            f"parallel.sequence_parallel=true with parallel.pp={pp} is not implemented yet: stage boundaries would "
+            "carry sequence shards; use sequence parallelism without pipeline stages, or parallel.sequence_parallel=false"
+        )
     return dp
 
 

@@ -298,15 +298,52 @@ class PipelineRunner:
 
         self.schedule = schedule_cls(arg, n_microbatches=n_microbatches, loss_fn=stage_loss, scale_grads=False)
         self._n_microbatches = n_microbatches
+        self._loss_fn = loss_fn
 
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, step_sequences: float) -> None:
-        """Forward and backward of every micro-batch; gradients accumulate in the parameters."""
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, step_sequences: float, backward: bool = True) -> None:
+        """Forward and backward of every micro-batch (gradients accumulate in the parameters), or
+        with ``backward=False`` the forwards and losses only (validation)."""
         for module in self.modules:
             module.balance_scale = 1.0 / step_sequences
             module.balance_total = None
         args = (input_ids,) if self.has_first else ()
         target = labels if self.has_last else None
-        self.schedule.step(*args, target=target, return_outputs=False)
+        if backward:
+            self.schedule.step(*args, target=target, return_outputs=False)
+        else:
+            self._forward_only(input_ids, labels)
+
+    @torch.no_grad()
+    def _forward_only(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
+        """Validation: micro-batch by micro-batch through the stages in order, with blocking
+        point-to-point sends (torch's zero-bubble schedules have no forward-only mode). Stage
+        outputs travel in fp32 (the residual stream's dtype under autocast)."""
+        pp_rank = dist.get_rank(self.pp_group)
+        pp = dist.get_world_size(self.pp_group)
+        owner = {s: r for r in range(pp) for s in stages_of_rank(r, pp, self.n_stages // pp, self.schedule_name)}
+        mine = dict(zip(self.owned, self.modules))
+        n, (rows, seq) = self._n_microbatches, input_ids.shape
+        d_model = self.modules[0].model.config.d_model
+        carried = 2 if self.modules[0].carries_embeddings else 1
+        for mb_tokens, mb_labels in zip(input_ids.split(rows // n), labels.split(rows // n)):
+            held: Any = mb_tokens
+            for s in range(self.n_stages):
+                if owner[s] != pp_rank:
+                    continue
+                if s > 0 and owner[s - 1] != pp_rank:  # receive the previous stage's outputs
+                    held = tuple(torch.empty(mb_tokens.shape[0], seq, d_model, device=self.device) for _ in range(carried))
+                    for t in held:
+                        dist.recv(t, group=self.pp_group, group_src=owner[s - 1])
+                inputs = held if isinstance(held, tuple) else (held,)
+                out = mine[s](*inputs)
+                if s == self.n_stages - 1:
+                    outputs = out if isinstance(out, tuple) else (out,)
+                    self._loss_fn(outputs, mb_labels, record=True)
+                    continue
+                held = out if isinstance(out, tuple) else (out,)
+                if owner[s + 1] != pp_rank:
+                    for t in held:
+                        dist.send(t.float().contiguous(), group=self.pp_group, group_dst=owner[s + 1])
 
     def balance_total(self) -> torch.Tensor | None:
         totals = [m.balance_total for m in self.modules if m.balance_total is not None]

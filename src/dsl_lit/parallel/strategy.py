@@ -62,6 +62,7 @@ class DeepSeekStrategy(DDPStrategy):
         tp: int = 1,
         pp: int = 1,
         ep: int = 1,
+        sequence_parallel: bool = False,
         zero1: bool = False,
         pp_schedule: str = "1F1B",
         pp_virtual_stages: int = 1,
@@ -69,11 +70,12 @@ class DeepSeekStrategy(DDPStrategy):
     ) -> None:
         super().__init__(**kwargs)
         self.tp, self.pp, self.ep, self.zero1 = tp, pp, ep, zero1
+        self.sequence_parallel = sequence_parallel
         self.pp_schedule, self.pp_virtual_stages = pp_schedule, pp_virtual_stages
         self.mesh: DeviceMesh | None = None
         self._reducers: list[OverlappedGradientReducer] | None = None
         self._pipeline: PipelineRunner | None = None
-        self._pp_metric_names: list[str] | None = None
+        self._pp_metric_names: dict[str, list[str]] = {}
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -118,33 +120,36 @@ class DeepSeekStrategy(DDPStrategy):
                 self.pp_virtual_stages, self.root_device,
             )
         if self.tp > 1:
-            apply_tensor_parallel(module.model, module.model_config, self.mesh["tp"])
+            apply_tensor_parallel(module.model, module.model_config, self.mesh["tp"], self.sequence_parallel)
         if self.ep > 1:
             apply_expert_parallel(module.model, self.mesh["ep"])
 
     # -- pipeline parallelism: the schedule runs the step's micro-batches ---------------------------
-    def pipeline_forward_backward(self, module: Any, batch: dict[str, torch.Tensor], normalizers: dict) -> dict:
-        """Run one step's forwards and backwards through the pipeline schedule; returns the step
-        metrics summed over stages (the loss from the last stage, balance losses from where their
-        MoE layers are), the same on every rank of the pipeline."""
+    def pipeline_forward_backward(
+        self, module: Any, batch: dict[str, torch.Tensor], normalizers: dict, backward: bool = True
+    ) -> dict:
+        """Run one step's forwards and backwards (or, for validation, forwards only) through the
+        pipeline schedule; returns the step metrics summed over stages (the loss from the last
+        stage, balance losses from where their MoE layers are), the same on every pipeline rank."""
         rows = batch["input_ids"].shape[0]
         self._pipeline.build_schedule(rows // module.micro_batch_size, self._pipeline_loss)
         self._pp_module, self._pp_normalizers, self._pp_totals = module, normalizers, {}
         with self.loss_context():
-            self._pipeline.step(batch["input_ids"], batch["labels"], float(rows))
+            self._pipeline.step(batch["input_ids"], batch["labels"], float(rows), backward=backward)
         totals: dict[str, torch.Tensor] = dict(self._pp_totals)
         balance = self._pipeline.balance_total()
         if balance is not None:
             totals["balance_loss"] = balance
-        if self._pp_metric_names is None:  # which metrics exist is agreed once
+        key = "train" if backward else "val"
+        if key not in self._pp_metric_names:  # which metrics exist is agreed once per kind
             names: list[Any] = [None] * self.pp
             dist.all_gather_object(names, sorted(totals), group=self.pp_group)
-            self._pp_metric_names = sorted(set().union(*names))
+            self._pp_metric_names[key] = sorted(set().union(*names))
         zero = torch.zeros((), device=self.root_device)
-        values = torch.stack([totals.get(k, zero).float().reshape(()) for k in self._pp_metric_names])
+        values = torch.stack([totals.get(k, zero).float().reshape(()) for k in self._pp_metric_names[key]])
         dist.all_reduce(values, group=self.pp_group)
         self._pp_module = self._pp_normalizers = None
-        return dict(zip(self._pp_metric_names, values))
+        return dict(zip(self._pp_metric_names[key], values))
 
     def _pipeline_loss(self, outputs: tuple[torch.Tensor, ...], labels: torch.Tensor, record: bool) -> torch.Tensor:
         """The schedule's loss function on the last stage: the module's own objective (metrics
