@@ -24,9 +24,9 @@ from filelock import FileLock
 from torch.utils.data import DataLoader, Dataset
 
 from dsl_lit.data.config import DataConfig
-from dsl_lit.errors import ConfigError
 from dsl_lit.data.packed import META_FILE, PackedTokens
 from dsl_lit.data.sampler import GlobalBatchSampler, num_windows
+from dsl_lit.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
