@@ -18,7 +18,6 @@ V3 = ModelConfig.from_name("deepseek_v3_671b")  # 128 heads, 61 layers, 256 expe
     ("layout", "model", "world", "message"),
     [
         (dict(tp=3), LLM, 6, "parallel.tp=3 does not divide model.n_heads=32"),
-        (dict(tp=2, zero1=True), LLM, 4, "parallel.zero1=true with parallel.tp > 1 is not implemented yet"),
         (dict(tp=2, pp=2, sequence_parallel=True), LLM, 4, "parallel.sequence_parallel=true with parallel.pp=2"),
         (dict(tp=6), ModelConfig.from_name("deepseek_llm_tiny", n_heads=12, n_kv_heads=4, d_model=384), 6,
          "parallel.tp=6 and model.n_kv_heads=4: one must divide the other"),

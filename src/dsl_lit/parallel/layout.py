@@ -79,8 +79,6 @@ def validate_layout(parallel: ParallelConfig, model: ModelConfig, world_size: in
                 f"parallel.zero1=true with parallel.ep={ep} is not implemented yet: ZeRO-1's reduce-scatter over dp "
                 "would mix different ranks' experts; use one of them"
             )
-    if parallel.zero1 and tp > 1:
-        raise ConfigError("parallel.zero1=true with parallel.tp > 1 is not implemented yet; use one of them")
     if parallel.sequence_parallel and pp > 1:
         raise ConfigError(
             f"parallel.sequence_parallel=true with parallel.pp={pp} is not implemented yet: stage boundaries would "

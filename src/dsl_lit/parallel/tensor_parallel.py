@@ -287,8 +287,11 @@ def apply_tensor_parallel(
     if cfg.tie_embeddings and embedding is not None and output is not None:
         output.weight = embedding.weight  # both vocab-sharded Shard(0): re-tie the two DTensors
     for param in model.parameters():
-        replicated = isinstance(param, DTensor) and all(p.is_replicate() for p in param.placements)
-        if replicated and param.requires_grad:
+        # Every gradient in its parameter's placements before it accumulates: Partial sums are
+        # all-reduced, and a Replicate gradient of a Shard parameter (the vocab-parallel embedding's
+        # backward gives one) is sliced, so .grad.to_local() lines up with the parameter's shard
+        # for the DP reducer and ZeRO-1 buckets.
+        if isinstance(param, DTensor) and param.requires_grad:
             param.register_hook(lambda grad, placements=param.placements: _placed_like(grad, placements))
     if cfg.family == "deepseek_v3":
         group = tp_mesh.get_group()

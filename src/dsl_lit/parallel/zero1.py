@@ -17,6 +17,11 @@ master weights and its two Adam moments, so optimizer memory per rank is 1/dp of
 ``state_dict`` gathers the moments and returns them per original parameter, in the very layout a
 plain ``torch.optim.AdamW`` over the model would save, so checkpoints do not depend on the dp size
 and load into a run with or without ZeRO-1.
+
+With tensor parallelism the buckets hold each rank's *local* tp shards (ZeRO shards them further
+over dp). Tp-sharded and replicated parameters go to separate buckets, so the global norm counts
+the former's squares over tp and the latter's once; moments are saved as DTensors (gathered by
+the strategy like any tensor-parallel state) and loaded by slicing the full tensors.
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torch.distributed.tensor import DTensor, distribute_tensor
+
 from dsl_lit.optim.clip import clip_by_norm_, squared_norm
-from dsl_lit.parallel.grad_sync import LastBackwardBuckets
+from dsl_lit.parallel.grad_sync import LastBackwardBuckets, local
 
 BUCKET_NUMEL = 4 * 2**20  # 16 MiB of fp32 per bucket: several per model, so some finish early
 
@@ -42,6 +49,7 @@ class _Bucket:
     shard_size: int
     padded: int
     master: torch.Tensor  # this rank's fp32 shard; the tensor the inner AdamW updates
+    tp_sharded: bool = False  # holds tensor-parallel shards (their squares add up over tp)
     ready: int = 0
     flat: torch.Tensor | None = None
     grad: torch.Tensor | None = None
@@ -52,21 +60,35 @@ def _flat(tensors: list[torch.Tensor], padded: int, device: torch.device) -> tor
     out = torch.zeros(padded, dtype=torch.float32, device=device)
     offset = 0
     for t in tensors:
+        t = local(t)
         out[offset : offset + t.numel()] = t.detach().flatten().float()
         offset += t.numel()
     return out
+
+
+def _is_tp_sharded(p: torch.Tensor) -> bool:
+    return isinstance(p, DTensor) and any(placement.is_shard() for placement in p.placements)
 
 
 def _chunks(params: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
     chunks: list[list[torch.Tensor]] = []
     size = 0
     for p in params:
-        if not chunks or size + p.numel() > limit:
+        if not chunks or size + local(p).numel() > limit:
             chunks.append([])
             size = 0
         chunks[-1].append(p)
-        size += p.numel()
+        size += local(p).numel()
     return chunks
+
+
+def _local_part(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's tp slice of a saved full tensor for ``param`` (no communication)."""
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if isinstance(param, DTensor) and value.shape == param.shape:
+        return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None).to_local()
+    return value
 
 
 class ZeRO1AdamW(LastBackwardBuckets, torch.optim.AdamW):
@@ -86,14 +108,19 @@ class ZeRO1AdamW(LastBackwardBuckets, torch.optim.AdamW):
         self.param_index = {id(p): i for i, p in enumerate(p for ps in self.group_params for p in ps)}
         self.buckets: list[_Bucket] = []
         shard_groups = []
+        self.tp_group: dist.ProcessGroup | None = None
         for g, params in zip(param_groups, self.group_params):
             masters = []
-            for chunk in _chunks(list(reversed(params)), bucket_numel):
-                shard = math.ceil(sum(p.numel() for p in chunk) / self.world)
-                flat = _flat(chunk, shard * self.world, chunk[0].device)
-                master = flat[self.rank * shard : (self.rank + 1) * shard].clone()
-                self.buckets.append(_Bucket(chunk, shard, shard * self.world, master))
-                masters.append(master)
+            for sharded in (False, True):
+                kind = [p for p in reversed(params) if _is_tp_sharded(p) == sharded]
+                for chunk in _chunks(kind, bucket_numel) if kind else []:
+                    shard = math.ceil(sum(local(p).numel() for p in chunk) / self.world)
+                    flat = _flat(chunk, shard * self.world, local(chunk[0]).device)
+                    master = flat[self.rank * shard : (self.rank + 1) * shard].clone()
+                    self.buckets.append(_Bucket(chunk, shard, shard * self.world, master, tp_sharded=sharded))
+                    masters.append(master)
+                    if sharded:
+                        self.tp_group = chunk[0].device_mesh.get_group()
             shard_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": masters})
         super().__init__(shard_groups, **kwargs)
         self._bucket_of_master = {id(b.master): b for b in self.buckets}
@@ -104,7 +131,7 @@ class ZeRO1AdamW(LastBackwardBuckets, torch.optim.AdamW):
 
     # -- gradients: reduce-scatter overlapped with the last backward (hooks: LastBackwardBuckets) ---
     def _launch(self, b: _Bucket) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+        grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in b.params]
         b.flat = _flat(grads, b.padded, b.master.device)
         b.grad = torch.empty_like(b.master)
         b.work = dist.reduce_scatter_tensor(b.grad, b.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
@@ -122,8 +149,13 @@ class ZeRO1AdamW(LastBackwardBuckets, torch.optim.AdamW):
             b.flat = b.grad = b.work = None
         self.armed = False
         shards = [b.master.grad for b in self.buckets]
-        square = squared_norm(shards).to(shards[0].device)
-        dist.all_reduce(square, group=self.group)
+        replicated = squared_norm([b.master.grad for b in self.buckets if not b.tp_sharded])
+        sharded = squared_norm([b.master.grad for b in self.buckets if b.tp_sharded])
+        parts = torch.stack([replicated, sharded]).to(shards[0].device)
+        dist.all_reduce(parts, group=self.group)
+        if self.tp_group is not None:  # tp shards hold different numbers; replicated ones the same
+            dist.all_reduce(parts[1:], group=self.tp_group)
+        square = parts.sum()
         if self.norm_group is not None:
             dist.all_reduce(square, group=self.norm_group)
         norm = clip_by_norm_(shards, square.sqrt(), max_norm)
@@ -139,8 +171,9 @@ class ZeRO1AdamW(LastBackwardBuckets, torch.optim.AdamW):
             dist.all_gather_into_tensor(full, b.master, group=self.group)
             offset = 0
             for p in b.params:
-                p.copy_(full[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+                shard = local(p)
+                shard.copy_(full[offset : offset + shard.numel()].view_as(shard))
+                offset += shard.numel()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -154,8 +187,12 @@ class ZeRO1AdamW(LastBackwardBuckets, torch.optim.AdamW):
         dist.all_gather_into_tensor(full, shard.contiguous(), group=self.group)
         out, offset = [], 0
         for p in bucket.params:
-            out.append(full[offset : offset + p.numel()].view_as(p).clone())
-            offset += p.numel()
+            shard = local(p)
+            value = full[offset : offset + shard.numel()].view_as(shard).clone()
+            if isinstance(p, DTensor):  # the strategy gathers it over tp like any tp state
+                value = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False)
+            out.append(value)
+            offset += shard.numel()
         return out
 
     def _masters(self) -> list[torch.Tensor]:
@@ -199,7 +236,8 @@ class ZeRO1AdamW(LastBackwardBuckets, torch.optim.AdamW):
             lo, hi = self.rank * bucket.shard_size, (self.rank + 1) * bucket.shard_size
             shard_state = {"step": torch.as_tensor(per_param[0]["step"]).clone()}
             for key in ("exp_avg", "exp_avg_sq"):
-                shard_state[key] = _flat([s[key] for s in per_param], bucket.padded, master.device)[lo:hi].clone()
+                values = [_local_part(s[key], p) for s, p in zip(per_param, bucket.params)]
+                shard_state[key] = _flat(values, bucket.padded, master.device)[lo:hi].clone()
             state[index] = shard_state
         masters = iter(range(len(self._masters())))
         groups = [
