@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dsl_lit.optim.clip import clip_by_norm_, squared_norm
