@@ -1,19 +1,24 @@
 """The Lightning Strategy that runs our LightningModules on a device mesh.
 
-It runs a (pp, dp, tp) device mesh over ``trainer.devices x trainer.num_nodes`` processes (gloo
-on CPU, NCCL on GPU): data parallelism, plain or with ZeRO-1 (``parallel.zero1``), tensor
-parallelism with each family's plan (:mod:`dsl_lit.parallel.tensor_parallel`) and pipeline
-parallelism with a ``torch.distributed.pipelining`` schedule (:mod:`dsl_lit.parallel.pipeline`).
-The tp ranks of a stage are adjacent (one node), then dp, then pp outermost.
+It runs a (pp, edp, ep, tp) device mesh (dp = edp x ep) over ``trainer.devices x
+trainer.num_nodes`` processes (gloo on CPU, NCCL on GPU); tp ranks are adjacent (one node), then
+ep, then the rest of dp, with pipeline stages outermost. What it applies, from outside the model:
+
+- data parallelism, plain or with ZeRO-1 (:mod:`dsl_lit.parallel.zero1`);
+- tensor (+ sequence) parallelism with each family's plan (:mod:`dsl_lit.parallel.tensor_parallel`);
+- pipeline parallelism with a ``torch.distributed.pipelining`` schedule (:mod:`dsl_lit.parallel.pipeline`):
+  the LightningModule hands its step to :meth:`DeepSeekStrategy.pipeline_forward_backward`;
+- expert parallelism with all-to-all dispatch (:mod:`dsl_lit.parallel.expert_parallel`).
 
 Why not Lightning's DDPStrategy as is: DDP all-reduces on every backward, but our modules run
 several micro-batches per optimizer step inside ``training_step`` (so that a pipeline schedule or
 ZeRO-1 can own the step). Here gradients accumulate locally over the micro-batches and are
 reduced once per step, bucket by bucket from backward hooks during the last micro-batch's backward:
-all-reduced for plain DP (:mod:`dsl_lit.parallel.grad_sync`), reduce-scattered onto the optimizer
-shards for ZeRO-1 (:mod:`dsl_lit.parallel.zero1`);
-:meth:`DeepSeekStrategy.finish_gradients` completes it and clips by the global norm. The model is not wrapped, so
-module names stay the single-device ones and checkpoints do not depend on the layout.
+all-reduced for plain DP (:mod:`dsl_lit.parallel.grad_sync`; routed experts over the ranks that
+hold the same experts), reduce-scattered onto the optimizer shards for ZeRO-1;
+:meth:`DeepSeekStrategy.finish_gradients` completes it and clips by the global norm (summed over
+pipeline stages). The model is not wrapped, so module names stay the single-device ones and
+checkpoints (full tensors, a single-process optimizer state) do not depend on the layout.
 """
 
 from __future__ import annotations
