@@ -79,44 +79,55 @@ def test_optimizer_state_renumbers_by_name_and_back():
     assert [g["params"] for g in merged["param_groups"]] == [g["params"] for g in expected["param_groups"]]
 
 
-def _reference(tokens: torch.Tensor, labels: torch.Tensor, micro: int) -> tuple[torch.nn.Module, float]:
+LLM = ModelConfig.from_name("deepseek_llm_tiny", n_layers=4)
+
+
+def _objective(cfg: ModelConfig, outputs, labels, counts) -> tuple[torch.Tensor, torch.Tensor]:
+    """(objective, detached main loss); cross_entropy consumes the logits, so each once."""
+    logits, *mtp = outputs
+    loss = cross_entropy(logits, labels) / counts[0]
+    return loss + sum(0.3 * cross_entropy(m, labels[:, 1:]) / counts[1] for m in mtp), loss.detach()
+
+
+def _reference(cfg: ModelConfig, tokens: torch.Tensor, labels: torch.Tensor, micro: int):
     """One process: the same objective (main + MTP + balance) over the same micro-batches."""
     torch.manual_seed(0)
-    model = build_model(V3)
+    model = build_model(cfg)
     total = 0.0
-    targets = (labels != -100).sum()
+    counts = ((labels != -100).sum(), (labels[:, 1:] != -100).sum())
     for mb_tokens, mb_labels in zip(tokens.split(micro), labels.split(micro)):
         hidden = model.hidden_states(mb_tokens)
-        loss = cross_entropy(model.head(hidden), mb_labels) / targets
-        mtp = model.mtp_logits(hidden, mb_tokens)[0]
-        mtp_loss = cross_entropy(mtp, mb_labels[:, 1:]) / (labels[:, 1:] != -100).sum()
-        balance = model.balance_loss() * mb_tokens.shape[0] / tokens.shape[0]
-        (loss + 0.3 * mtp_loss + balance).backward()
+        outputs = (model.head(hidden), *(model.mtp_logits(hidden, mb_tokens) if len(model.mtp) else []))
+        objective, loss = _objective(cfg, outputs, mb_labels, counts)
+        balance = model.balance_loss()
+        if balance is not None:
+            objective = objective + balance * mb_tokens.shape[0] / tokens.shape[0]
+        objective.backward()
         total += loss.item()
     return model, total
 
 
-def _worker(rank: int, world: int, init_file: str, schedule: str) -> None:
+def _worker(rank: int, world: int, init_file: str, schedule: str, family: str) -> None:
     torch.set_num_threads(1)  # two processes on two cores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
+        cfg = V3 if family == "deepseek_v3" else LLM
         generator = torch.Generator().manual_seed(1)
-        tokens = torch.randint(0, V3.vocab_size, (8, 16), generator=generator)
+        tokens = torch.randint(0, cfg.vocab_size, (8, 16), generator=generator)
         labels = torch.roll(tokens, -1, dims=1)
         labels[:, -1] = -100
-        reference, reference_loss = _reference(tokens, labels, micro=2)
+        reference, reference_loss = _reference(cfg, tokens, labels, micro=2)
         torch.manual_seed(0)
-        model = build_model(V3)
-        runner = PipelineRunner(model, V3, dist.group.WORLD, schedule, 2, torch.device("cpu"))
-        targets, mtp_targets = (labels != -100).sum(), (labels[:, 1:] != -100).sum()
+        model = build_model(cfg)
+        runner = PipelineRunner(model, cfg, dist.group.WORLD, schedule, 2, torch.device("cpu"))
+        counts = ((labels != -100).sum(), (labels[:, 1:] != -100).sum())
         seen = []
 
         def loss_fn(outputs, target, record):
-            logits, mtp = outputs
-            loss = cross_entropy(logits, target) / targets
+            objective, loss = _objective(cfg, outputs, target, counts)
             if record:
-                seen.append(loss.detach())
-            return loss + 0.3 * cross_entropy(mtp, target[:, 1:]) / mtp_targets
+                seen.append(loss)
+            return objective
 
         runner.build_schedule(4, loss_fn)
         runner.step(tokens, labels, float(tokens.shape[0]))
@@ -124,20 +135,32 @@ def _worker(rank: int, world: int, init_file: str, schedule: str) -> None:
         for name, p in model.named_parameters():
             torch.testing.assert_close(p.grad, reference_params[name].grad, atol=2e-6, rtol=1e-4, msg=name)
         reference_loads = {n: b for n, b in reference.named_buffers() if n.endswith("load.counts")}
-        for name, counts in model.named_buffers():
+        for name, counts_now in model.named_buffers():
             if name.endswith("load.counts"):  # the schedule's shape-inference pass counted nothing
-                assert torch.equal(counts, reference_loads[name]), name
+                assert torch.equal(counts_now, reference_loads[name]), name
         if runner.has_last:
             assert len(seen) == 4
             assert sum(seen).item() == pytest.approx(reference_loss, rel=1e-6)
-        assert runner.balance_total() is not None
+        assert (runner.balance_total() is not None) == (family == "deepseek_v3")
+        # validation: the forward-only pass gives the same losses and leaves no gradient behind
+        model.eval()
+        model.zero_grad(set_to_none=True)
+        seen.clear()
+        runner.step(tokens, labels, float(tokens.shape[0]), backward=False)
+        if runner.has_last:
+            assert sum(seen).item() == pytest.approx(reference_loss, rel=1e-6)
+        assert all(p.grad is None for p in model.parameters())
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1F1B", "DualPipeV", "Interleaved1F1B", "GPipe"])
-def test_pipeline_gradients_equal_one_process(tmp_path, schedule):
+@pytest.mark.parametrize(
+    ("family", "schedule"),
+    [("deepseek_v3", "1F1B"), ("deepseek_v3", "DualPipeV"), ("deepseek_v3", "Interleaved1F1B"),
+     ("deepseek_v3", "GPipe"), ("deepseek_llm", "DualPipeV")],
+)
+def test_pipeline_gradients_equal_one_process(tmp_path, family, schedule):
     """Each stage's gradients (MTP, balance loss and the embedding fed to MTP included) equal the
-    single-process ones for the same 4 micro-batches."""
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), schedule), nprocs=2, join=True)
+    single-process ones for the same 4 micro-batches, and so does the forward-only validation."""
+    mp.spawn(_worker, args=(2, str(tmp_path / "init"), schedule, family), nprocs=2, join=True)
