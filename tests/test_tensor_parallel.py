@@ -50,7 +50,8 @@ Outputs = tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor]
 
 
 def _run(model: torch.nn.Module, tokens: torch.Tensor) -> Outputs:
-    """(hidden states, logits, MTP logits, the pretraining objective) as the modules compute them."""
+    """(hidden states, logits, MTP logits, the pretraining objective) as the modules compute them;
+    the logits are copies, as cross_entropy's backward writes their gradient over local logits."""
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     hidden = model.hidden_states(inputs)
     logits = model.head(hidden)
@@ -59,6 +60,7 @@ def _run(model: torch.nn.Module, tokens: torch.Tensor) -> Outputs:
     for k, mtp_logits in enumerate(mtp, start=1):
         loss = loss + cross_entropy(mtp_logits, labels[:, k:])
     balance = model.balance_loss()
+    logits, mtp = logits.detach().clone(), [m.detach().clone() for m in mtp]
     return hidden, logits, mtp, loss if balance is None else loss + balance
 
 
