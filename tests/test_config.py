@@ -18,7 +18,7 @@ def test_default_config_is_the_cpu_demo():
     assert cfg.model.name == "deepseek_v3_tiny" and cfg.model.mtp_depth == 1 and cfg.model.is_moe
     assert cfg.objective.mtp_weight == [0.3, 0.1] and cfg.objective.bias_update_rate[-1] == 0.0
     assert cfg.optim.lr == 2.0e-3 and cfg.optim.betas == (0.9, 0.95)
-    assert cfg.precision.lightning == "32-true"
+    assert cfg.precision.name == "fp32"
     assert cfg.logger.wandb.enabled and cfg.logger.wandb.mode == "offline" and cfg.logger.csv
     assert cfg.data.corpus_dir.endswith("data/corpus")
 
@@ -51,7 +51,7 @@ def test_overrides_reach_the_dataclasses():
         "optim.lr=1e-3", "trainer.max_steps=50", "precision=bf16", "logger=csv", "schedule=cosine",
         "+model.n_layers=2", "data.micro_batch_size=4", "checkpoint.every_n_steps=7",
     ]))
-    assert cfg.optim.lr == 1e-3 and cfg.trainer.max_steps == 50 and cfg.precision.lightning == "bf16-mixed"
+    assert cfg.optim.lr == 1e-3 and cfg.trainer.max_steps == 50 and cfg.precision.name == "bf16"
     assert not cfg.logger.wandb.enabled and cfg.schedule.name == "cosine" and cfg.model.n_layers == 2
     assert cfg.data.micro_batch_size == 4 and cfg.checkpoint.every_n_steps == 7
 

@@ -22,6 +22,7 @@ from dsl_lit.config import TrainConfig
 from dsl_lit.flops import training_flops_per_token
 from dsl_lit.loggers import RunCSVLogger
 from dsl_lit.parallel.strategy import DeepSeekStrategy
+from dsl_lit.precision.plugin import AutocastPrecision
 
 log = logging.getLogger(__name__)
 # Lightning warns that manual-optimization checkpoints hold post-step weights: that is what we want.
@@ -67,6 +68,16 @@ def resume_path(cfg: TrainConfig) -> str | None:
     return str(latest) if latest else None
 
 
+def _device_type(cfg: TrainConfig) -> str:
+    """Where autocast applies: ``cuda`` when the run uses GPUs, else ``cpu``."""
+    accelerator = cfg.trainer.accelerator
+    if accelerator == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if accelerator in ("gpu", "cuda") else "cpu"
+
+
 def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = None) -> L.Trainer:
     callbacks: list[L.Callback] = [
         ThroughputMonitor(
@@ -94,7 +105,6 @@ def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = N
         strategy=strategy,
         devices=cfg.trainer.devices,
         num_nodes=cfg.trainer.num_nodes,
-        precision=cfg.precision.lightning,
         max_steps=cfg.trainer.max_steps,
         max_epochs=-1,
         log_every_n_steps=cfg.trainer.log_every_n_steps,
@@ -109,6 +119,6 @@ def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = N
         limit_val_batches=None if cfg.trainer.val_every_n_steps else 0,
         inference_mode=False,  # no_grad, not inference tensors: pipeline buffers outlive validation
         use_distributed_sampler=False,  # our sampler shards by data-parallel rank, deterministically
-        plugins=[DirectoryCheckpointIO(cfg.raw)],
+        plugins=[DirectoryCheckpointIO(cfg.raw), AutocastPrecision(cfg.precision.name, _device_type(cfg))],
         default_root_dir=cfg.run_dir,
     )

@@ -18,26 +18,9 @@ from dsl_lit.errors import ConfigError
 from dsl_lit.models.config import ModelConfig
 from dsl_lit.modules.objective import ObjectiveConfig
 from dsl_lit.optim import OptimConfig, ScheduleConfig
+from dsl_lit.precision.config import PrecisionConfig
 from dsl_lit.parallel.layout import validate_layout, validate_pipeline_micro_batches
 from dsl_lit.schema import dataclass_from_dict
-
-
-@dataclass
-class PrecisionConfig:
-    """``precision`` group: fp32, or bf16 compute with fp32 master weights and gradient accumulation."""
-
-    name: str = "fp32"
-
-    LIGHTNING: typing.ClassVar[dict[str, str]] = {"fp32": "32-true", "bf16": "bf16-mixed"}
-
-    def validate(self) -> PrecisionConfig:
-        if self.name not in self.LIGHTNING:
-            raise ConfigError(f"precision.name={self.name!r} is unknown; choose one of {sorted(self.LIGHTNING)}")
-        return self
-
-    @property
-    def lightning(self) -> str:
-        return self.LIGHTNING[self.name]
 
 
 PP_SCHEDULES = ("1F1B", "Interleaved1F1B", "DualPipeV", "GPipe")

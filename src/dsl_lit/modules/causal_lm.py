@@ -26,6 +26,9 @@ from dsl_lit.modules.objective import ObjectiveConfig
 from dsl_lit.optim import OptimConfig, ScheduleConfig, build_lr_scheduler, build_optimizer
 from dsl_lit.optim.clip import clip_grad_norm_
 from dsl_lit.parallel.strategy import DeepSeekStrategy, data_parallel_size
+from dsl_lit.precision.config import PrecisionConfig
+from dsl_lit.precision.loss_scaler import DynamicLossScaler
+from dsl_lit.precision.plugin import AutocastPrecision
 
 Batch = dict[str, torch.Tensor]
 Metrics = dict[str, torch.Tensor]
@@ -46,6 +49,7 @@ class CausalLMModule(L.LightningModule):
         micro_batch_size: int,
         total_steps: int,
         objective: ObjectiveConfig | None = None,
+        precision: PrecisionConfig | None = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -55,6 +59,12 @@ class CausalLMModule(L.LightningModule):
         self.micro_batch_size = micro_batch_size
         self.total_steps = total_steps
         self.objective = (objective or ObjectiveConfig()).validate()
+        self.precision = (precision or PrecisionConfig()).validate()
+        self.loss_scaler = DynamicLossScaler(
+            enabled=self.precision.name == "fp16",
+            init_scale=self.precision.loss_scale_init,
+            growth_interval=self.precision.loss_scale_growth_interval,
+        )
         self.model: nn.Module | None = None
         self.tokens_seen = 0
         self.last_expert_load: torch.Tensor | None = None
@@ -147,7 +157,7 @@ class CausalLMModule(L.LightningModule):
                 objective, metrics = self.micro_batch_loss(micro_batch, normalizers)
                 if ours and i == len(micro_batches) - 1:
                     strategy.before_last_backward(self.model, self.optimizers().optimizer)
-                self.manual_backward(objective)
+                self.manual_backward(objective * self.loss_scaler.scale if self.loss_scaler.enabled else objective)
                 for name, value in metrics.items():
                     totals[name] = totals.get(name, 0.0) + value
         return totals
@@ -157,20 +167,29 @@ class CausalLMModule(L.LightningModule):
         scheduler = self.lr_schedulers()
         metrics = self.forward_backward(batch)
         extra = self.step_metrics()  # before the step: global_step moves with optimizer.step()
-        grad_norm = self.finish_gradients(optimizer.optimizer, self.optim_config.grad_clip or None)
+        scale = self.loss_scaler.scale
+        grad_norm = self.finish_gradients(optimizer.optimizer, self.optim_config.grad_clip or None, scale)
+        skip = self.loss_scaler.update(float(grad_norm))  # non-finite gradients: no update this step
         lr = optimizer.param_groups[0]["lr"]
         progress = self.progress
-        optimizer.step()
+        plugin = self.trainer.precision_plugin
+        if skip and isinstance(plugin, AutocastPrecision):
+            plugin.skip_next_step = True  # still counted by Lightning: schedule and data stay in step
+        if not skip or isinstance(plugin, AutocastPrecision):
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
-        self.update_expert_bias(self.objective.bias_update_rate_at(progress))
+        self.update_expert_bias(0.0 if skip else self.objective.bias_update_rate_at(progress))
         self.tokens_seen += self.tokens_in_batch(batch) * data_parallel_size(self.trainer)
         sync = self.trainer.world_size > 1
         self.log("train/loss", metrics["loss"], prog_bar=True, sync_dist=sync)
         for name, value in metrics.items():
             if name != "loss":
                 self.log(f"train/{name}", value, sync_dist=sync)
-        self.log_dict({"train/lr": lr, "train/grad_norm": grad_norm.float()})
+        self.log_dict({"train/lr": lr, "train/grad_norm": grad_norm.float(),
+                       "train/skipped_steps": float(self.loss_scaler.skipped_steps)})
+        if self.loss_scaler.enabled:
+            self.log("train/loss_scale", scale)
         for name, value in extra.items():
             self.log(f"train/{name}", value)
         return metrics["loss"]
@@ -214,13 +233,15 @@ class CausalLMModule(L.LightningModule):
             router.load.reset_parameters()
         self.last_expert_load = loads
 
-    def finish_gradients(self, optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor:
+    def finish_gradients(
+        self, optimizer: torch.optim.Optimizer, max_norm: float | None, loss_scale: float = 1.0
+    ) -> torch.Tensor:
         """Gradients of the whole step are ready: reduce them across data-parallel ranks (the
         strategy's job when it has one) and clip by the global norm; returns the norm."""
         strategy = self.trainer.strategy
         if isinstance(strategy, DeepSeekStrategy):
-            return strategy.finish_gradients(self.model, optimizer, max_norm)
-        return clip_grad_norm_(self.model.parameters(), max_norm)
+            return strategy.finish_gradients(self.model, optimizer, max_norm, loss_scale)
+        return clip_grad_norm_(self.model.parameters(), max_norm, loss_scale=loss_scale)
 
     def configure_optimizers(self) -> dict[str, Any]:
         strategy = self.trainer.strategy
@@ -234,6 +255,9 @@ class CausalLMModule(L.LightningModule):
     # -- exact resume of counters that live outside the optimizer ------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["tokens_seen"] = self.tokens_seen
+        checkpoint["loss_scaler"] = self.loss_scaler.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.tokens_seen = int(checkpoint.get("tokens_seen", 0))
+        if "loss_scaler" in checkpoint:
+            self.loss_scaler.load_state_dict(checkpoint["loss_scaler"])

@@ -44,25 +44,39 @@ def squared_norm(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_by_norm_(tensors: Iterable[torch.Tensor], norm: torch.Tensor, max_norm: float | None) -> torch.Tensor:
+def clip_by_norm_(
+    tensors: Iterable[torch.Tensor], norm: torch.Tensor, max_norm: float | None, loss_scale: float = 1.0
+) -> torch.Tensor:
     """Scale ``tensors`` in place by min(1, max_norm / (norm + 1e-6)) (clip_grad_norm_'s rule);
-    returns ``norm`` as fp32."""
+    returns ``norm`` as fp32.
+
+    ``loss_scale``: the gradients are of a loss multiplied by it (fp16 loss scaling); they are
+    unscaled in the same pass and the returned norm is the unscaled one. Non-finite norms leave
+    the gradients untouched (the step will be skipped)."""
+    norm = norm / loss_scale
+    if not torch.isfinite(norm):
+        return norm.float()
+    coef = 1.0 / loss_scale
     if max_norm:
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        coef *= min(1.0, max_norm / (norm.item() + 1e-6))
+    if coef != 1.0:
         for t in tensors:
-            t.mul_(coef.item())
+            t.mul_(coef)
     return norm.float()
 
 
 def clip_grad_norm_(
-    params: Iterable[torch.nn.Parameter], max_norm: float | None, sum_over: dist.ProcessGroup | None = None
+    params: Iterable[torch.nn.Parameter],
+    max_norm: float | None,
+    sum_over: dist.ProcessGroup | None = None,
+    loss_scale: float = 1.0,
 ) -> torch.Tensor:
     """Like ``torch.nn.utils.clip_grad_norm_`` with the norm in float64; returns the norm.
 
     ``sum_over``: a group whose ranks hold *different* parameters (pipeline stages), whose squares
-    add up to the model's norm."""
+    add up to the model's norm. ``loss_scale``: see :func:`clip_by_norm_`."""
     grads = [p.grad for p in params if p.grad is not None]
     square = squared_norm(grads)
     if sum_over is not None:
         dist.all_reduce(square, group=sum_over)
-    return clip_by_norm_(grads, square.sqrt(), max_norm)
+    return clip_by_norm_(grads, square.sqrt(), max_norm, loss_scale)

@@ -170,6 +170,8 @@ class PipelineStageModule(nn.Module):
         self.balance_total: torch.Tensor | None = None
         """Detached sum of this stage's balance losses over the step (for the metric)."""
         self.in_metadata_pass = False
+        self.loss_scale = 1.0
+        """fp16 loss scaling: the attached balance loss's gradient is scaled like the main loss's."""
 
     def owned_modules(self) -> list[nn.Module]:
         m = self.model
@@ -236,7 +238,7 @@ class PipelineStageModule(nn.Module):
         aux = torch.stack(losses).sum() * (x.shape[0] * self.balance_scale)
         if not self.in_metadata_pass:
             self.balance_total = aux.detach() if self.balance_total is None else self.balance_total + aux.detach()
-        return _AttachAuxLoss.apply(x, aux)
+        return _AttachAuxLoss.apply(x, aux * self.loss_scale)
 
 
 class _Stage(PipelineStage):
@@ -300,12 +302,20 @@ class PipelineRunner:
         self._n_microbatches = n_microbatches
         self._loss_fn = loss_fn
 
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, step_sequences: float, backward: bool = True) -> None:
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        step_sequences: float,
+        backward: bool = True,
+        loss_scale: float = 1.0,
+    ) -> None:
         """Forward and backward of every micro-batch (gradients accumulate in the parameters), or
         with ``backward=False`` the forwards and losses only (validation)."""
         for module in self.modules:
             module.balance_scale = 1.0 / step_sequences
             module.balance_total = None
+            module.loss_scale = loss_scale
         args = (input_ids,) if self.has_first else ()
         target = labels if self.has_last else None
         if backward:

@@ -140,7 +140,9 @@ class DeepSeekStrategy(DDPStrategy):
         self._pipeline.build_schedule(rows // module.micro_batch_size, self._pipeline_loss)
         self._pp_module, self._pp_normalizers, self._pp_totals = module, normalizers, {}
         with self.loss_context():
-            self._pipeline.step(batch["input_ids"], batch["labels"], float(rows), backward=backward)
+            self._pipeline.step(
+                batch["input_ids"], batch["labels"], float(rows), backward=backward, loss_scale=module.loss_scaler.scale
+            )
         totals: dict[str, torch.Tensor] = dict(self._pp_totals)
         balance = self._pipeline.balance_total()
         if balance is not None:
@@ -160,6 +162,7 @@ class DeepSeekStrategy(DDPStrategy):
         """The schedule's loss function on the last stage: the module's own objective (metrics
         recorded except in the schedule's shape-inference pass)."""
         objective, metrics = self._pp_module.loss_from_outputs(outputs, labels, self._pp_normalizers)
+        objective = objective * self._pp_module.loss_scaler.scale
         if not record:
             return objective
         for name, value in metrics.items():
@@ -263,16 +266,19 @@ class DeepSeekStrategy(DDPStrategy):
             reducer.arm()
 
     @torch.no_grad()
-    def finish_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor:
-        """Complete the step's gradient reduction over dp and clip by the global norm."""
+    def finish_gradients(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None, loss_scale: float = 1.0
+    ) -> torch.Tensor:
+        """Complete the step's gradient reduction over dp and clip by the global norm (unscaling
+        fp16 gradients in the same pass)."""
         if isinstance(optimizer, ZeRO1AdamW):
-            return optimizer.reduce_gradients(max_norm)
+            return optimizer.reduce_gradients(max_norm, loss_scale)
         if self.dp_size > 1:
             for reducer in self._gradient_reducers(model):
                 if not reducer.armed:  # no overlap was armed (pipeline): wait() reduces every bucket now
                     reducer.arm()
                 reducer.wait()
-        return clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm, self.pp_group)
+        return clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm, self.pp_group, loss_scale)
 
     def teardown(self) -> None:
         for reducer in self._reducers or []:

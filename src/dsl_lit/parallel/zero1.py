@@ -136,7 +136,7 @@ class ZeRO1AdamW(LastBackwardBuckets, torch.optim.AdamW):
         b.work = dist.reduce_scatter_tensor(b.grad, b.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
 
     @torch.no_grad()
-    def reduce_gradients(self, max_norm: float | None) -> torch.Tensor:
+    def reduce_gradients(self, max_norm: float | None, loss_scale: float = 1.0) -> torch.Tensor:
         """Finish the mean of the accumulated gradients over dp onto the local shards; clip by the
         global norm. Returns the global gradient norm before clipping (as ``clip_grad_norm_``)."""
         for b in self.buckets:
@@ -157,7 +157,7 @@ class ZeRO1AdamW(LastBackwardBuckets, torch.optim.AdamW):
         square = parts.sum()
         if self.norm_group is not None:
             dist.all_reduce(square, group=self.norm_group)
-        norm = clip_by_norm_(shards, square.sqrt(), max_norm)
+        norm = clip_by_norm_(shards, square.sqrt(), max_norm, loss_scale)
         for p in self._params():
             p.grad = None  # the full-size gradients are no longer needed
         return norm

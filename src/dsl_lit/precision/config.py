@@ -1,0 +1,45 @@
+"""The ``precision`` config group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsl_lit.errors import ConfigError
+
+NAMES = ("fp32", "bf16", "fp16")
+FP8_RECIPES = ("fp8_tensorwise", "fp8_rowwise", "fp8_blockwise")
+
+
+@dataclass
+class PrecisionConfig:
+    """``precision`` group.
+
+    - ``fp32``;
+    - ``bf16``: bf16 compute (autocast), fp32 master weights and fp32 gradient accumulation across
+      micro-batches, as DeepSeek LLM trains;
+    - ``fp16``: fp16 compute with dynamic loss scaling (overflowing steps are skipped, the scale is
+      logged as ``train/loss_scale``).
+
+    The router, norms, embeddings and the loss stay fp32 under autocast (the models keep them so).
+    ``fp8`` additionally runs the eligible linear layers' GEMMs in FP8 (on top of bf16).
+    """
+
+    name: str = "fp32"
+    loss_scale_init: float = 2.0**16
+    loss_scale_growth_interval: int = 1000
+    fp8: str | None = None
+
+    def validate(self) -> PrecisionConfig:
+        if self.name not in NAMES:
+            raise ConfigError(f"precision.name={self.name!r} is unknown; choose one of {list(NAMES)}")
+        if not self.loss_scale_init > 0:
+            raise ConfigError(f"precision.loss_scale_init={self.loss_scale_init} must be > 0")
+        if self.loss_scale_growth_interval < 1:
+            raise ConfigError(f"precision.loss_scale_growth_interval={self.loss_scale_growth_interval} must be >= 1")
+        if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
+            raise ConfigError(f"precision.fp8={self.fp8!r} is unknown; choose one of {list(FP8_RECIPES)} or null")
+        if self.fp8 is not None and self.name == "fp32":
+            raise ConfigError(
+                f"precision.fp8={self.fp8} runs FP8 GEMMs inside bf16 training (DeepSeek-V3); set precision.name=bf16"
+            )
+        return self
