@@ -18,10 +18,9 @@ from dsl_lit.errors import ConfigError
 from dsl_lit.models.config import ModelConfig
 from dsl_lit.modules.objective import ObjectiveConfig
 from dsl_lit.optim import OptimConfig, ScheduleConfig
-from dsl_lit.precision.config import PrecisionConfig
 from dsl_lit.parallel.layout import validate_layout, validate_pipeline_micro_batches
+from dsl_lit.precision.config import PrecisionConfig
 from dsl_lit.schema import dataclass_from_dict
-
 
 PP_SCHEDULES = ("1F1B", "Interleaved1F1B", "DualPipeV", "GPipe")
 
