@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import Logger, WandbLogger
 from omegaconf import OmegaConf
 
+from dsl_lit.callbacks.ema import EMACallback
 from dsl_lit.callbacks.expert_load import ExpertLoadMonitor
 from dsl_lit.callbacks.throughput import ThroughputMonitor
 from dsl_lit.checkpoint.directory import DirectoryCheckpointIO, StepCheckpoint, latest_checkpoint
@@ -87,6 +88,8 @@ def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = N
     ]
     if cfg.model.is_moe:
         callbacks.append(ExpertLoadMonitor(cfg.logger.expert_load_every_n_steps))
+    if cfg.memory.ema_decay:
+        callbacks.append(EMACallback(cfg.memory.ema_decay, cfg.memory.ema_every_n_steps, cfg.memory.validate_with_ema))
     if cfg.trainer.progress_bar:
         callbacks.append(TQDMProgressBar(refresh_rate=1))
     if cfg.checkpoint.every_n_steps:

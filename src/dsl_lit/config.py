@@ -19,6 +19,7 @@ from dsl_lit.models.config import ModelConfig
 from dsl_lit.modules.objective import ObjectiveConfig
 from dsl_lit.optim import OptimConfig, ScheduleConfig
 from dsl_lit.parallel.layout import validate_layout, validate_pipeline_micro_batches
+from dsl_lit.memory.config import MemoryConfig
 from dsl_lit.precision.config import PrecisionConfig
 from dsl_lit.schema import dataclass_from_dict
 
@@ -128,6 +129,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig
     trainer: TrainerConfig
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     run_dir: str = "."
     raw: dict[str, Any] = field(default_factory=dict)
 
@@ -149,7 +151,7 @@ class TrainConfig:
         for name, schema in (("data", DataConfig), ("optim", OptimConfig), ("schedule", ScheduleConfig),
                              ("precision", PrecisionConfig), ("parallel", ParallelConfig),
                              ("checkpoint", CheckpointConfig), ("trainer", TrainerConfig),
-                             ("objective", ObjectiveConfig)):
+                             ("objective", ObjectiveConfig), ("memory", MemoryConfig)):
             groups[name] = dataclass_from_dict(schema, dict(raw.get(name) or {}), name)
         config = cls(model=model, logger=logger, run_dir=run_dir, raw=raw, **groups)
         return config.validate()

@@ -85,7 +85,8 @@ class TopKRouter(nn.Module):
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         weights = weights * self.route_scale
-        if self.training:
+        # count once per token: not again when activation recompute re-runs this forward in backward
+        if self.training and torch._C._current_graph_task_id() == -1:
             with torch.no_grad():
                 self.load.counts += torch.bincount(indices.flatten(), minlength=self.n_experts).float()
         return scores, weights, indices

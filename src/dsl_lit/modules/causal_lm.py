@@ -26,6 +26,8 @@ from dsl_lit.modules.objective import ObjectiveConfig
 from dsl_lit.optim import OptimConfig, ScheduleConfig, build_lr_scheduler, build_optimizer
 from dsl_lit.optim.clip import clip_grad_norm_
 from dsl_lit.parallel.strategy import DeepSeekStrategy, data_parallel_size
+from dsl_lit.memory.config import MemoryConfig
+from dsl_lit.memory.recompute import apply_recompute
 from dsl_lit.precision.config import PrecisionConfig
 from dsl_lit.precision.loss_scaler import DynamicLossScaler
 from dsl_lit.precision.plugin import AutocastPrecision
@@ -50,6 +52,7 @@ class CausalLMModule(L.LightningModule):
         total_steps: int,
         objective: ObjectiveConfig | None = None,
         precision: PrecisionConfig | None = None,
+        memory: MemoryConfig | None = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -60,6 +63,7 @@ class CausalLMModule(L.LightningModule):
         self.total_steps = total_steps
         self.objective = (objective or ObjectiveConfig()).validate()
         self.precision = (precision or PrecisionConfig()).validate()
+        self.memory = (memory or MemoryConfig()).validate()
         self.loss_scaler = DynamicLossScaler(
             enabled=self.precision.name == "fp16",
             init_scale=self.precision.loss_scale_init,
@@ -76,6 +80,7 @@ class CausalLMModule(L.LightningModule):
         and shard it before weights are materialised. Idempotent, as Lightning requires."""
         if self.model is None:
             self.model = build_model(self.model_config)
+            apply_recompute(self.model, self.memory.recompute, self.memory.recompute_blocks)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)

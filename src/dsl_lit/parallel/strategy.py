@@ -171,9 +171,14 @@ class DeepSeekStrategy(DDPStrategy):
 
     # -- checkpoints hold full tensors, whatever the layout -----------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        state = super().lightning_module_state_dict()
+        return self.full_state(super().lightning_module_state_dict())
+
+    def full_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Named tensors of this rank -> the whole model's, by single-device names: tensor-parallel
+        (and expert-parallel) DTensors gathered, every pipeline stage's entries merged. A
+        collective: every rank calls it."""
         state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
-        if self.pp > 1:  # every stage's tensors, by their single-device names
+        if self.pp > 1:
             parts: list[Any] = [None] * self.pp
             dist.all_gather_object(parts, state, group=self.pp_group)
             state = {k: v for part in parts for k, v in part.items()}

@@ -1,0 +1,1 @@
+"""Memory-saving transformations applied to a built model from outside (activation recompute)."""
