@@ -15,11 +15,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from dsl_lit.data.config import DataConfig
 from dsl_lit.errors import ConfigError
+from dsl_lit.memory.config import MemoryConfig
 from dsl_lit.models.config import ModelConfig
 from dsl_lit.modules.objective import ObjectiveConfig
 from dsl_lit.optim import OptimConfig, ScheduleConfig
 from dsl_lit.parallel.layout import validate_layout, validate_pipeline_micro_batches
-from dsl_lit.memory.config import MemoryConfig
 from dsl_lit.precision.config import PrecisionConfig
 from dsl_lit.schema import dataclass_from_dict
 
