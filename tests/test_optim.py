@@ -91,3 +91,50 @@ def test_training_flops_match_six_n_for_dense_mha():
     cfg = ModelConfig.from_name("deepseek_llm_7b")
     model_params = 30 * (4 * 4096**2 + 3 * 4096 * 11008) + 4096 * 102400
     assert training_flops_per_token(cfg, 4096) == 6 * model_params + 12 * 30 * 4096 * 4096
+
+
+def test_bf16_moments_track_torch_adamw_and_stay_bf16():
+    """DeepSeek-V3's bf16 AdamW moments: the update is torch's within bf16 rounding of the moments,
+    the state is stored in bf16 (half the bytes) and survives a state-dict round trip."""
+    from dsl_lit.optim.adamw import AdamW
+
+    torch.manual_seed(0)
+    ours_p = [torch.nn.Parameter(torch.randn(64, 32)), torch.nn.Parameter(torch.randn(32))]
+    ref_p = [torch.nn.Parameter(p.detach().clone()) for p in ours_p]
+    ours = AdamW(ours_p, moments_dtype=torch.bfloat16, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    ref = torch.optim.AdamW(ref_p, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    for _ in range(5):
+        grads = [torch.randn_like(p) for p in ours_p]
+        for p, q, g in zip(ours_p, ref_p, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    for p, q in zip(ours_p, ref_p):
+        torch.testing.assert_close(p, q, atol=2e-4, rtol=0)  # lr 1e-2 x bf16's 2^-8 relative rounding
+        assert not torch.equal(p, q)
+    state = ours.state[ours_p[0]]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+    restored = AdamW(ours_p, moments_dtype=torch.bfloat16, lr=1e-2)
+    restored.load_state_dict(ours.state_dict())
+    assert restored.state[ours_p[0]]["exp_avg"].dtype == torch.bfloat16
+    assert torch.equal(restored.state[ours_p[0]]["exp_avg"], state["exp_avg"])
+
+
+def test_fused_adamw_runs_and_matches_foreach():
+    from dsl_lit.optim import build_optimizer
+
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)]
+    models[1].load_state_dict(models[0].state_dict())
+    optimizers = [build_optimizer(models[0], OptimConfig(fused=True).validate()),
+                  build_optimizer(models[1], OptimConfig(foreach=True).validate())]
+    for _ in range(3):
+        x = torch.randn(4, 16)
+        for model, optimizer in zip(models, optimizers):
+            model(x).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ConfigError, match="optim.fused=true and optim.foreach=true exclude each other"):
+        OptimConfig(fused=True, foreach=True).validate()

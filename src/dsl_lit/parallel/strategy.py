@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from dsl_lit.optim import OptimConfig, build_optimizer, param_groups
+from dsl_lit.optim.adamw import MOMENT_DTYPES
 from dsl_lit.optim.clip import clip_grad_norm_
 from dsl_lit.parallel.expert_parallel import (
     apply_expert_parallel,
@@ -237,7 +238,7 @@ class DeepSeekStrategy(DDPStrategy):
             return build_optimizer(model, cfg)
         return ZeRO1AdamW(
             param_groups(model, cfg.weight_decay), group=self.dp_group, norm_group=self.pp_group,
-            lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+            lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, moments_dtype=MOMENT_DTYPES[cfg.moments_dtype],
         )
 
     def loss_context(self) -> contextlib.AbstractContextManager:

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from dsl_lit.optim.adamw import AdamW
 from dsl_lit.optim.clip import clip_by_norm_, squared_norm
 from dsl_lit.parallel.grad_sync import LastBackwardBuckets, local
 
@@ -90,7 +91,7 @@ def _local_part(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return value
 
 
-class ZeRO1AdamW(LastBackwardBuckets, torch.optim.AdamW):
+class ZeRO1AdamW(LastBackwardBuckets, AdamW):
     def __init__(
         self,
         param_groups: list[dict[str, Any]],
