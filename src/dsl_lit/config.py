@@ -168,6 +168,11 @@ class TrainConfig:
                 "lower data.seq_len or raise +model.max_seq_len"
             )
         dp = validate_layout(self.parallel, self.model, self.world_size)
+        if self.precision.fp8 and self.parallel.tp > 1:
+            raise ConfigError(
+                f"precision.fp8={self.precision.fp8} with parallel.tp={self.parallel.tp} is not supported yet "
+                "(FP8 linears do not take tensor-parallel weights); use parallel.tp=1"
+            )
         if self.parallel.sequence_parallel and self.data.seq_len % self.parallel.tp:
             raise ConfigError(
                 f"parallel.sequence_parallel=true shards data.seq_len={self.data.seq_len} over parallel.tp="

@@ -29,6 +29,7 @@ from dsl_lit.optim import OptimConfig, ScheduleConfig, build_lr_scheduler, build
 from dsl_lit.optim.clip import clip_grad_norm_
 from dsl_lit.parallel.strategy import DeepSeekStrategy, data_parallel_size
 from dsl_lit.precision.config import PrecisionConfig
+from dsl_lit.precision.fp8 import apply_fp8
 from dsl_lit.precision.loss_scaler import DynamicLossScaler
 from dsl_lit.precision.plugin import AutocastPrecision
 
@@ -80,6 +81,8 @@ class CausalLMModule(L.LightningModule):
         and shard it before weights are materialised. Idempotent, as Lightning requires."""
         if self.model is None:
             self.model = build_model(self.model_config)
+            if self.precision.fp8:
+                apply_fp8(self.model, self.precision.fp8)
             apply_recompute(self.model, self.memory.recompute, self.memory.recompute_blocks)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
