@@ -60,7 +60,7 @@ def test_dp_defaults_to_what_tp_and_pp_leave():
         ("trainer.val_every_n_steps=5 data.val_windows=8", "set data.val_windows to at least data.global_batch_size=16"),
         ("data.val_windows=-1", "data.val_windows=-1 must be >= 0"),
         ("precision=fp8_blockwise parallel.tp=2 trainer.devices=2", "precision.fp8=fp8_blockwise with parallel.tp=2"),
-        ("precision.fp8=fp8_blockwise", "inside bf16 training (DeepSeek-V3); set precision.name=bf16"),
+        ("precision.fp8=fp8_blockwise", "runs FP8 GEMMs inside bf16 training"),
         ("precision=fp16 optim.fused=true optim.foreach=true", "optim.fused=true and optim.foreach=true exclude"),
         ("parallel.tp=0", "parallel.tp=0 must be >= 1"),
     ],
