@@ -54,6 +54,7 @@ class CausalLMModule(L.LightningModule):
         objective: ObjectiveConfig | None = None,
         precision: PrecisionConfig | None = None,
         memory: MemoryConfig | None = None,
+        max_bad_steps: int = 10,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -65,6 +66,8 @@ class CausalLMModule(L.LightningModule):
         self.objective = (objective or ObjectiveConfig()).validate()
         self.precision = (precision or PrecisionConfig()).validate()
         self.memory = (memory or MemoryConfig()).validate()
+        self.max_bad_steps = max_bad_steps
+        self.bad_steps_in_a_row = 0
         self.loss_scaler = DynamicLossScaler(
             enabled=self.precision.name == "fp16",
             init_scale=self.precision.loss_scale_init,
@@ -178,6 +181,7 @@ class CausalLMModule(L.LightningModule):
         scale = self.loss_scaler.scale
         grad_norm = self.finish_gradients(optimizer.optimizer, self.optim_config.grad_clip or None, scale)
         skip = self.loss_scaler.update(float(grad_norm))  # non-finite gradients: no update this step
+        self._guard_bad_steps(skip, metrics)
         lr = optimizer.param_groups[0]["lr"]
         progress = self.progress
         plugin = self.trainer.precision_plugin
@@ -201,6 +205,19 @@ class CausalLMModule(L.LightningModule):
         for name, value in extra.items():
             self.log(f"train/{name}", value)
         return metrics["loss"]
+
+    def _guard_bad_steps(self, skipped: bool, metrics: Metrics) -> None:
+        """NaN/inf guard: a step with non-finite gradients is skipped (and counted); after
+        ``max_bad_steps`` of them in a row the run stops, before any update or save from the bad
+        steps, so the last checkpoint on disk is a good one."""
+        self.bad_steps_in_a_row = self.bad_steps_in_a_row + 1 if skipped else 0
+        if self.max_bad_steps and self.bad_steps_in_a_row >= self.max_bad_steps:
+            loss = float(metrics["loss"])
+            raise FloatingPointError(
+                f"{self.bad_steps_in_a_row} optimizer steps in a row had non-finite gradients (last loss {loss}, "
+                f"step {self.trainer.global_step}); stopping with the last good checkpoint intact. Lower optim.lr, "
+                "check the data, or raise trainer.max_bad_steps"
+            )
 
     @torch.no_grad()
     def validation_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
