@@ -34,7 +34,7 @@ def main(hydra_cfg: DictConfig) -> None:
     module = PretrainModule(
         cfg.model, cfg.optim, cfg.schedule, cfg.data.micro_batch_size,
         total_steps=cfg.schedule.total_steps or cfg.trainer.max_steps, objective=cfg.objective,
-        precision=cfg.precision, memory=cfg.memory,
+        precision=cfg.precision, memory=cfg.memory, max_bad_steps=cfg.trainer.max_bad_steps,
     )
     trainer = build_trainer(cfg)
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume_path(cfg))

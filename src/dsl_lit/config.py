@@ -7,6 +7,7 @@ Trainer, a process group or a dataset exists.
 
 from __future__ import annotations
 
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,15 +78,31 @@ class LoggerConfig:
 
 @dataclass
 class CheckpointConfig:
-    """``checkpoint`` group: save every N optimizer steps under ``<run dir>/checkpoints/step-<N>/``."""
+    """``checkpoint`` group: save under ``<run dir>/checkpoints/step-<N>/`` every N optimizer steps
+    and/or every M minutes (either 0 disables that trigger; both 0 disable saving), and after the
+    last step. ``async_save`` writes on a background thread after a synchronous CPU copy;
+    ``keep_last`` keeps only the newest complete checkpoints (0 or null: all)."""
 
     every_n_steps: int = 100
+    every_minutes: float = 5.0
+    async_save: bool = True
+    keep_last: int | None = 3
     resume: bool = True
     resume_from: str | None = None
 
+    @property
+    def enabled(self) -> bool:
+        return bool(self.every_n_steps or self.every_minutes)
+
     def validate(self) -> CheckpointConfig:
         if self.every_n_steps < 0:
-            raise ConfigError(f"checkpoint.every_n_steps={self.every_n_steps} must be >= 0 (0 disables saving)")
+            raise ConfigError(f"checkpoint.every_n_steps={self.every_n_steps} must be >= 0 (0 disables the step trigger)")
+        if not math.isfinite(self.every_minutes) or self.every_minutes < 0:
+            raise ConfigError(
+                f"checkpoint.every_minutes={self.every_minutes} must be a finite number >= 0 (0 disables the time trigger)"
+            )
+        if self.keep_last is not None and self.keep_last < 0:
+            raise ConfigError(f"checkpoint.keep_last={self.keep_last} must be >= 0 (0 or null keeps every checkpoint)")
         return self
 
 
@@ -101,6 +118,8 @@ class TrainerConfig:
     progress_bar: bool = True
     val_every_n_steps: int = 0
     """Validate on ``data.val_windows`` every N optimizer steps (0: never)."""
+    max_bad_steps: int = 10
+    """Stop after this many optimizer steps in a row with non-finite gradients (0: never stop)."""
 
     def validate(self) -> TrainerConfig:
         for name in ("max_steps", "devices", "num_nodes", "log_every_n_steps"):
@@ -108,6 +127,8 @@ class TrainerConfig:
                 raise ConfigError(f"trainer.{name}={getattr(self, name)} must be >= 1")
         if self.accelerator not in ("auto", "cpu", "gpu", "cuda"):
             raise ConfigError(f"trainer.accelerator={self.accelerator!r} must be auto, cpu, gpu or cuda")
+        if self.max_bad_steps < 0:
+            raise ConfigError(f"trainer.max_bad_steps={self.max_bad_steps} must be >= 0 (0 never stops)")
         if self.val_every_n_steps < 0:
             raise ConfigError(f"trainer.val_every_n_steps={self.val_every_n_steps} must be >= 0 (0 disables validation)")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
