@@ -105,3 +105,28 @@ def test_fp16_overflow_skips_the_update_and_halves_the_scale():
         assert torch.equal(before, after)  # no update from the overflowing step
     assert all(torch.isfinite(p).all() for p in module.model.parameters())
     assert torch.isfinite(torch.tensor(losses[3]))  # and training goes on
+
+
+class _InjectNaNFrom(L.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            pl_module.model.tok_embeddings.register_forward_hook(lambda m, i, out: out * float("nan"))
+
+
+def test_nan_guard_stops_after_max_bad_steps_in_a_row():
+    """bf16 has no loss scale to back off: non-finite steps are skipped and counted, and the run
+    stops with a clear error once ``max_bad_steps`` come in a row."""
+    torch.manual_seed(0)
+    module = PretrainModule(_llm(), OptimConfig(lr=1e-2), ScheduleConfig(name="constant", warmup_steps=0), 4,
+                            total_steps=6, precision=PrecisionConfig(name="bf16").validate(), max_bad_steps=3)
+    trainer = L.Trainer(accelerator="cpu", max_steps=6, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        plugins=[AutocastPrecision("bf16", "cpu")], callbacks=[_InjectNaNFrom(step=1)])
+    with pytest.raises(FloatingPointError, match="3 optimizer steps in a row had non-finite gradients"):
+        trainer.fit(module, train_dataloaders=DataLoader([_batch(s) for s in range(6)], batch_size=None))
+    assert module.loss_scaler.skipped_steps == 3
+    assert trainer.global_step == 3  # step 0 was good; steps 1 and 2 were skipped but counted
+    assert all(torch.isfinite(p).all() for p in module.model.parameters())  # no bad update reached the weights
