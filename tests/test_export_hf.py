@@ -1,0 +1,163 @@
+"""recipes/export_hf.py end to end: a checkpoint written by the real pretrain recipe (2 steps of a
+2-layer tiny model) is exported, transformers loads the export with ``AutoModelForCausalLM`` (no
+remote code), and its logits equal those of our model built from the same checkpoint (fp32, 1e-5).
+Also: the EMA weights (``weights=ema``), a bf16 export, and the errors for bad inputs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from dsl_lit.errors import ConfigError
+from dsl_lit.models import ModelConfig, build_model
+from tests.conftest import ROOT
+from tests.test_pretrain_e2e import run_recipe
+
+pytestmark = pytest.mark.slow  # trains with the recipe in a subprocess per family
+
+ATOL = 1e-5
+EMA_DECAY = 0.9
+# The dense family's run also keeps an EMA, so one checkpoint serves both weight sources.
+RUNS = {
+    "deepseek_llm_tiny": [f"memory.ema_decay={EMA_DECAY}"],
+    "deepseek_v3_tiny": [],
+}
+
+
+def _load_recipe():
+    spec = importlib.util.spec_from_file_location("export_hf_recipe", ROOT / "recipes" / "export_hf.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+export_hf = _load_recipe()
+
+
+def run_export(*overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "export_hf.py"), *overrides],
+        capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ},
+    )
+
+
+@pytest.fixture(scope="module", params=list(RUNS))
+def checkpoint(request, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp(request.param)
+    run_recipe(run_dir, f"model={request.param}", "trainer.max_steps=2", "checkpoint.every_n_steps=2",
+               "logger=csv", *RUNS[request.param])
+    return run_dir / "checkpoints" / "step-2"
+
+
+def _our_model(checkpoint: Path, ema: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
+    """Our Transformer from the checkpoint, built independently of the recipe's loader."""
+    cfg = ModelConfig.from_name(**yaml.safe_load((checkpoint / "config.yaml").read_text())["model"])
+    model = build_model(cfg)
+    state = {k.removeprefix("model."): v for k, v in load_file(checkpoint / "model.safetensors").items()}
+    model.load_state_dict({**state, **(ema or {})}, strict=True)
+    return model.eval()
+
+
+def _ema(checkpoint: Path) -> dict[str, torch.Tensor]:
+    callbacks = torch.load(checkpoint / "trainer_state.pt", weights_only=True)["callbacks"]
+    (state,) = [v for k, v in callbacks.items() if "EMACallback" in k]
+    assert state["decay"] == EMA_DECAY
+    return state["ema"]
+
+
+@torch.no_grad()
+def _max_diff(ours: torch.nn.Module, export_dir: Path) -> float:
+    hf = AutoModelForCausalLM.from_pretrained(export_dir, attn_implementation="eager").eval()
+    ids = torch.randint(0, ours.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    return (ours(ids) - hf(input_ids=ids).logits).abs().max().item()
+
+
+def test_export_loads_in_transformers_with_our_logits(checkpoint: Path, tmp_path: Path) -> None:
+    out = tmp_path / "hf"
+    result = run_export(f"checkpoint={checkpoint}", f"output={out}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    config = json.loads((out / "config.json").read_text())
+    assert config["dtype"] == "float32"
+    ours = _our_model(checkpoint)
+    assert _max_diff(ours, out) < ATOL
+    weights = load_file(out / "model.safetensors")
+    if ours.config.family == "deepseek_v3":
+        assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["num_nextn_predict_layers"] == 1
+        n = ours.config.n_layers  # the MTP module is exported as the extra layer n_layers
+        assert torch.equal(weights[f"model.layers.{n}.eh_proj.weight"], ours.mtp["0"].eh_proj.weight)
+        bias = weights["model.layers.1.mlp.gate.e_score_correction_bias"]
+        assert bias.abs().sum() > 0 and torch.equal(bias, ours.layers["1"].feed_forward.gate.expert_bias)
+    else:
+        assert config["architectures"] == ["LlamaForCausalLM"]
+    assert not list(tmp_path.glob(".tmp-*"))  # written beside the output, then renamed into place
+
+
+def test_export_ema_weights(checkpoint: Path, tmp_path: Path) -> None:
+    if not yaml.safe_load((checkpoint / "config.yaml").read_text())["memory"]["ema_decay"]:
+        with pytest.raises(ConfigError, match="holds no EMA of the weights"):
+            export_hf.export(checkpoint, tmp_path / "ema", weights="ema")
+        return
+    ema = _ema(checkpoint)
+    out = export_hf.export(checkpoint, tmp_path / "ema", weights="ema")
+    weights = load_file(out / "model.safetensors")
+    assert torch.equal(weights["model.embed_tokens.weight"], ema["tok_embeddings.weight"])
+    trained = load_file(checkpoint / "model.safetensors")["model.tok_embeddings.weight"]
+    assert (trained - ema["tok_embeddings.weight"]).abs().max() > 1e-4  # the average lags the weights
+    assert _max_diff(_our_model(checkpoint, ema), out) < ATOL
+
+
+def test_export_bf16_and_the_latest_step_of_a_run_dir(checkpoint: Path, tmp_path: Path) -> None:
+    out = export_hf.export(checkpoint.parents[1], tmp_path / "bf16", dtype="bf16")  # the run dir
+    config = json.loads((out / "config.json").read_text())
+    weights = load_file(out / "model.safetensors")
+    assert config["dtype"] == "bfloat16" and weights["model.embed_tokens.weight"].dtype == torch.bfloat16
+    for name, tensor in weights.items():  # transformers keeps the router bias in fp32, so do we
+        assert tensor.dtype == (torch.float32 if name.endswith("e_score_correction_bias") else torch.bfloat16)
+    with pytest.raises(FileExistsError, match="not empty; pass overwrite=true"):
+        export_hf.export(checkpoint, out)
+    export_hf.export(checkpoint, out, overwrite=True)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_bad_inputs_give_clear_errors(tmp_path: Path) -> None:
+    incomplete = tmp_path / "checkpoints" / "step-4"
+    incomplete.mkdir(parents=True)
+    (incomplete / "model.safetensors").write_bytes(b"")
+    # the command's one-line error (main() turns the exception into SystemExit(message), no traceback)
+    with pytest.raises(SystemExit, match="is not a complete checkpoint: it lacks trainer_state.pt, config.yaml, "
+                                         "meta.json"):
+        export_hf.main([f"checkpoint={incomplete}", f"output={tmp_path / 'out'}"])
+    assert not (tmp_path / "out").exists()
+
+    with pytest.raises(SystemExit, match="checkpoint=<dir> is required"):
+        export_hf.main([f"output={tmp_path / 'out'}"])
+    with pytest.raises(SystemExit, match=r"unknown key \('ckpt'\)"):
+        export_hf.main([f"ckpt={incomplete}", f"output={tmp_path / 'out'}"])
+
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        export_hf.export(tmp_path / "nowhere", tmp_path / "out")
+    with pytest.raises(FileNotFoundError, match="holds no complete one"):
+        export_hf.export(tmp_path / "checkpoints", tmp_path / "out")  # its only step is incomplete
+    with pytest.raises(ConfigError, match="weights='best' is unknown"):
+        export_hf.export(incomplete, tmp_path / "out", weights="best")
+
+
+def test_unknown_family_is_a_config_error(checkpoint: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "step-2"
+    shutil.copytree(checkpoint, copy)
+    config = yaml.safe_load((copy / "config.yaml").read_text())
+    config["model"]["family"] = "mamba"
+    (copy / "config.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(ConfigError, match="model.family='mamba' is unknown"):
+        export_hf.export(copy, tmp_path / "out")
