@@ -1,10 +1,18 @@
-"""The chunked in-place cross-entropy against ``F.cross_entropy`` on fp32-upcast logits."""
+"""The chunked in-place cross-entropy against ``F.cross_entropy`` on fp32-upcast logits, for local
+logits and for vocab-parallel (``Shard(-1)`` DTensor) logits on a 2-process gloo mesh."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -207,11 +215,15 @@ class _AllocationProbe(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {_storage(t).data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
-                self.largest[t.dtype] = max(self.largest.get(t.dtype, 0), t.untyped_storage().nbytes())
+            if isinstance(t, torch.Tensor) and _storage(t).data_ptr() not in inputs:
+                self.largest[t.dtype] = max(self.largest.get(t.dtype, 0), _storage(t).nbytes())
         return out
+
+
+def _storage(t: torch.Tensor):
+    return (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
 
 
 class _Producer(torch.autograd.Function):
@@ -249,3 +261,159 @@ def test_no_fp32_copy_of_the_logits_is_ever_allocated(dtype):
 def test_default_chunk_is_a_byte_budget():
     assert default_chunk_rows(102400) == 163
     assert default_chunk_rows(10**9) == 1
+
+
+# --- vocab-parallel logits: a DTensor sharded on the vocabulary over a 2-rank gloo mesh ---------------
+
+_VOCAB_PARALLEL_CLOSE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-3, atol=2e-3)}
+
+
+def _check_vocab_parallel_leaf(mesh: DeviceMesh, shape, dtype, reduction, ignore, parallel_ctx) -> None:
+    """Logits ``leaf * 1`` of a vocab-sharded leaf: loss and the leaf's full gradient equal the
+    single-process reference; the local shard was written over; reuse is refused."""
+    case = f"{shape} {dtype} {reduction} ignore={ignore} loss_parallel={parallel_ctx}"
+    source, targets = _data(shape, dtype, seed=shape[-1], ignore=ignore)
+    rows = targets.numel()
+    grad_output = torch.rand(rows, generator=torch.Generator().manual_seed(1)) if reduction == "none" else None
+    ref_loss, ref_grad = _reference(source, targets, reduction, grad_output)
+    leaf = distribute_tensor(source.detach(), mesh, [Shard(-1)]).requires_grad_()
+    context = loss_parallel() if parallel_ctx else contextlib.nullcontext()
+    with context:
+        logits = leaf * 1  # an intermediate of the graph: written over
+        loss = cross_entropy(logits, targets, reduction=reduction, chunk_rows=3)
+        (loss if grad_output is None else loss * grad_output).sum().backward()
+    assert not isinstance(loss, DTensor) and loss.dtype == torch.float32, case
+    assert loss.shape == ref_loss.shape, case
+    if ignore < 1.0:  # (all ignored: F.cross_entropy's mean is 0 / 0, ours 0)
+        torch.testing.assert_close(loss.detach(), ref_loss, rtol=1e-5, atol=1e-5, msg=lambda m: f"{case}: {m}")
+    everyone = [torch.empty_like(loss) for _ in range(mesh.size())]
+    dist.all_gather(everyone, loss.detach().contiguous())
+    assert all(torch.equal(other, everyone[0]) for other in everyone), f"{case}: loss differs across ranks"
+    assert isinstance(leaf.grad, DTensor) and leaf.grad.placements == leaf.placements, case
+    if ignore < 1.0:
+        _close_grad(leaf.grad.full_tensor(), ref_grad)
+    else:
+        assert torch.all(loss == 0) and torch.all(leaf.grad.to_local() == 0), case
+    # the local shard holds its gradient: consumed, and reuse is refused
+    assert torch.equal(logits.detach().to_local(), leaf.grad.to_local()), case
+    with pytest.raises(RuntimeError, match="consumed"):
+        cross_entropy(logits, targets)
+
+
+def _check_vocab_parallel_head(mesh: DeviceMesh, vocab: int, dtype, reduction, parallel_ctx) -> None:
+    """The column-parallel head's logits (as in tensor_parallel.py): weight and hidden-state gradients
+    equal the single-process head + F.cross_entropy on the fp32-upcast logits."""
+    case = f"head vocab={vocab} {dtype} {reduction} loss_parallel={parallel_ctx}"
+    g = torch.Generator().manual_seed(vocab)
+    hidden = torch.randn(2, 9, 16, generator=g).to(dtype)
+    weight = (torch.randn(vocab, 16, generator=g) / 4).to(dtype)
+    targets = torch.randint(0, vocab, (2, 9), generator=g)
+    targets[1, -3:] = -100
+
+    h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logits_ref = F.linear(h_ref, w_ref)
+    ref = F.cross_entropy(logits_ref.float().flatten(0, 1), targets.flatten(), reduction=reduction)
+    ref.backward()
+
+    head = torch.nn.Linear(16, vocab, bias=False, dtype=dtype)
+    with torch.no_grad():
+        head.weight.copy_(weight)
+    head = parallelize_module(head, mesh, ColwiseParallel(use_local_output=False))
+    h = hidden.clone().requires_grad_()
+    with loss_parallel() if parallel_ctx else contextlib.nullcontext():
+        logits = head(h)
+        assert isinstance(logits, DTensor) and logits.placements[0].is_shard(dim=2), case
+        with torch.no_grad():
+            local = logits.to_local()
+        first = -(-vocab // mesh.size())  # torch.chunk semantics: 17 + 16 for 33
+        assert local.shape[-1] == (first if mesh.get_local_rank() == 0 else vocab - first), case
+        storage = local.untyped_storage().data_ptr()
+        loss = cross_entropy(logits, targets, reduction=reduction, chunk_rows=4)
+        loss.backward()
+    close = _VOCAB_PARALLEL_CLOSE[dtype]
+    torch.testing.assert_close(loss.detach(), ref.detach(), **close, msg=lambda m: f"{case} loss: {m}")
+    torch.testing.assert_close(h.grad, h_ref.grad, msg=lambda m: f"{case} hidden grad: {m}")
+    torch.testing.assert_close(head.weight.grad.full_tensor(), w_ref.grad, msg=lambda m: f"{case} weight grad: {m}")
+    # written over: the local logits hold their gradient (the head's backward needs only its inputs)
+    assert logits.detach().to_local().untyped_storage().data_ptr() == storage, case
+    assert not torch.equal(logits.detach().full_tensor(), logits_ref.detach()), case
+
+
+def _check_vocab_parallel_guards(mesh: DeviceMesh) -> None:
+    source, targets = _data((3, 4, 25), torch.float32, seed=8)
+    # another consumer of the DTensor logits whose backward runs after ours: refused loudly
+    leaf = distribute_tensor(source.detach(), mesh, [Shard(-1)]).requires_grad_()
+    logits = leaf * 1
+    z_loss = logits.pow(2).mean().full_tensor()
+    with pytest.raises(RuntimeError, match="inplace"):
+        (cross_entropy(logits, targets) + z_loss).backward()
+    # a leaf DTensor (as the user holds it) is not written over, and its gradient is exact
+    leaf = distribute_tensor(source.detach(), mesh, [Shard(-1)]).requires_grad_()
+    before = leaf.detach().full_tensor()
+    cross_entropy(leaf, targets).backward()
+    assert torch.equal(leaf.detach().full_tensor(), before)
+    _close_grad(leaf.grad.full_tensor(), _reference(source, targets)[1])
+    # opting out keeps intermediate logits too; no grad: no write, same loss
+    logits = leaf * 1
+    cross_entropy(logits, targets, inplace_backward=False).backward()
+    assert torch.equal(logits.detach().full_tensor(), before)
+    with torch.no_grad():
+        loss = cross_entropy(leaf * 1, targets, reduction="mean")
+    torch.testing.assert_close(loss, _reference(source, targets, "mean")[0], rtol=1e-5, atol=1e-5)
+
+
+def _check_vocab_parallel_allocations(mesh: DeviceMesh) -> None:
+    """No fp32 tensor of the local logits' size (nor a separate gradient) is allocated."""
+    tokens, vocab, chunk = 256, 1000, 16
+    g = torch.Generator().manual_seed(10)
+    data = distribute_tensor(torch.randn(tokens, vocab, generator=g).to(torch.bfloat16), mesh, [Shard(-1)])
+    targets = torch.randint(0, vocab, (tokens,), generator=g)
+    anchor = torch.zeros((), requires_grad=True)
+    local_vocab = vocab // mesh.size()
+    for context in (contextlib.nullcontext(), loss_parallel()):
+        logits = _Producer.apply(anchor, data)
+        with context, _AllocationProbe() as probe:
+            cross_entropy(logits, targets, chunk_rows=chunk).backward()
+        assert max(probe.largest.values()) <= chunk * local_vocab * 4 < tokens * local_vocab * 2
+    # the probe does see loss_parallel's full-size fp32 buffers of the local shard
+    logits = _Producer.apply(anchor, data)
+    with loss_parallel(), _AllocationProbe() as probe:
+        F.cross_entropy(logits.float(), targets, reduction="sum").backward()
+    assert probe.largest[torch.float32] >= tokens * local_vocab * 4
+
+
+# (shape, dtype, reduction, fraction of ignored targets): vocab 40 splits evenly, 33 as 17 + 16,
+# 3 as 2 + 1, 1 as 1 + 0; [batch, seq, vocab] and [tokens, vocab] logits
+_LEAF_CASES = [
+    ((2, 7, 40), torch.float32, "sum", 0.2),
+    ((2, 7, 40), torch.bfloat16, "sum", 0.2),
+    ((2, 7, 33), torch.bfloat16, "mean", 0.2),
+    ((2, 7, 33), torch.float32, "none", 0.2),
+    ((14, 33), torch.float32, "mean", 0.2),
+    ((5, 3), torch.bfloat16, "sum", 0.3),
+    ((4, 1), torch.float32, "sum", 0.3),  # one vocabulary entry: rank 1's slice is empty
+    ((2, 7, 40), torch.bfloat16, "mean", 1.0),  # all ignored: 0 loss, 0 gradient
+    ((2, 7, 33), torch.float32, "sum", 1.0),
+]
+
+
+def _vocab_parallel_worker(rank: int, world: int, init_file: str) -> None:
+    torch.set_num_threads(1)  # two processes on two cores
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        for parallel_ctx in (False, True):
+            for shape, dtype, reduction, ignore in _LEAF_CASES:
+                _check_vocab_parallel_leaf(mesh, shape, dtype, reduction, ignore, parallel_ctx)
+            for vocab, dtype, reduction in [(40, torch.float32, "sum"), (33, torch.bfloat16, "mean")]:
+                _check_vocab_parallel_head(mesh, vocab, dtype, reduction, parallel_ctx)
+        _check_vocab_parallel_guards(mesh)
+        _check_vocab_parallel_allocations(mesh)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_vocab_parallel_matches_one_process(tmp_path):
+    mp.spawn(_vocab_parallel_worker, args=(2, str(tmp_path / "init")), nprocs=2, join=True)

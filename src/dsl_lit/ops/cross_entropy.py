@@ -32,11 +32,26 @@ there are:
 The usual producer, the LM head ``hidden @ W.T`` (under autocast too), needs only its inputs for
 its backward, never its output, so the weight and hidden-state gradients are exact.
 
-Vocab-parallel logits (tensor parallelism): a DTensor sharded on the vocabulary goes through
-``F.cross_entropy`` under torch's ``loss_parallel`` context (forward and backward), which the
-strategy opens; it computes the loss without gathering the logits, and the replicated loss comes
-back as a plain tensor. The chunked in-place kernel is for local tensors only (a follow-up could
-make it vocab-parallel: per-shard max/sum-exp all-reduced, the target logit from its owning shard).
+Vocab-parallel logits (tensor parallelism): a DTensor sharded on the vocabulary (its last dim,
+``Shard(-1)``, over a 1-D tp mesh: what the column-parallel output head gives, with or without
+sequence parallelism) goes through the same chunked in-place kernel on each rank's vocab slice
+(:class:`VocabParallelCrossEntropy`), never gathering the logits:
+
+- forward: the row max of the slice, all-reduced (MAX); chunk by chunk in fp32, the slice's sum of
+  ``exp(x - max)``; the target logit from the rank whose slice holds the target (0 on the others);
+  the last two all-reduced (SUM) in one [2, N] collective; loss per row ``lse - target logit``.
+  Uneven shards (a vocabulary not divisible by tp: torch's chunk semantics, possibly empty slices)
+  get their vocab offset from the DTensor's layout. The loss is a plain tensor, identical on every
+  tp rank (the reduction over rows needs no communication: every rank holds every row).
+- backward: no communication; ``(softmax - onehot) * grad_output`` of the slice, written over the
+  local shard as above (same guards, applied to the DTensor; the DTensor's own version counter is
+  bumped too). The local shard enters through ``DTensor.to_local()``, so its gradient goes back as a
+  DTensor of the logits' layout.
+
+This path needs no ``loss_parallel`` context and is not affected by one (the strategy still opens
+it): only plain tensors and collectives run inside. Other DTensor layouts (replicated, sharded on
+another dim, 2-D meshes) go through ``F.cross_entropy`` on the DTensor (under ``loss_parallel``
+where that is what they need), and the loss comes back as a full plain tensor.
 """
 
 from __future__ import annotations
@@ -44,9 +59,11 @@ from __future__ import annotations
 import weakref
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 CHUNK_BYTES = 64 * 2**20
 """fp32 working set of one chunk of rows (forward and backward): ``CHUNK_BYTES // (4 * vocab)`` rows
@@ -89,12 +106,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             target_logit = logits.gather(1, safe.unsqueeze(1)).squeeze(1).float()
             per_row = torch.where(valid, lse - target_logit, 0.0)
         count = valid.sum()
-        if reduction == "sum":
-            loss = per_row.sum()
-        elif reduction == "mean":
-            loss = per_row.sum() / count.clamp_min(1)
-        else:
-            loss = per_row
+        loss = _reduce(per_row, count, reduction)
         ctx.save_for_backward(logits, lse, targets)
         ctx.ignore_index, ctx.reduction, ctx.chunk_rows, ctx.inplace = ignore_index, reduction, chunk_rows, inplace
         ctx.count = count
@@ -105,34 +117,135 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_output):
         logits, lse, targets = ctx.saved_tensors  # checks nobody wrote over the logits since forward
-        n, _ = logits.shape
         valid = targets != ctx.ignore_index
-        safe = torch.where(valid, targets, 0).unsqueeze(1)
-        minus_onehot = valid.to(torch.float32).neg_().unsqueeze(1)
-        scale = grad_output.float().expand(n) if ctx.reduction != "none" else grad_output.float().reshape(n)
-        if ctx.reduction == "mean":
-            scale = scale / ctx.count.clamp_min(1)
-        scale = torch.where(valid, scale, 0.0).unsqueeze(1)
-        grad = logits if ctx.inplace else torch.empty_like(logits)
-        direct = logits.dtype == torch.float32  # fp32: compute straight into the gradient's rows
-        with torch.autocast(logits.device.type, enabled=False):
-            for start in range(0, n, ctx.chunk_rows):
-                chunk = slice(start, start + ctx.chunk_rows)
-                rows = logits[chunk]
-                if direct:
-                    probs = torch.sub(rows, lse[chunk].unsqueeze(1), out=grad[chunk])
-                else:
-                    probs = rows.to(torch.float32, copy=True).sub_(lse[chunk].unsqueeze(1))
-                probs.exp_().scatter_add_(1, safe[chunk], minus_onehot[chunk]).mul_(scale[chunk])
-                if not direct:
-                    grad[chunk].copy_(probs)
-                del probs
+        grad = _softmax_minus_onehot(
+            logits, lse, valid, valid, torch.where(valid, targets, 0), grad_output,
+            ctx.reduction, ctx.count, ctx.chunk_rows, ctx.inplace,
+        )
         if ctx.inplace:
-            for ref in ctx.owners:
-                owner = ref()
-                if owner is not None:
-                    setattr(owner, _CONSUMED, owner._version)
+            _mark_consumed(ctx.owners, bump=False)
         return grad, None, None, None, None, None, None
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """CE over vocab-sharded logits: this rank's slice ``logits`` [N, V_local] of the [N, V] logits,
+    columns ``vocab_start ... vocab_start + V_local`` of the vocabulary, against the full ``targets``
+    [N] (the same on every rank of ``group``, as is everything but the logits).
+
+    ``apply(logits, targets, vocab_start, group, ignore_index, reduction, chunk_rows, inplace,
+    owners)``, otherwise as :class:`ChunkedCrossEntropy`. Forward: the row max (all-reduced MAX),
+    then chunk by chunk in fp32 the sum of ``exp(x - max)`` over the slice, and the target logit from
+    the rank whose slice holds it (0 elsewhere), both all-reduced (SUM) together: two collectives of
+    [N] and [2, N] fp32, whatever the chunking. The loss is the same on every rank. Backward: no
+    communication; ``(softmax - onehot) * grad_output`` of this slice, written over it when
+    ``inplace``. ``owners`` may be DTensors (the caller's vocab-sharded logits): their version counter
+    is bumped too once their local shard has been written over.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, group, ignore_index, reduction, chunk_rows, inplace, owners):
+        n, local_vocab = logits.shape
+        valid, hit, index = _vocab_slice_targets(targets, ignore_index, vocab_start, local_vocab)
+        with torch.autocast(logits.device.type, enabled=False):
+            if local_vocab:
+                shift = logits.amax(dim=1).float()  # exact in any dtype
+            else:  # more ranks than vocabulary entries: an empty slice
+                shift = torch.full((n,), float("-inf"), device=logits.device)
+            dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
+            shift = shift.masked_fill_(shift.isinf(), 0.0)  # rows of -inf: no inf - inf
+            stats = torch.zeros(2, n, dtype=torch.float32, device=logits.device)  # sum of exp, target logit
+            if local_vocab:
+                for start in range(0, n, chunk_rows):
+                    chunk = slice(start, start + chunk_rows)
+                    exp = logits[chunk].to(torch.float32, copy=True).sub_(shift[chunk].unsqueeze(1))
+                    stats[0, chunk] = exp.exp_().sum(dim=1)
+                    del exp
+                target_logit = logits.gather(1, index.unsqueeze(1)).squeeze(1).float()
+                stats[1] = torch.where(hit, target_logit, 0.0)
+            dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+            lse = stats[0].log_().add_(shift)
+            per_row = torch.where(valid, lse - stats[1], 0.0)
+        count = valid.sum()
+        loss = _reduce(per_row, count, reduction)
+        ctx.save_for_backward(logits, lse, targets)
+        ctx.ignore_index, ctx.reduction, ctx.chunk_rows, ctx.inplace = ignore_index, reduction, chunk_rows, inplace
+        ctx.vocab_start, ctx.count, ctx.owners = vocab_start, count, owners
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        logits, lse, targets = ctx.saved_tensors  # checks nobody wrote over the logits since forward
+        valid, hit, index = _vocab_slice_targets(targets, ctx.ignore_index, ctx.vocab_start, logits.shape[1])
+        grad = _softmax_minus_onehot(
+            logits, lse, valid, hit, index, grad_output, ctx.reduction, ctx.count, ctx.chunk_rows, ctx.inplace
+        )
+        if ctx.inplace:
+            _mark_consumed(ctx.owners, bump=True)
+        return grad, None, None, None, None, None, None, None, None
+
+
+def _reduce(per_row: torch.Tensor, count: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "sum":
+        return per_row.sum()
+    if reduction == "mean":
+        return per_row.sum() / count.clamp_min(1)
+    return per_row
+
+
+def _vocab_slice_targets(
+    targets: torch.Tensor, ignore_index: int, vocab_start: int, local_vocab: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows not ignored, rows whose target lies in this vocab slice, its column there or 0)."""
+    valid = targets != ignore_index
+    local = targets - vocab_start
+    hit = valid & (local >= 0) & (local < local_vocab)
+    return valid, hit, torch.where(hit, local, 0)
+
+
+def _softmax_minus_onehot(
+    logits: torch.Tensor, lse: torch.Tensor, valid: torch.Tensor, hit: torch.Tensor, index: torch.Tensor,
+    grad_output: torch.Tensor, reduction: str, count: torch.Tensor, chunk_rows: int, inplace: bool,
+) -> torch.Tensor:
+    """The gradient of the loss w.r.t. ``logits`` [N, V] (all of the vocabulary or one slice of it):
+    ``(exp(logits - lse) - onehot) * grad_output``, chunk by chunk in fp32, written over ``logits``
+    when ``inplace``. ``hit``: rows whose target column ``index`` is in ``logits``; rows not ``valid``
+    (ignored) get 0."""
+    n = logits.shape[0]
+    minus_onehot = hit.to(torch.float32).neg_().unsqueeze(1)
+    index = index.unsqueeze(1)
+    scale = grad_output.float().expand(n) if reduction != "none" else grad_output.float().reshape(n)
+    if reduction == "mean":
+        scale = scale / count.clamp_min(1)
+    scale = torch.where(valid, scale, 0.0).unsqueeze(1)
+    grad = logits if inplace else torch.empty_like(logits)
+    if logits.shape[1] == 0:
+        return grad
+    direct = logits.dtype == torch.float32  # fp32: compute straight into the gradient's rows
+    with torch.autocast(logits.device.type, enabled=False):
+        for start in range(0, n, chunk_rows):
+            chunk = slice(start, start + chunk_rows)
+            rows = logits[chunk]
+            if direct:
+                probs = torch.sub(rows, lse[chunk].unsqueeze(1), out=grad[chunk])
+            else:
+                probs = rows.to(torch.float32, copy=True).sub_(lse[chunk].unsqueeze(1))
+            probs.exp_().scatter_add_(1, index[chunk], minus_onehot[chunk]).mul_(scale[chunk])
+            if not direct:
+                grad[chunk].copy_(probs)
+            del probs
+    return grad
+
+
+def _mark_consumed(owners: tuple, bump: bool) -> None:
+    """Mark the caller's logits (weakly held) as overwritten; ``bump`` their version counter first
+    (DTensors: writing over their local shard bumps only the shard's)."""
+    for ref in owners:
+        owner = ref()
+        if owner is not None:
+            if bump:
+                torch.autograd.graph.increment_version(owner)
+            setattr(owner, _CONSUMED, owner._version)
 
 
 def _producer_saved(tensor: torch.Tensor) -> bool:
@@ -141,7 +254,7 @@ def _producer_saved(tensor: torch.Tensor) -> bool:
     node = tensor.grad_fn
     if node is None:
         return True
-    ptr = tensor.untyped_storage().data_ptr()
+    ptr = _storage_ptr(tensor)
     saved: list = []
     for name in dir(node):
         if name.startswith("_saved_"):
@@ -156,9 +269,66 @@ def _producer_saved(tensor: torch.Tensor) -> bool:
     for value in saved:
         values = value if isinstance(value, (tuple, list)) else (value,)
         for v in values:
-            if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == ptr:
+            if isinstance(v, torch.Tensor) and _storage_ptr(v) == ptr:
                 return True
     return False
+
+
+def _storage_ptr(tensor: torch.Tensor) -> int:
+    """Where ``tensor``'s data lives (a DTensor's: its local shard's)."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor._local_tensor
+    return tensor.untyped_storage().data_ptr()
+
+
+def _inplace_owners(logits: torch.Tensor, inplace_backward: bool) -> tuple | None:
+    """Weak references to ``logits`` and its base when the backward may write over them (see the
+    module docstring), else None."""
+    _check_not_consumed(logits)
+    owner = logits._base if logits._base is not None else logits
+    inplace = (
+        inplace_backward and torch.is_grad_enabled() and logits.requires_grad
+        and owner.grad_fn is not None and not _producer_saved(owner)
+    )
+    if not inplace:
+        return None
+    return tuple(weakref.ref(t) for t in {id(logits): logits, id(owner): owner}.values())
+
+
+def _is_vocab_parallel(logits: DTensor) -> bool:
+    """Sharded on the last dim over a 1-D mesh (what the column-parallel head gives)."""
+    placements = logits.placements
+    return (
+        logits.device_mesh.ndim == 1 and len(placements) == 1 and type(placements[0]) is Shard
+        and placements[0].dim % logits.ndim == logits.ndim - 1
+    )
+
+
+def _vocab_parallel_cross_entropy(
+    logits: DTensor, targets: torch.Tensor, ignore_index: int, reduction: str,
+    inplace_backward: bool, chunk_rows: int | None,
+) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    if isinstance(targets, DTensor):
+        targets = targets.full_tensor()
+    if targets.numel() != logits.numel() // max(vocab, 1):
+        raise ValueError(f"cross_entropy: targets {tuple(targets.shape)} do not match logits "
+                         f"{tuple(logits.shape)} without their vocab dim")
+    owners = _inplace_owners(logits, inplace_backward)
+    mesh = logits.device_mesh
+    local_shape, offset = compute_local_shape_and_global_offset(logits.shape, mesh, logits.placements)
+    local = logits.to_local()  # differentiable: its gradient goes back as a DTensor of the same layout
+    if tuple(local.shape) != tuple(local_shape):
+        raise RuntimeError(f"cross_entropy: local logits {tuple(local.shape)} are not the expected "
+                           f"shard {tuple(local_shape)} of {tuple(logits.shape)}")
+    local_vocab = local.shape[-1]
+    rows = chunk_rows if chunk_rows is not None else default_chunk_rows(max(local_vocab, 1))
+    if rows < 1:
+        raise ValueError(f"cross_entropy: chunk_rows must be >= 1, got {rows}")
+    return VocabParallelCrossEntropy.apply(
+        local.reshape(targets.numel(), local_vocab), targets.reshape(-1).to(local.device), offset[-1], mesh.get_group(),
+        ignore_index, reduction, rows, owners is not None, owners or (),
+    )
 
 
 def _check_not_consumed(logits: torch.Tensor) -> None:
@@ -189,34 +359,35 @@ def cross_entropy(
 
     **The logits are consumed**: unless ``inplace_backward=False`` (or the guards in the module
     docstring apply), the backward writes their gradient over them; do not read them afterwards.
-    ``chunk_rows`` overrides the rows upcast at a time (default :func:`default_chunk_rows`).
-    DTensor (vocab-parallel) logits go through ``F.cross_entropy`` under ``loss_parallel``.
+    ``chunk_rows`` overrides the rows upcast at a time (default :func:`default_chunk_rows`, of this
+    rank's vocab slice for vocab-parallel logits).
+
+    Vocab-parallel logits (a DTensor ``Shard(-1)`` over a 1-D mesh, ``targets`` the full plain
+    tensor on every rank) go through the same kernel on the local shard with two all-reduces over
+    the mesh's process group; the loss is a plain tensor, the same on every rank, and the gradient a
+    DTensor of the logits' layout. Call it on every rank of the mesh (collectives).
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"cross_entropy: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     vocab = logits.shape[-1]
     if isinstance(logits, DTensor):
-        # Vocab-parallel logits (tensor parallelism): a DTensor sharded on the vocabulary; the loss
-        # is computed without gathering them, under torch's loss_parallel context (forward and
-        # backward), which the strategy opens. The reduced loss is replicated: hand back a plain tensor.
+        if _is_vocab_parallel(logits):
+            return _vocab_parallel_cross_entropy(logits, targets, ignore_index, reduction, inplace_backward, chunk_rows)
+        # Any other layout: torch's DTensor cross-entropy (for logits sharded on the vocabulary
+        # otherwise, under the loss_parallel context); the reduced loss comes back as a plain tensor.
         loss = F.cross_entropy(
             logits.reshape(-1, vocab).float(), targets.reshape(-1),
             ignore_index=ignore_index, reduction=reduction,
         )
-        return loss.to_local() if isinstance(loss, DTensor) else loss
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
     if targets.numel() != logits.numel() // max(vocab, 1):
         raise ValueError(f"cross_entropy: targets {tuple(targets.shape)} do not match logits "
                          f"{tuple(logits.shape)} without their vocab dim")
-    _check_not_consumed(logits)
-    owner = logits._base if logits._base is not None else logits
-    inplace = (
-        inplace_backward and torch.is_grad_enabled() and logits.requires_grad
-        and owner.grad_fn is not None and not _producer_saved(owner)
-    )
-    owners = tuple(weakref.ref(t) for t in {id(logits): logits, id(owner): owner}.values()) if inplace else ()
+    owners = _inplace_owners(logits, inplace_backward)
     rows = chunk_rows if chunk_rows is not None else default_chunk_rows(vocab)
     if rows < 1:
         raise ValueError(f"cross_entropy: chunk_rows must be >= 1, got {rows}")
     return ChunkedCrossEntropy.apply(
-        logits.reshape(-1, vocab), targets.reshape(-1), ignore_index, reduction, rows, inplace, owners
+        logits.reshape(-1, vocab), targets.reshape(-1), ignore_index, reduction, rows,
+        owners is not None, owners or (),
     )
