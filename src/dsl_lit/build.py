@@ -92,8 +92,9 @@ def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = N
         callbacks.append(EMACallback(cfg.memory.ema_decay, cfg.memory.ema_every_n_steps, cfg.memory.validate_with_ema))
     if cfg.trainer.progress_bar:
         callbacks.append(TQDMProgressBar(refresh_rate=1))
-    if cfg.checkpoint.every_n_steps:
-        callbacks.append(StepCheckpoint(checkpoint_dir(cfg), cfg.checkpoint.every_n_steps))
+    ckpt = cfg.checkpoint
+    if ckpt.enabled:
+        callbacks.append(StepCheckpoint(checkpoint_dir(cfg), ckpt.every_n_steps, ckpt.every_minutes))
     # One process: Lightning's single-device strategy. Several: ours (pp x dp x tp mesh, ZeRO-1).
     par = cfg.parallel
     strategy = (
@@ -113,7 +114,7 @@ def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = N
         log_every_n_steps=cfg.trainer.log_every_n_steps,
         logger=build_loggers(cfg) or False,
         callbacks=callbacks,
-        enable_checkpointing=bool(cfg.checkpoint.every_n_steps),
+        enable_checkpointing=ckpt.enabled,
         enable_progress_bar=cfg.trainer.progress_bar,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -122,6 +123,9 @@ def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = N
         limit_val_batches=None if cfg.trainer.val_every_n_steps else 0,
         inference_mode=False,  # no_grad, not inference tensors: pipeline buffers outlive validation
         use_distributed_sampler=False,  # our sampler shards by data-parallel rank, deterministically
-        plugins=[DirectoryCheckpointIO(cfg.raw), AutocastPrecision(cfg.precision.name, _device_type(cfg))],
+        plugins=[
+            DirectoryCheckpointIO(cfg.raw, async_save=ckpt.async_save, keep_last=ckpt.keep_last),
+            AutocastPrecision(cfg.precision.name, _device_type(cfg)),
+        ],
         default_root_dir=cfg.run_dir,
     )
