@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     args = parser.parse_args()
     common = [f"model={args.model}", f"trainer.max_steps={args.steps}", "trainer.log_every_n_steps=1",
-              "trainer.accelerator=cpu", "trainer.progress_bar=false", "logger=csv", "checkpoint.every_n_steps=0",
+              "trainer.accelerator=cpu", "trainer.progress_bar=false", "logger=csv", "checkpoint.every_n_steps=0", "checkpoint.every_minutes=0",
               "data.global_batch_size=16", "data.micro_batch_size=4", "data.seq_len=128"]
     print(f"cpu cores={os.cpu_count()} model={args.model} global batch 16 x 128 tokens, {args.steps} steps")
     header = f"{'layout':<15}{'procs':>6}{'step s':>9}{'tokens/s':>10}{'vs single':>11}"

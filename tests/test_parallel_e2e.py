@@ -39,7 +39,7 @@ def test_every_layout_matches_one_process(tmp_path, model):
     runs = {"single": ["trainer.devices=1"], **{name: LAYOUTS[name] for name in LAYOUTS_PER_MODEL[model]}}
     results = {}
     for name, overrides in runs.items():
-        run_recipe(tmp_path / name, f"model={model}", *STEPS, *PARITY, "checkpoint.every_n_steps=0", *overrides)
+        run_recipe(tmp_path / name, f"model={model}", *STEPS, *PARITY, "checkpoint.every_n_steps=0", "checkpoint.every_minutes=0", *overrides)
         results[name] = (losses(tmp_path / name), metric(tmp_path / name, "train/grad_norm"),
                          metric(tmp_path / name, "val/loss"))
     reference_losses, reference_norms, reference_val = results.pop("single")
@@ -81,7 +81,7 @@ def test_zero1_checkpoint_resumes_under_zero1_and_on_one_process(tmp_path):
     exactly and another layout can continue from it."""
     full, resumed, single = tmp_path / "full", tmp_path / "resumed", tmp_path / "single"
     zero1 = ["trainer.devices=2", "parallel=zero1"]
-    run_recipe(full, *STEPS, *zero1, "checkpoint.every_n_steps=0")
+    run_recipe(full, *STEPS, *zero1, "checkpoint.every_n_steps=0", "checkpoint.every_minutes=0")
     run_recipe(resumed, *STEPS, *zero1, "checkpoint.every_n_steps=3", "trainer.max_steps=3")
     run_recipe(resumed, *STEPS, *zero1, "checkpoint.every_n_steps=3")  # same run dir: resumes from step-3
     run_recipe(single, *STEPS, "trainer.devices=1", f"checkpoint.resume_from={resumed / 'checkpoints' / 'step-3'}")
