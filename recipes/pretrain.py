@@ -7,9 +7,12 @@
 
 from __future__ import annotations
 
+import logging
+
 import hydra
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from dsl_lit.build import build_trainer, resume_path
@@ -17,6 +20,8 @@ from dsl_lit.config import TrainConfig
 from dsl_lit.data.datamodule import PretrainDataModule
 from dsl_lit.modules import PretrainModule
 from dsl_lit.runs import check_vocab, finish_run, save_resolved_config
+
+log = logging.getLogger(__name__)
 
 
 @hydra.main(config_path="../conf", config_name="pretrain", version_base="1.3")
@@ -37,7 +42,11 @@ def main(hydra_cfg: DictConfig) -> None:
         precision=cfg.precision, memory=cfg.memory, max_bad_steps=cfg.trainer.max_bad_steps,
     )
     trainer = build_trainer(cfg)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=resume_path(cfg))
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=resume_path(cfg))
+    except SIGTERMException:  # preempted: the checkpoint of this step is on disk
+        log.warning("SIGTERM at step %d: checkpoint saved; rerun the same command to resume", trainer.global_step)
+        raise SystemExit(143) from None
     finish_run(trainer)
 
 

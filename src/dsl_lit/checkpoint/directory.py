@@ -278,11 +278,13 @@ class StepCheckpoint(ModelCheckpoint):
             return False
         if self.every_n_steps and trainer.global_step % self.every_n_steps == 0:
             return True
-        if not self.every_minutes:
-            return False
+        # SIGTERM (SLURM's warning before preemption): save now; Lightning then stops the loop
+        terminating = bool(getattr(trainer, "received_sigterm", False))
+        if not (self.every_minutes or trainer.world_size > 1):
+            return terminating
         last = self._last_save_time if self._last_save_time is not None else time.monotonic()
-        elapsed = time.monotonic() - last >= self.every_minutes * 60
-        return bool(trainer.strategy.broadcast(elapsed, src=0))  # rank 0's clock decides for all
+        elapsed = bool(self.every_minutes) and time.monotonic() - last >= self.every_minutes * 60
+        return bool(trainer.strategy.broadcast(elapsed or terminating, src=0))  # rank 0 decides for all
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.save_due(trainer):
