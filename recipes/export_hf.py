@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 from dsl_lit.errors import ConfigError
 from dsl_lit.hf import adapter_for_family, save_pretrained
 from dsl_lit.hf.adapter import few
-from dsl_lit.hf.io import _materialise_buffers, _retie, _tied_groups, check_state_dict, resolve_dtype
+from dsl_lit.hf.io import load_into_meta_model, resolve_dtype, tied_groups
 from dsl_lit.models import ModelConfig, Transformer, build_model
 from dsl_lit.utils.fs import publish_dir
 
@@ -145,7 +145,7 @@ def with_ema(state: StateDict, ema: StateDict, model: Transformer, keep_dtype: b
                 f"{tuple(state[name].shape)}"
             )
         out[name] = average.to(state[name].dtype) if keep_dtype else average
-    for names in _tied_groups(model):  # named_parameters() lists a tied tensor under one name only
+    for names in tied_groups(model):  # named_parameters() lists a tied tensor under one name only
         source = next((n for n in names if n in ema), None)
         if source is not None:
             out.update(dict.fromkeys(names, out[source]))
@@ -180,11 +180,7 @@ def load_checkpoint_model(
         state = with_ema(state, ema, model, keep_dtype=target is None)
     if target is not None:
         state = {k: v.to(target) if v.is_floating_point() else v for k, v in state.items()}
-    check_state_dict(state, model.state_dict(), what=f"loading {directory / 'model.safetensors'}")
-    tied = _tied_groups(model)
-    model.load_state_dict(state, strict=True, assign=True)
-    _retie(model, tied)
-    _materialise_buffers(model, torch.device("cpu"))
+    load_into_meta_model(model, state, torch.device("cpu"), what=f"loading {directory / 'model.safetensors'}")
     return model.eval(), info
 
 

@@ -148,7 +148,7 @@ def read_safetensors(
 # -- loading into our model ------------------------------------------------------------------------
 
 
-def _tied_groups(model: nn.Module) -> list[list[str]]:
+def tied_groups(model: nn.Module) -> list[list[str]]:
     """Names of parameters that are one shared tensor (e.g. a tied output head and embedding)."""
     by_id: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -236,12 +236,18 @@ def from_pretrained(
     hf_state = read_safetensors(files, dtype=target_dtype, device=device, keep_fp32=adapter.keeps_fp32)
     state = adapter.from_hf(hf_state, cfg)
     del hf_state
-    check_state_dict(state, model.state_dict(), what=f"loading {directory}")
-    tied = _tied_groups(model)
+    load_into_meta_model(model, state, torch.device(device), what=f"loading {directory}")
+    return model, cfg
+
+
+def load_into_meta_model(model: nn.Module, state: StateDict, device: torch.device, what: str) -> None:
+    """Give a model built on the meta device the tensors of ``state`` (checked first, by name and
+    shape), keeping tied weights tied and materialising the non-persistent buffers on ``device``."""
+    check_state_dict(state, model.state_dict(), what=what)
+    tied = tied_groups(model)
     model.load_state_dict(state, strict=True, assign=True)
     _retie(model, tied)
-    _materialise_buffers(model, torch.device(device))
-    return model, cfg
+    _materialise_buffers(model, device)
 
 
 # -- writing ---------------------------------------------------------------------------------------
