@@ -137,7 +137,8 @@ def _fake_trainer(step: int, broadcast_answer: bool, calls: list) -> SimpleNames
         return broadcast_answer
 
     return SimpleNamespace(fast_dev_run=False, state=SimpleNamespace(fn=TrainerFn.FITTING), sanity_checking=False,
-                           global_step=step, strategy=SimpleNamespace(broadcast=broadcast))
+                           global_step=step, strategy=SimpleNamespace(broadcast=broadcast), world_size=1,
+                           received_sigterm=False)
 
 
 def test_time_decision_is_rank_zeros_broadcast(tmp_path):
@@ -291,3 +292,16 @@ def test_build_trainer_wires_the_policy(tmp_path):
     trainer = build_trainer(off)
     assert trainer.checkpoint_callback is None
     assert not trainer.strategy.checkpoint_io.async_save and trainer.strategy.checkpoint_io.keep_last is None
+
+
+def test_sigterm_saves_now_with_rank_zeros_answer(tmp_path):
+    """SIGTERM reaches ranks at slightly different moments: with several ranks, rank 0's flag decides
+    (one broadcast per step), so every rank enters the collective save at the same step."""
+    checkpoint = StepCheckpoint(tmp_path, every_n_steps=10)
+    calls: list = []
+    one_rank = _fake_trainer(7, False, calls)
+    one_rank.received_sigterm = True
+    assert checkpoint.save_due(one_rank) and calls == []
+    ranks = _fake_trainer(7, True, calls)
+    ranks.world_size = 2  # this rank has not seen the signal yet, rank 0 has
+    assert checkpoint.save_due(ranks) and calls == [(False, 0)]
