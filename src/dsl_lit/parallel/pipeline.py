@@ -161,9 +161,8 @@ class PipelineStageModule(nn.Module):
         self.model = model  # shared by the rank's stages; parameters() below lists only ours
         self.layer_ids = layer_ids
         self.is_first, self.is_last = is_first, is_last
-        self.carries_embeddings = len(model.mtp) > 0 or (
-            model.config.family == "deepseek_v3" and model.config.mtp_depth > 0
-        )
+        # from the config: stages other than the last have no MTP modules after pruning
+        self.carries_embeddings = model.config.family == "deepseek_v3" and model.config.mtp_depth > 0
         self.balance_scale = 0.0
         """1 / (sequences in the step on this rank), set per step: the micro-batch's share of the
         balance loss is its rows times this."""
