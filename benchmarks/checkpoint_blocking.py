@@ -58,9 +58,9 @@ class TimedIO(DirectoryCheckpointIO):
         super().__init__(**kwargs)
         self.write_s: list[float] = []
 
-    def _write(self, checkpoint, final):
-        start = time.perf_counter()
-        super()._write(checkpoint, final)
+    def _publish(self, tmp, final, start, global_step, written=None):
+        """From the start of the save to the rename of its directory: the whole write."""
+        super()._publish(tmp, final, start, global_step, written)
         self.write_s.append(time.perf_counter() - start)
 
 

@@ -9,8 +9,8 @@ The output (config.json, generation_config.json, safetensors weights) loads with
 as ``LlamaForCausalLM``, DeepSeek-V3 as ``DeepseekV3ForCausalLM`` (with its MTP modules as the extra
 layers, as in the hub checkpoints) or, softmax-routed, ``DeepseekV2ForCausalLM``. The model is rebuilt
 from the checkpoint's ``config.yaml`` and written by ``dsl_lit.hf.save_pretrained``. Weights are read
-with safetensors; ``trainer_state.pt`` is opened (``weights_only=True``, memory-mapped) only for
-``weights=ema``. The output directory appears only once complete. Options and their defaults:
+from the checkpoint's safetensors shards (assembled whatever layout wrote them); ``trainer_state.pt``
+is opened (``weights_only=True``) only for ``weights=ema``. The output directory appears only once complete. Options and their defaults:
 ``conf/export_hf.yaml`` (``key=value`` as with Hydra, but parsed by :func:`parse_args`).
 """
 
@@ -28,8 +28,9 @@ import torch
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError
-from safetensors.torch import load_file
 
+from dsl_lit.checkpoint.files import CONFIG, META, SHARDS, STATE, checkpoint_problem
+from dsl_lit.checkpoint.sharded import read_full_tensors
 from dsl_lit.errors import ConfigError
 from dsl_lit.hf import adapter_for_family, save_pretrained
 from dsl_lit.hf.adapter import few
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 WEIGHT_SOURCES = ("model", "ema")
 PREFIX = "model."
 """The LightningModule holds the Transformer as ``self.model``: its state-dict keys carry this prefix."""
-_FILES = ("model.safetensors", "trainer_state.pt", "config.yaml", "meta.json")
+_FILES = (SHARDS, STATE, CONFIG, META)
 _STEP_DIR = re.compile(r"step-\d+")
 
 StateDict = dict[str, torch.Tensor]
@@ -55,7 +56,7 @@ def find_checkpoint(path: str | Path) -> Path:
     """A ``step-<N>`` directory as it is, or the latest complete one of a run or checkpoints directory.
 
     FileNotFoundError says what is missing: a directory that is (or looks like) one checkpoint must
-    hold all of model.safetensors, trainer_state.pt, config.yaml and meta.json (written last).
+    hold shards/, trainer_state.pt, config.yaml and meta.json (written last, listing every file).
     """
     directory = Path(path)
     if not directory.exists():
@@ -63,15 +64,12 @@ def find_checkpoint(path: str | Path) -> Path:
     if not directory.is_dir():
         raise NotADirectoryError(f"checkpoint={path} is a file; pass a checkpoints/step-<N> directory")
     if _STEP_DIR.fullmatch(directory.name) or any((directory / f).exists() for f in _FILES):
-        missing = [f for f in _FILES if not (directory / f).is_file()]
-        if missing:
+        problem = checkpoint_problem(directory)
+        if problem is not None:
             raise FileNotFoundError(
-                f"checkpoint={path} is not a complete checkpoint: it lacks {', '.join(missing)} (meta.json "
-                "is written last, so this save was interrupted or is still running); pick another step"
+                f"checkpoint={path} is not a complete checkpoint: {problem} (meta.json is written last, so "
+                "this save was interrupted or is still running); pick another step"
             )
-        meta = json.loads((directory / "meta.json").read_text())
-        if not meta.get("complete", False):
-            raise FileNotFoundError(f"checkpoint={path}: meta.json does not mark it complete")
         return directory
     # Imported here: it imports Lightning (seconds), which exporting one step directory does not need.
     from dsl_lit.checkpoint.directory import latest_checkpoint
@@ -101,13 +99,13 @@ def model_config(checkpoint: Path) -> ModelConfig:
 
 
 def read_model_weights(checkpoint: Path) -> StateDict:
-    """The Transformer's tensors from ``model.safetensors``, LightningModule prefix stripped."""
-    state = load_file(str(checkpoint / "model.safetensors"), device="cpu")
+    """The Transformer's tensors, whole, from the checkpoint's shards, LightningModule prefix stripped."""
+    state = read_full_tensors(checkpoint / SHARDS, prefix="state_dict/")
     ours = {k.removeprefix(PREFIX): v for k, v in state.items() if k.startswith(PREFIX)}
     other = [k for k in state if not k.startswith(PREFIX)]
     if not ours:
         raise ConfigError(
-            f"{checkpoint / 'model.safetensors'} holds no '{PREFIX}*' tensors (found {few(state)}); "
+            f"{checkpoint / SHARDS} holds no 'state_dict/{PREFIX}*' tensors (found {few(state)}); "
             "it is not a checkpoint of our LightningModules"
         )
     if other:
@@ -116,18 +114,18 @@ def read_model_weights(checkpoint: Path) -> StateDict:
 
 
 def read_ema(checkpoint: Path) -> tuple[StateDict, float]:
-    """The EMA that ``dsl_lit.callbacks.ema.EMACallback`` saved in ``trainer_state.pt`` and its decay."""
-    path = checkpoint / "trainer_state.pt"
-    # weights_only: no code is unpickled. mmap: the optimizer state next to it is not read into memory.
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    """The EMA that ``dsl_lit.callbacks.ema.EMACallback`` saved, and its decay."""
+    path = checkpoint / STATE
+    state = torch.load(path, map_location="cpu", weights_only=True)  # weights_only: no code is unpickled
     callbacks: dict[str, Any] = state.get("callbacks") or {}
-    found = [v for k, v in callbacks.items() if "EMACallback" in str(k) and isinstance(v, dict)]
-    if not found or not found[0].get("ema"):
+    found = [(k, v) for k, v in callbacks.items() if "EMACallback" in str(k) and isinstance(v, dict)]
+    ema = read_full_tensors(checkpoint / SHARDS, prefix=f"callbacks/{found[0][0]}/ema/") if found else {}
+    if not ema:
         raise ConfigError(
-            f"weights=ema: {path} holds no EMA of the weights (the run had memory.ema_decay=0); "
+            f"weights=ema: {checkpoint} holds no EMA of the weights (the run had memory.ema_decay=0); "
             "use weights=model, or train with memory.ema_decay > 0"
         )
-    return dict(found[0]["ema"]), float(found[0].get("decay", float("nan")))
+    return ema, float(found[0][1].get("decay", float("nan")))
 
 
 def with_ema(state: StateDict, ema: StateDict, model: Transformer, keep_dtype: bool) -> StateDict:
@@ -180,7 +178,7 @@ def load_checkpoint_model(
         state = with_ema(state, ema, model, keep_dtype=target is None)
     if target is not None:
         state = {k: v.to(target) if v.is_floating_point() else v for k, v in state.items()}
-    load_into_meta_model(model, state, torch.device("cpu"), what=f"loading {directory / 'model.safetensors'}")
+    load_into_meta_model(model, state, torch.device("cpu"), what=f"loading {directory / SHARDS}")
     return model.eval(), info
 
 

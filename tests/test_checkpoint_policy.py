@@ -14,7 +14,8 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
-from safetensors.torch import load_file
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.utils.data import DataLoader
 
 from dsl_lit.build import build_trainer
@@ -24,6 +25,7 @@ from dsl_lit.checkpoint.directory import (
     latest_checkpoint,
     prune_checkpoints,
 )
+from dsl_lit.checkpoint.sharded import read_full_tensors
 from dsl_lit.config import TrainConfig
 from dsl_lit.errors import ConfigError
 from dsl_lit.models import ModelConfig
@@ -31,7 +33,7 @@ from dsl_lit.modules import PretrainModule
 from dsl_lit.optim import OptimConfig, ScheduleConfig
 from tests.conftest import compose_config
 
-FILES = ("model.safetensors", "trainer_state.pt", "config.yaml", "meta.json")
+FILES = ("shards", "trainer_state.pt", "config.yaml", "meta.json")
 
 
 def _module(steps: int) -> PretrainModule:
@@ -64,22 +66,29 @@ def _listing(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir())
 
 
-class SlowIO(DirectoryCheckpointIO):
-    """A slow disk: every write first sleeps ``delay`` s or, with a ``gate``, waits until the gate
-    opens (at most 30 s; ``gate_opened`` records which); also records which checkpoints were already
-    published each time ``save_checkpoint`` returned."""
+@pytest.fixture
+def slow_disk(monkeypatch):
+    """A slow disk: every shard write first sleeps ``delay`` s or, with a ``gate``, waits until the
+    gate opens (at most 30 s; ``opened`` records which). Patched where DCP writes the files."""
+    disk = SimpleNamespace(delay=0.0, gate=None, opened=[])
+    original = HuggingFaceStorageWriter.write_data
 
-    def __init__(self, delay: float = 0.0, gate: threading.Event | None = None, **kwargs) -> None:
+    def write_data(self, plan, planner):
+        if disk.gate is not None:
+            disk.opened.append(disk.gate.wait(timeout=30))
+        time.sleep(disk.delay)
+        return original(self, plan, planner)
+
+    monkeypatch.setattr(HuggingFaceStorageWriter, "write_data", write_data)
+    return disk
+
+
+class RecordingIO(DirectoryCheckpointIO):
+    """Records which checkpoints were already published each time ``save_checkpoint`` returned."""
+
+    def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.delay, self.gate = delay, gate
-        self.gate_opened: dict[str, bool] = {}
         self.published_on_return: dict[str, list[str]] = {}
-
-    def _write(self, checkpoint, final):
-        if self.gate is not None:
-            self.gate_opened[final.name] = self.gate.wait(timeout=30)
-        time.sleep(self.delay)
-        super()._write(checkpoint, final)
 
     def save_checkpoint(self, checkpoint, path, storage_options=None):
         super().save_checkpoint(checkpoint, path, storage_options)
@@ -157,23 +166,25 @@ def test_time_decision_is_rank_zeros_broadcast(tmp_path):
 
 
 # -- how: asynchronous, consistent ----------------------------------------------------------------
-def test_sync_save_blocks_training_for_the_whole_write(tmp_path):
+def test_sync_save_blocks_training_for_the_whole_write(tmp_path, slow_disk):
+    slow_disk.delay = 0.8
     checkpoint = StepCheckpoint(tmp_path, every_n_steps=3)
-    _fit(4, checkpoint, SlowIO(delay=0.8, async_save=False))
+    _fit(4, checkpoint, DirectoryCheckpointIO(async_save=False))
     assert min(checkpoint.save_durations) >= 0.8
     assert _listing(tmp_path) == ["step-3", "step-4"]
 
 
-def test_async_save_returns_before_the_write_and_keeps_the_weights_of_its_step(tmp_path):
-    """The write of step-3 cannot finish before training has reached step 5 (the gate): so the save
+def test_async_save_returns_before_the_write_and_keeps_the_weights_of_its_step(tmp_path, slow_disk):
+    """The write of step-3 cannot start before training has reached step 5 (the gate): so the save
     returned at once, and steps 4 and 5 stepped the weights and moments in place meanwhile."""
     gate = threading.Event()
-    io = SlowIO(gate=gate, async_save=True)
+    slow_disk.gate = gate
+    io = RecordingIO(async_save=True)
     checkpoint = StepCheckpoint(tmp_path, every_n_steps=3)
     snapshot = Snapshot(at_step=3, open_at_step=5, gate=gate)
     _, module = _fit(5, checkpoint, io, callbacks=(snapshot,))
 
-    assert io.gate_opened["step-3"], "the save of step 3 blocked training"
+    assert slow_disk.opened[0], "the save of step 3 blocked training"
     assert io.published_on_return["step-3"] == []  # returned before its write completed ...
     assert io.published_on_return["step-5"] == ["step-3"]  # ... and the next save waited for it first
     assert _listing(tmp_path) == ["step-3", "step-5"]
@@ -181,34 +192,40 @@ def test_async_save_returns_before_the_write_and_keeps_the_weights_of_its_step(t
         assert sorted(p.name for p in (tmp_path / name).iterdir()) == sorted(FILES)
 
     # step 3's weights and AdamW moments, although steps 4 and 5 changed them in place meanwhile
-    saved = load_file(str(tmp_path / "step-3" / "model.safetensors"))
-    assert saved.keys() == snapshot.weights.keys()
+    saved = read_full_tensors(tmp_path / "step-3" / "shards")
+    weights = {k.removeprefix("state_dict/"): v for k, v in saved.items() if k.startswith("state_dict/")}
+    assert weights.keys() == snapshot.weights.keys()
     for name, value in snapshot.weights.items():
-        torch.testing.assert_close(saved[name], value, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(weights[name], value, rtol=0, atol=0, msg=name)
     final_weights = module.state_dict()
     assert any(not torch.equal(final_weights[k], v) for k, v in snapshot.weights.items())
-    state = torch.load(tmp_path / "step-3" / "trainer_state.pt", weights_only=True)
-    saved_moments = state["optimizer_states"][0]["state"]
     for index, moments in snapshot.moments.items():
         for key, value in moments.items():
-            torch.testing.assert_close(saved_moments[index][key], value, rtol=0, atol=0)
+            torch.testing.assert_close(saved[f"optimizer_states/0/state/{index}/{key}"], value, rtol=0, atol=0)
 
 
-def test_an_exception_waits_for_the_save_in_flight(tmp_path):
-    io = SlowIO(delay=0.5, async_save=True)
+def test_an_exception_waits_for_the_save_in_flight(tmp_path, slow_disk):
+    slow_disk.delay = 0.5
     with pytest.raises(RuntimeError, match="boom"):
-        _fit(6, StepCheckpoint(tmp_path, every_n_steps=3), io, callbacks=(Boom(at_step=4),))
+        _fit(6, StepCheckpoint(tmp_path, every_n_steps=3), DirectoryCheckpointIO(async_save=True),
+             callbacks=(Boom(at_step=4),))
     assert _listing(tmp_path) == ["step-3"]  # published by teardown; no temporary directory left
     assert latest_checkpoint(tmp_path) == tmp_path / "step-3"
 
 
-def test_a_failed_write_raises_and_leaves_no_directory(tmp_path):
+def test_a_failed_write_raises_and_leaves_no_directory(tmp_path, monkeypatch):
+    def disk_full(self, plan, planner):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(HuggingFaceStorageWriter, "write_data", disk_full)
     io = DirectoryCheckpointIO(async_save=True)
-    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 1, "unpicklable": lambda: 0},
-                       tmp_path / "step-1")
-    with pytest.raises(Exception):  # noqa: B017  (pickling errors differ by Python version)
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 1}, tmp_path / "step-1")
+    with pytest.raises(CheckpointException, match="No space left"):  # DCP reports every rank's error
         io.wait()
     io.teardown()
+    assert _listing(tmp_path) == []
+    with pytest.raises(Exception):  # noqa: B017  (pickling errors differ by Python version)
+        io.save_checkpoint({"global_step": 2, "unpicklable": lambda: 0}, tmp_path / "step-2")
     assert _listing(tmp_path) == []
 
 
@@ -223,8 +240,8 @@ def test_keep_last_leaves_the_newest_complete_dirs(tmp_path, async_save):
 
 
 def _fake_checkpoint(path: Path) -> None:
-    path.mkdir(parents=True)
-    for name in FILES:
+    (path / "shards").mkdir(parents=True)
+    for name in FILES[1:]:
         (path / name).write_text("{}")
 
 
@@ -249,12 +266,12 @@ def test_latest_checkpoint_skips_incomplete_and_corrupt_dirs_with_a_warning(tmp_
         assert latest_checkpoint(tmp_path) == tmp_path / "step-2"
     assert "step-3" in caplog.text and "meta.json" in caplog.text
 
-    weights = tmp_path / "step-2" / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    (shard,) = (tmp_path / "step-2" / "shards").iterdir()
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="dsl_lit.checkpoint.directory"):
         assert latest_checkpoint(tmp_path) == tmp_path / "step-1"
-    assert "step-2" in caplog.text and "model.safetensors" in caplog.text
+    assert "step-2" in caplog.text and shard.name in caplog.text
 
     state = tmp_path / "step-1" / "trainer_state.pt"
     state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])

@@ -116,9 +116,15 @@ def test_ema_follows_its_recurrence_and_survives_a_checkpoint(tmp_path):
     (state,) = [v for k, v in saved.items() if "EMACallback" in k]
     restored = EMACallback(decay=0.9)
     restored.load_state_dict(state)
-    restored.on_fit_start(trainer, module)
+    restored.on_fit_start(trainer, module)  # (Lightning restores a checkpoint between these two hooks)
+    restored.on_train_start(trainer, module)
     for name, value in ema.ema.items():
         assert torch.equal(restored.ema[name], value), name
+    fresh = EMACallback(decay=0.9)  # a resumed run that had no EMA starts it from the loaded weights
+    fresh.on_fit_start(trainer, module)
+    fresh.on_train_start(trainer, module)
+    for name, p in module.model.named_parameters():
+        assert torch.equal(fresh.ema[name], p.detach()), name
 
 
 def test_validation_runs_on_the_ema_and_restores_the_weights(tmp_path):

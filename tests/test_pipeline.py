@@ -11,14 +11,18 @@ import torch.multiprocessing as mp
 
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.ops import cross_entropy
+from dsl_lit.optim import OptimConfig, build_optimizer
 from dsl_lit.parallel.optimizer_state import (
-    full_model_param_names,
-    merge_stages,
-    optimizer_param_names,
-    to_full_order,
-    to_stage_order,
+    load_named_optimizer_state,
+    named_optimizer_state,
 )
-from dsl_lit.parallel.pipeline import PipelineRunner, layer_cost, split_layers, stages_of_rank
+from dsl_lit.parallel.pipeline import (
+    PipelineRunner,
+    layer_cost,
+    prune_to_stages,
+    split_layers,
+    stages_of_rank,
+)
 
 V3 = ModelConfig.from_name("deepseek_v3_tiny", n_layers=4, mtp_depth=1, seq_balance_alpha=0.01)
 
@@ -46,37 +50,33 @@ def test_stage_placement_per_schedule():
     assert stages_of_rank(3, 4, 2, "DualPipeV") == [3, 4]
 
 
-def test_optimizer_state_renumbers_by_name_and_back():
-    """Two stages' AdamW states merge into the single-process numbering and split back."""
-    full = full_model_param_names(V3)
+def test_optimizer_state_is_keyed_by_name_on_every_stage():
+    """Two stages' AdamW states, keyed by parameter name, are the single-process state split in two;
+    a stage's optimizer loads the single-process state back (hyperparameters per group, its moments)."""
     model = build_model(V3)
-    reference = torch.optim.AdamW([{"params": [p for n, p in model.named_parameters() if p.ndim >= 2]},
-                                   {"params": [p for n, p in model.named_parameters() if p.ndim < 2]}])
+    reference = build_optimizer(model, OptimConfig(lr=1e-3))
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     reference.step()
-    expected = reference.state_dict()
-    names = {id(p): n for n, p in model.named_parameters()}
-    flat = [n for group in full for n in group]
-    assert flat == [names[id(p)] for g in reference.param_groups for p in g["params"]]
-    parts = []
-    for layers in ([0, 1], [2, 3]):
+    expected = named_optimizer_state(reference, model)
+    assert set(expected["state"]) == {n for n, p in model.named_parameters()}
+    split = [[0, 1], [2, 3]]
+    seen: dict[str, dict] = {}
+    for stage_index in (0, 1):
         stage = build_model(V3)
         stage.load_state_dict(model.state_dict())
-        split = [[0, 1], [2, 3]]
-        from dsl_lit.parallel.pipeline import prune_to_stages
-
-        prune_to_stages(stage, split, [split.index(layers)])
-        local = optimizer_param_names(stage)
-        local_state = to_stage_order(expected, local, full)
-        assert len(local_state["state"]) == sum(len(g) for g in local)
-        parts.append(to_full_order(local_state, local, full))
-    merged = merge_stages(parts, full)
-    assert merged["state"].keys() == expected["state"].keys()
-    for index, per_param in expected["state"].items():
+        prune_to_stages(stage, split, [stage_index])
+        optimizer = build_optimizer(stage, OptimConfig(lr=5e-1))
+        load_named_optimizer_state(optimizer, stage, expected)
+        assert optimizer.param_groups[0]["lr"] == 1e-3  # the checkpoint's, not the constructor's
+        part = named_optimizer_state(optimizer, stage)
+        assert set(part["state"]) == {n for n, _ in stage.named_parameters()}
+        assert not set(part["state"]) & set(seen)
+        seen.update(part["state"])
+    assert seen.keys() == expected["state"].keys()
+    for name, per_param in expected["state"].items():
         for key, value in per_param.items():
-            assert torch.equal(merged["state"][index][key], value), (index, key)
-    assert [g["params"] for g in merged["param_groups"]] == [g["params"] for g in expected["param_groups"]]
+            assert torch.equal(seen[name][key], value), (name, key)
 
 
 LLM = ModelConfig.from_name("deepseek_llm_tiny", n_layers=4)

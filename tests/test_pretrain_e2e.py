@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
+from dsl_lit.checkpoint.sharded import read_full_tensors
 from tests.conftest import ROOT
 
 SMALL = [
@@ -64,7 +64,7 @@ def test_train_checkpoint_and_exact_resume(tmp_path):
     assert json.loads((step12 / "meta.json").read_text())["global_step"] == 12
     state = torch.load(step12 / "trainer_state.pt", weights_only=True)
     assert state["PretrainDataModule"]["consumed_samples"] == 12 * 8
-    weights = load_file(str(step12 / "model.safetensors"))
+    weights = read_full_tensors(step12 / "shards", prefix="state_dict/")
     assert "model.layers.1.attention.wkv_a.weight" in weights and "model.layers.2.attention.wkv_a.weight" not in weights
     bias = weights["model.layers.1.feed_forward.gate.expert_bias"]
     assert bias.dtype == torch.float32 and bias.abs().sum() > 0  # the balancing bias moved and was saved

@@ -11,17 +11,20 @@ import warnings
 from pathlib import Path
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import Logger, WandbLogger
 from omegaconf import OmegaConf
 
 from dsl_lit.callbacks.ema import EMACallback
 from dsl_lit.callbacks.expert_load import ExpertLoadMonitor
+from dsl_lit.callbacks.rng_state import RNGStateCallback
 from dsl_lit.callbacks.throughput import ThroughputMonitor
 from dsl_lit.checkpoint.directory import DirectoryCheckpointIO, StepCheckpoint, latest_checkpoint
 from dsl_lit.config import TrainConfig
 from dsl_lit.flops import training_flops_per_token
 from dsl_lit.loggers import RunCSVLogger
+from dsl_lit.parallel.checkpointing import OneDeviceStrategy
 from dsl_lit.parallel.strategy import DeepSeekStrategy
 from dsl_lit.precision.plugin import AutocastPrecision
 
@@ -73,8 +76,6 @@ def _device_type(cfg: TrainConfig) -> str:
     """Where autocast applies: ``cuda`` when the run uses GPUs, else ``cpu``."""
     accelerator = cfg.trainer.accelerator
     if accelerator == "auto":
-        import torch
-
         return "cuda" if torch.cuda.is_available() else "cpu"
     return "cuda" if accelerator in ("gpu", "cuda") else "cpu"
 
@@ -95,14 +96,16 @@ def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = N
     ckpt = cfg.checkpoint
     if ckpt.enabled:
         callbacks.append(StepCheckpoint(checkpoint_dir(cfg), ckpt.every_n_steps, ckpt.every_minutes))
+    callbacks.append(RNGStateCallback())
     # One process: Lightning's single-device strategy. Several: ours (pp x dp x tp mesh, ZeRO-1).
+    # Both save and load the same sharded, layout-independent checkpoints.
     par = cfg.parallel
     strategy = (
         DeepSeekStrategy(
             tp=par.tp, pp=par.pp, ep=par.ep, sequence_parallel=par.sequence_parallel, zero1=par.zero1, pp_schedule=par.pp_schedule, pp_virtual_stages=par.pp_virtual_stages
         )
         if cfg.world_size > 1
-        else "auto"
+        else OneDeviceStrategy(device=torch.device("cuda", 0) if _device_type(cfg) == "cuda" else torch.device("cpu"))
     )
     return L.Trainer(
         accelerator=cfg.trainer.accelerator,

@@ -6,7 +6,8 @@ Each rank averages the parameters it holds (its tensor-parallel shards, its pipe
 layers) into fp32 CPU tensors after every ``every_n_steps`` optimizer steps; device-to-CPU copies
 are issued non-blocking, so on GPU they overlap the next step. With ``validate_with_ema`` the
 validation loop runs on the EMA weights (swapped in, then back). Checkpoints store the EMA by
-parameter name as full tensors (gathered like the weights), so it survives a change of layout.
+parameter name, sharded like the weights (DTensors where the parameters are), so it survives a
+change of layout.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -35,18 +36,21 @@ class EMACallback(L.Callback):
     def _params(self, pl_module: L.LightningModule) -> dict[str, torch.nn.Parameter]:
         return {n: p for n, p in pl_module.model.named_parameters() if p.requires_grad}
 
+    def _start_from_weights(self, pl_module: L.LightningModule) -> None:
+        self.ema = {n: _local(p).detach().to("cpu", torch.float32).clone() for n, p in self._params(pl_module).items()}
+
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Shaped now, so a checkpoint being restored has tensors to read the saved EMA into."""
         self._module = pl_module
-        params = self._params(pl_module)
-        if self._loaded is not None:  # resumed: keep this rank's part of the saved full tensors
-            for name, p in params.items():
-                full = self._loaded[name]
-                if isinstance(p, DTensor):
-                    full = distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
-                self.ema[name] = _local(full).detach().to("cpu", torch.float32).clone()
+        self._start_from_weights(pl_module)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """After any restore: the saved EMA, else the (possibly just loaded) weights themselves."""
+        if self._loaded is not None:
+            self._assign(self._loaded)
             self._loaded = None
-        elif not self.ema:
-            self.ema = {n: _local(p).detach().to("cpu", torch.float32).clone() for n, p in params.items()}
+        else:
+            self._start_from_weights(pl_module)
 
     @torch.no_grad()
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
@@ -73,9 +77,10 @@ class EMACallback(L.Callback):
             if name in self._stash:
                 _local(p).copy_(self._stash.pop(name))
 
-    # -- checkpoints: full tensors by name ------------------------------------------------------
+    # -- checkpoints: this rank's part, by parameter name ----------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Called on every rank while a checkpoint is written: gather the full EMA (a collective)."""
+        """The EMA as the parameters are laid out (a DTensor view of each tensor-parallel shard), so
+        the checkpoint writer stores every rank's part and another layout reads back its own."""
         if self._module is None or not self.ema:
             return {"decay": self.decay, "ema": {}}
         named = {}
@@ -85,9 +90,14 @@ class EMACallback(L.Callback):
                 DTensor.from_local(local, p.device_mesh, p.placements, run_check=False)
                 if isinstance(p, DTensor) else local
             )
-        strategy = self._module.trainer.strategy
-        full = strategy.full_state(named) if hasattr(strategy, "full_state") else named
-        return {"decay": self.decay, "ema": {k: v.cpu() for k, v in full.items()}}
+        return {"decay": self.decay, "ema": named}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._loaded = state_dict["ema"] or None
+        self._loaded = state_dict.get("ema") or None
+
+    def _assign(self, saved: dict[str, torch.Tensor]) -> None:
+        missing = [name for name in self.ema if name not in saved]
+        if missing:
+            raise KeyError(f"the checkpoint's EMA lacks {', '.join(missing[:5])}")
+        for name in self.ema:
+            self.ema[name] = _local(saved[name]).detach().to("cpu", torch.float32).clone()

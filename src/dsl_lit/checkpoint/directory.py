@@ -1,24 +1,27 @@
 """Checkpoints as directories: ``checkpoints/step-<N>/`` holding
 
-- ``model.safetensors``: the weights (safetensors, so loading never unpickles code),
-- ``trainer_state.pt``: optimizer, scheduler, loop and data positions (``torch.load(weights_only=True)``),
-- ``config.yaml``: the resolved run config,
-- ``meta.json``: written last; a directory is published by an atomic rename only once complete.
+- ``shards/*.safetensors``: every tensor (weights, optimizer moments, EMA), written by all ranks
+  through ``torch.distributed.checkpoint``, each rank its own shards (:mod:`dsl_lit.checkpoint.sharded`);
+  any other layout reads them back, resharded;
+- ``trainer_state.pt``: the rest of the checkpoint dict (loop, scheduler and data positions, loss
+  scaler, RNG states), written by rank 0 (``torch.load(weights_only=True)``);
+- ``config.yaml``: the resolved run config;
+- ``meta.json``: written last, naming every file and its size; a directory is published by an
+  atomic rename only once complete.
 
 ``StepCheckpoint`` (a Lightning ``ModelCheckpoint``) decides *when*: every N optimizer steps, every M
 minutes of wall-clock time (rank 0's clock, broadcast, so every rank saves at the same step), and at
-the end of training. ``DirectoryCheckpointIO`` decides *how*: the checkpoint dict (gathered by the
-strategy on every rank, synchronously) is copied to CPU memory before training goes on, then
-written by one background thread under ``.tmp-step-<N>/`` and renamed to ``step-<N>/`` when
-complete; at most one save is in flight, and teardown (end of training, or an exception) waits for
-it. After each publication only the newest ``keep_last`` complete directories are kept; a directory
-is removed by renaming it to a hidden name first, so a crash mid-removal never leaves a broken
-``step-<N>``.
+the end of training. ``DirectoryCheckpointIO`` decides *how*: every rank enters ``save_checkpoint``
+with its own part of the checkpoint (no rank gathers the model). Asynchronously, each rank's tensors
+are copied to CPU memory before training goes on and written by a background thread under
+``.tmp-step-<N>/``; rank 0 renames it to ``step-<N>/`` once every rank's shards are written. At most
+one save is in flight; teardown (end of training, or an exception) waits for it. After each
+publication only the newest ``keep_last`` complete directories are kept; a directory is removed by
+renaming it to a hidden name first, so a crash mid-removal never leaves a broken ``step-<N>``.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -26,18 +29,33 @@ import re
 import shutil
 import time
 import uuid
-import zipfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import CheckpointIO
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
+from dsl_lit.checkpoint.files import (
+    CONFIG,
+    META,
+    SHARDS,
+    STATE,
+    checkpoint_problem,
+    file_sizes,
+    is_complete,
+)
+from dsl_lit.checkpoint.sharded import (
+    drop_tensor_markers,
+    insert_tensors,
+    load_shards,
+    read_full_tensors,
+    save_shards,
+    split_tensors,
+)
 from dsl_lit.utils.fs import publish_dir
 
 log = logging.getLogger(__name__)
@@ -45,47 +63,16 @@ log = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step-(\d+)$")
 # Hidden leftovers of an interrupted write or removal (ours, or publish_dir's trash): never read, swept.
 _LEFTOVER = re.compile(r"^\.(tmp-step-\d+|removing-step-\d+-[0-9a-f]+|step-\d+\.old-.*)$")
-_WEIGHTS = "model.safetensors"
-_STATE = "trainer_state.pt"
-_META = "meta.json"
-
-
-def _unshared(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses tensors sharing storage (tied embeddings): keep one copy per storage."""
-    seen: dict[tuple[int, int], str] = {}
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in state_dict.items():
-        tensor = tensor.detach()
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        out[name] = tensor.clone().contiguous() if key in seen else tensor.contiguous()
-        seen.setdefault(key, name)
-    return out
-
-
-def stage_to_cpu(obj: Any) -> Any:
-    """A point-in-time copy of a checkpoint: every tensor copied to CPU memory (the optimizer steps
-    parameters and moments in place, so references would not do) and every container rebuilt, so
-    nothing training mutates later is shared with the copy. Runs on the caller's thread."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        out = copy.copy(obj)  # keeps the mapping type (OrderedDict, ...)
-        for key, value in obj.items():
-            out[key] = stage_to_cpu(value)
-        return out
-    if isinstance(obj, list):
-        return [stage_to_cpu(v) for v in obj]
-    if isinstance(obj, tuple):
-        items = [stage_to_cpu(v) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return copy.deepcopy(obj)
 
 
 def _fsync_tree(root: Path) -> None:
-    """Flush the files and the directory to disk, so the rename publishes data that survives a crash."""
-    for path in root.iterdir():
-        with path.open("rb") as f:
-            os.fsync(f.fileno())
+    """Flush the files and directories to disk, so the rename publishes data that survives a crash."""
+    for path in sorted(root.rglob("*"), reverse=True):  # files before the directories holding them
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     fd = os.open(root, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -130,12 +117,11 @@ def prune_checkpoints(root: Path, keep_last: int | None, keep: Path | None = Non
 
 
 class DirectoryCheckpointIO(CheckpointIO):
-    """Writes ``step-<N>/`` directories; with ``async_save`` the write happens on a background thread.
+    """Writes and reads ``step-<N>`` directories; with ``async_save`` the write runs in the background.
 
-    ``save_checkpoint`` runs on global rank 0 only (Lightning's strategies call it there), after the
-    strategy gathered full tensors on every rank. It first waits for the previous save (at most one
-    in flight; an error of that write is raised here), then, when asynchronous, copies the
-    checkpoint to CPU memory and returns while the copy is written. ``teardown`` (end of ``fit``,
+    Every rank calls ``save_checkpoint`` with its own part of the checkpoint (the strategy sets
+    ``rank`` and ``process_group``; one process needs neither). It first waits for the previous save
+    (at most one in flight; an error of that write is raised here). ``teardown`` (end of ``fit``,
     also after an exception) waits for the write in flight.
     """
 
@@ -144,35 +130,53 @@ class DirectoryCheckpointIO(CheckpointIO):
         self.resolved_config = resolved_config or {}
         self.async_save = async_save
         self.keep_last = keep_last or None
+        self.rank = 0
+        self.process_group: dist.ProcessGroup | None = None
+        """Collectives of saving and loading: a group of their own, so a background save never
+        interleaves with training's collectives on the same group."""
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
-        self._pending_path: Path | None = None
 
     # -- saving ----------------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None) -> None:
         self.wait()
         final = Path(path)
-        if not self.async_save:
-            self._write(checkpoint, final)
-            return
-        staged = stage_to_cpu(checkpoint)
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
-        self._pending, self._pending_path = self._executor.submit(self._write, staged, final), final
-
-    def _write(self, checkpoint: dict[str, Any], final: Path) -> None:
-        """The whole write of one checkpoint: files under ``.tmp-step-<N>``, flushed, renamed to
-        ``step-<N>``, then older ones pruned. On failure the temporary directory is removed."""
-        start = time.perf_counter()
         tmp = final.with_name(f".tmp-{final.name}")
-        try:
+        start = time.perf_counter()
+        plain, tensors = split_tensors(checkpoint)
+        if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            state = dict(checkpoint)
-            save_file(_unshared(state.pop("state_dict")), str(tmp / _WEIGHTS))
-            torch.save(state, tmp / _STATE)
-            (tmp / "config.yaml").write_text(yaml.safe_dump(self.resolved_config, sort_keys=False))
-            (tmp / _META).write_text(json.dumps({"global_step": checkpoint.get("global_step"), "complete": True}))
+            try:
+                (tmp / SHARDS).mkdir(parents=True)
+                torch.save(plain, tmp / STATE)
+                (tmp / CONFIG).write_text(yaml.safe_dump(self.resolved_config, sort_keys=False))
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        if self.process_group is not None:
+            dist.barrier(group=self.process_group)  # the directory exists before any rank writes into it
+        written = save_shards(tensors, tmp / SHARDS, self.process_group, asynchronous=self.async_save)
+        if not self.async_save:
+            if self.rank == 0:
+                self._publish(tmp, final, start, checkpoint.get("global_step"))
+            return
+        if self.rank != 0:
+            self._pending = written
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-publisher")
+        self._pending = self._executor.submit(self._publish, tmp, final, start, checkpoint.get("global_step"), written)
+
+    def _publish(self, tmp: Path, final: Path, start: float, global_step: int | None,
+                 written: Future | None = None) -> None:
+        """Rank 0, once every rank's shards are written: ``meta.json``, flush, rename ``.tmp-step-<N>``
+        to ``step-<N>``, prune older ones. On failure the temporary directory is removed."""
+        try:
+            if written is not None:
+                written.result()  # DCP returns on rank 0 only after every rank reported its writes
+            files = {name: size for name, size in file_sizes(tmp).items() if name != CONFIG}  # CONFIG: editable
+            meta = {"global_step": global_step, "complete": True, "files": files}
+            (tmp / META).write_text(json.dumps(meta, indent=1))
             _fsync_tree(tmp)
             publish_dir(tmp, final)
         except BaseException:
@@ -180,13 +184,13 @@ class DirectoryCheckpointIO(CheckpointIO):
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         log.info("checkpoint %s written in %.2f s%s", final, time.perf_counter() - start,
-                 " (in the background)" if self.async_save else "")
+                 " (in the background)" if written is not None else "")
         if STEP_DIR.match(final.name):
             prune_checkpoints(final.parent, self.keep_last, keep=final)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is published; re-raise its error."""
-        pending, self._pending, self._pending_path = self._pending, None, None
+        pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
 
@@ -203,47 +207,33 @@ class DirectoryCheckpointIO(CheckpointIO):
                 self._executor = None
 
     # -- loading and removing --------------------------------------------------------------------
-    def load_checkpoint(self, path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None,
+        template: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The checkpoint dict. With a ``template`` (the strategy's own checkpoint of this run, in its
+        layout), its tensors are filled in place with just the shards this rank holds, and a tensor
+        of the model or optimizer that the checkpoint lacks is an error; without one (one process,
+        no layout), every tensor is read whole."""
         self.wait()
         path = Path(path)
-        if not is_complete(path):
-            raise FileNotFoundError(f"{path} is not a complete checkpoint directory (no {_META})")
-        state = torch.load(path / _STATE, map_location=map_location or "cpu", weights_only=True)
-        state["state_dict"] = load_file(str(path / _WEIGHTS), device="cpu")
-        return state
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            raise FileNotFoundError(f"{path} is not a usable checkpoint directory: {problem}")
+        state = drop_tensor_markers(torch.load(path / STATE, map_location="cpu", weights_only=True))
+        if template is None:
+            return insert_tensors(state, read_full_tensors(path / SHARDS))
+        _, wanted = split_tensors(template)
+        missing = load_shards(wanted, path / SHARDS, self.process_group)
+        required = [k for k in missing if k.startswith(("state_dict/", "optimizer_states/"))]
+        if required:
+            shown = ", ".join(required[:5]) + (f" and {len(required) - 5} more" if len(required) > 5 else "")
+            raise KeyError(f"{path} lacks {shown}: was it saved by a run with another model config?")
+        return insert_tensors(state, {k: v for k, v in wanted.items() if k not in missing})
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
         self.wait()
         remove_dir(Path(path))
-
-
-def is_complete(path: Path) -> bool:
-    return (path / _META).is_file() and (path / _WEIGHTS).is_file() and (path / _STATE).is_file()
-
-
-def checkpoint_problem(path: Path) -> str | None:
-    """Why ``path`` is not a usable checkpoint directory, or None. Cheap: reads the safetensors
-    header (which must match the file size) and the zip directory of the trainer state, not the data."""
-    for name in (_META, _WEIGHTS, _STATE):
-        if not (path / name).is_file():
-            return f"no {name}"
-    try:
-        meta = json.loads((path / _META).read_text())
-    except (OSError, ValueError) as err:
-        return f"unreadable {_META} ({err})"
-    if not isinstance(meta, dict) or not meta.get("complete"):
-        return f"{_META} does not mark it complete"
-    try:
-        with safe_open(str(path / _WEIGHTS), framework="pt") as f:
-            f.keys()
-    except Exception as err:  # safetensors raises its own SafetensorError for a truncated file
-        return f"{_WEIGHTS} does not open ({err})"
-    try:
-        with zipfile.ZipFile(path / _STATE) as z:
-            z.namelist()
-    except (OSError, zipfile.BadZipFile) as err:
-        return f"{_STATE} does not open ({err})"
-    return None
 
 
 class StepCheckpoint(ModelCheckpoint):
@@ -305,7 +295,7 @@ class StepCheckpoint(ModelCheckpoint):
 
 def latest_checkpoint(checkpoint_dir: str | os.PathLike) -> Path | None:
     """The usable ``step-<N>`` directory with the largest N. Incomplete or corrupt ones (no
-    ``meta.json``, a truncated ``model.safetensors`` or ``trainer_state.pt``) are skipped with a
+    ``meta.json``, a missing or truncated shard or ``trainer_state.pt``) are skipped with a
     warning naming them; hidden temporary directories of unfinished writes are ignored."""
     root = Path(checkpoint_dir)
     if not root.is_dir():

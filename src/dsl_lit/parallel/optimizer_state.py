@@ -1,11 +1,11 @@
-"""Layout-independent optimizer checkpoints: AdamW state indexed as one process would index it.
+"""Layout-independent optimizer checkpoints: AdamW state keyed by parameter name.
 
-A ``torch.optim`` state dict numbers parameters by their position in the optimizer's groups. On
-a pipeline stage the optimizer holds only that stage's parameters, so position 3 means a
-different tensor on every stage. Before saving, each stage's entries are renumbered by parameter
-name into the order a single process uses (``param_groups`` of the full model) and the stages'
-parts are merged; after loading, the inverse picks this stage's entries. A checkpoint therefore
-looks the same whatever the layout, and any layout can resume it.
+A ``torch.optim`` state dict numbers parameters by their position in the optimizer's groups. On a
+pipeline stage the optimizer holds only that stage's parameters, and ZeRO-1 steps flat shards, so
+position 3 means a different tensor in every layout. Checkpoints therefore key each parameter's
+moments by its name in the LightningModule (``model.layers.0.attention.wq.weight``), the same name
+its weights have; tensor-parallel moments stay DTensors, so the sharded checkpoint writer stores
+their pieces and any other layout reads back the pieces it holds.
 """
 
 from __future__ import annotations
@@ -15,60 +15,61 @@ from typing import Any
 import torch
 from torch import nn
 
-from dsl_lit.models import ModelConfig, build_model
-from dsl_lit.optim.adamw import param_groups
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The model parameters in the order the optimizer's ``state_dict`` numbers them (ZeRO-1 steps
+    flat shards but numbers the parameters they were cut from, ``group_params``)."""
+    groups = getattr(optimizer, "group_params", None) or [g["params"] for g in optimizer.param_groups]
+    return [p for group in groups for p in group]
 
 
-def optimizer_param_names(model: nn.Module) -> list[list[str]]:
-    """Parameter names per optimizer group, in the order ``param_groups`` puts them."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    return [[names[id(p)] for p in group["params"]] for group in param_groups(model, 0.0)]
+def _names(optimizer: torch.optim.Optimizer, module: nn.Module) -> list[str]:
+    name_of = {id(p): n for n, p in module.named_parameters()}
+    return [name_of[id(p)] for p in optimizer_params(optimizer)]
 
 
-def full_model_param_names(cfg: ModelConfig) -> list[list[str]]:
-    """The same for the whole, unsplit model (built on the meta device: no memory)."""
-    with torch.device("meta"):
-        return optimizer_param_names(build_model(cfg))
-
-
-def to_full_order(state: dict[str, Any], local: list[list[str]], full: list[list[str]]) -> dict[str, Any]:
-    """Renumber a stage's optimizer state dict from its own positions to the full model's."""
-    position = {name: i for i, name in enumerate(n for group in full for n in group)}
-    local_flat = [n for group in local for n in group]
-    renumbered = {position[local_flat[int(i)]]: v for i, v in state.get("state", {}).items()}
-    groups = [
-        {**group, "params": [position[n] for n in names]}
-        for group, names in zip(state["param_groups"], local)
-    ]
-    return {"state": renumbered, "param_groups": groups}
-
-
-def merge_stages(parts: list[dict[str, Any]], full: list[list[str]]) -> dict[str, Any]:
-    """One state dict from every stage's renumbered part (each parameter lives on one stage)."""
-    state: dict[int, Any] = {}
-    for part in parts:
-        state.update(part["state"])
-    groups = []
-    start = 0
-    for index, names in enumerate(full):
-        hyper = {k: v for k, v in parts[0]["param_groups"][index].items() if k != "params"}
-        groups.append({**hyper, "params": list(range(start, start + len(names)))})
-        start += len(names)
-    return {"state": dict(sorted(state.items())), "param_groups": groups}
-
-
-def to_stage_order(state: dict[str, Any], local: list[list[str]], full: list[list[str]]) -> dict[str, Any]:
-    """This stage's entries of a full-order state dict, numbered as its optimizer numbers them."""
-    full_flat = [n for group in full for n in group]
-    local_position = {name: i for i, name in enumerate(n for group in local for n in group)}
-    picked = {
-        local_position[full_flat[int(i)]]: v
-        for i, v in state.get("state", {}).items()
-        if full_flat[int(i)] in local_position
+def named_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with parameter names for positions (a collective under ZeRO-1)."""
+    state = optimizer.state_dict()
+    names = _names(optimizer, module)
+    return {
+        "state": {names[int(i)]: dict(per_param) for i, per_param in state["state"].items()},
+        "param_groups": [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [names[int(i)] for i in g["params"]]}
+            for g in state["param_groups"]
+        ],
     }
-    groups = []
-    start = 0
-    for group, names in zip(state["param_groups"], local):
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(start, start + len(names)))})
-        start += len(names)
-    return {"state": picked, "param_groups": groups}
+
+
+def optimizer_state_template(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:
+    """Zeroed AdamW state for every parameter this rank's optimizer holds, shaped and placed like the
+    parameter: what a sharded checkpoint is read into (the optimizer may have no state yet)."""
+    dtype = getattr(optimizer, "moments_dtype", torch.float32)
+    state = {}
+    for name, param in zip(_names(optimizer, module), optimizer_params(optimizer)):
+        state[name] = {
+            "step": torch.zeros((), dtype=torch.float32),
+            "exp_avg": torch.zeros_like(param, dtype=dtype),
+            "exp_avg_sq": torch.zeros_like(param, dtype=dtype),
+        }
+    return {"state": state, "param_groups": []}
+
+
+def load_named_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module, named: dict[str, Any]) -> None:
+    """Load a named state (saved under any layout) into this rank's optimizer: the moments of the
+    parameters it holds, the hyperparameters of each group (the groups are the same everywhere)."""
+    names = _names(optimizer, module)
+    groups = getattr(optimizer, "group_params", None) or [g["params"] for g in optimizer.param_groups]
+    saved_groups = named["param_groups"]
+    if len(saved_groups) != len(groups):
+        raise ValueError(f"the checkpoint's optimizer has {len(saved_groups)} param groups, this run's {len(groups)}")
+    missing = [n for n in names if not named["state"].get(n)]
+    if missing and len(missing) < len(names):  # all missing: saved before the first step
+        raise KeyError(f"the checkpoint has no optimizer state for {', '.join(missing[:5])}")
+    positional_groups, start = [], 0
+    for saved, params in zip(saved_groups, groups):
+        positional_groups.append({**{k: v for k, v in saved.items() if k != "params"},
+                                  "params": list(range(start, start + len(params)))})
+        start += len(params)
+    state = {i: named["state"][n] for i, n in enumerate(names) if named["state"].get(n)}
+    optimizer.load_state_dict({"state": state, "param_groups": positional_groups})

@@ -18,7 +18,8 @@ all-reduced for plain DP (:mod:`dsl_lit.parallel.grad_sync`; routed experts over
 hold the same experts), reduce-scattered onto the optimizer shards for ZeRO-1;
 :meth:`DeepSeekStrategy.finish_gradients` completes it and clips by the global norm (summed over
 pipeline stages). The model is not wrapped, so module names stay the single-device ones and
-checkpoints (full tensors, a single-process optimizer state) do not depend on the layout.
+checkpoints (every rank's shards, by those names; :mod:`dsl_lit.parallel.checkpointing`) load
+under any other layout.
 """
 
 from __future__ import annotations
@@ -31,25 +32,18 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from dsl_lit.optim import OptimConfig, build_optimizer, param_groups
 from dsl_lit.optim.adamw import MOMENT_DTYPES
 from dsl_lit.optim.clip import clip_grad_norm_
+from dsl_lit.parallel.checkpointing import ShardedCheckpointing
 from dsl_lit.parallel.expert_parallel import (
     apply_expert_parallel,
     expert_parameters,
     init_expert_parallel_mesh,
 )
 from dsl_lit.parallel.grad_sync import OverlappedGradientReducer
-from dsl_lit.parallel.optimizer_state import (
-    full_model_param_names,
-    merge_stages,
-    optimizer_param_names,
-    to_full_order,
-    to_stage_order,
-)
 from dsl_lit.parallel.pipeline import PipelineRunner
 from dsl_lit.parallel.tensor_parallel import apply_tensor_parallel
 from dsl_lit.parallel.zero1 import ZeRO1AdamW
@@ -60,7 +54,7 @@ def data_parallel_size(trainer: Any) -> int:
     return int(getattr(trainer.strategy, "dp_size", trainer.world_size))
 
 
-class DeepSeekStrategy(DDPStrategy):
+class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
     strategy_name = "dsl_lit"
 
     def __init__(
@@ -169,68 +163,6 @@ class DeepSeekStrategy(DDPStrategy):
         for name, value in metrics.items():
             self._pp_totals[name] = self._pp_totals.get(name, 0.0) + value
         return objective
-
-    # -- checkpoints hold full tensors, whatever the layout -----------------------------------------
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self.full_state(super().lightning_module_state_dict())
-
-    def full_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """Named tensors of this rank -> the whole model's, by single-device names: tensor-parallel
-        (and expert-parallel) DTensors gathered, every pipeline stage's entries merged. A
-        collective: every rank calls it."""
-        state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
-        if self.pp > 1:
-            parts: list[Any] = [None] * self.pp
-            dist.all_gather_object(parts, state, group=self.pp_group)
-            state = {k: v for part in parts for k, v in part.items()}
-        return state
-
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Optimizer state with full tensors (tensor-parallel moments gathered): layout-independent."""
-        state = super().optimizer_state(optimizer)  # its per-parameter dicts are the live ones: copy
-        gathered = {
-            index: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in per_param.items()}
-            for index, per_param in state.get("state", {}).items()
-        }
-        state = {**state, "state": gathered}
-        if self.pp > 1:  # renumber as one process would and merge the stages' parts
-            module = self.lightning_module
-            full = full_model_param_names(module.model_config)
-            part = to_full_order(state, optimizer_param_names(module.model), full)
-            parts: list[Any] = [None] * self.pp
-            dist.all_gather_object(parts, part, group=self.pp_group)
-            state = merge_stages(parts, full)
-        return state
-
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """Re-shard full moments onto this rank's tensor-parallel parameters before loading."""
-        if self.pp > 1:  # keep this stage's entries, numbered as its optimizer numbers them
-            module = self.lightning_module
-            full = full_model_param_names(module.model_config)
-            local = optimizer_param_names(module.model)
-            checkpoint["optimizer_states"] = [to_stage_order(s, local, full) for s in checkpoint["optimizer_states"]]
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            if isinstance(optimizer, ZeRO1AdamW):
-                continue  # it slices its own shards out of the full state (and zero1 excludes tp)
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            for index, per_param in state.get("state", {}).items():
-                param = params[int(index)]
-                if not isinstance(param, DTensor):
-                    continue
-                for key, value in per_param.items():
-                    if torch.is_tensor(value) and value.shape == param.shape:
-                        per_param[key] = distribute_tensor(value, param.device_mesh, param.placements)
-        super().load_optimizer_state_dict(checkpoint)
-
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        state = checkpoint["state_dict"]
-        own = self.lightning_module.state_dict()
-        if self.pp > 1:  # this stage's tensors only
-            checkpoint["state_dict"] = state = {k: v for k, v in state.items() if k in own}
-        for name, value in own.items():
-            if isinstance(value, DTensor) and name in state:
-                state[name] = distribute_tensor(state[name], value.device_mesh, value.placements)
-        super().load_model_state_dict(checkpoint, strict=strict)
 
     def build_optimizer(self, model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
         """AdamW, or with ``parallel.zero1`` its dp-sharded form (same hyperparameters)."""

@@ -245,6 +245,16 @@ class ZeRO1AdamW(LastBackwardBuckets, AdamW):
             for g, inner in zip(state_dict["param_groups"], self.param_groups)
         ]
         super().load_state_dict({"state": state, "param_groups": groups})
+        self.refresh_masters()
+
+    @torch.no_grad()
+    def refresh_masters(self) -> None:
+        """Cut the fp32 master shards anew from the parameters. Restoring a checkpoint loads the
+        model's weights after this optimizer was built (and before its state): without this, the
+        next all-gather would write the weights of the moment of construction back."""
+        for b in self.buckets:
+            flat = _flat(b.params, b.padded, b.master.device)
+            b.master.copy_(flat[self.rank * b.shard_size : (self.rank + 1) * b.shard_size])
 
     def state_numel(self) -> int:
         """Numbers this rank holds for the optimizer: fp32 master shards plus both moments."""

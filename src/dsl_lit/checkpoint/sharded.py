@@ -1,0 +1,138 @@
+"""Sharded tensors of a checkpoint through ``torch.distributed.checkpoint`` (DCP), stored as safetensors.
+
+A Lightning checkpoint dict mixes tensors (weights, optimizer moments, EMA) with small plain values
+(loop counters, scheduler, data position). The tensors go to DCP: every rank writes the shards it
+holds (tensor-parallel and expert-parallel DTensors as their local pieces, pipeline stages their own
+layers, replicated tensors once across ranks), and a later run with another layout reads back exactly
+the pieces its own tensors need. The plain values go to one small file written by rank 0.
+
+Why DCP's Hugging Face storage rather than its default ``.distcp`` files: the default format's
+``.metadata`` is a pickle, and unpickling a downloaded checkpoint can run code. Here every shard is a
+safetensors file whose header carries the shard's offsets in the full tensor, so reading a
+checkpoint never unpickles anything (the plain values are read with ``torch.load(weights_only=True)``).
+
+Keys are the paths of the tensors in the checkpoint dict joined by ``/``, e.g.
+``state_dict/model.layers.0.attention.wq.weight`` or
+``optimizer_states/0/state/model.embed.weight/exp_avg``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+SEP = "/"
+TENSOR = "<tensor>"
+"""Stands in the plain part of a checkpoint where a tensor was (lists keep their positions)."""
+
+
+def split_tensors(obj: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
+    """``obj`` without its tensors (each replaced by :data:`TENSOR`) and the tensors by path."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(value: Any, path: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            tensors[path] = value
+            return TENSOR
+        if isinstance(value, dict):
+            return type(value)((k, walk(v, f"{path}{SEP}{k}" if path else str(k))) for k, v in value.items())
+        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+            return type(value)(walk(v, f"{path}{SEP}{i}" if path else str(i)) for i, v in enumerate(value))
+        return value
+
+    return walk(obj, prefix), tensors
+
+
+def drop_tensor_markers(obj: Any) -> Any:
+    """The plain part with the :data:`TENSOR` entries of dicts removed (another rank's tensors)."""
+    if isinstance(obj, dict):
+        return type(obj)((k, drop_tensor_markers(v)) for k, v in obj.items() if not (isinstance(v, str) and v == TENSOR))
+    if isinstance(obj, list):
+        return [drop_tensor_markers(v) for v in obj]
+    return obj
+
+
+def insert_tensors(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Put tensors back at their paths (creating the dicts on the way), in place; returns ``obj``."""
+    for path, tensor in tensors.items():
+        *parents, last = path.split(SEP)
+        node = obj
+        for key in parents:
+            if isinstance(node, list):
+                node = node[int(key)]
+            else:
+                node = node.setdefault(key, {})
+        if isinstance(node, list):
+            node[int(last)] = tensor
+        else:
+            node[last] = tensor
+    return obj
+
+
+def _no_dist(process_group: dist.ProcessGroup | None) -> bool:
+    """One process, no process group: DCP then warns that it assumes so on every call; we know."""
+    no_dist = process_group is None and not (dist.is_available() and dist.is_initialized())
+    if no_dist:
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+    return no_dist
+
+
+def save_shards(
+    tensors: dict[str, torch.Tensor], directory: Path, process_group: dist.ProcessGroup | None = None,
+    asynchronous: bool = False,
+) -> Future | None:
+    """Every rank writes its shards of ``tensors`` under ``directory`` (a collective over
+    ``process_group``). Asynchronous: the tensors are first copied to CPU memory (so training may
+    change them), then written by a background thread; returns the future of that write."""
+    writer = HuggingFaceStorageWriter(str(directory), save_distributed=True)
+    no_dist = _no_dist(process_group)
+    if asynchronous:
+        return dcp.async_save(tensors, storage_writer=writer, process_group=process_group, no_dist=no_dist)
+    dcp.save(tensors, storage_writer=writer, process_group=process_group, no_dist=no_dist)
+    return None
+
+
+def saved_tensors(directory: Path) -> dict[str, TensorStorageMetadata]:
+    """Name -> full size and dtype of every tensor saved under ``directory`` (from the safetensors headers)."""
+    metadata = HuggingFaceStorageReader(str(directory)).read_metadata()
+    return dict(metadata.state_dict_metadata)
+
+
+def load_shards(
+    template: dict[str, torch.Tensor], directory: Path, process_group: dist.ProcessGroup | None = None,
+) -> list[str]:
+    """Fill the tensors of ``template`` in place (DTensors get just their shards) from ``directory``;
+    the template's keys that the checkpoint lacks are left alone and returned."""
+    saved = saved_tensors(directory)
+    missing = [k for k in template if k not in saved]
+    present = {k: v for k, v in template.items() if k in saved}
+    for key, tensor in present.items():
+        if tuple(tensor.shape) != tuple(saved[key].size):
+            raise ValueError(
+                f"{directory}: {key} has shape {tuple(saved[key].size)} in the checkpoint but "
+                f"{tuple(tensor.shape)} in this run; resume with the model config it was saved with"
+            )
+    dcp.load(present, storage_reader=HuggingFaceStorageReader(str(directory)), planner=DefaultLoadPlanner(),
+             process_group=process_group, no_dist=_no_dist(process_group))
+    return missing
+
+
+def read_full_tensors(directory: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Whole tensors (shards assembled) whose key starts with ``prefix``, on this one process, prefix
+    removed: for tools that read a checkpoint without the training layout (export, inspection)."""
+    template = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in saved_tensors(directory).items() if key.startswith(prefix)
+    }
+    if template:
+        dcp.load(template, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=_no_dist(None) or True)
+    return {key[len(prefix):]: value for key, value in template.items()}
