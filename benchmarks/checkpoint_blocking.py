@@ -51,6 +51,7 @@ from dsl_lit.checkpoint.directory import DirectoryCheckpointIO, StepCheckpoint
 from dsl_lit.models import ModelConfig
 from dsl_lit.modules import PretrainModule
 from dsl_lit.optim import OptimConfig, ScheduleConfig
+from dsl_lit.parallel.checkpointing import OneDeviceStrategy
 
 
 class TimedIO(DirectoryCheckpointIO):
@@ -92,9 +93,9 @@ def run(model_name: str, async_save: bool, steps: int, every: int, batch: int, s
     checkpoint = StepCheckpoint(ckpt_dir, every_n_steps=every)
     io = TimedIO(async_save=async_save, keep_last=2)
     times = StepTimes()
-    trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, callbacks=[times, checkpoint],
-                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                        plugins=[io])
+    trainer = L.Trainer(accelerator="cpu", strategy=OneDeviceStrategy(torch.device("cpu")), max_steps=steps,
+                        logger=False, callbacks=[times, checkpoint], enable_progress_bar=False,
+                        enable_model_summary=False, use_distributed_sampler=False, plugins=[io])
     start = time.perf_counter()
     trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))  # returns once all is written
     fit_s = time.perf_counter() - start
@@ -105,7 +106,7 @@ def run(model_name: str, async_save: bool, steps: int, every: int, batch: int, s
     newest = max(ckpt_dir.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
     return {
         "params": sum(p.numel() for p in module.parameters()),
-        "mib": sum(f.stat().st_size for f in newest.iterdir()) / 2**20,
+        "mib": sum(f.stat().st_size for f in newest.rglob("*") if f.is_file()) / 2**20,
         "saves": len(checkpoint.save_durations),
         "blocked": statistics.median(checkpoint.save_durations),
         "write": statistics.median(io.write_s),
