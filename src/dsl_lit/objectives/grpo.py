@@ -1,0 +1,124 @@
+"""Group Relative Policy Optimization (DeepSeekMath, DeepSeek-R1): group advantages and the loss.
+
+For G completions of one prompt with rewards r_i, the advantage of every token of completion i is
+``A_i = (r_i - mean(r)) / (std(r) + 1e-4)`` (unbiased std, TRL's convention). The per-token loss is
+PPO's clipped surrogate plus a KL penalty to a reference policy with the k3 estimator
+(Schulman 2020), which is unbiased and always >= 0:
+
+    ratio = exp(logp - old_logp)
+    loss_t = -min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A) + beta (exp(d) - d - 1),  d = ref_logp - logp
+
+How token losses become one number (``loss_type``; the four TRL offers):
+
+- ``grpo``: mean over each completion's tokens, then mean over completions (the paper's 1/|o_i|);
+- ``bnpo``: mean over all completion tokens of the batch;
+- ``dr_grpo``: sum / (completions x max completion length) (Dr. GRPO: no length bias);
+- ``dapo``: sum / completion tokens of the global batch (all ranks, all micro-batches).
+
+The keyword normalisers let a caller that splits a step into micro-batches (or data-parallel ranks)
+pass the counts of the whole step, so that summing the micro-batch losses gives the step's loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ADVANTAGE_SCALES = ("group", "batch", "none")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+STD_EPS = 1e-4
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group") -> torch.Tensor:
+    """Advantages [N] of rewards [N] laid out as consecutive groups of ``group_size`` completions.
+
+    ``group``: ``(r - group mean) / (group std + 1e-4)``; ``batch``: the group mean is subtracted
+    but the std is the whole batch's (TRL's ``scale_rewards="batch"``); ``none``: ``r - group mean``
+    (Dr. GRPO). Stds are unbiased, so a group needs at least 2 completions.
+    """
+    if scale not in ADVANTAGE_SCALES:
+        raise ValueError(f"scale={scale!r} is unknown; choose one of {ADVANTAGE_SCALES}")
+    if group_size < 2 or rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not form groups of group_size={group_size} (>= 2)")
+    grouped = rewards.float().view(-1, group_size)
+    centred = (grouped - grouped.mean(dim=1, keepdim=True)).flatten()
+    if scale == "group":
+        return centred / (grouped.std(dim=1).repeat_interleave(group_size) + STD_EPS)
+    if scale == "batch":
+        return centred / (rewards.float().std() + STD_EPS)
+    return centred
+
+
+def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi || pi_ref): ``exp(d) - d - 1`` with ``d = ref_logp - logp``."""
+    d = ref_logps - logps
+    return torch.exp(d) - d - 1
+
+
+@dataclass
+class GRPOOutput:
+    loss: torch.Tensor
+    """Scalar loss to backpropagate."""
+    kl: torch.Tensor | None
+    """[batch, T] per-token k3 KL (detached, 0 outside the mask), None when ``beta == 0``."""
+    low_clipped: torch.Tensor
+    """[batch, T] bool: ratio < 1 - eps_low with a negative advantage (the clip bounds the update)."""
+    high_clipped: torch.Tensor
+    """[batch, T] bool: ratio > 1 + eps_high with a positive advantage."""
+
+
+def grpo_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    ref_logps: torch.Tensor | None,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    beta: float = 0.0,
+    loss_type: str = "grpo",
+    *,
+    num_sequences: float | torch.Tensor | None = None,
+    num_tokens: float | torch.Tensor | None = None,
+    max_completion_length: int | None = None,
+) -> GRPOOutput:
+    """The clipped GRPO objective over per-token log-probs [batch, T] (``logps`` with gradient,
+    ``old_logps`` from the policy that sampled, ``ref_logps`` from the reference, may be None when
+    ``beta == 0``), advantages [batch] and the completion mask [batch, T].
+
+    ``num_sequences`` (``grpo``, ``dr_grpo``), ``num_tokens`` (``bnpo``, ``dapo``) and
+    ``max_completion_length`` (``dr_grpo``) default to this batch's; pass the step's to normalise a
+    micro-batch by the whole step.
+    """
+    if loss_type not in GRPO_LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r} is unknown; choose one of {GRPO_LOSS_TYPES}")
+    if beta and ref_logps is None:
+        raise ValueError("beta > 0 needs ref_logps")
+    mask = completion_mask.to(logps.dtype)
+    ratio = torch.exp(logps - old_logps)
+    adv = advantages.to(logps.dtype).unsqueeze(-1)
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    per_token = -torch.min(ratio * adv, clipped * adv)
+    kl = None
+    if beta:
+        kl = k3_kl(logps, ref_logps)
+        per_token = per_token + beta * kl
+        kl = (kl * mask).detach()
+    summed = per_token * mask
+    if loss_type == "grpo":
+        lengths = mask.sum(dim=-1).clamp_min(1)
+        n = num_sequences if num_sequences is not None else logps.shape[0]
+        loss = (summed.sum(dim=-1) / lengths).sum() / n
+    elif loss_type in ("bnpo", "dapo"):
+        n = num_tokens if num_tokens is not None else mask.sum().clamp_min(1)
+        loss = summed.sum() / n
+    else:  # dr_grpo
+        n = num_sequences if num_sequences is not None else logps.shape[0]
+        width = max_completion_length if max_completion_length is not None else logps.shape[-1]
+        loss = summed.sum() / (n * width)
+    with torch.no_grad():
+        active = completion_mask.bool()
+        low = (ratio < 1 - eps_low) & (adv < 0) & active
+        high = (ratio > 1 + eps_high) & (adv > 0) & active
+    return GRPOOutput(loss, kl, low, high)

@@ -1,0 +1,21 @@
+"""Rule-based rewards (DeepSeek-R1): checked answers, the think/answer format, language consistency,
+and their weighted combination. Each reward is ``fn(completion: str, sample: Mapping) -> float``."""
+
+from dsl_lit.rewards.accuracy import CHECKERS, accuracy_reward, extract_answer, extract_boxed
+from dsl_lit.rewards.combine import REWARDS, RewardFunction, WeightedRewards, build_rewards
+from dsl_lit.rewards.format import format_reward
+from dsl_lit.rewards.language import language_consistency_reward, target_language_share
+
+__all__ = [
+    "CHECKERS",
+    "REWARDS",
+    "RewardFunction",
+    "WeightedRewards",
+    "accuracy_reward",
+    "build_rewards",
+    "extract_answer",
+    "extract_boxed",
+    "format_reward",
+    "language_consistency_reward",
+    "target_language_share",
+]
