@@ -23,14 +23,22 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in groups for p in group]
 
 
-def _names(optimizer: torch.optim.Optimizer, module: nn.Module) -> list[str]:
+def params_with_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters whose saved moments this rank reads back: all of them, or under ZeRO-1 those
+    overlapping its shards."""
+    overlapping = getattr(optimizer, "params_overlapping_shard", None)
+    return overlapping() if overlapping is not None else optimizer_params(optimizer)
+
+
+def _names(optimizer: torch.optim.Optimizer, module: nn.Module, params: list[torch.Tensor] | None = None) -> list[str]:
     name_of = {id(p): n for n, p in module.named_parameters()}
-    return [name_of[id(p)] for p in optimizer_params(optimizer)]
+    return [name_of[id(p)] for p in (optimizer_params(optimizer) if params is None else params)]
 
 
 def named_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:
-    """``optimizer.state_dict()`` with parameter names for positions (a collective under ZeRO-1)."""
-    state = optimizer.state_dict()
+    """``optimizer.state_dict()`` with parameter names for positions. Under ZeRO-1 (a collective)
+    each rank returns the moments of the parameters it owns, so no rank gathers them all."""
+    state = getattr(optimizer, "sharded_state_dict", optimizer.state_dict)()
     names = _names(optimizer, module)
     return {
         "state": {names[int(i)]: dict(per_param) for i, per_param in state["state"].items()},
@@ -42,11 +50,12 @@ def named_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module) -
 
 
 def optimizer_state_template(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:
-    """Zeroed AdamW state for every parameter this rank's optimizer holds, shaped and placed like the
-    parameter: what a sharded checkpoint is read into (the optimizer may have no state yet)."""
+    """Zeroed AdamW state for every parameter whose moments this rank reads back, shaped and placed
+    like the parameter: what a sharded checkpoint is read into (the optimizer may have no state yet)."""
     dtype = getattr(optimizer, "moments_dtype", torch.float32)
     state = {}
-    for name, param in zip(_names(optimizer, module), optimizer_params(optimizer)):
+    params = params_with_state(optimizer)
+    for name, param in zip(_names(optimizer, module, params), params):
         state[name] = {
             "step": torch.zeros((), dtype=torch.float32),
             "exp_avg": torch.zeros_like(param, dtype=dtype),
@@ -63,8 +72,9 @@ def load_named_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Modu
     saved_groups = named["param_groups"]
     if len(saved_groups) != len(groups):
         raise ValueError(f"the checkpoint's optimizer has {len(saved_groups)} param groups, this run's {len(groups)}")
-    missing = [n for n in names if not named["state"].get(n)]
-    if missing and len(missing) < len(names):  # all missing: saved before the first step
+    needed = _names(optimizer, module, params_with_state(optimizer))
+    missing = [n for n in needed if not named["state"].get(n)]
+    if missing and len(missing) < len(needed):  # all missing: saved before the first step
         raise KeyError(f"the checkpoint has no optimizer state for {', '.join(missing[:5])}")
     positional_groups, start = [], 0
     for saved, params in zip(saved_groups, groups):

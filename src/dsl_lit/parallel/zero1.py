@@ -182,24 +182,40 @@ class ZeRO1AdamW(LastBackwardBuckets, AdamW):
             p.grad = None
 
     # -- layout-independent checkpoints ------------------------------------------------------------
-    def _gather(self, shard: torch.Tensor, bucket: _Bucket) -> list[torch.Tensor]:
-        full = torch.empty(bucket.padded, dtype=shard.dtype, device=shard.device)
-        dist.all_gather_into_tensor(full, shard.contiguous(), group=self.group)
+    def _extents(self, bucket: _Bucket) -> list[tuple[torch.Tensor, int, int]]:
+        """(parameter, start, end) of each parameter in its bucket's flat buffer (local tp shards)."""
         out, offset = [], 0
         for p in bucket.params:
-            shard = local(p)
-            value = full[offset : offset + shard.numel()].view_as(shard).clone()
-            if isinstance(p, DTensor):  # the strategy gathers it over tp like any tp state
+            out.append((p, offset, offset + local(p).numel()))
+            offset += local(p).numel()
+        return out
+
+    def _owns(self, bucket: _Bucket, start: int) -> bool:
+        """Each parameter belongs to the rank whose shard holds its first element."""
+        return start // bucket.shard_size == self.rank
+
+    def _gather(self, shard: torch.Tensor, bucket: _Bucket, owned_only: bool = False) -> dict[int, torch.Tensor]:
+        """The whole moment of the bucket's parameters (of this rank's own ones with ``owned_only``),
+        by position in the bucket; tp-sharded ones as DTensors, so checkpoints store their pieces."""
+        full = torch.empty(bucket.padded, dtype=shard.dtype, device=shard.device)
+        dist.all_gather_into_tensor(full, shard.contiguous(), group=self.group)
+        out = {}
+        for i, (p, start, end) in enumerate(self._extents(bucket)):
+            if owned_only and not self._owns(bucket, start):
+                continue
+            value = full[start:end].view_as(local(p)).clone()
+            if isinstance(p, DTensor):
                 value = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False)
-            out.append(value)
-            offset += shard.numel()
+            out[i] = value
         return out
 
     def _masters(self) -> list[torch.Tensor]:
         return [m for g in self.param_groups for m in g["params"]]
 
-    def state_dict(self) -> dict[str, Any]:
-        """A plain AdamW state dict over the model's parameters (a collective: call on every rank)."""
+    def state_dict(self, owned_only: bool = False) -> dict[str, Any]:
+        """A plain AdamW state dict over the model's parameters (a collective: call on every rank).
+        With ``owned_only`` each rank returns the moments of the parameters it owns (1/dp of them),
+        so a sharded checkpoint writer stores every moment once and no rank holds them all."""
         inner = super().state_dict()
         state: dict[int, dict[str, Any]] = {}
         for index, master in enumerate(self._masters()):
@@ -207,9 +223,9 @@ class ZeRO1AdamW(LastBackwardBuckets, AdamW):
             if not shard_state:
                 continue
             bucket = self._bucket_of_master[id(master)]
-            moments = {k: self._gather(shard_state[k], bucket) for k in ("exp_avg", "exp_avg_sq")}
-            for i, p in enumerate(bucket.params):
-                state[self.param_index[id(p)]] = {
+            moments = {k: self._gather(shard_state[k], bucket, owned_only) for k in ("exp_avg", "exp_avg_sq")}
+            for i in moments["exp_avg"]:
+                state[self.param_index[id(bucket.params[i])]] = {
                     "step": shard_state["step"].clone(), **{k: v[i] for k, v in moments.items()}
                 }
         groups = [
@@ -218,26 +234,43 @@ class ZeRO1AdamW(LastBackwardBuckets, AdamW):
         ]
         return {"state": state, "param_groups": groups}
 
+    def sharded_state_dict(self) -> dict[str, Any]:
+        return self.state_dict(owned_only=True)
+
+    def params_overlapping_shard(self) -> list[torch.Tensor]:
+        """The parameters whose saved moments this rank needs to rebuild its shards."""
+        lo_hi = [(b, self.rank * b.shard_size, (self.rank + 1) * b.shard_size) for b in self.buckets]
+        needed = {id(p) for b, lo, hi in lo_hi for p, start, end in self._extents(b) if start < hi and end > lo}
+        return [p for p in self._params_in_order() if id(p) in needed]
+
+    def _params_in_order(self) -> list[torch.Tensor]:
+        return [p for params in self.group_params for p in params]
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a plain AdamW state dict (from any dp size, with or without ZeRO-1): keep our shards."""
+        """Load a plain AdamW state dict (from any dp size, with or without ZeRO-1): cut our shards
+        out of the moments of the parameters overlapping them (the others may be absent)."""
         for group_index, (group, params) in enumerate(zip(state_dict["param_groups"], self.group_params)):
             if len(group["params"]) != len(params):
                 raise ValueError(f"optimizer param group {group_index} has {len(group['params'])} params, "
                                  f"the model {len(params)}")
         saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
-        ours = [p for params in self.group_params for p in params]
-        saved_state = {id(p): state_dict["state"].get(pid) for p, pid in zip(ours, saved_ids)}
+        saved_state = {id(p): state_dict["state"].get(pid) for p, pid in zip(self._params_in_order(), saved_ids)}
         state: dict[int, dict[str, Any]] = {}
         for index, master in enumerate(self._masters()):
             bucket = self._bucket_of_master[id(master)]
-            per_param = [saved_state[id(p)] for p in bucket.params]
-            if not all(s is not None for s in per_param):
-                continue
             lo, hi = self.rank * bucket.shard_size, (self.rank + 1) * bucket.shard_size
-            shard_state = {"step": torch.as_tensor(per_param[0]["step"]).clone()}
+            overlapping = [(p, start, end) for p, start, end in self._extents(bucket) if start < hi and end > lo]
+            saved = [saved_state[id(p)] for p, _, _ in overlapping]
+            if not overlapping or not all(saved):
+                continue  # no state saved yet (a checkpoint from before the first step)
+            shard_state = {"step": torch.as_tensor(saved[0]["step"]).clone()}
             for key in ("exp_avg", "exp_avg_sq"):
-                values = [_local_part(s[key], p) for s, p in zip(per_param, bucket.params)]
-                shard_state[key] = _flat(values, bucket.padded, master.device)[lo:hi].clone()
+                values = torch.zeros_like(master)
+                for (p, start, end), moments in zip(overlapping, saved):
+                    flat = _local_part(moments[key], p).flatten().to(master.device, torch.float32)
+                    a, b = max(start, lo), min(end, hi)
+                    values[a - lo : b - lo] = flat[a - start : b - start]
+                shard_state[key] = values
             state[index] = shard_state
         masters = iter(range(len(self._masters())))
         groups = [
