@@ -131,22 +131,25 @@ def _hf_configs(special_tokens: list[str]) -> tuple[dict, dict]:
     return config, {**named, "additional_special_tokens": special_tokens[3:]}
 
 
-
-
 def train_tokenizer(
     texts: Iterable[str],
     vocab_size: int,
     output_dir: Path,
     special_tokens: list[str] = DEEPSEEK_SPECIAL_TOKENS,
     max_bytes: int | None = None,
+    embedding_size: int | None = None,
 ) -> Path:
     """Train BBPE on ``texts`` and write a loadable tokenizer directory; returns ``output_dir``.
 
-    ``vocab_size`` includes the special tokens (the first three are used as bos, eos and pad). The
+    ``vocab_size`` includes the special tokens (the first three are used as bos, eos and pad).
+    ``embedding_size`` is the model's embedding rows written to meta.json as ``padded_vocab_size``
+    (DeepSeek LLM: 102400 for 100015 tokens); ``None`` rounds the vocab up to a multiple of 128. The
     directory appears atomically: it is built under a temporary name and renamed when complete.
     """
     if len(special_tokens) < 3:
         raise ValueError("special_tokens must start with bos, eos and pad")
+    if embedding_size is not None and embedding_size < vocab_size:
+        raise ValueError(f"embedding_size={embedding_size} is below vocab_size={vocab_size}")
     min_vocab = 256 + len(special_tokens)
     if vocab_size < min_vocab:
         raise ValueError(f"vocab_size={vocab_size} is below the byte alphabet + specials ({min_vocab})")
@@ -167,7 +170,7 @@ def train_tokenizer(
     ids = [tokenizer.token_to_id(t) for t in special_tokens[:3]]
     meta = {
         "vocab_size": tokenizer.get_vocab_size(),
-        "padded_vocab_size": padded_vocab_size(tokenizer.get_vocab_size()),
+        "padded_vocab_size": embedding_size or padded_vocab_size(tokenizer.get_vocab_size()),
         "bos_id": ids[0],
         "eos_id": ids[1],
         "pad_id": ids[2],

@@ -1,0 +1,58 @@
+"""``python -m data_pipeline input.path=<dir|glob|file> output_dir=<dir> [stages=[...]] [k=v ...]``.
+
+Composed by Hydra from ``conf/data_pipeline.yaml`` and its groups, validated into
+``PipelineConfig`` before any work. ``+plan=true`` prints the steps and their units (for schedulers)
+and exits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from data_pipeline.config import load_config
+from dsl_lit.errors import ConfigError
+
+log = logging.getLogger("data_pipeline")
+GROUPS_DIR = Path(__file__).resolve().parents[1] / "conf" / "data_pipeline"
+
+
+@hydra.main(config_path="../conf", config_name="data_pipeline", version_base="1.3")
+def main(hydra_cfg: DictConfig) -> None:
+    import datasets
+
+    from data_pipeline.runner import missing_units, plan, run
+
+    datasets.disable_progress_bars()
+    values = OmegaConf.to_container(hydra_cfg, resolve=True)
+    try:
+        cfg = load_config(values)
+    except ConfigError as e:
+        log.error("config error: %s", e)
+        sys.exit(2)
+    if values.get("plan"):
+        for p in plan(cfg):
+            done = p.num_units - len(missing_units(p))
+            print(f"{p.step.name:24s} units={p.num_units:<6d} done={done:<6d} {p.context.step_dir}")
+        return
+    stats = run(cfg)
+    if stats is None:
+        log.info(
+            "step %s done for task %d of %d; later steps still to run",
+            cfg.step,
+            cfg.task_index,
+            cfg.task_count,
+        )
+        return
+    print(json.dumps({k: stats[k] for k in ("input", "output", "seconds")}))
+
+
+if __name__ == "__main__":
+    # The groups live in conf/data_pipeline/ beside the primary conf/data_pipeline.yaml.
+    sys.argv.append(f"hydra.searchpath=[file://{GROUPS_DIR}]")
+    main()

@@ -1,0 +1,44 @@
+"""C4's line filters (Raffel et al. 2020): drop boilerplate lines, reject pages that stay too short."""
+
+from __future__ import annotations
+
+import re
+
+from data_pipeline.config import C4Config
+
+_CITATION = re.compile(r"\[\d*\]|\[edit\]|\[citation needed\]")
+_POLICY = ("terms of use", "privacy policy", "cookie policy", "uses cookies", "use of cookies", "use cookies")
+_END = (".", "!", "?", '"', "'")
+_SENTENCE_END = re.compile(r"[.!?]+(?:\s|$)")
+
+
+def c4(text: str, cfg: C4Config) -> tuple[str | None, str]:
+    lines = text.split("\n") if cfg.split_paragraph else [s for s in re.split(r"(?<=[.!?])\s+", text)]
+    kept: list[str] = []
+    for line in lines:
+        line = line.strip()
+        if cfg.remove_citations:
+            line = _CITATION.sub("", line)
+        lower = line.lower()
+        if cfg.filter_lorem_ipsum and "lorem ipsum" in lower:
+            return "c4:lorem_ipsum", text
+        if cfg.filter_curly_bracket and "{" in line:
+            return "c4:curly_bracket", text
+        words = line.split()
+        if cfg.filter_no_terminal_punct and (not line.endswith(_END) or line.endswith("...")):
+            continue
+        if cfg.min_words_per_line >= 0 and len(words) < cfg.min_words_per_line:
+            continue
+        if cfg.max_word_length >= 0 and any(len(w) > cfg.max_word_length for w in words):
+            continue
+        if cfg.filter_javascript and "javascript" in lower:
+            continue
+        if cfg.filter_policy and any(p in lower for p in _POLICY):
+            continue
+        kept.append(line)
+    result = "\n".join(kept)
+    if not result:
+        return "c4:no_lines_left", text
+    if cfg.min_num_sentences >= 0 and len(_SENTENCE_END.findall(result)) < cfg.min_num_sentences:
+        return "c4:min_num_sentences", text
+    return None, result

@@ -1,0 +1,43 @@
+"""Step ``finalize``: publish ``kept/`` (the last document step's shards) and ``removed/`` (all steps').
+
+Why links into freshly published directories: kept and removed always come from the same complete
+run, even when an older run with other settings left its work directories behind.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from data_pipeline.shard_io import link_or_copy, removed_file, shard_file
+from dsl_lit.utils.fs import publish_dir
+
+
+def _publish(ctx: Any, name: str, files: list[tuple[Path, str]]) -> None:
+    tmp = Path(tempfile.mkdtemp(dir=ctx.output_dir, prefix=f".{name}.tmp-"))
+    try:
+        tmp.chmod(0o755)
+        for src, dst in files:
+            link_or_copy(src, tmp / dst)
+        publish_dir(tmp, ctx.output_dir / name)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def run_unit(ctx: Any, unit: int) -> dict[str, Any]:
+    last_dir = ctx.document_steps[-1][2]
+    kept = [(last_dir / shard_file(s), shard_file(s)) for s in range(ctx.num_shards)]
+    removed = []
+    for position, (name, _, step_dir) in enumerate(ctx.document_steps):
+        for s in range(ctx.num_shards):
+            src = step_dir / removed_file(s)
+            if pq.read_metadata(src).num_rows:
+                removed.append((src, f"{position:02d}-{name}-{s:05d}.parquet"))
+    _publish(ctx, "kept", kept)
+    _publish(ctx, "removed", removed)
+    return {"kept_files": len(kept), "removed_files": len(removed)}

@@ -1,0 +1,215 @@
+"""Stage ``near_dedup``: MinHash signatures, LSH buckets, verified union-find clusters, removal.
+
+Steps and their units: ``signatures`` per shard (numpy MinHash, bounded by ``batch_size``),
+``buckets`` per LSH band (documents sharing a band hash become candidate pairs, each with the
+band's first document), ``cluster`` once (candidate pairs verified by exact Jaccard of shingle sets,
+or by the signature estimate, then merged with union-find), ``apply`` per shard. Every cluster keeps
+its first document (earlier runs' indexed documents come before all of this run's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from data_pipeline.config import NearDedupConfig
+from data_pipeline.dedup_apply import mark_duplicates
+from data_pipeline.doc_keys import column_of_keys, make_keys, row_of
+from data_pipeline.lsh_bands import choose_bands
+from data_pipeline.minhash import EMPTY, MinHasher, band_hashes, jaccard_of_signatures, shingle_hashes
+from data_pipeline.near_dedup_index import INDEX_DIR, NearDedupIndex, index_meta, load_index, write_index
+from data_pipeline.shard_io import shard_file, write_npy, write_table
+from data_pipeline.union_find import connected_components
+
+
+def lsh_shape(cfg: NearDedupConfig) -> tuple[int, int]:
+    """(bands, rows): as configured, else chosen for ``min_recall`` at ``threshold``."""
+    if cfg.bands is not None and cfg.rows is not None:
+        return cfg.bands, cfg.rows
+    return choose_bands(cfg.num_perm, cfg.threshold, cfg.min_recall)
+
+
+def _hasher(cfg: NearDedupConfig) -> MinHasher:
+    return MinHasher(num_perm=cfg.num_perm, ngram=cfg.ngram, seed=cfg.seed, scheme=cfg.scheme)
+
+
+def _indexes(ctx: Any) -> list[NearDedupIndex]:
+    cfg = ctx.cfg.near_dedup
+    return [load_index(p, index_meta(cfg, *lsh_shape(cfg))) for p in cfg.against_indexes]
+
+
+def _index_key_offsets(indexes: list[NearDedupIndex]) -> list[int]:
+    """Index documents get negative keys, so they sort before (and are kept over) this run's."""
+    total = sum(len(ix.ids) for ix in indexes)
+    offsets, start = [], -total
+    for ix in indexes:
+        offsets.append(start)
+        start += len(ix.ids)
+    return offsets
+
+
+def signatures_unit(ctx: Any, unit: int) -> dict[str, Any]:
+    cfg: NearDedupConfig = ctx.cfg.near_dedup
+    bands, rows = lsh_shape(cfg)
+    hasher = _hasher(cfg)
+    texts = pq.read_table(ctx.docs_dir / shard_file(unit), columns=["text"]).column("text").to_pylist()
+    sigs = np.full((len(texts), cfg.num_perm), EMPTY, dtype=np.uint32)
+    for start in range(0, len(texts), cfg.batch_size):
+        sigs[start : start + cfg.batch_size] = hasher.signatures(texts[start : start + cfg.batch_size])
+    has = sigs[:, 0] != EMPTY if len(texts) else np.zeros(0, dtype=bool)
+    write_npy(sigs, ctx.step_dir / f"sig-{unit:05d}.npy")
+    write_npy(band_hashes(sigs, bands, rows), ctx.step_dir / f"bands-{unit:05d}.npy")
+    write_npy(has, ctx.step_dir / f"has-{unit:05d}.npy")
+    return {"documents": len(texts), "without_shingles": int((~has).sum())}
+
+
+def buckets_unit(ctx: Any, band: int) -> dict[str, Any]:
+    """Candidate pairs of one band: (first key, other key) for every group sharing the band hash."""
+    sig_dir = ctx.dirs["near_dedup.signatures"]
+    hashes, keys = [], []
+    for shard in range(ctx.num_shards):
+        has = np.load(sig_dir / f"has-{shard:05d}.npy")
+        column = np.load(sig_dir / f"bands-{shard:05d}.npy", mmap_mode="r")[:, band]
+        hashes.append(np.asarray(column)[has])
+        keys.append(make_keys(shard, has.size)[has])
+    indexes = _indexes(ctx)
+    for ix, offset in zip(indexes, _index_key_offsets(indexes)):
+        hashes.append(np.asarray(ix.bands[:, band]))
+        keys.append(offset + np.arange(len(ix.ids), dtype=np.int64))
+    h, k = np.concatenate(hashes), np.concatenate(keys)
+    order = np.lexsort((k, h))
+    h, k = h[order], k[order]
+    same = np.zeros(h.size, dtype=bool)
+    same[1:] = h[1:] == h[:-1]
+    first = k[np.maximum.accumulate(np.where(same, 0, np.arange(h.size)))]
+    pairs = np.stack([first[same], k[same]], axis=1) if h.size else np.zeros((0, 2), dtype=np.int64)
+    pairs = pairs[pairs[:, 1] >= 0]  # two indexed documents: already deduplicated by their run
+    write_npy(pairs.astype(np.int64), ctx.step_dir / f"pairs-{band:05d}.npy")
+    return {"pairs": int(pairs.shape[0])}
+
+
+def _shingle_sets(ctx: Any, keys: np.ndarray) -> dict[int, np.ndarray]:
+    """Unique shingle hashes of this run's documents ``keys`` (texts read shard by shard)."""
+    cfg: NearDedupConfig = ctx.cfg.near_dedup
+    texts = column_of_keys(ctx.docs_dir, keys, column="text")
+    out: dict[int, np.ndarray] = {}
+    for start in range(0, keys.size, cfg.batch_size):
+        batch = texts[start : start + cfg.batch_size]
+        shingles, counts = shingle_hashes(batch, cfg.ngram)
+        for key, part in zip(
+            keys[start : start + cfg.batch_size].tolist(), np.split(shingles, np.cumsum(counts)[:-1])
+        ):
+            out[key] = np.unique(part)
+    return out
+
+
+def _signatures_of(ctx: Any, keys: np.ndarray, indexes: list[NearDedupIndex]) -> np.ndarray:
+    sig_dir = ctx.dirs["near_dedup.signatures"]
+    out = np.empty((keys.size, ctx.cfg.near_dedup.num_perm), dtype=np.uint32)
+    offsets = _index_key_offsets(indexes)
+    maps: dict[int, np.ndarray] = {}
+    for i, key in enumerate(keys.tolist()):  # candidates only: a small fraction of all documents
+        if key >= 0:
+            shard = key >> 32
+            if shard not in maps:
+                maps[shard] = np.load(sig_dir / f"sig-{shard:05d}.npy", mmap_mode="r")
+            out[i] = maps[shard][key & 0xFFFFFFFF]
+        else:
+            j = max(j for j, o in enumerate(offsets) if o <= key)
+            out[i] = indexes[j].signatures[key - offsets[j]]
+    return out
+
+
+def _similarities(ctx: Any, pairs: np.ndarray, indexes: list[NearDedupIndex]) -> np.ndarray:
+    """Jaccard of each candidate pair: exact on shingle sets, or the MinHash estimate."""
+    cfg: NearDedupConfig = ctx.cfg.near_dedup
+    if cfg.verify == "none" or pairs.size == 0:
+        return np.ones(pairs.shape[0])
+    sims = np.empty(pairs.shape[0])
+    exact = (pairs[:, 0] >= 0) if cfg.verify == "exact" else np.zeros(pairs.shape[0], dtype=bool)
+    if exact.any():
+        sets = _shingle_sets(ctx, np.unique(pairs[exact]))
+        for i in np.flatnonzero(exact).tolist():
+            a, b = sets[int(pairs[i, 0])], sets[int(pairs[i, 1])]
+            sims[i] = np.intersect1d(a, b, assume_unique=True).size / max(np.union1d(a, b).size, 1)
+    estimate = ~exact
+    if estimate.any():
+        keys, inverse = np.unique(pairs[estimate], return_inverse=True)
+        sigs = _signatures_of(ctx, keys, indexes)[inverse.reshape(-1, 2)]
+        sims[estimate] = jaccard_of_signatures(sigs[:, 0], sigs[:, 1])
+    return sims
+
+
+def cluster_unit(ctx: Any, unit: int) -> dict[str, Any]:
+    cfg: NearDedupConfig = ctx.cfg.near_dedup
+    bands, rows = lsh_shape(cfg)
+    bucket_dir = ctx.dirs["near_dedup.buckets"]
+    pairs = np.concatenate([np.load(bucket_dir / f"pairs-{b:05d}.npy") for b in range(bands)])
+    pairs = np.unique(pairs, axis=0) if pairs.size else np.zeros((0, 2), dtype=np.int64)
+    indexes = _indexes(ctx)
+    sims = _similarities(ctx, pairs, indexes)
+    verified = pairs[sims >= cfg.threshold]
+    nodes, inverse = np.unique(verified, return_inverse=True)
+    roots = nodes[connected_components(nodes.size, inverse.reshape(-1, 2))]
+    is_dup = (roots != nodes) & (nodes >= 0)
+    dup_keys, root_keys = nodes[is_dup], roots[is_dup]
+    original = np.empty(dup_keys.size, dtype=object)
+    local = root_keys >= 0
+    original[local] = column_of_keys(ctx.docs_dir, root_keys[local])
+    offsets = _index_key_offsets(indexes)
+    for i in np.flatnonzero(~local).tolist():
+        j = max(j for j, o in enumerate(offsets) if o <= root_keys[i])
+        original[i] = indexes[j].ids[int(root_keys[i] - offsets[j])]
+    table = pa.table(
+        {
+            "key": pa.array(dup_keys, pa.int64()),
+            "duplicate_of": pa.array(original.tolist(), pa.string()),
+            "of_index": pa.array(~local, pa.bool_()),
+        }
+    )
+    write_table(table, ctx.step_dir / "duplicates.parquet")
+    return {
+        "bands": bands,
+        "rows": rows,
+        "candidate_pairs": int(pairs.shape[0]),
+        "verified_pairs": int(verified.shape[0]),
+        "clusters": int(np.unique(roots).size),
+        "duplicates": int(dup_keys.size),
+        "duplicates_of_index": int((~local).sum()),
+    }
+
+
+def _duplicates_of_shard(ctx: Any, unit: int) -> pa.Table:
+    table = pq.read_table(ctx.dirs["near_dedup.cluster"] / "duplicates.parquet")
+    return table.filter(pc.equal(pc.shift_right(table.column("key"), 32), unit))
+
+
+def apply_unit(ctx: Any, unit: int) -> dict[str, Any]:
+    dups = _duplicates_of_shard(ctx, unit)
+    reasons = [
+        "near_duplicate_of_index" if x else "near_duplicate" for x in dups.column("of_index").to_pylist()
+    ]
+    keys = dups.column("key").to_numpy()
+    return mark_duplicates(ctx, unit, keys, reasons, dups.column("duplicate_of").to_pylist())
+
+
+def save_index_unit(ctx: Any, unit: int) -> dict[str, Any]:
+    """Signatures of the documents this run kept, published as ``output_dir/near_dedup_index``."""
+    cfg: NearDedupConfig = ctx.cfg.near_dedup
+    sig_dir = ctx.dirs["near_dedup.signatures"]
+    sigs, bands, ids = [], [], []
+    for shard in range(ctx.num_shards):
+        removed = row_of(_duplicates_of_shard(ctx, shard).column("key").to_numpy())
+        has = np.load(sig_dir / f"has-{shard:05d}.npy")
+        keep = has.copy()
+        keep[removed] = False
+        sigs.append(np.load(sig_dir / f"sig-{shard:05d}.npy")[keep])
+        bands.append(np.load(sig_dir / f"bands-{shard:05d}.npy")[keep])
+        ids += column_of_keys(ctx.docs_dir, make_keys(shard, has.size)[keep])
+    index = NearDedupIndex(np.concatenate(sigs), np.concatenate(bands), ids)
+    write_index(ctx.output_dir / INDEX_DIR, index, index_meta(cfg, *lsh_shape(cfg)))
+    return {"documents": len(ids)}

@@ -1,0 +1,72 @@
+"""The persistent near-dedup index: signatures of the documents a run kept, for later runs.
+
+Why: DeepSeek deduplicated across all Common Crawl dumps, not per dump. A run writes the MinHash
+signatures, LSH band hashes and ids of its surviving documents; later runs list such indexes in
+``near_dedup.against_indexes`` and drop documents that near-duplicate an indexed one. Texts are not
+kept, so such pairs are verified with the signature estimate.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from data_pipeline.config import NearDedupConfig
+from dsl_lit.errors import ConfigError
+from dsl_lit.utils.fs import publish_dir
+
+INDEX_DIR = "near_dedup_index"
+_COMPATIBLE = ("num_perm", "ngram", "seed", "scheme")
+
+
+@dataclass
+class NearDedupIndex:
+    signatures: np.ndarray  # uint32 [n, num_perm]
+    bands: np.ndarray  # uint64 [n, bands]
+    ids: list[str]
+
+
+def index_meta(cfg: NearDedupConfig, bands: int, rows: int) -> dict:
+    return {**{k: getattr(cfg, k) for k in _COMPATIBLE}, "bands": bands, "rows": rows}
+
+
+def write_index(path: Path, index: NearDedupIndex, meta: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    try:
+        np.save(tmp / "signatures.npy", index.signatures)
+        np.save(tmp / "bands.npy", index.bands)
+        pq.write_table(pa.table({"id": pa.array(index.ids, pa.string())}), tmp / "ids.parquet")
+        (tmp / "meta.json").write_text(json.dumps({**meta, "documents": len(index.ids)}, indent=2) + "\n")
+        publish_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_index(path: Path, meta: dict) -> NearDedupIndex:
+    """Memory-maps an index; its MinHash settings must match this run's, or nothing would collide."""
+    meta_file = Path(path) / "meta.json"
+    if not meta_file.is_file():
+        raise ConfigError(f"near_dedup.against_indexes: {path} is not a near-dedup index (no meta.json)")
+    saved = json.loads(meta_file.read_text())
+    wrong = [k for k in (*_COMPATIBLE, "bands", "rows") if saved.get(k) != meta[k]]
+    if wrong:
+        raise ConfigError(
+            f"near_dedup.against_indexes: {path} was built with "
+            + ", ".join(f"near_dedup.{k}={saved.get(k)}" for k in wrong)
+            + "; use the same settings"
+        )
+    ids = pq.read_table(Path(path) / "ids.parquet").column("id").to_pylist()
+    return NearDedupIndex(
+        np.load(Path(path) / "signatures.npy", mmap_mode="r"),
+        np.load(Path(path) / "bands.npy", mmap_mode="r"),
+        ids,
+    )

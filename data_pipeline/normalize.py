@@ -1,0 +1,48 @@
+"""Stage ``normalize``: Unicode normal form, control characters and whitespace, made uniform.
+
+Why before dedup: two copies of a page that differ only in NFC vs NFD accents, CRLF vs LF or
+trailing spaces are the same document; normalising first lets exact dedup see that.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from typing import Any
+
+from data_pipeline.config import NormalizeConfig
+from data_pipeline.document_step import Verdicts, text_bytes, write_split
+from data_pipeline.shard_io import read_documents, shard_file, table_of
+
+_CONTROL = re.compile(
+    r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u200b-\u200f\u2028\u2029\u202a-\u202e\u2060-\u2064\ufeff]"
+)
+_HSPACE_RUN = re.compile(r"[^\S\n]+")
+_TRAILING = re.compile(r" +\n")
+
+
+def normalize_text(text: str, cfg: NormalizeConfig) -> str:
+    if cfg.form != "none":
+        text = unicodedata.normalize(cfg.form, text)
+    if cfg.unify_newlines:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    if cfg.strip_control:
+        text = _CONTROL.sub("", text)
+    if cfg.collapse_spaces:
+        text = _TRAILING.sub("\n", _HSPACE_RUN.sub(" ", text))
+    if cfg.max_newlines:
+        text = re.sub(f"\n{{{cfg.max_newlines + 1},}}", "\n" * cfg.max_newlines, text)
+    return text.strip() if cfg.strip else text
+
+
+def run_unit(ctx: Any, unit: int) -> dict[str, Any]:
+    cfg: NormalizeConfig = ctx.cfg.normalize
+    docs = read_documents(ctx.docs_dir / shard_file(unit))
+    bytes_in = text_bytes(table_of(docs))
+    docs = docs.map(
+        lambda batch: {"text": [normalize_text(t, cfg) for t in batch["text"]]},
+        batched=True,
+        load_from_cache_file=False,
+    )
+    reasons = [None if t.strip() else "empty_after_normalize" for t in docs["text"]]
+    return write_split(ctx, unit, docs, Verdicts(reasons), bytes_in)

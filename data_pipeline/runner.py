@@ -1,0 +1,152 @@
+"""Plan the run as steps of independent units, run the units not yet done, and report.
+
+Why units with markers and no scheduler of our own: every step is a list of units (a document
+shard, an LSH band, a hash partition, or one global unit) whose outputs and completion marker
+depend only on the inputs and the config. A rerun skips units with a marker, so a killed run
+resumes where it stopped, and any scheduler can run the units of one step as an array of tasks
+(``step=<name> task_index=i task_count=n``): see data_pipeline/README.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import multiprocessing
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from data_pipeline.config import PipelineConfig
+from data_pipeline.ingest import plan_units
+from data_pipeline.shard_io import marker_path, write_json
+from data_pipeline.steps import Step, steps_for
+from dsl_lit.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+PIPELINE_VERSION = 1  # bump when a step's output format changes: older work directories are not reused
+
+
+@dataclass
+class Context:
+    """What a unit needs to run; picklable, so worker processes receive it whole."""
+
+    cfg: PipelineConfig
+    output_dir: Path
+    step_name: str
+    stage: str
+    step_dir: Path
+    docs_dir: Path | None  # the document shards this step reads (the latest document step's output)
+    dirs: dict[str, Path] = field(default_factory=dict)  # every earlier step's directory, by name
+    document_steps: list[tuple[str, str, Path]] = field(default_factory=list)  # (name, stage, dir)
+    num_shards: int = 0
+    input_units: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Planned:
+    step: Step
+    context: Context
+    num_units: int
+
+
+def _listing(units: list[dict[str, Any]]) -> list[Any]:
+    """What identifies the input: paths with sizes and modification times."""
+    out: list[Any] = []
+    for unit in units:
+        for rel in unit.get("files", []):
+            st = (Path(unit["root"]) / rel).stat()
+            out.append([rel, st.st_size, st.st_mtime_ns])
+        if unit["kind"] == "saved":
+            out.append([unit["root"], unit["start"], unit["stop"]])
+    return out
+
+
+def plan(cfg: PipelineConfig) -> list[Planned]:
+    """Every step of the run with its directory ``work/<NN>-<name>-<fingerprint>`` and unit count."""
+    output_dir = Path(cfg.output_dir)
+    units = plan_units(cfg.input)
+    fingerprint = hashlib.sha256(
+        json.dumps([PIPELINE_VERSION, asdict(cfg.input), _listing(units)], sort_keys=True).encode()
+    ).hexdigest()
+    planned: list[Planned] = []
+    dirs: dict[str, Path] = {}
+    document_steps: list[tuple[str, str, Path]] = []
+    docs_dir: Path | None = None
+    for position, step in enumerate(steps_for(cfg)):
+        fingerprint = hashlib.sha256(
+            json.dumps([fingerprint, step.name, step.settings], sort_keys=True, default=str).encode()
+        ).hexdigest()
+        step_dir = output_dir / "work" / f"{position:02d}-{step.name}-{fingerprint[:12]}"
+        ctx = Context(
+            cfg=cfg,
+            output_dir=output_dir,
+            step_name=step.name,
+            stage=step.stage,
+            step_dir=step_dir,
+            docs_dir=docs_dir,
+            dirs=dict(dirs),
+            document_steps=list(document_steps),
+            num_shards=len(units),
+            input_units=units,
+        )
+        planned.append(Planned(step, ctx, step.num_units(cfg, len(units))))
+        dirs[step.name] = step_dir
+        if step.writes_documents:
+            docs_dir = step_dir
+            document_steps.append((step.name, step.stage, step_dir))
+    return planned
+
+
+def run_unit(step: Step, ctx: Context, unit: int) -> dict[str, Any]:
+    """Run one unit and write its marker last (module level: worker processes import it)."""
+    start = time.perf_counter()
+    stats = step.run_unit(ctx, unit) or {}
+    stats["seconds"] = round(time.perf_counter() - start, 3)
+    write_json(stats, marker_path(ctx.step_dir, unit))
+    return stats
+
+
+def missing_units(p: Planned) -> list[int]:
+    return [u for u in range(p.num_units) if not marker_path(p.context.step_dir, u).is_file()]
+
+
+def _run_step(p: Planned, cfg: PipelineConfig) -> None:
+    todo = [u for u in missing_units(p) if u % cfg.task_count == cfg.task_index]
+    if not todo:
+        return
+    log.info("%s: %d of %d units to run", p.step.name, len(todo), p.num_units)
+    p.context.step_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.num_proc == 1 or len(todo) == 1:
+        for unit in todo:
+            run_unit(p.step, p.context, unit)
+        return
+    # spawn, not fork: a forked child inherits thread pools (tokenizers, BLAS) mid-state
+    with ProcessPoolExecutor(
+        min(cfg.num_proc, len(todo)), mp_context=multiprocessing.get_context("spawn")
+    ) as pool:
+        for future in [pool.submit(run_unit, p.step, p.context, u) for u in todo]:
+            future.result()
+
+
+def run(cfg: PipelineConfig) -> dict[str, Any] | None:
+    """Run the selected steps; returns the stats (also in output_dir/stats.json) once all are done."""
+    planned = plan(cfg)
+    names = [p.step.name for p in planned]
+    if cfg.step is not None and cfg.step not in names:
+        raise ConfigError(f"step={cfg.step!r} is not a step of this run; its steps are {names}")
+    for i, p in enumerate(planned):
+        if cfg.step is not None and p.step.name != cfg.step:
+            continue
+        blocked = [q.step.name for q in planned[:i] if missing_units(q)]
+        if blocked:
+            raise RuntimeError(f"step {p.step.name} needs {blocked[0]} complete first: run step={blocked[0]}")
+        _run_step(p, cfg)
+    if any(missing_units(p) for p in planned):
+        return None
+    from data_pipeline.report import write_stats
+
+    return write_stats(cfg, planned)
