@@ -202,14 +202,15 @@ def save_index_unit(ctx: Any, unit: int) -> dict[str, Any]:
     cfg: NearDedupConfig = ctx.cfg.near_dedup
     sig_dir = ctx.dirs["near_dedup.signatures"]
     sigs, bands, ids = [], [], []
-    for shard in range(ctx.num_shards):
-        removed = row_of(_duplicates_of_shard(ctx, shard).column("key").to_numpy())
+    for shard in range(ctx.num_shards):  # ctx.docs_dir: the shards near_dedup kept, in input order
         has = np.load(sig_dir / f"has-{shard:05d}.npy")
-        keep = has.copy()
-        keep[removed] = False
+        keep = np.ones(has.size, dtype=bool)
+        keep[row_of(_duplicates_of_shard(ctx, shard).column("key").to_numpy())] = False
+        kept_ids = pq.read_table(ctx.docs_dir / shard_file(shard), columns=["id"]).column("id").to_pylist()
+        ids += [i for i, h in zip(kept_ids, has[keep].tolist()) if h]
+        keep &= has
         sigs.append(np.load(sig_dir / f"sig-{shard:05d}.npy")[keep])
         bands.append(np.load(sig_dir / f"bands-{shard:05d}.npy")[keep])
-        ids += column_of_keys(ctx.docs_dir, make_keys(shard, has.size)[keep])
     index = NearDedupIndex(np.concatenate(sigs), np.concatenate(bands), ids)
     write_index(ctx.output_dir / INDEX_DIR, index, index_meta(cfg, *lsh_shape(cfg)))
     return {"documents": len(ids)}

@@ -114,22 +114,18 @@ def missing_units(p: Planned) -> list[int]:
     return [u for u in range(p.num_units) if not marker_path(p.context.step_dir, u).is_file()]
 
 
-def _run_step(p: Planned, cfg: PipelineConfig) -> None:
+def _run_step(p: Planned, cfg: PipelineConfig, pool: ProcessPoolExecutor | None) -> None:
     todo = [u for u in missing_units(p) if u % cfg.task_count == cfg.task_index]
     if not todo:
         return
     log.info("%s: %d of %d units to run", p.step.name, len(todo), p.num_units)
     p.context.step_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.num_proc == 1 or len(todo) == 1:
+    if pool is None or len(todo) == 1:
         for unit in todo:
             run_unit(p.step, p.context, unit)
         return
-    # spawn, not fork: a forked child inherits thread pools (tokenizers, BLAS) mid-state
-    with ProcessPoolExecutor(
-        min(cfg.num_proc, len(todo)), mp_context=multiprocessing.get_context("spawn")
-    ) as pool:
-        for future in [pool.submit(run_unit, p.step, p.context, u) for u in todo]:
-            future.result()
+    for future in [pool.submit(run_unit, p.step, p.context, u) for u in todo]:
+        future.result()
 
 
 def run(cfg: PipelineConfig) -> dict[str, Any] | None:
@@ -138,13 +134,21 @@ def run(cfg: PipelineConfig) -> dict[str, Any] | None:
     names = [p.step.name for p in planned]
     if cfg.step is not None and cfg.step not in names:
         raise ConfigError(f"step={cfg.step!r} is not a step of this run; its steps are {names}")
-    for i, p in enumerate(planned):
-        if cfg.step is not None and p.step.name != cfg.step:
-            continue
-        blocked = [q.step.name for q in planned[:i] if missing_units(q)]
-        if blocked:
-            raise RuntimeError(f"step {p.step.name} needs {blocked[0]} complete first: run step={blocked[0]}")
-        _run_step(p, cfg)
+    # spawn, not fork: a forked child inherits thread pools (tokenizers, BLAS) mid-state
+    pool = None
+    if cfg.num_proc > 1:
+        pool = ProcessPoolExecutor(cfg.num_proc, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        for i, p in enumerate(planned):
+            if cfg.step is not None and p.step.name != cfg.step:
+                continue
+            blocked = [q.step.name for q in planned[:i] if missing_units(q)]
+            if blocked:
+                raise RuntimeError(f"step {p.step.name} needs {blocked[0]} complete first: run step={blocked[0]}")
+            _run_step(p, cfg, pool)
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
     if any(missing_units(p) for p in planned):
         return None
     from data_pipeline.report import write_stats
