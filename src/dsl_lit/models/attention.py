@@ -38,12 +38,16 @@ def attention_mask(
 ) -> torch.Tensor:
     """Boolean mask [batch or 1, 1, seq_q, seq_k]: the queries are the last ``seq_q`` positions,
     each sees earlier keys that are valid (not padding), and always itself, so that a padding
-    query never has an empty softmax row (which would put NaN into later layers)."""
+    query never has an empty softmax row (which would put NaN into later layers).
+
+    ``key_valid`` is [batch, seq_k] (padding), or [batch, seq_q, seq_k] per query (packed
+    documents: True where query and key belong to the same document)."""
     causal = torch.ones(seq_q, seq_k, dtype=torch.bool, device=device).tril(diagonal=seq_k - seq_q)
     if key_valid is None:
         return causal[None, None]
     itself = torch.eye(seq_q, seq_k, dtype=torch.bool, device=device).roll(seq_k - seq_q, dims=1)
-    return (causal & key_valid[:, None, None, :]) | itself
+    allowed = key_valid[:, None] if key_valid.dim() == 3 else key_valid[:, None, None, :]
+    return (causal & allowed) | itself
 
 
 def causal_attention(

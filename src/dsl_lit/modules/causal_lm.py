@@ -131,11 +131,17 @@ class CausalLMModule(L.LightningModule):
         logits = self.model.head(hidden)
         return (logits, *self.model.mtp_logits(hidden, input_ids)) if len(self.model.mtp) else (logits,)
 
+    def micro_batch_objective(self, micro_batch: Batch, normalizers: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
+        """Run the model on one micro-batch and return ``loss_from_outputs``. Objectives whose
+        batches carry more than ``input_ids`` and ``labels`` (packed-document positions, reference
+        log-probs, advantages) override this; a pipeline schedule only ever sees those two."""
+        outputs = self.model_outputs(micro_batch["input_ids"])
+        return self.loss_from_outputs(outputs, micro_batch["labels"], normalizers)
+
     def micro_batch_loss(self, micro_batch: Batch, normalizers: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
         """Run the model on one micro-batch; its objective plus the MoE balance loss (the share of
         the step's sequences it covers)."""
-        outputs = self.model_outputs(micro_batch["input_ids"])
-        objective, metrics = self.loss_from_outputs(outputs, micro_batch["labels"], normalizers)
+        objective, metrics = self.micro_batch_objective(micro_batch, normalizers)
         balance = self.model.balance_loss()
         if balance is not None:
             balance = balance * micro_batch["labels"].shape[0] / normalizers["sequences"]
@@ -232,8 +238,7 @@ class CausalLMModule(L.LightningModule):
             metrics = {}
             with strategy.loss_context() if ours else contextlib.nullcontext():
                 for micro_batch in split_micro_batches(batch, self.micro_batch_size):
-                    outputs = self.model_outputs(micro_batch["input_ids"])
-                    for name, value in self.loss_from_outputs(outputs, micro_batch["labels"], normalizers)[1].items():
+                    for name, value in self.micro_batch_objective(micro_batch, normalizers)[1].items():
                         metrics[name] = metrics.get(name, 0.0) + value
         sync = self.trainer.world_size > 1
         for name, value in metrics.items():

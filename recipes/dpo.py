@@ -1,0 +1,38 @@
+"""Direct Preference Optimization on (prompt, chosen, rejected) pairs. Copy to adapt.
+
+    python recipes/dpo.py                                        # CPU demo: generated arithmetic pairs
+    python recipes/dpo.py init_from=outputs/sft/<run>            # the usual start: an SFT checkpoint
+    python recipes/dpo.py dpo.loss_type=ipo dpo.reference=model
+"""
+
+from __future__ import annotations
+
+import hydra
+import lightning as L
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from dsl_lit.data.preference import collate_pairs, preference_rows, task_pairs
+from dsl_lit.data.rows import RowsDataModule
+from dsl_lit.errors import ConfigError
+from dsl_lit.modules import DPOModule
+from dsl_lit.posttrain_run import fit, module_kwargs, setup_posttrain
+
+
+@hydra.main(config_path="../conf", config_name="dpo", version_base="1.3")
+def main(hydra_cfg: DictConfig) -> None:
+    setup = setup_posttrain(hydra_cfg, HydraConfig.get().runtime.output_dir)
+    cfg, post = setup.cfg, setup.post
+    if cfg.parallel.pp > 1:
+        raise ConfigError("DPO needs each pair's reference log-probs in the loss, which a pipeline's last stage "
+                          "does not receive; use parallel.pp=1 (dp/tp/zero1 work)")
+    L.seed_everything(cfg.trainer.seed, workers=True)
+    rows = preference_rows(task_pairs(post.task, post.dpo.num_pairs), setup.tokenizer, cfg.data.seq_len)
+    datamodule = RowsDataModule(cfg.data, lambda: rows, collate=collate_pairs)
+    kwargs = module_kwargs(setup)
+    kwargs["micro_batch_size"] = 2 * cfg.data.micro_batch_size  # rows: a chosen and a rejected per pair
+    fit(setup, DPOModule(**kwargs, dpo=post.dpo), datamodule)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""GRPO with rule-based rewards (DeepSeek-R1's reasoning RL). Copy to adapt.
+
+    python recipes/grpo.py                                  # CPU demo: cold-start SFT, then GRPO on arithmetic
+    python recipes/grpo.py init_from=outputs/sft/<run>      # skip the cold start: start from a checkpoint
+    python recipes/grpo.py grpo.group_size=16 grpo.iterations=2 grpo.loss_type=dapo grpo.rewards.language=0.1
+
+Without ``init_from``, R1's cold start runs first: ``grpo.cold_start_steps`` of SFT on the task's
+reference replies in ``<run dir>/cold_start`` (a run of its own, resumable), and GRPO starts from
+its last checkpoint. A rerun of the same run dir resumes GRPO from its latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+import hydra
+import lightning as L
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from dsl_lit.checkpoint.directory import latest_checkpoint
+from dsl_lit.data import arithmetic
+from dsl_lit.data.conversations import task_conversations
+from dsl_lit.data.prompts import prompt_rows
+from dsl_lit.data.rows import RowsDataModule
+from dsl_lit.data.sft import sft_rows
+from dsl_lit.errors import ConfigError
+from dsl_lit.modules import GRPOModule, SFTModule
+from dsl_lit.posttrain_run import PostTrainSetup, fit, module_kwargs, setup_posttrain
+from dsl_lit.rewards import build_rewards
+
+log = logging.getLogger(__name__)
+
+
+def cold_start(hydra_cfg: DictConfig, run_dir: Path) -> Path:
+    """SFT of the random model on the task's reference replies; returns its run dir (latest step)."""
+    setup = setup_posttrain(hydra_cfg, str(run_dir / "cold_start"))
+    cfg, post = setup.cfg, setup.post
+    steps = post.grpo.cold_start_steps
+    cfg.trainer = replace(cfg.trainer, max_steps=steps)
+    cfg.checkpoint = replace(cfg.checkpoint, every_n_steps=steps)  # its last step is GRPO's start
+    cfg.schedule = replace(cfg.schedule, total_steps=steps)
+    cfg.data = replace(cfg.data, global_batch_size=8, micro_batch_size=8)
+    conversations = [setup.tokenizer.encode_conversation(c) for c in task_conversations(post.task)]
+    rows = sft_rows(conversations, cfg.data.seq_len, setup.tokenizer.pad_id, packing=True)
+    kwargs = module_kwargs(setup) | {"total_steps": steps, "micro_batch_size": 8}
+    fit(setup, SFTModule(**kwargs), RowsDataModule(cfg.data, lambda: rows))
+    return run_dir / "cold_start"
+
+
+def check_layout(setup: PostTrainSetup) -> None:
+    par = setup.cfg.parallel
+    if par.tp > 1 or par.pp > 1:
+        raise ConfigError(f"GRPO samples with the local model, which parallel.tp={par.tp} / parallel.pp={par.pp} "
+                          "shard; use data parallelism (trainer.devices=N, parallel.zero1 allowed)")
+
+
+@hydra.main(config_path="../conf", config_name="grpo", version_base="1.3")
+def main(hydra_cfg: DictConfig) -> None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    init_from = None
+    resuming = latest_checkpoint(run_dir / "checkpoints") is not None
+    if not hydra_cfg.get("init_from") and hydra_cfg.grpo.cold_start_steps and not resuming:
+        if hydra_cfg.trainer.devices * hydra_cfg.trainer.num_nodes > 1:
+            raise ConfigError("grpo.cold_start_steps runs in this process: with several devices run "
+                              "recipes/sft.py first and pass init_from=<its run dir>")
+        init_from = str(cold_start(hydra_cfg, run_dir))
+    setup = setup_posttrain(hydra_cfg, str(run_dir), init_from=init_from)
+    check_layout(setup)
+    cfg, post, tokenizer = setup.cfg, setup.post, setup.tokenizer
+    L.seed_everything(cfg.trainer.seed, workers=True)
+
+    train, held_out = arithmetic.split(post.task)
+    datamodule = RowsDataModule(cfg.data, lambda: prompt_rows(train, tokenizer))
+    datamodule.steps_per_batch = post.grpo.iterations
+    kwargs = module_kwargs(setup)
+    kwargs["micro_batch_size"] = cfg.data.micro_batch_size * post.grpo.group_size  # completions
+    eval_set = [(tokenizer.encode_prompt(arithmetic.prompt(p)), p) for p in held_out]
+    module = GRPOModule(**kwargs, grpo=post.grpo, rewards=build_rewards(post.grpo.rewards), problems=train,
+                        tokenizer=tokenizer, eval_set=eval_set, seed=cfg.trainer.seed)
+    fit(setup, module, datamodule)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""Supervised fine-tuning (chat template, loss on the assistant's tokens, packing). Copy to adapt.
+
+    python recipes/sft.py                                          # CPU demo: generated arithmetic task
+    python recipes/sft.py init_from=outputs/pretrain/<run>         # from our pretraining checkpoint
+    python recipes/sft.py init_from=hf/<dir> sft.dataset=data.jsonl sft.epochs=2
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import hydra
+import lightning as L
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from dsl_lit.data.conversations import load_conversations
+from dsl_lit.data.rows import RowsDataModule
+from dsl_lit.data.sft import sft_rows
+from dsl_lit.errors import ConfigError
+from dsl_lit.modules import SFTModule
+from dsl_lit.posttrain_run import fit, module_kwargs, setup_posttrain
+
+log = logging.getLogger(__name__)
+
+
+@hydra.main(config_path="../conf", config_name="sft", version_base="1.3")
+def main(hydra_cfg: DictConfig) -> None:
+    setup = setup_posttrain(hydra_cfg, HydraConfig.get().runtime.output_dir)
+    cfg, post, tokenizer = setup.cfg, setup.post, setup.tokenizer
+    if post.sft.packing and cfg.parallel.pp > 1:
+        raise ConfigError("sft.packing=true needs per-document attention, which pipeline stages do not get; "
+                          "use sft.packing=false with parallel.pp > 1")
+    L.seed_everything(cfg.trainer.seed, workers=True)
+
+    conversations = [tokenizer.encode_conversation(c) for c in load_conversations(post.sft.dataset, post.task)]
+    rows = sft_rows(conversations, cfg.data.seq_len, tokenizer.pad_id, post.sft.packing)
+    if post.sft.epochs:
+        cfg.trainer.max_steps = max(1, math.ceil(post.sft.epochs * len(rows["input_ids"]) / cfg.data.global_batch_size))
+        log.info("sft.epochs=%s: %d optimizer steps", post.sft.epochs, cfg.trainer.max_steps)
+    datamodule = RowsDataModule(cfg.data, lambda: rows)
+    fit(setup, SFTModule(**module_kwargs(setup)), datamodule)
+
+
+if __name__ == "__main__":
+    main()

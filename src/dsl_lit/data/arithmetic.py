@@ -1,0 +1,93 @@
+"""A generated, verifiable task: integer arithmetic with R1-style answers.
+
+Why generated: no dataset can be downloaded here, and GRPO needs prompts whose answers a rule can
+check. Every problem is ``a op b`` with operands up to ``max_operand``; its reference reply is
+``<think>a op b = c</think><answer>c</answer>``, which the SFT/cold-start data, the preference pairs
+(a wrong result as the rejected reply) and the accuracy reward all derive from. Deterministic from
+the seed; problems are distinct, and the last ``eval_problems`` of them are held out.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsl_lit.errors import ConfigError
+
+OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+@dataclass
+class TaskConfig:
+    """``task`` group: which generated problems the post-training recipes use."""
+
+    name: str = "arithmetic"
+    num_problems: int = 800
+    eval_problems: int = 64
+    max_operand: int = 20
+    operations: list[str] = field(default_factory=lambda: ["+", "-"])
+    seed: int = 0
+    language: str = "en"
+
+    def validate(self) -> TaskConfig:
+        if self.name != "arithmetic":
+            raise ConfigError(f"task.name={self.name!r} is unknown; the bundled task is 'arithmetic'")
+        bad = [op for op in self.operations if op not in OPERATIONS]
+        if bad or not self.operations:
+            raise ConfigError(f"task.operations={self.operations} must be a non-empty subset of {list(OPERATIONS)}")
+        if self.max_operand < 1:
+            raise ConfigError(f"task.max_operand={self.max_operand} must be >= 1")
+        available = (self.max_operand + 1) ** 2 * len(self.operations)
+        if not 0 < self.num_problems <= available:
+            raise ConfigError(f"task.num_problems={self.num_problems} must be in [1, {available}] (distinct "
+                              f"problems with operands up to task.max_operand={self.max_operand})")
+        if not 0 <= self.eval_problems < self.num_problems:
+            raise ConfigError(f"task.eval_problems={self.eval_problems} must be in [0, task.num_problems)")
+        return self
+
+
+def problems(cfg: TaskConfig) -> list[dict[str, Any]]:
+    """Distinct problems: ``{"question", "answer", "checker", "language"}``, deterministic in the seed."""
+    rng = random.Random(cfg.seed)
+    seen: set[tuple[int, str, int]] = set()
+    out: list[dict[str, Any]] = []
+    while len(out) < cfg.num_problems:
+        a, b, op = rng.randint(0, cfg.max_operand), rng.randint(0, cfg.max_operand), rng.choice(cfg.operations)
+        if (a, op, b) in seen:
+            continue
+        seen.add((a, op, b))
+        out.append({"question": f"{a} {op} {b}", "answer": str(OPERATIONS[op](a, b)), "checker": "numeric",
+                    "language": cfg.language})
+    return out
+
+
+def split(cfg: TaskConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(training problems, held-out problems)."""
+    all_problems = problems(cfg)
+    cut = len(all_problems) - cfg.eval_problems
+    return all_problems[:cut], all_problems[cut:]
+
+
+def prompt(problem: dict[str, Any]) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"What is {problem['question']}?"}]
+
+
+def reply(problem: dict[str, Any], answer: str | None = None) -> str:
+    """The R1-format reply (with ``answer`` instead of the right one, for rejected replies)."""
+    result = problem["answer"] if answer is None else answer
+    return f"<think>{problem['question']} = {result}</think><answer>{result}</answer>"
+
+
+def wrong_answer(problem: dict[str, Any], rng: random.Random) -> str:
+    """A plausible wrong result: the right one off by 1 to 3."""
+    return str(int(problem["answer"]) + rng.choice([-3, -2, -1, 1, 2, 3]))
+
+
+def rejected_reply(problem: dict[str, Any], rng: random.Random) -> str:
+    """A reply the rules reject: half the time a wrong result in the right format, half the time
+    the right result without the think/answer format (so a preference is learnable even by a
+    model that cannot add yet)."""
+    if rng.random() < 0.5:
+        return reply(problem, wrong_answer(problem, rng))
+    return f"The answer is {problem['answer']}."

@@ -1,0 +1,44 @@
+"""Preference pairs -> DPO rows: each sample is one pair, ``[2, seq]`` (chosen, rejected), so that
+a batch interleaves them and one forward scores both sides of every pair.
+
+Labels keep only the reply's tokens (prompt masked), so a row's summed log-prob is log p(reply |
+prompt). The generated pairs put the task's correct reply against a wrong result or an unformatted reply.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from dsl_lit.data import arithmetic
+from dsl_lit.data.arithmetic import TaskConfig
+from dsl_lit.data.chat import ChatTokenizer, prompt_and_reply
+from dsl_lit.data.rows import Rows
+from dsl_lit.data.sft import document, padded_rows
+
+
+def task_pairs(task: TaskConfig, num_pairs: int) -> list[dict]:
+    """``{"prompt", "chosen", "rejected"}`` from the task's training problems (deterministic)."""
+    train, _ = arithmetic.split(task)
+    rng = random.Random(task.seed + 1)
+    return [
+        {"prompt": arithmetic.prompt(p), "chosen": arithmetic.reply(p),
+         "rejected": arithmetic.rejected_reply(p, rng)}
+        for p in (train[i % len(train)] for i in range(num_pairs))
+    ]
+
+
+def preference_rows(pairs: list[dict], tokenizer: ChatTokenizer, seq_len: int) -> Rows:
+    """``input_ids``, ``labels`` [pairs, 2, seq_len] (index 0 chosen, 1 rejected)."""
+    docs = [
+        document(tokenizer.encode_conversation(prompt_and_reply(pair["prompt"], pair[side])), seq_len)
+        for pair in pairs for side in ("chosen", "rejected")
+    ]
+    rows = padded_rows(docs, seq_len, tokenizer.pad_id)
+    return {k: v.view(len(pairs), 2, seq_len) for k, v in rows.items()}
+
+
+def collate_pairs(samples: list[dict[str, torch.Tensor]]) -> Rows:
+    """Stack pairs and flatten to rows ``[c0, r0, c1, r1, ...]``."""
+    return {k: torch.stack([s[k] for s in samples]).flatten(0, 1) for k in samples[0]}

@@ -1,0 +1,94 @@
+"""What the post-training modules (SFT, DPO, GRPO) share on top of ``CausalLMModule``: starting
+weights, batches with more than token ids (per-document or left-padded positions and masks), a
+frozen reference model, and per-token log-probabilities.
+
+Only the main next-token head is trained here: DeepSeek-V3's MTP modules are left as they are
+(post-training in the V3 report is on the main model).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from dsl_lit.data.sft import document_mask
+from dsl_lit.generation import positions_from_mask
+from dsl_lit.modules.causal_lm import Batch, CausalLMModule
+from dsl_lit.objectives import token_logps
+
+
+def shifted_completion(sequences: torch.Tensor, valid: torch.Tensor, prompt_length: int) -> Batch:
+    """A training batch of generated ``sequences`` [N, P + T] (left-padded prompt + completion):
+    ``input_ids`` = all but the last token, ``labels`` = the completion tokens (-100 elsewhere),
+    ``attention_mask`` = which inputs are real tokens. The labels' last T columns align with the
+    completion, so ``logps[:, -T:]`` are the completion's log-probs."""
+    labels = sequences[:, 1:].clone()
+    target_valid = valid[:, 1:].clone()
+    target_valid[:, : prompt_length - 1] = False  # prompt tokens are never targets
+    labels[~target_valid] = -100
+    return {"input_ids": sequences[:, :-1], "labels": labels, "attention_mask": valid[:, :-1]}
+
+
+class PostTrainModule(CausalLMModule):
+    def __init__(self, *args: Any, initial_state: dict[str, torch.Tensor] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.initial_state = initial_state
+        self.reference: nn.Module | None = None
+
+    def configure_model(self) -> None:
+        """Build the model, then give it the starting weights (before any checkpoint is restored:
+        a resumed run overwrites them, and what :meth:`on_initial_weights` derived stays the start's)."""
+        fresh = self.model is None
+        super().configure_model()
+        if fresh:
+            if self.initial_state is not None:
+                self.model.load_state_dict(self.initial_state, strict=True)
+                self.initial_state = None
+            self.on_initial_weights()
+
+    def on_initial_weights(self) -> None:
+        """Hook: the model holds its starting weights (DPO caches reference log-probs here)."""
+
+    def make_reference(self) -> None:
+        """A frozen copy of the current policy, saved in checkpoints (``reference.*``) so a resumed
+        run compares against the same reference."""
+        self.reference = copy.deepcopy(self.model).requires_grad_(False)
+
+    @torch.no_grad()
+    def refresh_reference(self) -> None:
+        """The reference becomes the current policy (R1 refreshes it every 400 steps)."""
+        self.reference.load_state_dict(self.model.state_dict())
+
+    def logits(self, batch: Batch, model: nn.Module | None = None) -> torch.Tensor:
+        """Main-head logits of a batch: packed rows (``positions`` + ``doc_ids``), left-padded
+        generations (``attention_mask``), or plain rows."""
+        model = model if model is not None else self.model
+        positions, key_valid = batch.get("positions"), None
+        if "doc_ids" in batch:
+            key_valid = document_mask(batch["doc_ids"])
+        elif "attention_mask" in batch:
+            key_valid = batch["attention_mask"].bool()
+            positions = positions_from_mask(key_valid)
+        return model.head(model.hidden_states(batch["input_ids"], positions, key_valid))
+
+    def token_logps(self, batch: Batch, model: nn.Module | None = None, temperature: float = 1.0) -> torch.Tensor:
+        """[rows, seq] log-probs of the batch's labels (0 at ignored positions)."""
+        return token_logps(self.logits(batch, model), batch["labels"], temperature)
+
+    @torch.no_grad()
+    def frozen_token_logps(self, batch: Batch, model: nn.Module, micro_batch_size: int,
+                           temperature: float = 1.0) -> torch.Tensor:
+        """Log-probs without gradient, micro-batch by micro-batch, in eval mode (MoE routers do not
+        count these tokens as training load)."""
+        was_training = model.training
+        model.eval()
+        try:
+            rows = batch["input_ids"].shape[0]
+            parts = [self.token_logps({k: v[i : i + micro_batch_size] for k, v in batch.items()}, model, temperature)
+                     for i in range(0, rows, micro_batch_size)]
+        finally:
+            model.train(was_training)
+        return torch.cat(parts)

@@ -1,0 +1,184 @@
+"""Config groups of the post-training recipes (SFT, DPO, GRPO, rejection sampling, distillation),
+validated at start-up like ``TrainConfig``: every error names the field and the fix.
+
+They sit beside the shared groups (model, data, optim, ...): ``TrainConfig`` reads those, and
+:meth:`PostTrainConfig.from_raw` reads these from the same resolved Hydra config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsl_lit.data.arithmetic import TaskConfig
+from dsl_lit.errors import ConfigError
+from dsl_lit.objectives import ADVANTAGE_SCALES, DPO_LOSS_TYPES, GRPO_LOSS_TYPES
+from dsl_lit.rewards import REWARDS
+from dsl_lit.schema import dataclass_from_dict
+
+
+@dataclass
+class SFTConfig:
+    dataset: str = "task"
+    """``task``: the generated task's reference replies; else a .jsonl of ``{"messages": [...]}``."""
+    packing: bool = True
+    """Pack conversations into rows with per-document positions and attention (not with pp > 1)."""
+    epochs: float | None = None
+    """When set, trainer.max_steps is derived from it (passes over the data)."""
+
+    def validate(self) -> SFTConfig:
+        if not self.dataset:
+            raise ConfigError("sft.dataset is empty: use 'task' or a path to a .jsonl of conversations")
+        if self.epochs is not None and self.epochs <= 0:
+            raise ConfigError(f"sft.epochs={self.epochs} must be > 0 (or null to use trainer.max_steps)")
+        return self
+
+
+@dataclass
+class DPOConfig:
+    beta: float = 0.1
+    loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0
+    reference: str = "precompute"
+    """``precompute``: reference log-probs computed once from the initial weights and cached with
+    the data; ``model``: a frozen copy of the initial model run beside the policy every step."""
+    num_pairs: int = 512
+
+    def validate(self) -> DPOConfig:
+        if self.beta <= 0:
+            raise ConfigError(f"dpo.beta={self.beta} must be > 0 (DPO's KL strength; 0.1 is usual)")
+        if self.loss_type not in DPO_LOSS_TYPES:
+            raise ConfigError(f"dpo.loss_type={self.loss_type!r} is unknown; choose one of {DPO_LOSS_TYPES}")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ConfigError(f"dpo.label_smoothing={self.label_smoothing} must be in [0, 0.5)")
+        if self.reference not in ("precompute", "model"):
+            raise ConfigError(f"dpo.reference={self.reference!r} must be 'precompute' or 'model'")
+        if self.num_pairs < 1:
+            raise ConfigError(f"dpo.num_pairs={self.num_pairs} must be >= 1")
+        return self
+
+
+@dataclass
+class SamplingConfig:
+    """How completions are sampled (GRPO rollouts, rejection sampling, distillation)."""
+
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+
+    def validate(self, prefix: str = "sampling") -> SamplingConfig:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"{prefix}.max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.temperature < 0:
+            raise ConfigError(f"{prefix}.temperature={self.temperature} must be >= 0 (0: greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"{prefix}.top_p={self.top_p} must be in (0, 1]")
+        if self.top_k is not None and self.top_k < 1:
+            raise ConfigError(f"{prefix}.top_k={self.top_k} must be >= 1 or null")
+        return self
+
+
+@dataclass
+class GRPOConfig:
+    group_size: int = 8
+    """G: completions sampled per prompt (R1-Zero: 16)."""
+    iterations: int = 1
+    """mu: optimizer steps on each batch of completions (the clipped ratio matters when > 1)."""
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    beta: float = 0.001
+    """KL coefficient to the reference (R1: 0.001); 0 drops the reference model."""
+    ref_refresh_steps: int = 400
+    """The reference becomes the current policy every N optimizer steps (R1: 400); 0: never."""
+    loss_type: str = "grpo"
+    advantage_scale: str = "group"
+    rewards: dict[str, float] = field(default_factory=lambda: {"accuracy": 1.0, "format": 0.5})
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    cold_start_steps: int = 0
+    """Without init_from: first SFT the random model this many steps on the task's reference
+    replies (R1's cold start), then run GRPO from it; 0 starts GRPO from the random model."""
+    eval_every_n_steps: int = 0
+    """Greedy accuracy on the held-out problems every N steps (0: only at the start and the end)."""
+
+    def validate(self) -> GRPOConfig:
+        if self.group_size < 2:
+            raise ConfigError(f"grpo.group_size={self.group_size} must be >= 2 (advantages compare a group)")
+        if self.iterations < 1:
+            raise ConfigError(f"grpo.iterations={self.iterations} must be >= 1")
+        if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
+            raise ConfigError(f"grpo.eps_low={self.eps_low} must be in [0, 1) and grpo.eps_high={self.eps_high} >= 0")
+        if self.beta < 0:
+            raise ConfigError(f"grpo.beta={self.beta} must be >= 0")
+        if self.loss_type not in GRPO_LOSS_TYPES:
+            raise ConfigError(f"grpo.loss_type={self.loss_type!r} is unknown; choose one of {GRPO_LOSS_TYPES}")
+        if self.advantage_scale not in ADVANTAGE_SCALES:
+            raise ConfigError(f"grpo.advantage_scale={self.advantage_scale!r} is unknown; choose one of {ADVANTAGE_SCALES}")
+        unknown = sorted(set(self.rewards) - set(REWARDS))
+        if unknown or not any(self.rewards.values()):
+            raise ConfigError(f"grpo.rewards={self.rewards} must give a non-zero weight to some of {sorted(REWARDS)}")
+        for name in ("ref_refresh_steps", "cold_start_steps", "eval_every_n_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"grpo.{name}={getattr(self, name)} must be >= 0")
+        self.sampling.validate("grpo.sampling")
+        return self
+
+
+@dataclass
+class RejectionConfig:
+    """Rejection sampling / distillation data: k samples per prompt, the verified ones kept."""
+
+    samples_per_prompt: int = 8
+    num_prompts: int = 256
+    keep_per_prompt: int = 1
+    """At most this many accepted completions per prompt (distinct ones first)."""
+    min_reward: float = 1.0
+    """A completion is kept when its reward reaches this (accuracy + format must both hold at 1.0
+    with the default weights below, scaled to a maximum of 1)."""
+    rewards: dict[str, float] = field(default_factory=lambda: {"accuracy": 0.5, "format": 0.5})
+    verify: bool = True
+    """false keeps every sample (plain distillation, no verifier)."""
+    batch_prompts: int = 32
+    output: str = "samples.jsonl"
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    def validate(self) -> RejectionConfig:
+        for name in ("samples_per_prompt", "num_prompts", "keep_per_prompt", "batch_prompts"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"rejection.{name}={getattr(self, name)} must be >= 1")
+        unknown = sorted(set(self.rewards) - set(REWARDS))
+        if unknown:
+            raise ConfigError(f"rejection.rewards has unknown reward(s) {unknown}; known: {sorted(REWARDS)}")
+        self.sampling.validate("rejection.sampling")
+        return self
+
+
+_SECTIONS: dict[str, type] = {"task": TaskConfig, "sft": SFTConfig, "dpo": DPOConfig, "grpo": GRPOConfig,
+                              "rejection": RejectionConfig}
+
+
+@dataclass
+class PostTrainConfig:
+    init_from: str | None = None
+    """Starting weights: null (random init of ``model``), one of our checkpoints (a step-<N>
+    directory or a run directory: its latest), or a Hugging Face model directory."""
+    tokenizer_dir: str = ""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    rejection: RejectionConfig = field(default_factory=RejectionConfig)
+
+    @classmethod
+    def from_raw(cls, raw: dict[str, Any]) -> PostTrainConfig:
+        values: dict[str, Any] = {"init_from": raw.get("init_from"), "tokenizer_dir": raw.get("tokenizer_dir") or ""}
+        for name, schema in _SECTIONS.items():
+            section = dict(raw.get(name) or {})
+            if "sampling" in section:
+                section["sampling"] = dataclass_from_dict(SamplingConfig, dict(section["sampling"] or {}), f"{name}.sampling")
+            values[name] = dataclass_from_dict(schema, section, name)
+        config = cls(**values)
+        if not config.tokenizer_dir:
+            raise ConfigError("tokenizer_dir is empty: point it at a directory with tokenizer.json "
+                              "(the default is the bundled data's ${data.cache_dir}/tokenizer)")
+        return config

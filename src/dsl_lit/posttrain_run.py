@@ -1,0 +1,87 @@
+"""What every post-training recipe does before building its module: validate both config halves,
+prepare the tokenizer, and resolve the starting weights (whose model config then replaces the
+``model`` group, so the run's checkpoints rebuild the right architecture)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from omegaconf import DictConfig
+
+from dsl_lit.build import build_trainer, resume_path  # also registers ${project_root:}
+from dsl_lit.config import TrainConfig
+from dsl_lit.data.chat import ChatTokenizer
+from dsl_lit.data.datamodule import PretrainDataModule
+from dsl_lit.errors import ConfigError
+from dsl_lit.models import ModelConfig
+from dsl_lit.posttrain_config import PostTrainConfig
+from dsl_lit.pretrained import load_pretrained
+from dsl_lit.runs import check_vocab, finish_run, save_resolved_config
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PostTrainSetup:
+    cfg: TrainConfig
+    post: PostTrainConfig
+    tokenizer: ChatTokenizer
+    initial_state: dict[str, torch.Tensor] | None
+    """The starting weights (None: random init of ``cfg.model``)."""
+
+
+def _use_model_group(cfg: TrainConfig, group: dict[str, Any]) -> None:
+    values = dict(group)
+    cfg.model = ModelConfig.from_name(values.pop("name"), **values)
+    cfg.raw["model"] = group
+    cfg.validate()
+
+
+def setup_posttrain(hydra_cfg: DictConfig, run_dir: str, init_from: str | None = None) -> PostTrainSetup:
+    """Validated configs, the chat tokenizer and the starting weights (``init_from`` overrides the
+    config's, e.g. a cold-start checkpoint)."""
+    cfg = TrainConfig.from_hydra(hydra_cfg, run_dir=run_dir)
+    post = PostTrainConfig.from_raw(cfg.raw)
+    source = init_from or post.init_from
+    initial_state = None
+    if source:
+        model, group = load_pretrained(source)
+        _use_model_group(cfg, group)
+        initial_state = model.state_dict()
+        cfg.raw["init_from"] = str(source)
+        log.info("starting from %s (%s, %.1fM parameters)", source, cfg.model.family, model.num_params() / 1e6)
+    save_resolved_config(cfg)
+    check_vocab(cfg, PretrainDataModule(cfg.data))  # builds the bundled tokenizer on first use
+    tokenizer = ChatTokenizer.from_dir(post.tokenizer_dir)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"the tokenizer in tokenizer_dir={post.tokenizer_dir} has {tokenizer.vocab_size} tokens, "
+                          f"more than the model's vocab_size={cfg.model.vocab_size}; use the model's own tokenizer")
+    return PostTrainSetup(cfg, post, tokenizer, initial_state)
+
+
+def module_kwargs(setup: PostTrainSetup) -> dict[str, Any]:
+    """The ``CausalLMModule`` arguments every post-training module takes, from the configs."""
+    cfg = setup.cfg
+    return dict(
+        model_config=cfg.model, optim=cfg.optim, schedule=cfg.schedule, micro_batch_size=cfg.data.micro_batch_size,
+        total_steps=cfg.schedule.total_steps or cfg.trainer.max_steps, objective=cfg.objective,
+        precision=cfg.precision, memory=cfg.memory, max_bad_steps=cfg.trainer.max_bad_steps,
+        initial_state=setup.initial_state,
+    )
+
+
+def fit(setup: PostTrainSetup, module: Any, datamodule: Any) -> Any:
+    """Build the trainer and fit (resuming from the run dir's latest checkpoint); a SIGTERM leaves
+    the current step's checkpoint and exits 143, as pretraining does. Returns the trainer."""
+    trainer = build_trainer(setup.cfg)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=resume_path(setup.cfg))
+    except SIGTERMException:
+        log.warning("SIGTERM at step %d: checkpoint saved; rerun the same command to resume", trainer.global_step)
+        raise SystemExit(143) from None
+    finish_run(trainer)
+    return trainer
