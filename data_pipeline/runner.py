@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import datasets
+
 from data_pipeline.config import PipelineConfig
 from data_pipeline.ingest import plan_units
 from data_pipeline.shard_io import marker_path, write_json
@@ -103,6 +105,7 @@ def plan(cfg: PipelineConfig) -> list[Planned]:
 
 def run_unit(step: Step, ctx: Context, unit: int) -> dict[str, Any]:
     """Run one unit and write its marker last (module level: worker processes import it)."""
+    datasets.disable_progress_bars()  # one bar per shard and step would bury the log
     start = time.perf_counter()
     stats = step.run_unit(ctx, unit) or {}
     stats["seconds"] = round(time.perf_counter() - start, 3)
@@ -144,7 +147,9 @@ def run(cfg: PipelineConfig) -> dict[str, Any] | None:
                 continue
             blocked = [q.step.name for q in planned[:i] if missing_units(q)]
             if blocked:
-                raise RuntimeError(f"step {p.step.name} needs {blocked[0]} complete first: run step={blocked[0]}")
+                raise RuntimeError(
+                    f"step {p.step.name} needs {blocked[0]} complete first: run step={blocked[0]}"
+                )
             _run_step(p, cfg, pool)
     finally:
         if pool is not None:

@@ -38,7 +38,9 @@ def _vocabulary(rng: np.random.Generator, size: int) -> np.ndarray:
     return codes.view("<U9").ravel()
 
 
-def _variant(words: list[str], target: float, rng: np.random.Generator, vocab: np.ndarray) -> tuple[list[str], float]:
+def _variant(
+    words: list[str], target: float, rng: np.random.Generator, vocab: np.ndarray
+) -> tuple[list[str], float]:
     """Replace words at random positions (a fixed order) until the Jaccard is closest to ``target``."""
     order = rng.permutation(len(words))
     fresh = rng.choice(vocab, size=len(words)).tolist()

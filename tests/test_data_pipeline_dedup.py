@@ -29,7 +29,12 @@ def write_jsonl(path: Path, texts: list[str], ids: list[str], source: str = "web
 
 
 def pipeline(input_path: Path, output_dir: Path, stages: list[str], **overrides) -> dict:
-    values = {"input": {"path": str(input_path)}, "output_dir": str(output_dir), "stages": stages, **overrides}
+    values = {
+        "input": {"path": str(input_path)},
+        "output_dir": str(output_dir),
+        "stages": stages,
+        **overrides,
+    }
     stats = run(load_config(values))
     assert stats is not None
     return stats
@@ -41,7 +46,11 @@ def removed_rows(output_dir: Path) -> list[dict]:
 
 
 def kept_ids(output_dir: Path) -> list[str]:
-    return [i for f in sorted((output_dir / "kept").glob("*.parquet")) for i in pq.read_table(f).column("id").to_pylist()]
+    return [
+        i
+        for f in sorted((output_dir / "kept").glob("*.parquet"))
+        for i in pq.read_table(f).column("id").to_pylist()
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +122,9 @@ def test_cross_run_dedup_against_the_persistent_index(corpus, dedup_run: Path, t
     texts = [corpus.texts[b] for _, b, _ in near] + new.texts
     ids = [f"later-{i}" for i in range(len(texts))]
     write_jsonl(tmp_path / "in.jsonl", texts, ids)
-    pipeline(tmp_path / "in.jsonl", tmp_path / "out", ["near_dedup"], near_dedup={"against_indexes": [str(index)]})
+    pipeline(
+        tmp_path / "in.jsonl", tmp_path / "out", ["near_dedup"], near_dedup={"against_indexes": [str(index)]}
+    )
     removed = {r["id"]: r for r in removed_rows(tmp_path / "out")}
     caught = [i for i in ids[: len(near)] if i in removed]
     assert len(caught) >= 0.9 * len(near)
@@ -122,7 +133,9 @@ def test_cross_run_dedup_against_the_persistent_index(corpus, dedup_run: Path, t
     assert not [i for i in ids[len(near) :] if i in removed]
     with pytest.raises(ValueError, match="near_dedup.num_perm"):
         pipeline(
-            tmp_path / "in.jsonl", tmp_path / "out2", ["near_dedup"],
+            tmp_path / "in.jsonl",
+            tmp_path / "out2",
+            ["near_dedup"],
             near_dedup={"against_indexes": [str(index)], "num_perm": 128},
         )
 
@@ -139,4 +152,7 @@ def test_exact_dedup_keeps_the_first_and_is_idempotent(tmp_path: Path) -> None:
     again = pipeline(tmp_path / "out" / "kept", tmp_path / "again", ["exact_dedup"])
     assert again["stages"]["exact_dedup"]["removed"] == {}
     assert kept_ids(tmp_path / "again") == ["d0", "d1", "d4"]
-    assert pa.concat_tables([pq.read_table(f) for f in sorted((tmp_path / "again" / "kept").glob("*"))]).num_rows == 3
+    assert (
+        pa.concat_tables([pq.read_table(f) for f in sorted((tmp_path / "again" / "kept").glob("*"))]).num_rows
+        == 3
+    )

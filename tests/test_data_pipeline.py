@@ -1,0 +1,239 @@
+"""Pipeline mechanics: inputs and quarantine, accounting, determinism, kill-and-rerun, scheduler tasks, config."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import data_pipeline.quality_filter as quality_filter
+from data_pipeline.config import load_config
+from data_pipeline.runner import plan, run
+from dsl_lit.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ["normalize", "exact_dedup", "near_dedup", "quality_filter"]
+
+
+def _doc(i: int) -> str:
+    """Eight sentences of random words (with stop words): passes every default quality rule."""
+    rng = np.random.default_rng(i)
+    words = ["".join(rng.choice(list("abcdefghijklmnop"), size=rng.integers(3, 9))) for _ in range(80)]
+    return " ".join(f"The {' '.join(words[k * 10 : k * 10 + 8])} and {words[k * 10 + 9]}." for k in range(8))
+
+
+@pytest.fixture(scope="module")
+def messy_input(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """jsonl, gzipped jsonl (truncated), txt files, parquet and broken records: 25 documents in all."""
+    root = tmp_path_factory.mktemp("messy") / "in"
+    (root / "txt" / "sub").mkdir(parents=True)
+    lines = [json.dumps({"id": f"j{i}", "text": _doc(i), "source": "web"}).encode() for i in range(8)]
+    lines[2] = b'{"id": "broken", "text": "no closing brace"'
+    lines[3] = json.dumps({"id": "j3", "body": "text under another key"}).encode()
+    lines[4] = b'{"id": "j4", "text": "bad byte \xff here"}'
+    lines[5] = b"[1, 2, 3]"
+    lines.append(json.dumps({"text": _doc(1)}).encode())  # no id (and an exact duplicate of j1's text)
+    (root / "a.jsonl").write_bytes(b"\n".join(lines) + b"\n\n")
+    whole = gzip.compress(
+        b"".join(json.dumps({"id": f"g{i}", "text": _doc(10 + i)}).encode() + b"\n" for i in range(5))
+    )
+    (root / "b.jsonl.gz").write_bytes(whole[: len(whole) - 12])  # cut off: the last records are lost
+    (root / "txt" / "one.txt").write_text(_doc(20) + "\r\n\r\n\r\n\r\nWith   extra   spaces.  ")
+    (root / "txt" / "sub" / "two.txt").write_text(_doc(21))
+    (root / "txt" / "bad.txt").write_bytes(b"latin-1 \xe9t\xe9")
+    table = pa.table(
+        {"id": ["p0", "p1", None], "text": [_doc(30), "", _doc(31)], "source": ["books", "books", None]}
+    )
+    pq.write_table(table, root / "c.parquet")
+    return root
+
+
+def run_pipeline(input_path: Path, output_dir: Path, **overrides) -> dict | None:
+    values = {
+        "input": {"path": str(input_path)},
+        "output_dir": str(output_dir),
+        "stages": STAGES,
+        **overrides,
+    }
+    return run(load_config(values))
+
+
+def rows(directory: Path) -> list[dict]:
+    return [r for f in sorted(directory.glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
+
+
+def output_bytes(output_dir: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(output_dir)): p.read_bytes()
+        for sub in ("kept", "removed", "tokenizer", "shards")
+        for p in sorted((output_dir / sub).rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def messy_run(messy_input: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("messy_out") / "out"
+    assert run_pipeline(messy_input, out) is not None
+    return out
+
+
+def test_malformed_records_are_quarantined_and_counted(messy_run: Path) -> None:
+    removed = {r["id"]: r for r in rows(messy_run / "removed")}
+    stats = json.loads((messy_run / "stats.json").read_text())
+    ingest = stats["stages"]["ingest"]
+    assert ingest["removed"] == {
+        "bad_json": 1,
+        "empty_text": 1,
+        "invalid_utf8": 2,
+        "missing_text": 1,
+        "not_an_object": 1,
+        "truncated_file": 1,
+    }
+    assert removed["a.jsonl:3"]["reason"] == "bad_json" and removed["a.jsonl:3"]["stage"] == "ingest"
+    assert removed["j3"]["reason"] == "missing_text"
+    assert removed["a.jsonl:5"]["reason"] == "invalid_utf8" and "\ufffd" in removed["a.jsonl:5"]["text"]
+    assert removed["txt/bad.txt"]["reason"] == "invalid_utf8"
+    assert removed["p1"]["reason"] == "empty_text"
+    assert ingest["blank_lines_skipped"] == 1
+    assert (
+        removed["a.jsonl:9"]["reason"] == "exact_duplicate" and removed["a.jsonl:9"]["duplicate_of"] == "j1"
+    )
+
+
+def test_every_document_is_kept_or_removed_exactly_once(messy_run: Path) -> None:
+    kept = rows(messy_run / "kept")
+    removed = rows(messy_run / "removed")
+    stats = json.loads((messy_run / "stats.json").read_text())
+    assert (
+        stats["input"]["documents"]
+        == len(kept) + len(removed)
+        == stats["output"]["documents"] + stats["output"]["removed"]
+    )
+    ids = [r["id"] for r in kept + removed]
+    assert len(ids) == len(set(ids))
+    assert {"c.parquet:2", "txt/one.txt", "txt/sub/two.txt"} <= {r["id"] for r in kept}
+    sources = {r["id"]: r["source"] for r in kept}
+    assert sources["txt/sub/two.txt"] == "txt" and sources["c.parquet:2"] == "c" and sources["p0"] == "books"
+    one = next(r["text"] for r in kept if r["id"] == "txt/one.txt")
+    assert "\r" not in one and "  " not in one and "\n\n\n" not in one and not one.endswith(" ")
+    for name in STAGES:
+        assert stats["stages"][name]["seconds"] >= 0 and "bytes_in" in stats["stages"][name]
+
+
+def test_saved_dataset_input_is_cut_into_shards(tmp_path: Path) -> None:
+    datasets.Dataset.from_dict({"text": [_doc(i) for i in range(7)]}).save_to_disk(str(tmp_path / "saved"))
+    run(
+        load_config(
+            {
+                "input": {"path": str(tmp_path / "saved"), "rows_per_shard": 3},
+                "output_dir": str(tmp_path / "o"),
+                "stages": ["normalize"],
+            }
+        )
+    )
+    assert sorted(p.name for p in (tmp_path / "o" / "kept").iterdir()) == [
+        f"shard-0000{i}.parquet" for i in range(3)
+    ]
+    assert [r["id"] for r in rows(tmp_path / "o" / "kept")][:2] == ["saved:0", "saved:1"]
+
+
+def test_same_input_same_bytes_whatever_num_proc(messy_input: Path, messy_run: Path, tmp_path: Path) -> None:
+    assert run_pipeline(messy_input, tmp_path / "again", num_proc=2) is not None
+    assert output_bytes(tmp_path / "again") == output_bytes(messy_run)
+
+
+def test_killed_run_reruns_only_the_missing_units(
+    messy_input: Path, messy_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    killed: list[int] = []
+    original = quality_filter.run_unit
+
+    def dies_on_shard_2(ctx, unit):
+        calls.append(unit)
+        if unit == 2 and not killed:
+            killed.append(unit)
+            raise SystemExit("killed")
+        return original(ctx, unit)
+
+    monkeypatch.setattr(quality_filter, "run_unit", dies_on_shard_2)
+    with pytest.raises(SystemExit):
+        run_pipeline(messy_input, tmp_path / "out")
+    assert calls == [0, 1, 2] and not (tmp_path / "out" / "kept").exists()
+    step = next(
+        p
+        for p in plan(
+            load_config(
+                {"input": {"path": str(messy_input)}, "output_dir": str(tmp_path / "out"), "stages": STAGES}
+            )
+        )
+        if p.step.name == "quality_filter"
+    )
+    (step.context.step_dir / ".shard-00002.parquet.tmp-left-by-the-kill").write_bytes(b"partial")
+    calls.clear()
+    assert run_pipeline(messy_input, tmp_path / "out") is not None
+    assert calls == [2, 3]  # finished shards are not redone
+    assert output_bytes(tmp_path / "out") == output_bytes(messy_run)
+
+
+def test_scheduler_tasks_one_step_at_a_time(messy_input: Path, messy_run: Path, tmp_path: Path) -> None:
+    """As a SLURM array would run it: each step as 3 tasks (in any order), one step after another."""
+    base = {"input": {"path": str(messy_input)}, "output_dir": str(tmp_path / "out"), "stages": STAGES}
+    steps = [p.step.name for p in plan(load_config(base))]
+    with pytest.raises(RuntimeError, match="needs ingest complete first"):
+        run(load_config({**base, "step": "normalize"}))
+    for name in steps:
+        for task in (2, 0, 1):
+            run(load_config({**base, "step": name, "task_index": task, "task_count": 3}))
+    assert output_bytes(tmp_path / "out") == output_bytes(messy_run)
+    assert (tmp_path / "out" / "stats.json").is_file()
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"near_dedup": {"threshold": 1.5}}, "near_dedup.threshold"),
+        ({"stages": ["normalize", "dedupe"]}, "unknown stage"),
+        ({"stages": ["tokenize_pack", "normalize"]}, "must come last"),
+        (
+            {"quality_filter": {"c4": {"min_sentences": 3}}},
+            "quality_filter.c4.min_sentences is not a known field",
+        ),
+        ({"near_dedup": {"bands": 20}}, "near_dedup.bands and near_dedup.rows go together"),
+        ({"task_count": 4}, "task_count > 1 needs step"),
+        ({"stages": ["remix"]}, "remix"),
+    ],
+)
+def test_bad_config_fails_early_naming_the_field(override: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config({"input": {"path": "x"}, "output_dir": "y", **override})
+
+
+def test_command_line(messy_input: Path, tmp_path: Path) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "data_pipeline",
+        f"input.path={messy_input}",
+        f"output_dir={tmp_path / 'cli'}",
+    ]
+    bad = subprocess.run([*cmd, "near_dedup.verify=maybe"], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "near_dedup.verify" in bad.stderr + bad.stdout
+    ok = subprocess.run(
+        [*cmd, "stages=[normalize,exact_dedup,language_filter]", "quality_filter=bundled"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert ok.returncode == 0, ok.stderr
+    stats = json.loads((tmp_path / "cli" / "stats.json").read_text())
+    assert set(stats["stages"]) == {"ingest", "normalize", "exact_dedup", "language_filter", "finalize"}
