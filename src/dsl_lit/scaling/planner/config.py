@@ -1,0 +1,65 @@
+"""``recipes/plan.py``'s Hydra config -> validated model, layout, cluster and options.
+
+The ``model`` and ``parallel`` groups are the training recipes' own, so a plan and a run share
+their presets; ``cluster`` and ``plan`` are the planner's.
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from dsl_lit.errors import ConfigError
+from dsl_lit.models.config import ModelConfig
+from dsl_lit.scaling.planner.cluster import ClusterConfig
+from dsl_lit.scaling.planner.layout import PlanLayout
+from dsl_lit.schema import dataclass_from_dict
+
+
+@dataclass
+class PlanOptions:
+    """The ``plan`` node: batch, sequence, precision, recompute, and whether to search layouts."""
+
+    global_batch_size: int = 2304
+    micro_batch_size: int = 1
+    seq_len: int = 4096
+    precision: str = "bf16"
+    recompute: str = "none"
+    moments_dtype: str = "fp32"
+    search: bool = False
+    search_runnable_only: bool = False
+    top_k: int = 5
+
+    def validate(self) -> PlanOptions:
+        if self.top_k < 1:
+            raise ConfigError(f"plan.top_k={self.top_k} must be >= 1")
+        return self
+
+
+PARALLEL_KEYS = ("dp", "tp", "pp", "ep", "zero1", "pp_schedule", "pp_virtual_stages", "sequence_parallel")
+
+
+def plan_inputs(cfg: DictConfig) -> tuple[ModelConfig, PlanLayout, ClusterConfig, PlanOptions]:
+    """Validate every group before any estimate is made; errors name the field."""
+    raw = typing.cast(dict, OmegaConf.to_container(cfg, resolve=True))
+    model_values = dict(raw.get("model") or {})
+    if "name" not in model_values:
+        raise ConfigError("model.name is missing; pick a preset, e.g. model=deepseek_llm_7b")
+    model = ModelConfig.from_name(model_values.pop("name"), **model_values)
+    cluster = ClusterConfig.from_dict(dict(raw.get("cluster") or {})).validate()
+    options = dataclass_from_dict(PlanOptions, dict(raw.get("plan") or {}), "plan")
+    parallel: dict[str, Any] = dict(raw.get("parallel") or {})
+    unknown = sorted(set(parallel) - set(PARALLEL_KEYS))
+    if unknown:
+        raise ConfigError(f"parallel.{unknown[0]} is not a layout field; known: {list(PARALLEL_KEYS)}")
+    tp, pp = int(parallel.get("tp", 1)), int(parallel.get("pp", 1))
+    if cluster.world_size % (tp * pp):
+        raise ConfigError(f"parallel.tp={tp} x parallel.pp={pp} does not divide the cluster's {cluster.world_size} GPUs")
+    parallel["dp"] = parallel.get("dp") or cluster.world_size // (tp * pp)
+    layout = PlanLayout(**parallel, global_batch_size=options.global_batch_size,
+                        micro_batch_size=options.micro_batch_size, seq_len=options.seq_len,
+                        precision=options.precision, recompute=options.recompute, moments_dtype=options.moments_dtype)
+    return model, layout.validate(model, cluster.world_size), cluster, options

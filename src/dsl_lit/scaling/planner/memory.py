@@ -1,0 +1,251 @@
+"""Per-GPU memory of a training step, counted tensor by tensor.
+
+Model state, per parameter on the GPU (which parameters live where follows the layout: tp shards
+attention, dense FFNs, shared experts, embedding and head; ep shards routed experts; pp places
+layers with :func:`dsl_lit.parallel.pipeline.split_layers`; DualPipe holds two stages per rank):
+weights (4 bytes in fp32 training, else 2), gradients (4: fp32 accumulation), fp32 master weights
+(outside fp32 training) and AdamW's two moments (fp32 or bf16); ZeRO-1 divides master and moments
+by the number of ranks holding a replica (dp, or dp / ep for routed experts).
+
+Activations: what backward keeps per token and block, listed from our blocks' code (the inputs
+autograd saves for each matmul, norm, activation and attention call) for each recompute mode
+(:mod:`dsl_lit.memory.recompute`): ``none`` keeps them all, ``selective`` keeps the outputs of
+matmuls and attention (norms, activations and rotary are recomputed), ``full`` keeps each block's
+input. Times the micro-batches a pipeline schedule keeps in flight on a rank (DESIGN.md: 1F1B pp,
+DualPipe pp + 1 stage-micro-batches), plus the output logits of one micro-batch on the last stage,
+one block's full working set for the backward in progress, and MoE dispatch/combine buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from dsl_lit.flops import attention_params
+from dsl_lit.models.config import ModelConfig
+from dsl_lit.parallel.pipeline import split_layers, stages_of_rank
+from dsl_lit.scaling.planner.cluster import GIB, ClusterConfig
+from dsl_lit.scaling.planner.layout import PlanLayout
+
+FP32 = 4
+
+
+def compute_bytes(layout: PlanLayout) -> int:
+    """Bytes of an activation element: fp32 training keeps fp32, everything else bf16/fp16
+    (FP8 GEMMs take bf16 activations and quantise them on the fly)."""
+    return FP32 if layout.precision == "fp32" else 2
+
+
+# -- parameters -------------------------------------------------------------------------------------
+@dataclass
+class ParamCounts:
+    """Parameters on one GPU, by how they are replicated."""
+
+    dense: float = 0.0  # replicated over dp (sharded over tp where the plan shards them)
+    experts: float = 0.0  # routed experts: replicated over dp / ep
+
+    def __add__(self, other: ParamCounts) -> ParamCounts:
+        return ParamCounts(self.dense + other.dense, self.experts + other.experts)
+
+
+def block_params(cfg: ModelConfig, layer_id: int, layout: PlanLayout) -> ParamCounts:
+    """One block's parameters on one GPU (``layer_id >= n_layers``: an MTP block)."""
+    tp = layout.tp
+    norms = 2 * cfg.d_model
+    if cfg.family == "deepseek_v3":
+        norms += cfg.kv_lora_rank + (cfg.q_lora_rank or 0)
+    dense = attention_params(cfg) / tp + norms
+    if cfg.is_moe_layer(layer_id):
+        dense += cfg.d_model * cfg.n_routed_experts + 3 * cfg.d_model * cfg.moe_ffn_hidden * cfg.n_shared_experts / tp
+        routed = 3 * cfg.d_model * cfg.moe_ffn_hidden * cfg.n_routed_experts
+        return ParamCounts(dense, routed / (layout.ep if layout.ep > 1 else tp))
+    return ParamCounts(dense + 3 * cfg.d_model * cfg.ffn_hidden / tp, 0.0)
+
+
+def mtp_depth(cfg: ModelConfig) -> int:
+    return cfg.mtp_depth if cfg.family == "deepseek_v3" else 0
+
+
+def stage_layers_of(cfg: ModelConfig, layout: PlanLayout) -> list[list[int]]:
+    return split_layers(cfg, layout.n_stages) if layout.pp > 1 else [list(range(cfg.n_layers))]
+
+
+def stages_on_rank(rank: int, layout: PlanLayout) -> list[int]:
+    if layout.pp == 1:
+        return [0]
+    if layout.pp_schedule == "DualPipe":  # both directions: stage r of one, stage pp-1-r of the other
+        return [rank, layout.pp - 1 - rank]
+    if layout.pp_schedule in ("GPipe", "1F1B", "ZB1P"):
+        return [rank]
+    return stages_of_rank(rank, layout.pp, layout.chunks_per_rank, layout.pp_schedule)
+
+
+def stage_params(cfg: ModelConfig, layout: PlanLayout, layers: list[int], first: bool, last: bool) -> ParamCounts:
+    counts = ParamCounts()
+    for i in layers:
+        counts = counts + block_params(cfg, i, layout)
+    vocab = cfg.d_model * cfg.vocab_size / layout.tp
+    if first:
+        counts.dense += vocab
+    if last:
+        counts.dense += cfg.d_model + (0 if cfg.tie_embeddings else vocab)
+        for k in range(mtp_depth(cfg)):
+            mtp = block_params(cfg, cfg.n_layers + k, layout)
+            counts = counts + ParamCounts(mtp.dense + 2 * cfg.d_model**2 + 3 * cfg.d_model, mtp.experts)
+    return counts
+
+
+def rank_params(cfg: ModelConfig, layout: PlanLayout, rank: int) -> ParamCounts:
+    """Parameters held by pp rank ``rank`` (all its stages)."""
+    stage_layers = stage_layers_of(cfg, layout)
+    last = len(stage_layers) - 1
+    counts = ParamCounts()
+    for s in stages_on_rank(rank, layout):
+        counts = counts + stage_params(cfg, layout, stage_layers[s], s == 0, s == last)
+    return counts
+
+
+def optimizer_shard(params: ParamCounts, layout: PlanLayout) -> float:
+    """Parameters whose master weights and moments this GPU keeps: ZeRO-1 divides each by the
+    ranks holding a replica (dp; dp / ep for routed experts; twice that under DualPipe, whose
+    stages live on two ranks)."""
+    if not layout.zero1:
+        return params.dense + params.experts
+    copies = 2 if layout.pp_schedule == "DualPipe" else 1
+    return params.dense / (layout.dp * copies) + params.experts / (max(1, layout.dp // layout.ep) * copies)
+
+
+# -- activations ------------------------------------------------------------------------------------
+def attention_activations(cfg: ModelConfig, mode: str, tp: int, sp: bool) -> float:
+    """Elements per token one attention sub-block keeps for backward (block input included)."""
+    d = cfg.d_model / (tp if sp else 1)
+    h = cfg.n_heads / tp
+    if mode == "full":
+        return d
+    if cfg.family != "deepseek_v3":
+        hd, kv = cfg.head_dim, max(1.0, cfg.n_kv_heads / tp)
+        if mode == "selective":  # x; q, k, v projections; attention output; wo output
+            return 2 * d + h * hd + 2 * kv * hd + h * hd
+        # x, norm output, q and k after rotary, v, attention output, wo's contiguous input
+        return 2 * d + 3 * h * hd + 2 * kv * hd
+    qk, v, nope, rope = cfg.qk_head_dim, cfg.v_head_dim, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    latent = cfg.kv_lora_rank + rope
+    if mode == "selective":  # x; wq_a, wq_b (or wq), wkv_a, wkv_b outputs; attention output; wo output
+        queries = (cfg.q_lora_rank or 0) + h * qk
+        return 2 * d + queries + latent + h * (nope + v) + h * v
+    # x, norm output; query path (+ its norm); latent, its norm; wkv_b output; q and k concatenated,
+    # v made contiguous, attention output, wo's contiguous input
+    queries = 2 * cfg.q_lora_rank + h * qk if cfg.q_lora_rank else h * qk
+    return 2 * d + queries + latent + cfg.kv_lora_rank + h * (nope + v) + 2 * h * qk + 3 * h * v
+
+
+def ffn_activations(cfg: ModelConfig, layer_id: int, mode: str, layout: PlanLayout, dtype_bytes: int) -> float:
+    """Elements per token one FFN sub-block keeps (the residual stream at its input included)."""
+    tp, sp = layout.tp, layout.sequence_parallel
+    d = cfg.d_model / (tp if sp else 1)
+    if mode == "full":
+        return 0.0  # the block's input is counted once, with attention
+    if not cfg.is_moe_layer(layer_id):
+        f = cfg.ffn_hidden / tp
+        # selective: w1, w3 and w2 outputs; none: h, norm output, w1, silu, w3, product
+        return 2 * f + d if mode == "selective" else 2 * d + 4 * f
+    k, e = cfg.n_activated_experts, cfg.n_routed_experts
+    f_routed = cfg.moe_ffn_hidden / (1 if layout.ep > 1 else tp)
+    f_shared = cfg.n_shared_experts * cfg.moe_ffn_hidden / tp
+    router = 3 * e * FP32 / dtype_bytes  # fp32 logits, scores, biased scores
+    if mode == "selective":  # router logits; grouped w1/w3, w2 outputs; shared w1/w3, w2 outputs
+        return e * FP32 / dtype_bytes + k * (2 * f_routed + cfg.d_model) + 2 * f_shared + d
+    # h, norm output, router; per routed copy: dispatched input, w1, silu, w3, product, output;
+    # shared experts as a dense SwiGLU
+    return 2 * d + router + k * (2 * cfg.d_model + 4 * f_routed) + 4 * f_shared
+
+
+def block_activations(cfg: ModelConfig, layer_id: int, mode: str, layout: PlanLayout) -> float:
+    """Bytes per token one block keeps for backward under ``mode``."""
+    size = compute_bytes(layout)
+    elements = attention_activations(cfg, mode, layout.tp, layout.sequence_parallel)
+    elements += ffn_activations(cfg, layer_id, mode, layout, size)
+    return elements * size
+
+
+def in_flight(rank: int, layout: PlanLayout) -> float:
+    """Chunk-micro-batches whose activations rank ``rank`` holds at its peak.
+
+    1F1B / ZB1P: pp - rank warm-up micro-batches; GPipe: all m; Interleaved1F1B with v chunks:
+    Megatron's pp v + pp - 1 - 2 rank; DualPipe: pp + 1 stage-micro-batches (DeepSeek-V3's table),
+    DualPipeV: 2 pp + 1 half-stage chunks (the same table with PP = 2 pp stages)."""
+    pp, m, v = layout.pp, layout.micro_batches, layout.chunks_per_rank
+    if pp == 1:
+        return 1.0
+    schedule = layout.pp_schedule
+    if schedule == "GPipe":
+        return float(m * v)
+    if schedule in ("1F1B", "ZB1P"):
+        return float(min(m, pp - rank))
+    if schedule == "Interleaved1F1B":
+        return float(min(m * v, pp * v + pp - 1 - 2 * rank))
+    if schedule == "DualPipe":
+        return float(pp + 1)
+    return float(2 * pp + 1)  # DualPipeV
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes on the busiest GPU (the pp rank with the largest total)."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    logits: float
+    working: float
+    """One block's full activations for the backward in progress, plus MoE dispatch buffers."""
+    reserved: float
+    pp_rank: int
+    params_on_gpu: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.logits + self.working + self.reserved
+
+    def gib(self) -> dict[str, float]:
+        parts = {k: v / GIB for k, v in asdict(self).items() if k not in ("pp_rank", "params_on_gpu")}
+        return {**parts, "total": self.total / GIB}
+
+
+def estimate_memory(cfg: ModelConfig, layout: PlanLayout, cluster: ClusterConfig | None = None) -> MemoryEstimate:
+    """Per-GPU memory of the busiest pp rank (``cluster`` adds its reserved memory and the
+    allocator's fragmentation; None: the bare tensors, as on CPU)."""
+    stage_layers = stage_layers_of(cfg, layout)
+    last = len(stage_layers) - 1
+    tokens = layout.micro_batch_size * layout.seq_len
+    size = compute_bytes(layout)
+    fp32 = layout.precision == "fp32"
+    master_bytes = 0 if fp32 else FP32
+    moment_bytes = 2 * (FP32 if layout.moments_dtype == "fp32" else 2)
+    estimates = []
+    for rank in range(layout.pp):
+        stages = stages_on_rank(rank, layout)
+        params = rank_params(cfg, layout, rank)
+        n = params.dense + params.experts
+        optimizer = (master_bytes + moment_bytes) * optimizer_shard(params, layout)
+        per_chunk = [sum(block_activations(cfg, i, layout.recompute, layout) for i in stage_layers[s]) for s in stages]
+        activations = in_flight(rank, layout) * tokens * sum(per_chunk) / len(per_chunk)
+        holds_last = last in stages
+        depth = mtp_depth(cfg)
+        logits = 0.0
+        if holds_last:
+            head = tokens * cfg.vocab_size / layout.tp * size * (1 + depth)
+            mtp = sum(tokens * block_activations(cfg, cfg.n_layers + k, layout.recompute, layout) for k in range(depth))
+            logits = head + mtp + tokens * 2 * cfg.d_model * size  # final norm input and output
+        rank_layers = [i for s in stages for i in stage_layers[s]]
+        working = tokens * max(block_activations(cfg, i, "none", layout) for i in rank_layers)
+        if cfg.is_moe:
+            working += 2 * tokens * cfg.n_activated_experts * cfg.d_model * size  # dispatch + combine buffers
+        estimates.append(MemoryEstimate(
+            weights=n * (FP32 if fp32 else 2), gradients=n * FP32, optimizer=optimizer, activations=activations,
+            logits=logits, working=working, reserved=0.0, pp_rank=rank, params_on_gpu=n,
+        ))
+    busiest = max(estimates, key=lambda e: e.total)
+    if cluster is not None:
+        busiest.reserved = cluster.reserved_gib * GIB + cluster.efficiency.fragmentation * busiest.total
+    return busiest

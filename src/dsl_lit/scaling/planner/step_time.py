@@ -1,0 +1,218 @@
+"""Time of one optimizer step on the busiest pipeline rank, from FLOPs, bytes and bandwidths.
+
+Per micro-batch and rank, forward F and backward B add up
+
+- matmuls: 2 (forward) and 4 (backward) FLOPs per activated weight and token, at the GEMM peak of
+  the layout's precision times ``efficiency.gemm`` (``fp8_gemm`` for the blocks' linears under
+  FP8; the head stays bf16, as in DeepSeek-V3); W, the weight-gradient half of B, equals the
+  forward matmul time;
+- attention scores and values: the causal half of ``dsl_lit.flops``' count (kernels skip masked
+  tiles), forward once, backward 2.5x (flash attention recomputes the scores), at
+  ``efficiency.attention``;
+- memory-bound work (norms, activations, rotary, residuals): ``efficiency.activation_passes`` HBM
+  passes over the bytes backward keeps without recompute, a quarter in forward;
+- recompute: ``full`` runs each block's forward again in backward;
+- tensor parallelism: two all-reduces of the hidden states per block in forward and two in
+  backward (ring: 2 (tp-1)/tp of the bytes), over NVLink inside a node, ``tp_overlap`` hidden.
+
+Communication beyond that:
+
+- expert parallelism: dispatch (FP8 under FP8 training, else bf16) and combine (bf16) all-to-alls,
+  forward and backward, of k copies per token; across nodes, node-limited routing sends one copy
+  per destination node over InfiniBand (DeepSeek-V3 section 3.2.2: at most
+  ``n_limited_groups`` nodes) and NVLink forwards it. DualPipe and DualPipeV overlap a chunk's
+  all-to-all with the paired chunk's compute (only what exceeds that compute shows), at the price of
+  ``cluster.comm_sms`` SMs taken from compute; other schedules wait for it;
+- pipeline sends of one micro-batch's hidden states per stage boundary (hidden under DualPipe);
+- data parallelism: ZeRO-1 reduce-scatters gradients (fp32) during the last micro-batch's backward
+  (only the excess shows) and all-gathers updated weights after the step; without ZeRO-1 one
+  all-reduce. Routed experts' gradients reduce over dp / ep ranks;
+- the optimizer step itself: memory-bound over this rank's ZeRO shard.
+
+Pipeline bubbles (DESIGN.md, per-chunk F, B, W): GPipe and 1F1B (pp-1)(F+B); Interleaved1F1B
+(pp-1)(F+B)/v; ZB1P (pp-1)(F+B-2W); DualPipe (pp/2-1)(F&B+B-3W) with F&B = F+B; DualPipeV the
+same with its 2 pp half-size stages.
+
+Not modelled: expert load imbalance (the bias-based balancing keeps it near 1), smaller GEMMs'
+lower efficiency at small micro-batches, stragglers, failures and restarts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from dsl_lit.flops import attention_params, ffn_params_per_token
+from dsl_lit.models.config import ModelConfig
+from dsl_lit.scaling.planner.cluster import ClusterConfig
+from dsl_lit.scaling.planner.layout import PlanLayout
+from dsl_lit.scaling.planner.memory import (
+    FP32,
+    block_activations,
+    compute_bytes,
+    mtp_depth,
+    optimizer_shard,
+    rank_params,
+    stage_layers_of,
+    stages_on_rank,
+)
+
+ATTENTION_BACKWARD = 2.5
+"""Flash attention's backward FLOPs over its forward's (5 matmuls against 2)."""
+
+
+@dataclass
+class StepTime:
+    """Seconds per optimizer step, by what the busiest rank spends them on (exposed parts only)."""
+
+    compute: float
+    tp_comm: float
+    ep_comm: float
+    pp_comm: float
+    bubble: float
+    dp_comm: float
+    optimizer: float
+    forward_per_micro_batch: float
+    backward_per_micro_batch: float
+    ep_comm_per_micro_batch: float
+    """All-to-all time of one micro-batch on the rank, before any overlap."""
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp_comm + self.ep_comm + self.pp_comm + self.bubble + self.dp_comm + self.optimizer
+
+    def to_dict(self) -> dict[str, float]:
+        return {**asdict(self), "total": self.total}
+
+
+def _gemm_dtype(layout: PlanLayout) -> str:
+    return {"fp8": "bf16", "fp16": "fp16"}.get(layout.precision, layout.precision)
+
+
+def _block_matmul_params(cfg: ModelConfig, layer_id: int) -> float:
+    return float(attention_params(cfg) + ffn_params_per_token(cfg, layer_id))
+
+
+def _block_attention_flops(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward FLOPs per token of scores and values, without causal halving (as ``dsl_lit.flops``)."""
+    qk, v = (cfg.qk_head_dim, cfg.v_head_dim) if cfg.family == "deepseek_v3" else (cfg.head_dim, cfg.head_dim)
+    return 2.0 * cfg.n_heads * (qk + v) * seq_len
+
+
+def _bandwidth(cluster: ClusterConfig, group: int, span: int) -> float:
+    """Bytes/s per GPU for a collective over ``group`` ranks spaced ``span`` GPUs apart."""
+    eff = cluster.efficiency
+    if group * span <= cluster.gpus_per_node:
+        return cluster.nvlink_gbps * 1e9 * eff.nvlink
+    return cluster.ib_gbps * 1e9 * eff.ib
+
+
+def _all_to_all_seconds(cfg: ModelConfig, layout: PlanLayout, cluster: ClusterConfig, tokens: int) -> float:
+    """One MoE layer's four all-to-alls (dispatch, combine; forward and backward) for ``tokens``."""
+    if layout.ep == 1 or not cfg.is_moe:
+        return 0.0
+    eff, d, k = cluster.efficiency, cfg.d_model, cfg.n_activated_experts
+    dispatch = 1 + 4 / 128 if layout.precision == "fp8" else 2  # FP8 values + one fp32 scale per 128
+    per_copy = (dispatch + 2) * d * 2  # dispatch + combine, forward and backward
+    span = layout.tp * layout.ep  # ep ranks are dp ranks, tp apart
+    nodes = max(1, span // cluster.gpus_per_node)
+    nvlink = cluster.nvlink_gbps * 1e9 * eff.nvlink
+    if nodes == 1:
+        return tokens * k * (layout.ep - 1) / layout.ep * per_copy / nvlink
+    limited = cfg.n_expert_groups == nodes and cfg.n_limited_groups < cfg.n_expert_groups
+    per_token_nodes = cfg.n_limited_groups if limited else min(k, nodes)
+    ib_copies = per_token_nodes * (nodes - 1) / nodes
+    ib = cluster.ib_gbps * 1e9 * eff.ib
+    return max(tokens * ib_copies * per_copy / ib, tokens * k * per_copy / nvlink)
+
+
+def estimate_step_time(cfg: ModelConfig, layout: PlanLayout, cluster: ClusterConfig) -> StepTime:
+    eff = cluster.efficiency
+    tokens = layout.micro_batch_size * layout.seq_len
+    tp, size = layout.tp, compute_bytes(layout)
+    gemm_peak = cluster.peak_flops(_gemm_dtype(layout)) * eff.gemm
+    block_peak = cluster.peak_flops("fp8") * eff.fp8_gemm if layout.precision == "fp8" else gemm_peak
+    attention_peak = cluster.peak_flops(_gemm_dtype(layout)) * eff.attention
+    hbm = cluster.hbm_tbps * 1e12 * eff.hbm
+    overlapped = layout.pp_schedule in ("DualPipe", "DualPipeV") and layout.pp > 1
+    slowdown = cluster.sms / (cluster.sms - cluster.comm_sms) if overlapped and layout.ep > 1 else 1.0
+    tp_bw = _bandwidth(cluster, tp, 1)
+    tp_seconds_per_block = 4 * 2 * (tp - 1) / tp * tokens * cfg.d_model * size / tp_bw * (1 - eff.tp_overlap)
+
+    stage_layers = stage_layers_of(cfg, layout)
+    last = len(stage_layers) - 1
+    ranks = []
+    for rank in range(layout.pp):
+        stages = stages_on_rank(rank, layout)
+        blocks = [i for s in stages for i in stage_layers[s]]
+        if last in stages:
+            blocks += [cfg.n_layers + k for k in range(mtp_depth(cfg))]
+        fwd_gemm = sum(2 * tokens * _block_matmul_params(cfg, i) for i in blocks) / tp / block_peak
+        head_gemm = 0.0
+        if last in stages:
+            head_gemm = 2 * tokens * cfg.d_model * cfg.vocab_size * (1 + mtp_depth(cfg)) / tp / gemm_peak
+        fwd_attention = len(blocks) * tokens * _block_attention_flops(cfg, layout.seq_len) / 2 / tp / attention_peak
+        memory_bound = sum(tokens * block_activations(cfg, i, "none", layout) for i in blocks) * eff.activation_passes / hbm
+        tp_comm = len(blocks) * tp_seconds_per_block
+        forward = (fwd_gemm + head_gemm + fwd_attention) * slowdown + memory_bound / 4
+        weight_grad = (fwd_gemm + head_gemm) * slowdown
+        backward = 2 * weight_grad + ATTENTION_BACKWARD * fwd_attention * slowdown + 3 * memory_bound / 4
+        if layout.recompute == "full":
+            backward += (fwd_gemm + fwd_attention) * slowdown + memory_bound / 4
+        moe_layers = sum(1 for i in blocks if cfg.is_moe_layer(i))
+        ep_comm = moe_layers * _all_to_all_seconds(cfg, layout, cluster, tokens)
+        ranks.append((forward, backward, weight_grad, tp_comm, ep_comm, rank))
+    forward, backward, weight_grad, tp_comm, ep_comm, busiest = max(ranks, key=lambda r: r[0] + r[1] + r[3] + r[4])
+
+    m = layout.micro_batches
+    chunks = layout.chunks_per_rank
+    passes = m / 2 if layout.pp_schedule == "DualPipe" else m  # each of DualPipe's two chunks sees half
+    if overlapped:  # a chunk's all-to-all runs under the paired chunk's compute
+        ep_exposed = max(0.0, ep_comm - (forward + backward))
+    else:
+        ep_exposed = ep_comm
+    pp_boundary = 0.0
+    if layout.pp > 1:
+        pp_bw = _bandwidth(cluster, layout.pp, layout.tp * layout.dp)
+        pp_boundary = 0.0 if overlapped else 2 * chunks * tokens * cfg.d_model * size / pp_bw
+    f, b, w = ((forward + tp_comm / 2) / chunks, (backward + tp_comm / 2) / chunks, weight_grad / chunks)
+    bubble = _bubble(layout, f, b, w)
+
+    # data parallelism: gradients of this rank's parameters
+    params = rank_params(cfg, layout, busiest)
+    dense_params, expert_params = params.dense, params.experts
+    dp_comm = 0.0
+    for count, group in ((dense_params, layout.dp), (expert_params, max(1, layout.dp // layout.ep))):
+        if group == 1 or count == 0:
+            continue
+        bw = _bandwidth(cluster, group, layout.tp)
+        fraction = (group - 1) / group
+        if layout.zero1:
+            reduce_scatter = fraction * count * FP32 / bw
+            all_gather = fraction * count * (FP32 if layout.precision == "fp32" else 2) / bw
+            dp_comm += max(0.0, reduce_scatter - backward / chunks) + all_gather
+        else:
+            dp_comm += max(0.0, 2 * fraction * count * FP32 / bw - backward / chunks)
+    # AdamW over the shard: read the gradient, read and write master weights and both moments (fp32),
+    # write the weights; then every gradient is zeroed
+    shard_bytes = FP32 + 2 * FP32 + 2 * 2 * FP32 + compute_bytes(layout)
+    optimizer = (optimizer_shard(params, layout) * shard_bytes + (dense_params + expert_params) * FP32) / hbm
+
+    return StepTime(
+        compute=passes * (forward + backward), tp_comm=passes * tp_comm, ep_comm=passes * ep_exposed,
+        pp_comm=passes * pp_boundary, bubble=bubble, dp_comm=dp_comm, optimizer=optimizer,
+        forward_per_micro_batch=forward, backward_per_micro_batch=backward, ep_comm_per_micro_batch=ep_comm,
+    )
+
+
+def _bubble(layout: PlanLayout, f: float, b: float, w: float) -> float:
+    """Idle time of a rank per step, per schedule (f, b, w: one chunk's times)."""
+    pp = layout.pp
+    if pp == 1:
+        return 0.0
+    schedule = layout.pp_schedule
+    if schedule in ("GPipe", "1F1B", "Interleaved1F1B"):
+        return (pp - 1) * (f + b)  # per chunk: Interleaved's (pp-1)(F+B)/v
+    if schedule == "ZB1P":
+        return (pp - 1) * (f + b - 2 * w)
+    stages = pp if schedule == "DualPipe" else 2 * pp
+    return max(0.0, stages / 2 - 1) * (f + b + b - 3 * w)
