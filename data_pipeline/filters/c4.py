@@ -16,9 +16,9 @@ def c4(text: str, cfg: C4Config) -> tuple[str | None, str]:
     lines = text.split("\n") if cfg.split_paragraph else [s for s in re.split(r"(?<=[.!?])\s+", text)]
     kept: list[str] = []
     for line in lines:
-        line = line.strip()
         if cfg.remove_citations:
             line = _CITATION.sub("", line)
+        line = line.strip()
         lower = line.lower()
         if cfg.filter_lorem_ipsum and "lorem ipsum" in lower:
             return "c4:lorem_ipsum", text
