@@ -12,7 +12,6 @@ its last checkpoint. A rerun of the same run dir resumes GRPO from its latest ch
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from pathlib import Path
 
 import hydra
@@ -22,32 +21,14 @@ from omegaconf import DictConfig
 
 from dsl_lit.checkpoint.directory import latest_checkpoint
 from dsl_lit.data import arithmetic
-from dsl_lit.data.conversations import task_conversations
 from dsl_lit.data.prompts import prompt_rows
 from dsl_lit.data.rows import RowsDataModule
-from dsl_lit.data.sft import sft_rows
 from dsl_lit.errors import ConfigError
-from dsl_lit.modules import GRPOModule, SFTModule
-from dsl_lit.posttrain_run import PostTrainSetup, fit, module_kwargs, setup_posttrain
+from dsl_lit.modules import GRPOModule
+from dsl_lit.posttrain_run import PostTrainSetup, cold_start_sft, fit, module_kwargs, setup_posttrain
 from dsl_lit.rewards import build_rewards
 
 log = logging.getLogger(__name__)
-
-
-def cold_start(hydra_cfg: DictConfig, run_dir: Path) -> Path:
-    """SFT of the random model on the task's reference replies; returns its run dir (latest step)."""
-    setup = setup_posttrain(hydra_cfg, str(run_dir / "cold_start"))
-    cfg, post = setup.cfg, setup.post
-    steps = post.grpo.cold_start_steps
-    cfg.trainer = replace(cfg.trainer, max_steps=steps)
-    cfg.checkpoint = replace(cfg.checkpoint, every_n_steps=steps)  # its last step is GRPO's start
-    cfg.schedule = replace(cfg.schedule, total_steps=steps)
-    cfg.data = replace(cfg.data, global_batch_size=8, micro_batch_size=8)
-    conversations = [setup.tokenizer.encode_conversation(c) for c in task_conversations(post.task)]
-    rows = sft_rows(conversations, cfg.data.seq_len, setup.tokenizer.pad_id, packing=True)
-    kwargs = module_kwargs(setup) | {"total_steps": steps, "micro_batch_size": 8}
-    fit(setup, SFTModule(**kwargs), RowsDataModule(cfg.data, lambda: rows))
-    return run_dir / "cold_start"
 
 
 def check_layout(setup: PostTrainSetup) -> None:
@@ -63,10 +44,7 @@ def main(hydra_cfg: DictConfig) -> None:
     init_from = None
     resuming = latest_checkpoint(run_dir / "checkpoints") is not None
     if not hydra_cfg.get("init_from") and hydra_cfg.grpo.cold_start_steps and not resuming:
-        if hydra_cfg.trainer.devices * hydra_cfg.trainer.num_nodes > 1:
-            raise ConfigError("grpo.cold_start_steps runs in this process: with several devices run "
-                              "recipes/sft.py first and pass init_from=<its run dir>")
-        init_from = str(cold_start(hydra_cfg, run_dir))
+        init_from = str(cold_start_sft(hydra_cfg, run_dir, hydra_cfg.grpo.cold_start_steps, hydra_cfg.grpo.cold_start_lr))
     setup = setup_posttrain(hydra_cfg, str(run_dir), init_from=init_from)
     check_layout(setup)
     cfg, post, tokenizer = setup.cfg, setup.post, setup.tokenizer

@@ -98,6 +98,7 @@ class GRPOConfig:
     cold_start_steps: int = 0
     """Without init_from: first SFT the random model this many steps on the task's reference
     replies (R1's cold start), then run GRPO from it; 0 starts GRPO from the random model."""
+    cold_start_lr: float = 3e-3
     eval_every_n_steps: int = 0
     """Greedy accuracy on the held-out problems every N steps (0: only at the start and the end)."""
 
@@ -117,6 +118,8 @@ class GRPOConfig:
         unknown = sorted(set(self.rewards) - set(REWARDS))
         if unknown or not any(self.rewards.values()):
             raise ConfigError(f"grpo.rewards={self.rewards} must give a non-zero weight to some of {sorted(REWARDS)}")
+        if self.cold_start_lr <= 0:
+            raise ConfigError(f"grpo.cold_start_lr={self.cold_start_lr} must be > 0")
         for name in ("ref_refresh_steps", "cold_start_steps", "eval_every_n_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"grpo.{name}={getattr(self, name)} must be >= 0")

@@ -5,7 +5,8 @@ prepare the tokenizer, and resolve the starting weights (whose model config then
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -85,3 +86,30 @@ def fit(setup: PostTrainSetup, module: Any, datamodule: Any) -> Any:
         raise SystemExit(143) from None
     finish_run(trainer)
     return trainer
+
+
+def cold_start_sft(hydra_cfg: DictConfig, run_dir: Path, steps: int, lr: float) -> Path:
+    """R1's cold start: ``steps`` of SFT (peak ``lr``, cosine, 8 packed rows a step) of the config's
+    (random) model on the task's reference replies, as a run of its own in ``<run_dir>/cold_start`` (resumable); returns that run dir,
+    whose latest checkpoint is the next stage's ``init_from``. Single process only."""
+    from dsl_lit.data.conversations import task_conversations
+    from dsl_lit.data.rows import RowsDataModule
+    from dsl_lit.data.sft import sft_rows
+    from dsl_lit.modules import SFTModule
+
+    if hydra_cfg.trainer.devices * hydra_cfg.trainer.num_nodes > 1:
+        raise ConfigError("the cold start runs in this process: with several devices run recipes/sft.py first "
+                          "and pass init_from=<its run dir>")
+    directory = Path(run_dir) / "cold_start"
+    setup = setup_posttrain(hydra_cfg, str(directory))
+    cfg = setup.cfg
+    cfg.trainer = replace(cfg.trainer, max_steps=steps)
+    cfg.checkpoint = replace(cfg.checkpoint, every_n_steps=steps)  # its last step starts the next stage
+    cfg.schedule = replace(cfg.schedule, name="cosine", warmup_steps=min(10, steps // 5), total_steps=steps)
+    cfg.optim = replace(cfg.optim, lr=lr)
+    cfg.data = replace(cfg.data, global_batch_size=8, micro_batch_size=8)
+    conversations = [setup.tokenizer.encode_conversation(c) for c in task_conversations(setup.post.task)]
+    rows = sft_rows(conversations, cfg.data.seq_len, setup.tokenizer.pad_id, packing=True)
+    kwargs = module_kwargs(setup) | {"total_steps": steps, "micro_batch_size": 8}
+    fit(setup, SFTModule(**kwargs), RowsDataModule(cfg.data, lambda: rows))
+    return directory

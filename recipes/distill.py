@@ -1,0 +1,55 @@
+"""Distillation, R1-Distill style: a teacher samples (verified by the rule rewards unless
+``rejection.verify=false``), then a smaller student is SFT-ed on those samples. Copy to adapt.
+
+    python recipes/distill.py                                    # CPU demo: cold-started teacher, 1-layer student
+    python recipes/distill.py teacher_from=outputs/grpo/<run> student.n_layers=2 student_from=null
+
+Stages, each in the run dir: ``teacher/`` (only without ``teacher_from``: a cold-start SFT of the
+``model`` group), ``distill_data.jsonl`` (the teacher's kept samples), then the student's SFT run
+(``model`` with the ``student`` overrides, or ``student_from``'s weights) with its checkpoints.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+import lightning as L
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from dsl_lit.data.conversations import read_conversations
+from dsl_lit.data.rejection import sample_to_file
+from dsl_lit.data.rows import RowsDataModule
+from dsl_lit.data.sft import sft_rows
+from dsl_lit.errors import ConfigError
+from dsl_lit.modules import SFTModule
+from dsl_lit.posttrain_run import cold_start_sft, fit, module_kwargs, setup_posttrain
+
+
+@hydra.main(config_path="../conf", config_name="distill", version_base="1.3")
+def main(hydra_cfg: DictConfig) -> None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    data = run_dir / "distill_data.jsonl"
+    if not data.is_file():  # a rerun resumes the student's SFT with the same data
+        teacher = hydra_cfg.get("teacher_from")
+        if not teacher:
+            teacher = str(cold_start_sft(hydra_cfg, run_dir / "teacher", hydra_cfg.teacher_cold_start_steps,
+                                         hydra_cfg.teacher_cold_start_lr))
+        teacher_setup = setup_posttrain(hydra_cfg, str(run_dir / "teacher"), init_from=teacher)
+        summary = sample_to_file(teacher_setup, data)
+        if not summary["kept"]:
+            raise ConfigError(f"the teacher {teacher} produced no accepted sample; train it longer, lower "
+                              "rejection.min_reward or set rejection.verify=false")
+
+    student_cfg = OmegaConf.merge(hydra_cfg, {"model": OmegaConf.to_container(hydra_cfg.student),
+                                              "init_from": hydra_cfg.get("student_from")})
+    setup = setup_posttrain(student_cfg, str(run_dir))
+    L.seed_everything(setup.cfg.trainer.seed, workers=True)
+    conversations = [setup.tokenizer.encode_conversation(c) for c in read_conversations(data)]
+    rows = sft_rows(conversations, setup.cfg.data.seq_len, setup.tokenizer.pad_id, packing=True)
+    fit(setup, SFTModule(**module_kwargs(setup)), RowsDataModule(setup.cfg.data, lambda: rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""Rejection sampling: k samples per prompt, keep the verified-correct ones, write an SFT dataset.
+
+    python recipes/rejection_sample.py                                   # CPU demo (cold-start model)
+    python recipes/rejection_sample.py init_from=outputs/grpo/<run> rejection.samples_per_prompt=16
+    python recipes/sft.py sft.dataset=outputs/rejection_sample/<run>/samples.jsonl   # then SFT on it
+
+Without ``init_from`` the model is first cold-started (``cold_start_steps`` of SFT, as in
+recipes/grpo.py), so the demo has something to sample from. Sampling runs in one process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from dsl_lit.data.rejection import sample_to_file
+from dsl_lit.posttrain_run import cold_start_sft, setup_posttrain
+
+
+@hydra.main(config_path="../conf", config_name="rejection_sample", version_base="1.3")
+def main(hydra_cfg: DictConfig) -> None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    init_from = None
+    if not hydra_cfg.get("init_from") and hydra_cfg.cold_start_steps:
+        init_from = str(cold_start_sft(hydra_cfg, run_dir, hydra_cfg.cold_start_steps, hydra_cfg.cold_start_lr))
+    setup = setup_posttrain(hydra_cfg, str(run_dir), init_from=init_from)
+    sample_to_file(setup, run_dir / setup.post.rejection.output)
+
+
+if __name__ == "__main__":
+    main()

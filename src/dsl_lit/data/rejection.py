@@ -1,0 +1,113 @@
+"""Rejection sampling (DeepSeek-R1's second SFT data and R1-Distill's): sample k completions per
+prompt, keep those the rule rewards accept, and return them as SFT conversations.
+
+Kept per prompt: at most ``keep_per_prompt`` accepted completions, distinct texts first. With
+``verify=False`` every sample is kept (plain distillation). The records carry the reward and the
+problem's reference so the written JSONL can be audited.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dsl_lit.data import arithmetic
+from dsl_lit.data.chat import ChatTokenizer, prompt_and_reply
+from dsl_lit.data.conversations import write_conversations
+from dsl_lit.generation import generate
+from dsl_lit.models import build_model
+from dsl_lit.posttrain_config import RejectionConfig
+from dsl_lit.rewards import WeightedRewards
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RejectionStats:
+    prompts: int = 0
+    samples: int = 0
+    accepted_samples: int = 0
+    kept: int = 0
+    prompts_with_a_kept_sample: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_samples / max(1, self.samples)
+
+
+def select(texts: Sequence[str], ended: Sequence[bool], problems: Sequence[dict[str, Any]],
+           rewards: WeightedRewards, cfg: RejectionConfig, stats: RejectionStats) -> list[list[tuple[str, float]]]:
+    """Per problem, the kept (text, reward) of its ``k = len(texts) / len(problems)`` consecutive
+    samples: finished (ended with end-of-sentence) and, when verifying, reward >= ``min_reward``;
+    distinct texts first, at most ``keep_per_prompt``. Updates ``stats``."""
+    k = len(texts) // len(problems)
+    total, _ = rewards(texts, [p for p in problems for _ in range(k)])
+    kept: list[list[tuple[str, float]]] = []
+    for i in range(len(problems)):
+        group = range(i * k, (i + 1) * k)
+        accepted = [j for j in group if ended[j] and (not cfg.verify or total[j].item() >= cfg.min_reward)]
+        stats.accepted_samples += len(accepted)
+        firsts = {texts[j]: j for j in reversed(accepted)}  # text -> its first accepted sample
+        distinct = sorted(firsts.values())
+        chosen = (distinct + [j for j in accepted if j not in distinct])[: cfg.keep_per_prompt]
+        kept.append([(texts[j], round(total[j].item(), 4)) for j in chosen])
+        stats.prompts_with_a_kept_sample += bool(chosen)
+    return kept
+
+
+def rejection_sample(
+    model: nn.Module,
+    tokenizer: ChatTokenizer,
+    problems: Sequence[dict[str, Any]],
+    prompt_of: Callable[[dict[str, Any]], list[dict[str, str]]],
+    cfg: RejectionConfig,
+    seed: int = 0,
+) -> tuple[list[dict[str, Any]], RejectionStats]:
+    """(records ``{"messages", "reward", "answer"}``, counts) for ``problems``."""
+    rewards = WeightedRewards(cfg.rewards)
+    generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+    s, k = cfg.sampling, cfg.samples_per_prompt
+    records: list[dict[str, Any]] = []
+    stats = RejectionStats()
+    for start in range(0, len(problems), cfg.batch_prompts):
+        chunk = problems[start : start + cfg.batch_prompts]
+        prompts = [tokenizer.encode_prompt(prompt_of(p)) for p in chunk]
+        out = generate(model, [p for p in prompts for _ in range(k)], s.max_new_tokens, temperature=s.temperature,
+                       top_p=s.top_p, top_k=s.top_k, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
+                       generator=generator)
+        texts = [tokenizer.decode(c) for c in out.completions]
+        ended = [bool(c) and c[-1] == tokenizer.eos_id for c in out.completions]
+        for problem, kept in zip(chunk, select(texts, ended, chunk, rewards, cfg, stats)):
+            records += [{"messages": prompt_and_reply(prompt_of(problem), text), "reward": reward,
+                         "answer": problem.get("answer")} for text, reward in kept]
+        stats.prompts += len(chunk)
+        stats.samples += len(chunk) * k
+    stats.kept = len(records)
+    return records, stats
+
+
+def sample_to_file(setup: Any, output: Path) -> dict[str, Any]:
+    """Rejection-sample the task's training prompts with a ``PostTrainSetup``'s model (its starting
+    weights), write the kept conversations to ``output`` (JSONL) and the counts beside it."""
+    cfg, post = setup.cfg, setup.post
+    torch.manual_seed(cfg.trainer.seed)
+    model = build_model(cfg.model)
+    if setup.initial_state is not None:
+        model.load_state_dict(setup.initial_state)
+    train, _ = arithmetic.split(post.task)
+    records, stats = rejection_sample(model, setup.tokenizer, train[: post.rejection.num_prompts], arithmetic.prompt,
+                                      post.rejection, seed=cfg.trainer.seed)
+    write_conversations(output, records)
+    summary = {**asdict(stats), "acceptance_rate": stats.acceptance_rate, "output": str(output)}
+    (output.parent / "rejection_stats.json").write_text(json.dumps(summary, indent=2))
+    log.info("rejection sampling: %d of %d samples accepted (%.1f%%); %d kept from %d of %d prompts -> %s",
+             stats.accepted_samples, stats.samples, 100 * stats.acceptance_rate, stats.kept,
+             stats.prompts_with_a_kept_sample, stats.prompts, output)
+    return summary
