@@ -47,6 +47,7 @@ class GRPOModule(PostTrainModule):
         self.eval_set, self.seed = list(eval_set), seed
         self.sampling: SamplingConfig = grpo.sampling
         self.reward_history: list[float] = []
+        self.rollout_tokens = 0
 
     def on_initial_weights(self) -> None:
         if self.grpo.beta:
@@ -117,11 +118,16 @@ class GRPOModule(PostTrainModule):
             metrics["kl"] = out.kl.sum() / targets
         return out.loss, metrics
 
+    def tokens_in_batch(self, batch: Batch) -> int:
+        """Tokens of the completions trained on (a prompt batch counts its rollout's)."""
+        return batch["input_ids"].numel() if "input_ids" in batch else self.rollout_tokens
+
     # -- one step: rollout, then mu optimizer steps ---------------------------------------------
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         if self.grpo.eval_every_n_steps and self.trainer.global_step % self.grpo.eval_every_n_steps == 0:
             self.log("eval/accuracy", self.evaluate())
         rollout, stats = self.rollout(batch)
+        self.rollout_tokens = rollout["input_ids"].numel()
         start = time.perf_counter()
         for _ in range(self.grpo.iterations):
             loss = super().training_step(rollout, batch_idx)
