@@ -90,8 +90,11 @@ def run_ours(corpus: PlantedCorpus, work: Path, scheme: str) -> tuple[float, set
     return seconds, removed
 
 
-def run_datasketch(corpus: PlantedCorpus) -> tuple[float, set[str]]:
-    from datasketch import MinHash, MinHashLSH
+def run_datasketch(corpus: PlantedCorpus) -> tuple[float, set[str]] | str:
+    try:
+        from datasketch import MinHash, MinHashLSH
+    except ImportError:
+        return "not installed (pip install datasketch)"
 
     start = time.perf_counter()
     lsh = MinHashLSH(threshold=0.8, num_perm=112)
