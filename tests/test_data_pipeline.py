@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import datasets
@@ -237,3 +239,31 @@ def test_command_line(messy_input: Path, tmp_path: Path) -> None:
     assert ok.returncode == 0, ok.stderr
     stats = json.loads((tmp_path / "cli" / "stats.json").read_text())
     assert set(stats["stages"]) == {"ingest", "normalize", "exact_dedup", "language_filter", "finalize"}
+
+
+@pytest.mark.slow
+def test_sigkill_then_the_same_command_finishes_only_the_rest(tmp_path: Path) -> None:
+    """A real SIGKILL of the command while the quality filter is half done: the same command again
+    reruns only the unfinished units and writes the bytes of an uninterrupted run."""
+    corpus = tmp_path / "in"
+    corpus.mkdir()
+    for shard in range(6):
+        lines = [json.dumps({"id": f"s{shard}-{i}", "text": _doc(shard * 1000 + i)}) for i in range(150)]
+        (corpus / f"part-{shard}.jsonl").write_text("\n".join(lines) + "\n")
+    cmd = [sys.executable, "-m", "data_pipeline", f"input.path={corpus}", "stages=[normalize,quality_filter]"]
+    full = subprocess.run([*cmd, f"output_dir={tmp_path / 'full'}"], capture_output=True, text=True, cwd=ROOT)
+    assert full.returncode == 0, full.stderr
+    out = tmp_path / "killed"
+    process = subprocess.Popen([*cmd, f"output_dir={out}"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list(out.glob("work/*quality_filter*/done/*.json")):
+        assert process.poll() is None and time.monotonic() < deadline, "the run ended before the filter started"
+        time.sleep(0.005)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    done = len(list(out.glob("work/*quality_filter*/done/*.json")))
+    assert 0 < done < 6 and not (out / "kept").exists()
+    rerun = subprocess.run([*cmd, f"output_dir={out}"], capture_output=True, text=True, cwd=ROOT)
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"quality_filter: {6 - done} of 6 units to run" in rerun.stderr + rerun.stdout
+    assert output_bytes(out) == output_bytes(tmp_path / "full")
