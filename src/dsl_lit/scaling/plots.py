@@ -12,6 +12,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on training machines
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import NullFormatter  # noqa: E402
 
 from dsl_lit.scaling.laws import PAPER_BATCH, PAPER_DATA_SCALE, PAPER_LR, PAPER_MODEL_SCALE, PowerLaw  # noqa: E402
 
@@ -78,6 +79,8 @@ def plot_optima(fitted: dict[str, Any], path: Path) -> Path | None:
         ax.plot(grid, [law(x) for x in grid], "-", label=f"fit {law.coefficient:.3g} C^{law.exponent:.3f}")
         ax.plot(grid, [paper(x) for x in grid], "--", label=f"paper {paper.coefficient:.4g} C^{paper.exponent:.4f}")
         ax.set(xscale="log", yscale="log", xlabel="compute C = M D (FLOPs)", ylabel=label)
+        for axis in (ax.xaxis, ax.yaxis):  # minor-tick labels of a short log range overlap
+            axis.set_minor_formatter(NullFormatter())
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

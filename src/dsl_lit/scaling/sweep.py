@@ -44,14 +44,15 @@ RESULT_FILE = "result.json"
 class SweepConfig:
     """The ``sweep`` node of ``conf/scaling_laws.yaml``."""
 
-    hparam_budgets: list[float] = field(default_factory=lambda: [3e10, 1e11])
-    hparam_shape: list[int] = field(default_factory=lambda: [2, 64])
+    hparam_budgets: list[float] = field(default_factory=lambda: [1e10, 3e10])
+    hparam_shape: list[int] = field(default_factory=lambda: [2, 32])
     """[n_layers, d_model] of the model the hyperparameter study trains."""
-    lrs: list[float] = field(default_factory=lambda: [1e-3, 3e-3, 1e-2])
-    batch_sizes: list[int] = field(default_factory=lambda: [8, 16, 32])
+    lrs: list[float] = field(default_factory=lambda: [3e-3, 1e-2, 3e-2])
+    batch_sizes: list[int] = field(default_factory=lambda: [4, 8, 16])
     """Sequences per step."""
-    isoflop_budgets: list[float] = field(default_factory=lambda: [3e10, 1e11, 3e11])
-    shapes: list[list[int]] = field(default_factory=lambda: [[2, 32], [2, 48], [2, 64], [2, 96], [2, 128], [2, 192]])
+    isoflop_budgets: list[float] = field(default_factory=lambda: [1e10, 3e10, 1e11])
+    shapes: list[list[int]] = field(
+        default_factory=lambda: [[1, 16], [2, 16], [1, 32], [2, 32], [2, 48], [2, 64], [2, 96], [2, 128]])
     isoflop_lr: float = 3e-3
     isoflop_batch_size: int = 16
     head_dim: int = 16
