@@ -74,17 +74,17 @@ def run(recipe: str, run_dir: Path, *overrides: str) -> None:
 
 def test_sft_then_dpo_recipes(tmp_path):
     sft, dpo = tmp_path / "sft", tmp_path / "dpo"
-    run("sft", sft, "model.n_layers=1", "data.seq_len=128", "data.global_batch_size=8", "trainer.max_steps=8",
-        "checkpoint.every_n_steps=8", "logger=csv", "task.num_problems=200")
+    run("sft", sft, "model.n_layers=1", "data.seq_len=128", "data.global_batch_size=8", "trainer.max_steps=6",
+        "checkpoint.every_n_steps=6", "logger=csv", "task.num_problems=200")
     sft_loss = {k: float(v) for k, v in metric(sft, "train/loss").items()}
-    assert sorted(sft_loss) == list(range(8)) and sft_loss[7] < sft_loss[0] - 2.0
-    assert (sft / "checkpoints" / "step-8" / "meta.json").is_file()
+    assert sorted(sft_loss) == list(range(6)) and sft_loss[5] < sft_loss[0] - 2.0
+    assert (sft / "checkpoints" / "step-6" / "meta.json").is_file()
 
-    run("dpo", dpo, f"init_from={sft}", "trainer.max_steps=10", "dpo.num_pairs=64", "data.global_batch_size=16",
+    run("dpo", dpo, f"init_from={sft}", "trainer.max_steps=8", "dpo.num_pairs=64", "data.global_batch_size=16",
         "data.micro_batch_size=8", "optim.lr=2e-3", "task.num_problems=200")
     loss = [float(v) for _, v in sorted(metric(dpo, "train/loss").items())]
     margin = [float(v) for _, v in sorted(metric(dpo, "train/rewards/margin").items())]
-    assert len(loss) == 10 and loss[0] == pytest.approx(0.6931, abs=1e-3)  # policy == reference at step 0
+    assert len(loss) == 8 and loss[0] == pytest.approx(0.6931, abs=1e-3)  # policy == reference at step 0
     assert sum(loss[-3:]) / 3 < loss[0] - 0.1
     assert sum(margin[-3:]) / 3 > margin[0] + 0.5
     assert list((dpo / "wandb").glob("offline-run-*")), "W&B offline run missing"
