@@ -77,7 +77,7 @@ def test_sft_then_dpo_recipes(tmp_path):
     run("sft", sft, "model.n_layers=1", "data.seq_len=128", "data.global_batch_size=8", "trainer.max_steps=6",
         "checkpoint.every_n_steps=6", "logger=csv", "task.num_problems=200")
     sft_loss = {k: float(v) for k, v in metric(sft, "train/loss").items()}
-    assert sorted(sft_loss) == list(range(6)) and sft_loss[5] < sft_loss[0] - 2.0
+    assert sorted(sft_loss) == list(range(6)) and sft_loss[5] < sft_loss[0] - 1.0
     assert (sft / "checkpoints" / "step-6" / "meta.json").is_file()
 
     run("dpo", dpo, f"init_from={sft}", "trainer.max_steps=8", "dpo.num_pairs=64", "data.global_batch_size=16",
