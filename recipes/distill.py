@@ -2,11 +2,11 @@
 ``rejection.verify=false``), then a smaller student is SFT-ed on those samples. Copy to adapt.
 
     python recipes/distill.py                                    # CPU demo: cold-started teacher, 1-layer student
-    python recipes/distill.py teacher_from=outputs/grpo/<run> student.n_layers=2 student_from=null
+    python recipes/distill.py teacher_from=outputs/grpo/<run> student.n_layers=2   # init_from: the student's start
 
 Stages, each in the run dir: ``teacher/`` (only without ``teacher_from``: a cold-start SFT of the
 ``model`` group), ``distill_data.jsonl`` (the teacher's kept samples), then the student's SFT run
-(``model`` with the ``student`` overrides, or ``student_from``'s weights) with its checkpoints.
+(``model`` with the ``student`` overrides, or ``init_from``'s weights) with its checkpoints.
 """
 
 from __future__ import annotations
@@ -42,12 +42,11 @@ def main(hydra_cfg: DictConfig) -> None:
             raise ConfigError(f"the teacher {teacher} produced no accepted sample; train it longer, lower "
                               "rejection.min_reward or set rejection.verify=false")
 
-    student_cfg = OmegaConf.merge(hydra_cfg, {"model": OmegaConf.to_container(hydra_cfg.student),
-                                              "init_from": hydra_cfg.get("student_from")})
+    student_cfg = OmegaConf.merge(hydra_cfg, {"model": OmegaConf.to_container(hydra_cfg.student)})
     setup = setup_posttrain(student_cfg, str(run_dir))
     L.seed_everything(setup.cfg.trainer.seed, workers=True)
     conversations = [setup.tokenizer.encode_conversation(c) for c in read_conversations(data)]
-    rows = sft_rows(conversations, setup.cfg.data.seq_len, setup.tokenizer.pad_id, packing=True)
+    rows = sft_rows(conversations, setup.cfg.data.seq_len, setup.tokenizer.pad_id, setup.post.sft.packing)
     fit(setup, SFTModule(**module_kwargs(setup)), RowsDataModule(setup.cfg.data, lambda: rows))
 
 
