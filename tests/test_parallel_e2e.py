@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dsl_lit.checkpoint.reader import load_checkpoint_model
 from dsl_lit.checkpoint.sharded import read_full_tensors
-from tests.test_export_hf import export_hf
 from tests.test_pretrain_e2e import losses, metric, run_recipe
 
 STEPS = ["trainer.max_steps=6", "logger=csv", "trainer.accelerator=cpu", "data.micro_batch_size=2"]
@@ -105,7 +105,7 @@ def test_checkpoints_resume_under_another_layout(layout_runs):
         assert float(val[5]) == pytest.approx(float(reference_val[5]), rel=1e-3), run.name
         assert _consumed_samples(run / "checkpoints" / "step-6") == 6 * 8
     if model == "deepseek_v3_tiny":  # HF export assembles any layout's shards: here 4 ranks of TP x PP
-        exported, _ = export_hf.load_checkpoint_model(root / "tp2_pp2" / "checkpoints" / "step-3")
+        exported, _ = load_checkpoint_model(root / "tp2_pp2" / "checkpoints" / "step-3")
         single = read_full_tensors(root / "single" / "checkpoints" / "step-3" / "shards", "state_dict/model.")
         assert exported.state_dict().keys() == single.keys()
         for name, tensor in exported.named_parameters():
