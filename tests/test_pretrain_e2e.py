@@ -1,6 +1,5 @@
-"""The real recipe, end to end, in subprocesses: training lowers the loss, checkpoints are written
-as step directories, W&B runs offline, and a stopped-then-resumed run reproduces the uninterrupted
-run's losses bit for bit."""
+"""The real recipe, end to end, in a subprocess: training lowers the loss, every metric is logged,
+checkpoints are written as step directories holding the whole training state, W&B runs offline."""
 
 from __future__ import annotations
 
@@ -44,18 +43,13 @@ def losses(run_dir: Path) -> dict[int, str]:
 
 
 @pytest.mark.slow
-def test_train_checkpoint_and_exact_resume(tmp_path):
-    full, split = tmp_path / "full", tmp_path / "split"
+def test_train_log_and_checkpoint(tmp_path):
+    """Exact resume (also after SIGKILL or SIGTERM) is checked in tests/test_fault_tolerance.py."""
+    full = tmp_path / "full"
     # default model deepseek_v3_tiny (2 layers: dense, MoE; one MTP module); default logger W&B + CSV
     run_recipe(full, "trainer.max_steps=12", "checkpoint.every_n_steps=4", "logger.expert_load_every_n_steps=4")
-    run_recipe(split, "trainer.max_steps=6", "checkpoint.every_n_steps=4", "logger=csv")
-    # the rerun of the same run dir resumes from step-4 (step 6 was not a multiple of 4, but the final
-    # step is saved too, so it resumes from step-6)
-    run_recipe(split, "trainer.max_steps=12", "checkpoint.every_n_steps=4", "logger=csv")
-
-    full_losses, split_losses = losses(full), losses(split)
-    assert sorted(full_losses) == list(range(12)) and sorted(split_losses) == list(range(12))
-    assert full_losses == split_losses  # bit for bit: same data order, schedule, optimizer state, expert bias
+    full_losses = losses(full)
+    assert sorted(full_losses) == list(range(12))
     assert float(full_losses[11]) < float(full_losses[0]) - 1.0
 
     ckpts = sorted(p.name for p in (full / "checkpoints").iterdir())
