@@ -72,6 +72,7 @@ def run(recipe: str, run_dir: Path, *overrides: str) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_sft_then_dpo_recipes(tmp_path):
     sft, dpo = tmp_path / "sft", tmp_path / "dpo"
     run("sft", sft, "model.n_layers=1", "data.seq_len=128", "data.global_batch_size=8", "trainer.max_steps=6",
