@@ -7,24 +7,25 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsl_lit.config import TrainConfig
 from dsl_lit.data.arithmetic import TaskConfig, problems
 from dsl_lit.data.chat import ChatTokenizer
 from dsl_lit.data.conversations import task_conversations
+from dsl_lit.data.datamodule import PretrainDataModule
 from dsl_lit.data.sft import IGNORE, document, packed_rows, padded_rows, sft_rows
 from dsl_lit.models import ModelConfig
 from dsl_lit.modules import SFTModule
 from dsl_lit.ops import cross_entropy
 from dsl_lit.optim import OptimConfig, ScheduleConfig
-from tests.conftest import ROOT
-
-TOKENIZER = ROOT / ".cache" / "bundled_v8192" / "tokenizer"
+from tests.conftest import compose_config
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> ChatTokenizer:
-    if not (TOKENIZER / "tokenizer.json").is_file():
-        pytest.skip("bundled tokenizer not built yet (run recipes/pretrain.py or recipes/sft.py once)")
-    return ChatTokenizer.from_dir(TOKENIZER)
+    """The bundled corpus's tokenizer (the recipes' default), built into .cache/ on first use."""
+    datamodule = PretrainDataModule(TrainConfig.from_hydra(compose_config()).data)
+    datamodule.prepare_data()
+    return ChatTokenizer.from_dir(datamodule.tokenizer_dir)
 
 
 CONVERSATION = [
