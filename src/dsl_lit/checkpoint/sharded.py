@@ -78,11 +78,16 @@ def insert_tensors(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return obj
 
 
+def _quiet_single_process() -> None:
+    """DCP warns on every single-process call that it assumes one process; here that is intended."""
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
 def _no_dist(process_group: dist.ProcessGroup | None) -> bool:
-    """One process, no process group: DCP then warns that it assumes so on every call; we know."""
+    """Whether this is one process without a process group (DCP's ``no_dist``)."""
     no_dist = process_group is None and not (dist.is_available() and dist.is_initialized())
     if no_dist:
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        _quiet_single_process()
     return no_dist
 
 
@@ -134,5 +139,6 @@ def read_full_tensors(directory: Path, prefix: str = "") -> dict[str, torch.Tens
         for key, meta in saved_tensors(directory).items() if key.startswith(prefix)
     }
     if template:
-        dcp.load(template, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=_no_dist(None) or True)
+        _quiet_single_process()
+        dcp.load(template, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=True)
     return {key[len(prefix):]: value for key, value in template.items()}
