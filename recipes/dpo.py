@@ -14,7 +14,6 @@ from omegaconf import DictConfig
 
 from dsl_lit.data.preference import collate_pairs, preference_rows, task_pairs
 from dsl_lit.data.rows import RowsDataModule
-from dsl_lit.errors import ConfigError
 from dsl_lit.modules import DPOModule
 from dsl_lit.posttrain_run import fit, module_kwargs, setup_posttrain
 
@@ -23,9 +22,6 @@ from dsl_lit.posttrain_run import fit, module_kwargs, setup_posttrain
 def main(hydra_cfg: DictConfig) -> None:
     setup = setup_posttrain(hydra_cfg, HydraConfig.get().runtime.output_dir)
     cfg, post = setup.cfg, setup.post
-    if cfg.parallel.pp > 1:
-        raise ConfigError("DPO needs each pair's reference log-probs in the loss, which a pipeline's last stage "
-                          "does not receive; use parallel.pp=1 (dp/tp/zero1 work)")
     L.seed_everything(cfg.trainer.seed, workers=True)
     rows = preference_rows(task_pairs(post.task, post.dpo.num_pairs), setup.tokenizer, cfg.data.seq_len)
     datamodule = RowsDataModule(cfg.data, lambda: rows, collate=collate_pairs)

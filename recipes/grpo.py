@@ -23,19 +23,11 @@ from dsl_lit.checkpoint.directory import latest_checkpoint
 from dsl_lit.data import arithmetic
 from dsl_lit.data.prompts import prompt_rows
 from dsl_lit.data.rows import RowsDataModule
-from dsl_lit.errors import ConfigError
 from dsl_lit.modules import GRPOModule
-from dsl_lit.posttrain_run import PostTrainSetup, cold_start_sft, fit, module_kwargs, setup_posttrain
+from dsl_lit.posttrain_run import cold_start_sft, fit, module_kwargs, setup_posttrain
 from dsl_lit.rewards import build_rewards
 
 log = logging.getLogger(__name__)
-
-
-def check_layout(setup: PostTrainSetup) -> None:
-    par = setup.cfg.parallel
-    if par.tp > 1 or par.pp > 1:
-        raise ConfigError(f"GRPO samples with the local model, which parallel.tp={par.tp} / parallel.pp={par.pp} "
-                          "shard; use data parallelism (trainer.devices=N, parallel.zero1 allowed)")
 
 
 @hydra.main(config_path="../conf", config_name="grpo", version_base="1.3")
@@ -46,7 +38,6 @@ def main(hydra_cfg: DictConfig) -> None:
     if not hydra_cfg.get("init_from") and hydra_cfg.grpo.cold_start_steps and not resuming:
         init_from = str(cold_start_sft(hydra_cfg, run_dir, hydra_cfg.grpo.cold_start_steps, hydra_cfg.grpo.cold_start_lr))
     setup = setup_posttrain(hydra_cfg, str(run_dir), init_from=init_from)
-    check_layout(setup)
     cfg, post, tokenizer = setup.cfg, setup.post, setup.tokenizer
     L.seed_everything(cfg.trainer.seed, workers=True)
 

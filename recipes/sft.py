@@ -18,7 +18,6 @@ from omegaconf import DictConfig
 from dsl_lit.data.conversations import load_conversations
 from dsl_lit.data.rows import RowsDataModule
 from dsl_lit.data.sft import sft_rows
-from dsl_lit.errors import ConfigError
 from dsl_lit.modules import SFTModule
 from dsl_lit.posttrain_run import fit, module_kwargs, setup_posttrain
 
@@ -29,9 +28,6 @@ log = logging.getLogger(__name__)
 def main(hydra_cfg: DictConfig) -> None:
     setup = setup_posttrain(hydra_cfg, HydraConfig.get().runtime.output_dir)
     cfg, post, tokenizer = setup.cfg, setup.post, setup.tokenizer
-    if post.sft.packing and cfg.parallel.pp > 1:
-        raise ConfigError("sft.packing=true needs per-document attention, which pipeline stages do not get; "
-                          "use sft.packing=false with parallel.pp > 1")
     L.seed_everything(cfg.trainer.seed, workers=True)
 
     conversations = [tokenizer.encode_conversation(c) for c in load_conversations(post.sft.dataset, post.task)]

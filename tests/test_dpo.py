@@ -1,14 +1,10 @@
-"""DPO: the objective through the module (reference log-probs cached vs a frozen reference model),
-and the R1-style pipeline through the real recipes: SFT writes a checkpoint, DPO starts from it,
-its loss falls and the chosen-vs-rejected margin rises (Lightning, Hydra, W&B offline, metrics.csv)."""
+"""DPO: the objective through the module (reference log-probs cached vs a frozen reference model).
+The recipe itself (loss falls, margin rises, and the same under pipeline parallelism) is tested in
+tests/test_posttrain_recipes.py."""
 
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +15,6 @@ from dsl_lit.models import ModelConfig
 from dsl_lit.modules import DPOModule
 from dsl_lit.optim import OptimConfig, ScheduleConfig
 from dsl_lit.posttrain_config import DPOConfig
-from tests.conftest import ROOT
-from tests.test_pretrain_e2e import metric
 from tests.test_sft import tokenizer  # noqa: F401  (fixture)
 
 
@@ -60,34 +54,3 @@ def test_cached_and_model_reference_agree_at_the_start(tokenizer):  # noqa: F811
         loss.backward()
         grads.append(module.model.output.weight.grad.clone())
     torch.testing.assert_close(grads[0], grads[1])
-
-
-def run(recipe: str, run_dir: Path, *overrides: str) -> None:
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / f"{recipe}.py"), f"hydra.run.dir={run_dir}", "trainer.progress_bar=false",
-         "trainer.log_every_n_steps=1", "checkpoint.every_minutes=0", *overrides],
-        capture_output=True, text=True, cwd=ROOT, timeout=600,
-        env={**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-
-
-@pytest.mark.slow
-def test_sft_then_dpo_recipes(tmp_path):
-    sft, dpo = tmp_path / "sft", tmp_path / "dpo"
-    run("sft", sft, "model.n_layers=1", "data.seq_len=128", "data.global_batch_size=8", "trainer.max_steps=6",
-        "checkpoint.every_n_steps=6", "logger=csv", "task.num_problems=200")
-    sft_loss = {k: float(v) for k, v in metric(sft, "train/loss").items()}
-    assert sorted(sft_loss) == list(range(6)) and sft_loss[5] < sft_loss[0] - 1.0
-    assert (sft / "checkpoints" / "step-6" / "meta.json").is_file()
-
-    run("dpo", dpo, f"init_from={sft}", "trainer.max_steps=8", "dpo.num_pairs=64", "data.global_batch_size=16",
-        "data.micro_batch_size=8", "optim.lr=2e-3", "task.num_problems=200")
-    loss = [float(v) for _, v in sorted(metric(dpo, "train/loss").items())]
-    margin = [float(v) for _, v in sorted(metric(dpo, "train/rewards/margin").items())]
-    assert len(loss) == 8 and loss[0] == pytest.approx(0.6931, abs=1e-3)  # policy == reference at step 0
-    assert sum(loss[-3:]) / 3 < loss[0] - 0.1
-    assert sum(margin[-3:]) / 3 > margin[0] + 0.5
-    assert list((dpo / "wandb").glob("offline-run-*")), "W&B offline run missing"
-    resolved = (dpo / "resolved_config.yaml").read_text()
-    assert f"init_from: {sft}" in resolved and "n_layers: 1" in resolved  # the SFT run's architecture

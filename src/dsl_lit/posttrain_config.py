@@ -22,7 +22,7 @@ class SFTConfig:
     dataset: str = "task"
     """``task``: the generated task's reference replies; else a .jsonl of ``{"messages": [...]}``."""
     packing: bool = True
-    """Pack conversations into rows with per-document positions and attention (not with pp > 1)."""
+    """Pack conversations into rows with per-document positions and attention."""
     epochs: float | None = None
     """When set, trainer.max_steps is derived from it (passes over the data)."""
 

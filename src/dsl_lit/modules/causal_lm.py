@@ -113,30 +113,42 @@ class CausalLMModule(L.LightningModule):
         }
 
     def loss_from_outputs(
-        self, outputs: tuple[torch.Tensor, ...], labels: torch.Tensor, normalizers: dict[str, torch.Tensor]
+        self, outputs: tuple[torch.Tensor, ...], micro_batch: Batch, normalizers: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, Metrics]:
         """(objective to backpropagate, detached metrics) of one micro-batch from the model's
-        outputs (logits, then MTP logits), each already divided by the step-wide ``normalizers``
-        so that summing over micro-batches gives the step's value. A pipeline's last stage calls
-        this too, so it must not run the model."""
+        outputs (logits, then MTP logits when :attr:`trains_mtp`) and the micro-batch's fields
+        (``labels``, and whatever else the objective's rows carry), each already divided by the
+        step-wide ``normalizers`` so that summing over micro-batches gives the step's value. A
+        pipeline's last stage calls this too, so it must not run the policy model."""
         raise NotImplementedError
 
     def step_metrics(self) -> dict[str, float]:
         """Extra per-step values to log (e.g. a coefficient schedule)."""
         return {}
 
-    def model_outputs(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    @property
+    def trains_mtp(self) -> bool:
+        """Whether the objective uses the MTP modules' logits (pretraining does)."""
+        return True
+
+    def model_inputs(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Per-row model inputs besides the token ids (``positions``, ``key_valid``), rows first:
+        what every pipeline stage receives with its micro-batch. Plain causal rows need none."""
+        return {}
+
+    def model_outputs(self, input_ids: torch.Tensor, **inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(logits, logits of each MTP depth): what a pipeline's last stage also returns."""
-        hidden = self.model.hidden_states(input_ids)
+        hidden = self.model.hidden_states(input_ids, inputs.get("positions"), inputs.get("key_valid"))
         logits = self.model.head(hidden)
-        return (logits, *self.model.mtp_logits(hidden, input_ids)) if len(self.model.mtp) else (logits,)
+        if not (self.trains_mtp and len(self.model.mtp)):
+            return (logits,)
+        return (logits, *self.model.mtp_logits(hidden, input_ids))
 
     def micro_batch_objective(self, micro_batch: Batch, normalizers: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
-        """Run the model on one micro-batch and return ``loss_from_outputs``. Objectives whose
-        batches carry more than ``input_ids`` and ``labels`` (packed-document positions, reference
-        log-probs, advantages) override this; a pipeline schedule only ever sees those two."""
-        outputs = self.model_outputs(micro_batch["input_ids"])
-        return self.loss_from_outputs(outputs, micro_batch["labels"], normalizers)
+        """Run the model on one micro-batch and return ``loss_from_outputs`` (the same path a
+        pipeline schedule takes, stage by stage)."""
+        outputs = self.model_outputs(micro_batch["input_ids"], **self.model_inputs(micro_batch))
+        return self.loss_from_outputs(outputs, micro_batch, normalizers)
 
     def micro_batch_loss(self, micro_batch: Batch, normalizers: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
         """Run the model on one micro-batch; its objective plus the MoE balance loss (the share of

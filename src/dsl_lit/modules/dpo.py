@@ -17,7 +17,7 @@ import torch
 
 from dsl_lit.modules.causal_lm import Batch, Metrics
 from dsl_lit.modules.posttrain import PostTrainModule
-from dsl_lit.objectives import dpo_loss
+from dsl_lit.objectives import dpo_loss, sequence_logps
 from dsl_lit.posttrain_config import DPOConfig
 
 
@@ -32,9 +32,8 @@ class DPOModule(PostTrainModule):
         return self.dpo.loss_type == "ipo"
 
     def sequence_logps(self, batch: Batch, model: torch.nn.Module | None = None) -> torch.Tensor:
-        per_token = self.token_logps(batch, model)
-        total = per_token.sum(-1)
-        return total / (batch["labels"] != -100).sum(-1).clamp_min(1) if self.average_logps else total
+        """Each row's log-prob of its reply under ``model`` (default: the policy)."""
+        return sequence_logps(self.logits(batch, model), batch["labels"], self.average_logps)
 
     def on_initial_weights(self) -> None:
         if self.dpo.reference == "model":
@@ -63,14 +62,16 @@ class DPOModule(PostTrainModule):
         normalizers["pairs"] = normalizers["sequences"] / 2
         return normalizers
 
-    def micro_batch_objective(self, micro_batch: Batch, normalizers: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
+    def loss_from_outputs(
+        self, outputs: tuple[torch.Tensor, ...], micro_batch: Batch, normalizers: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, Metrics]:
         if "ref_logps" in micro_batch:
             ref = micro_batch["ref_logps"].to(torch.float32)
-        else:
+        else:  # the frozen reference is whole on every rank: it runs here, on the last stage
             with torch.no_grad():
                 self.reference.eval()
                 ref = self.sequence_logps(micro_batch, self.reference)
-        policy = self.sequence_logps(micro_batch)
+        policy = sequence_logps(outputs[0], micro_batch["labels"], self.average_logps)
         out = dpo_loss(policy[0::2], policy[1::2], ref[0::2], ref[1::2], self.dpo.beta, self.dpo.loss_type,
                        self.dpo.label_smoothing)
         pairs = normalizers["pairs"]

@@ -11,9 +11,10 @@ One training step takes a batch of prompts and
 
 Logged per step: reward mean and std and each reward component, KL, clip fractions, completion
 length, and the seconds spent generating vs training. Sampling is seeded by (seed, step, dp rank),
-so a resumed run draws the same completions. Generation runs on the local model: data parallelism
-works (each rank samples its own prompts); tensor and pipeline parallelism do not (rejected at
-start-up).
+so a resumed run draws the same completions. Each data-parallel rank samples its own prompts; under
+tensor, pipeline or expert parallelism the ranks of a replica sample the same completions with a
+whole copy of the current policy (:meth:`PostTrainModule.inference_model`), then train the
+sharded policy on them.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dsl_lit.data.prompts import prompts_of
 from dsl_lit.generation import generate
 from dsl_lit.modules.causal_lm import Batch, Metrics
 from dsl_lit.modules.posttrain import PostTrainModule, shifted_completion
-from dsl_lit.objectives import group_advantages, grpo_loss
+from dsl_lit.objectives import group_advantages, grpo_loss, token_logps
 from dsl_lit.parallel.strategy import DeepSeekStrategy
 from dsl_lit.posttrain_config import GRPOConfig, SamplingConfig
 from dsl_lit.rewards import WeightedRewards, accuracy_reward
@@ -70,7 +71,8 @@ class GRPOModule(PostTrainModule):
         prompts = [p for p in prompts_of(batch) for _ in range(g)]
         samples = [self.problems[i] for i in batch["index"].tolist() for _ in range(g)]
         s = self.sampling
-        out = generate(self.model, prompts, s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+        policy = self.inference_model()
+        out = generate(policy, prompts, s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                        eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id,
                        generator=self._generator())
         texts = [self.tokenizer.decode(c) for c in out.completions]
@@ -80,7 +82,7 @@ class GRPOModule(PostTrainModule):
         if self.grpo.beta:
             rollout["ref_logps"] = self.frozen_token_logps(rollout, self.reference, self.micro_batch_size, self.temperature)
         if self.grpo.iterations > 1:
-            rollout["old_logps"] = self.frozen_token_logps(rollout, self.model, self.micro_batch_size, self.temperature)
+            rollout["old_logps"] = self.frozen_token_logps(rollout, policy, self.micro_batch_size, self.temperature)
         lengths = out.completion_mask.sum(-1).float()
         stats = {"reward/mean": rewards.mean().item(), "reward/std": rewards.std().item(),
                  "completion/length": lengths.mean().item(),
@@ -100,8 +102,10 @@ class GRPOModule(PostTrainModule):
         normalizers["tokens"] = tokens
         return normalizers
 
-    def micro_batch_objective(self, micro_batch: Batch, normalizers: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
-        logps = self.token_logps(micro_batch, temperature=self.temperature)
+    def loss_from_outputs(
+        self, outputs: tuple[torch.Tensor, ...], micro_batch: Batch, normalizers: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, Metrics]:
+        logps = token_logps(outputs[0], micro_batch["labels"], self.temperature)
         old = micro_batch.get("old_logps")
         mask = micro_batch["labels"] != -100
         out = grpo_loss(
@@ -159,7 +163,7 @@ class GRPOModule(PostTrainModule):
         correct = 0.0
         for i in range(0, len(self.eval_set), batch_size):
             chunk = self.eval_set[i : i + batch_size]
-            out = generate(self.model, [p for p, _ in chunk], self.sampling.max_new_tokens,
+            out = generate(self.inference_model(), [p for p, _ in chunk], self.sampling.max_new_tokens,
                            eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id)
             correct += sum(accuracy_reward(self.tokenizer.decode(c), p) for c, (_, p) in zip(out.completions, chunk))
         return correct / len(self.eval_set)

@@ -4,11 +4,16 @@ frozen reference model, and per-token log-probabilities.
 
 Only the main next-token head is trained here: DeepSeek-V3's MTP modules are left as they are
 (post-training in the V3 report is on the main model).
+
+Objectives are written as ``loss_from_outputs(outputs, micro_batch, normalizers)`` over the main
+logits, so a pipeline's last stage computes them as one process does; the per-row inputs the
+policy needs (positions, attention mask) come from :meth:`model_inputs` and reach every stage.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,8 +21,10 @@ from torch import nn
 
 from dsl_lit.data.sft import document_mask
 from dsl_lit.generation import positions_from_mask
+from dsl_lit.models import build_model
 from dsl_lit.modules.causal_lm import Batch, CausalLMModule
 from dsl_lit.objectives import token_logps
+from dsl_lit.parallel.strategy import DeepSeekStrategy
 
 
 def shifted_completion(sequences: torch.Tensor, valid: torch.Tensor, prompt_length: int) -> Batch:
@@ -32,11 +39,21 @@ def shifted_completion(sequences: torch.Tensor, valid: torch.Tensor, prompt_leng
     return {"input_ids": sequences[:, :-1], "labels": labels, "attention_mask": valid[:, :-1]}
 
 
+@dataclass
+class InferenceCopy:
+    """A whole, frozen copy of the policy (not a submodule: never trained or checkpointed) and the
+    optimizer step its weights are from."""
+
+    model: nn.Module
+    step: int
+
+
 class PostTrainModule(CausalLMModule):
     def __init__(self, *args: Any, initial_state: dict[str, torch.Tensor] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.initial_state = initial_state
         self.reference: nn.Module | None = None
+        self._inference: InferenceCopy | None = None
 
     def configure_model(self) -> None:
         """Build the model, then give it the starting weights (before any checkpoint is restored:
@@ -60,19 +77,51 @@ class PostTrainModule(CausalLMModule):
     @torch.no_grad()
     def refresh_reference(self) -> None:
         """The reference becomes the current policy (R1 refreshes it every 400 steps)."""
-        self.reference.load_state_dict(self.model.state_dict())
+        self.reference.load_state_dict(self.full_policy_state())
+
+    def full_policy_state(self) -> dict[str, torch.Tensor]:
+        """The policy's single-device state dict, gathered from its shards when the layout splits
+        it (a collective then: every rank calls it at the same point)."""
+        strategy = self.trainer.strategy
+        if isinstance(strategy, DeepSeekStrategy) and strategy.shards_model:
+            return strategy.full_state_dict(self.model)
+        return self.model.state_dict()
+
+    def inference_model(self) -> nn.Module:
+        """The whole policy, for sampling and frozen log-probs under any layout: the model itself
+        when this rank holds all of it, otherwise a single-device copy (eval mode) refreshed from
+        the shards once per optimizer step. Collective under sharded layouts."""
+        strategy = self.trainer.strategy
+        if not (isinstance(strategy, DeepSeekStrategy) and strategy.shards_model):
+            return self.model
+        step = self.trainer.global_step
+        if self._inference is None:
+            copy_ = build_model(self.model_config).to(self.device).eval().requires_grad_(False)
+            self._inference = InferenceCopy(copy_, -1)
+        if self._inference.step != step:
+            self._inference.model.load_state_dict(self.full_policy_state())
+            self._inference.step = step
+        return self._inference.model
+
+    @property
+    def trains_mtp(self) -> bool:
+        return False
+
+    def model_inputs(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Packed rows (``positions`` + ``doc_ids``: attention within each document), left-padded
+        generations (``attention_mask``: positions count real tokens only), or plain rows."""
+        if "doc_ids" in batch:
+            return {"positions": batch["positions"], "key_valid": document_mask(batch["doc_ids"])}
+        if "attention_mask" in batch:
+            key_valid = batch["attention_mask"].bool()
+            return {"positions": positions_from_mask(key_valid), "key_valid": key_valid}
+        return {}
 
     def logits(self, batch: Batch, model: nn.Module | None = None) -> torch.Tensor:
-        """Main-head logits of a batch: packed rows (``positions`` + ``doc_ids``), left-padded
-        generations (``attention_mask``), or plain rows."""
+        """Main-head logits of a batch under ``model`` (default: the policy, unpipelined)."""
         model = model if model is not None else self.model
-        positions, key_valid = batch.get("positions"), None
-        if "doc_ids" in batch:
-            key_valid = document_mask(batch["doc_ids"])
-        elif "attention_mask" in batch:
-            key_valid = batch["attention_mask"].bool()
-            positions = positions_from_mask(key_valid)
-        return model.head(model.hidden_states(batch["input_ids"], positions, key_valid))
+        inputs = self.model_inputs(batch)
+        return model.head(model.hidden_states(batch["input_ids"], inputs.get("positions"), inputs.get("key_valid")))
 
     def token_logps(self, batch: Batch, model: nn.Module | None = None, temperature: float = 1.0) -> torch.Tensor:
         """[rows, seq] log-probs of the batch's labels (0 at ignored positions)."""

@@ -25,8 +25,9 @@ class PretrainModule(CausalLMModule):
         return normalizers
 
     def loss_from_outputs(
-        self, outputs: tuple[torch.Tensor, ...], labels: torch.Tensor, normalizers: dict[str, torch.Tensor]
+        self, outputs: tuple[torch.Tensor, ...], micro_batch: Batch, normalizers: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, Metrics]:
+        labels = micro_batch["labels"]
         logits, *mtp_logits = outputs
         loss = cross_entropy(logits, labels) / normalizers["targets"]
         objective, metrics = loss, {"loss": loss.detach()}

@@ -2,8 +2,8 @@
 
 Rows come from :mod:`dsl_lit.data.sft` with the prompt tokens' labels at -100; the loss is the
 mean over the step's target tokens (as pretraining's). Packed rows carry per-document positions and
-an attention mask, so packing changes throughput, not the loss. Under pipeline parallelism the
-schedule calls :meth:`loss_from_outputs` on the last stage with padded rows.
+an attention mask, so packing changes throughput, not the loss, under any layout (a pipeline's
+stages receive them with their micro-batch).
 """
 
 from __future__ import annotations
@@ -17,10 +17,7 @@ from dsl_lit.ops import cross_entropy
 
 class SFTModule(PostTrainModule):
     def loss_from_outputs(
-        self, outputs: tuple[torch.Tensor, ...], labels: torch.Tensor, normalizers: dict[str, torch.Tensor]
+        self, outputs: tuple[torch.Tensor, ...], micro_batch: Batch, normalizers: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, Metrics]:
-        loss = cross_entropy(outputs[0], labels) / normalizers["targets"]
+        loss = cross_entropy(outputs[0], micro_batch["labels"]) / normalizers["targets"]
         return loss, {"loss": loss.detach()}
-
-    def micro_batch_objective(self, micro_batch: Batch, normalizers: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
-        return self.loss_from_outputs((self.logits(micro_batch),), micro_batch["labels"], normalizers)

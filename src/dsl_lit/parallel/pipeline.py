@@ -16,13 +16,18 @@ How a model becomes stages (the model code knows nothing of it):
   modules need the token embeddings, which live on the first stage: the first stage sends them
   down the pipeline beside the hidden states, so their gradient flows back to the one embedding
   (no duplicated, tied embedding to keep in sync as Megatron does).
+- Per-row inputs other than the tokens (per-document ``positions`` of packed rows, the attention
+  mask ``key_valid`` of padded or packed rows) are not activations: every stage gets its
+  micro-batch's slice as keyword arguments of the schedule's ``step``.
 - The sequence-wise balance loss of MoE layers is made where the layer is, not on the last stage:
   :class:`_AttachAuxLoss` hooks its gradient onto the stage's output (as DeepSeek-V2's reference
   code does), scaled by the micro-batch's share of the step's sequences.
 
 The loss function the schedule calls on the last stage is the LightningModule's own
 ``loss_from_outputs``, divided by step-wide counts, so the schedule runs with
-``scale_grads=False`` and accumulated gradients equal the single-device ones.
+``scale_grads=False`` and accumulated gradients equal the single-device ones. Its ``target`` is
+any tensor split along rows like the inputs: the strategy passes row indices, so an objective can
+read every field of its micro-batch (labels, advantages, reference log-probs).
 """
 
 from __future__ import annotations
@@ -156,13 +161,16 @@ class PipelineStageModule(nn.Module):
     logits, then one logits tensor per MTP depth; the others return what the next stage takes.
     """
 
-    def __init__(self, model: nn.Module, layer_ids: list[int], is_first: bool, is_last: bool) -> None:
+    def __init__(self, model: nn.Module, layer_ids: list[int], is_first: bool, is_last: bool,
+                 with_mtp: bool = True) -> None:
         super().__init__()
         self.model = model  # shared by the rank's stages; parameters() below lists only ours
         self.layer_ids = layer_ids
         self.is_first, self.is_last = is_first, is_last
         # from the config: stages other than the last have no MTP modules after pruning
         self.carries_embeddings = model.config.family == "deepseek_v3" and model.config.mtp_depth > 0
+        self.with_mtp = with_mtp
+        """Whether the last stage also returns the MTP logits (post-training trains the main head only)."""
         self.balance_scale = 0.0
         """1 / (sequences in the step on this rank), set per step: the micro-batch's share of the
         balance loss is its rows times this."""
@@ -211,14 +219,20 @@ class PipelineStageModule(nn.Module):
             for counts, saved in loads:
                 counts.copy_(saved)
 
-    def forward(self, x: torch.Tensor, embeddings: torch.Tensor | None = None) -> Any:
+    def forward(
+        self,
+        x: torch.Tensor,
+        embeddings: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        key_valid: torch.Tensor | None = None,
+    ) -> Any:
         m = self.model
         if self.is_first:
             x = m.tok_embeddings(x)
             embeddings = x if self.carries_embeddings else None
-        rope = m.rope(x.shape[1])
+        rope = m.rope(x.shape[1], 0, positions)
         for i in self.layer_ids:
-            x = m.layers[str(i)](x, rope)
+            x = m.layers[str(i)](x, rope, None, key_valid)
         if not self.is_last:
             x = self._attach_balance_losses(x)
             if not self.carries_embeddings:
@@ -226,7 +240,7 @@ class PipelineStageModule(nn.Module):
             # a stage's outputs must be its own tensors (the zero-bubble schedules detach_ them)
             return x, embeddings if self.is_first else embeddings.clone()
         logits = m.head(x)
-        mtp_logits = m.mtp_logits(x, embeddings) if len(m.mtp) else []
+        mtp_logits = m.mtp_logits(x, embeddings) if len(m.mtp) and self.with_mtp else []
         logits = self._attach_balance_losses(logits)  # after the MTP blocks ran: theirs count too
         return (logits, *mtp_logits) if mtp_logits else logits
 
@@ -265,6 +279,7 @@ class PipelineRunner:
         schedule: str,
         virtual_stages: int,
         device: torch.device,
+        with_mtp: bool = True,
     ) -> None:
         self.pp_group, self.schedule_name, self.device = pp_group, schedule, device
         pp = dist.get_world_size(pp_group)
@@ -274,7 +289,8 @@ class PipelineRunner:
         self.owned = stages_of_rank(dist.get_rank(pp_group), pp, virtual, schedule)
         prune_to_stages(model, self.stage_layers, self.owned)
         self.modules = [
-            PipelineStageModule(model, self.stage_layers[s], s == 0, s == self.n_stages - 1) for s in self.owned
+            PipelineStageModule(model, self.stage_layers[s], s == 0, s == self.n_stages - 1, with_mtp)
+            for s in self.owned
         ]
         self.has_first = any(m.is_first for m in self.modules)
         self.has_last = any(m.is_last for m in self.modules)
@@ -304,26 +320,29 @@ class PipelineRunner:
     def step(
         self,
         input_ids: torch.Tensor,
-        labels: torch.Tensor,
+        target: torch.Tensor,
         step_sequences: float,
         backward: bool = True,
         loss_scale: float = 1.0,
+        inputs: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """Forward and backward of every micro-batch (gradients accumulate in the parameters), or
-        with ``backward=False`` the forwards and losses only (validation)."""
+        with ``backward=False`` the forwards and losses only (validation). ``target`` reaches the
+        loss function split into micro-batches; ``inputs`` (``positions``, ``key_valid``: rows
+        first) reach every stage split the same way."""
         for module in self.modules:
             module.balance_scale = 1.0 / step_sequences
             module.balance_total = None
             module.loss_scale = loss_scale
         args = (input_ids,) if self.has_first else ()
-        target = labels if self.has_last else None
+        inputs = inputs or {}
         if backward:
-            self.schedule.step(*args, target=target, return_outputs=False)
+            self.schedule.step(*args, target=target if self.has_last else None, return_outputs=False, **inputs)
         else:
-            self._forward_only(input_ids, labels)
+            self._forward_only(input_ids, target, inputs)
 
     @torch.no_grad()
-    def _forward_only(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
+    def _forward_only(self, input_ids: torch.Tensor, target: torch.Tensor, inputs: dict[str, torch.Tensor]) -> None:
         """Validation: micro-batch by micro-batch through the stages in order, with blocking
         point-to-point sends (torch's zero-bubble schedules have no forward-only mode). Stage
         outputs travel in fp32 (the residual stream's dtype under autocast)."""
@@ -334,7 +353,9 @@ class PipelineRunner:
         n, (rows, seq) = self._n_microbatches, input_ids.shape
         d_model = self.modules[0].model.config.d_model
         carried = 2 if self.modules[0].carries_embeddings else 1
-        for mb_tokens, mb_labels in zip(input_ids.split(rows // n), labels.split(rows // n)):
+        size = rows // n
+        for k, (mb_tokens, mb_target) in enumerate(zip(input_ids.split(size), target.split(size))):
+            mb_inputs = {name: value[k * size : (k + 1) * size] for name, value in inputs.items()}
             held: Any = mb_tokens
             for s in range(self.n_stages):
                 if owner[s] != pp_rank:
@@ -343,11 +364,11 @@ class PipelineRunner:
                     held = tuple(torch.empty(mb_tokens.shape[0], seq, d_model, device=self.device) for _ in range(carried))
                     for t in held:
                         dist.recv(t, group=self.pp_group, group_src=owner[s - 1])
-                inputs = held if isinstance(held, tuple) else (held,)
-                out = mine[s](*inputs)
+                stage_args = held if isinstance(held, tuple) else (held,)
+                out = mine[s](*stage_args, **mb_inputs)
                 if s == self.n_stages - 1:
                     outputs = out if isinstance(out, tuple) else (out,)
-                    self._loss_fn(outputs, mb_labels, record=True)
+                    self._loss_fn(outputs, mb_target, record=True)
                     continue
                 held = out if isinstance(out, tuple) else (out,)
                 if owner[s + 1] != pp_rank:

@@ -43,6 +43,7 @@ from dsl_lit.parallel.expert_parallel import (
     expert_parameters,
     init_expert_parallel_mesh,
 )
+from dsl_lit.parallel.full_state import full_state_dict
 from dsl_lit.parallel.grad_sync import OverlappedGradientReducer
 from dsl_lit.parallel.pipeline import PipelineRunner
 from dsl_lit.parallel.tensor_parallel import apply_tensor_parallel
@@ -76,6 +77,7 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
         self._reducers: list[OverlappedGradientReducer] | None = None
         self._pipeline: PipelineRunner | None = None
         self._pp_metric_names: dict[str, list[str]] = {}
+        self._pp_batch: dict[str, torch.Tensor] | None = None
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -99,6 +101,15 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
     def pp_group(self) -> dist.ProcessGroup | None:
         return self.mesh["pp"].get_group() if self.mesh is not None and self.pp > 1 else None
 
+    @property
+    def shards_model(self) -> bool:
+        """Whether a rank holds less than the whole model (tensor, pipeline or expert parallel)."""
+        return self.tp > 1 or self.pp > 1 or self.ep > 1
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The single-device state dict of the sharded ``model``, on every rank (collective)."""
+        return full_state_dict(model, self.pp_group)
+
     def reduce_over_dp(self, tensor: torch.Tensor, reduce_op: str = "sum") -> torch.Tensor:
         """Reduce across data-parallel replicas only (tp ranks of a replica hold the same value)."""
         if self.world_size == 1:
@@ -117,7 +128,7 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
         if self.pp > 1:  # drop what this rank's stages do not hold, before sharding the rest
             self._pipeline = PipelineRunner(
                 module.model, module.model_config, self.pp_group, self.pp_schedule,
-                self.pp_virtual_stages, self.root_device,
+                self.pp_virtual_stages, self.root_device, with_mtp=module.trains_mtp,
             )
         if self.tp > 1:
             apply_tensor_parallel(module.model, module.model_config, self.mesh["tp"], self.sequence_parallel)
@@ -134,9 +145,12 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
         rows = batch["input_ids"].shape[0]
         self._pipeline.build_schedule(rows // module.micro_batch_size, self._pipeline_loss)
         self._pp_module, self._pp_normalizers, self._pp_totals = module, normalizers, {}
+        self._pp_batch = batch
+        row_ids = torch.arange(rows, device=batch["input_ids"].device)  # the loss reads its rows' fields
         with self.loss_context():
             self._pipeline.step(
-                batch["input_ids"], batch["labels"], float(rows), backward=backward, loss_scale=module.loss_scaler.scale
+                batch["input_ids"], row_ids, float(rows), backward=backward, loss_scale=module.loss_scaler.scale,
+                inputs=module.model_inputs(batch),
             )
         totals: dict[str, torch.Tensor] = dict(self._pp_totals)
         balance = self._pipeline.balance_total()
@@ -150,13 +164,16 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
         zero = torch.zeros((), device=self.root_device)
         values = torch.stack([totals.get(k, zero).float().reshape(()) for k in self._pp_metric_names[key]])
         dist.all_reduce(values, group=self.pp_group)
-        self._pp_module = self._pp_normalizers = None
+        self._pp_module = self._pp_normalizers = self._pp_batch = None
         return dict(zip(self._pp_metric_names[key], values))
 
-    def _pipeline_loss(self, outputs: tuple[torch.Tensor, ...], labels: torch.Tensor, record: bool) -> torch.Tensor:
-        """The schedule's loss function on the last stage: the module's own objective (metrics
-        recorded except in the schedule's shape-inference pass)."""
-        objective, metrics = self._pp_module.loss_from_outputs(outputs, labels, self._pp_normalizers)
+    def _pipeline_loss(self, outputs: tuple[torch.Tensor, ...], row_ids: torch.Tensor, record: bool) -> torch.Tensor:
+        """The schedule's loss function on the last stage: the module's own objective on the
+        micro-batch's rows of the step batch (metrics recorded except in the schedule's
+        shape-inference pass)."""
+        first, end = int(row_ids[0]), int(row_ids[-1]) + 1  # micro-batches are contiguous rows
+        micro_batch = {name: value[first:end] for name, value in self._pp_batch.items()}
+        objective, metrics = self._pp_module.loss_from_outputs(outputs, micro_batch, self._pp_normalizers)
         objective = objective * self._pp_module.loss_scaler.scale
         if not record:
             return objective
