@@ -6,6 +6,7 @@ their presets; ``cluster`` and ``plan`` are the planner's.
 
 from __future__ import annotations
 
+import dataclasses
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,9 @@ from dsl_lit.schema import dataclass_from_dict
 class PlanOptions:
     """The ``plan`` node: batch, sequence, precision, recompute, and whether to search layouts."""
 
+    name: str | None = None
+    """What the plan calls the model (null: the preset's name), e.g. for a preset reshaped into
+    another published model."""
     global_batch_size: int = 2304
     micro_batch_size: int = 1
     seq_len: int = 4096
@@ -49,8 +53,10 @@ def plan_inputs(cfg: DictConfig) -> tuple[ModelConfig, PlanLayout, ClusterConfig
     if "name" not in model_values:
         raise ConfigError("model.name is missing; pick a preset, e.g. model=deepseek_llm_7b")
     model = ModelConfig.from_name(model_values.pop("name"), **model_values)
+    options = dataclass_from_dict(PlanOptions, dict(raw.get("plan") or {}), "plan").validate()
+    if options.name:
+        model = dataclasses.replace(model, name=options.name)
     cluster = ClusterConfig.from_dict(dict(raw.get("cluster") or {})).validate()
-    options = dataclass_from_dict(PlanOptions, dict(raw.get("plan") or {}), "plan")
     parallel: dict[str, Any] = dict(raw.get("parallel") or {})
     unknown = sorted(set(parallel) - set(PARALLEL_KEYS))
     if unknown:

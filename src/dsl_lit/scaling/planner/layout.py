@@ -20,6 +20,10 @@ from dsl_lit.parallel.layout import validate_layout
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZB1P", "DualPipe", "DualPipeV")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+RECOMPUTE_MODES = (*MODES, "deepseek_v3")
+"""The runtime's modes, plus ``deepseek_v3``: DeepSeek-V3's own recipe (sections 3.2.3 and 3.3.2),
+planned only: norms, MLA up-projections and SwiGLU outputs recomputed, and under FP8 the cached
+linear inputs kept in FP8 (see :func:`dsl_lit.scaling.planner.memory.deepseek_v3_activations`)."""
 
 
 @dataclass
@@ -37,6 +41,7 @@ class PlanLayout:
     """Sequences per optimizer step over all data-parallel ranks."""
     seq_len: int = 4096
     recompute: str = "none"
+    """One of :data:`RECOMPUTE_MODES`."""
     precision: str = "bf16"
     """Matmul precision: fp32 | bf16 | fp16 | fp8 (DeepSeek-V3's FP8 GEMMs inside bf16 training)."""
     moments_dtype: str = "fp32"
@@ -77,8 +82,8 @@ class PlanLayout:
             )
         if self.pp_schedule not in SCHEDULES:
             raise ConfigError(f"parallel.pp_schedule={self.pp_schedule!r} is unknown to the planner; choose one of {SCHEDULES}")
-        if self.recompute not in MODES:
-            raise ConfigError(f"memory.recompute={self.recompute!r} is unknown; choose one of {list(MODES)}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ConfigError(f"plan.recompute={self.recompute!r} is unknown; choose one of {list(RECOMPUTE_MODES)}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"plan precision {self.precision!r} is unknown; choose one of {PRECISIONS}")
         if self.moments_dtype not in ("fp32", "bf16"):
@@ -108,6 +113,8 @@ class PlanLayout:
         """Why dsl-lit's own runtime could not run this layout (None: it could)."""
         if self.pp_schedule in ("ZB1P", "DualPipe"):
             return f"parallel.pp_schedule={self.pp_schedule} is planned only; dsl-lit runs GPipe, 1F1B, Interleaved1F1B, DualPipeV"
+        if self.recompute not in MODES:
+            return f"plan.recompute={self.recompute} is planned only; dsl-lit's memory.recompute runs {list(MODES)}"
         if self.precision == "fp8" and self.tp > 1:
             return "FP8 linears do not take tensor-parallel weights yet"
         parallel = ParallelConfig(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, zero1=self.zero1,

@@ -11,9 +11,13 @@ Activations: what backward keeps per token and block, listed from our blocks' co
 autograd saves for each matmul, norm, activation and attention call) for each recompute mode
 (:mod:`dsl_lit.memory.recompute`): ``none`` keeps them all, ``selective`` keeps the outputs of
 matmuls and attention (norms, activations and rotary are recomputed), ``full`` keeps each block's
-input. Times the micro-batches a pipeline schedule keeps in flight on a rank (DESIGN.md: 1F1B pp,
+input; the planner-only ``deepseek_v3`` is DeepSeek-V3's recipe (:func:`deepseek_v3_activations`).
+Times the micro-batches a pipeline schedule keeps in flight on a rank (DESIGN.md: 1F1B pp,
 DualPipe pp + 1 stage-micro-batches), plus the output logits of one micro-batch on the last stage,
 one block's full working set for the backward in progress, and MoE dispatch/combine buffers.
+
+Not counted: an EMA of the weights (DeepSeek-V3 keeps it in CPU memory), FP8 copies of weights
+(quantised per GEMM, one layer's worth at a time, inside the working set's margin).
 """
 
 from __future__ import annotations
@@ -27,6 +31,11 @@ from dsl_lit.scaling.planner.cluster import GIB, ClusterConfig
 from dsl_lit.scaling.planner.layout import PlanLayout
 
 FP32 = 4
+FP8_TILE = 1 + FP32 / 128
+"""An FP8 (E4M3) element plus its share of the fp32 scale of its 1x128 tile (DeepSeek-V3 3.3.2)."""
+E5M6_TILE = 1.5 + FP32 / 128
+"""DeepSeek-V3 caches the attention output (wo's input, also read by attention's backward) in its
+12-bit E5M6 format, same tiles (section 3.3.2 (1))."""
 
 
 def compute_bytes(layout: PlanLayout) -> int:
@@ -159,8 +168,50 @@ def ffn_activations(cfg: ModelConfig, layer_id: int, mode: str, layout: PlanLayo
     return 2 * d + router + k * (2 * cfg.d_model + 4 * f_routed) + 4 * f_shared
 
 
+def deepseek_v3_activations(cfg: ModelConfig, layer_id: int, layout: PlanLayout) -> float:
+    """Bytes per token one block keeps under DeepSeek-V3's recipe (arXiv 2412.19437 sections 3.2.3
+    and 3.3.2), tensor by tensor:
+
+    - every RMSNorm is recomputed: each sub-block keeps its input (the residual stream), not the
+      norm's output;
+    - MLA up-projections are recomputed: attention keeps the latents they start from (the query
+      latent, the kv latent with the shared rotary key) and rebuilds q, k, v for attention's
+      backward; without a query latent (``q_lora_rank`` null) the queries are kept; GQA keeps q, k, v;
+    - the attention output (wo's input) is kept, in E5M6 under FP8, plus fp32 softmax statistics;
+    - SwiGLU inputs (w1, w3 outputs) are kept, in FP8 under FP8, and its output recomputed;
+    - routed experts keep their dispatched input (FP8 under FP8: V3 dispatches FP8) per copy, the
+      router its fp32 scores and the top-k weights and indices. Assumed, as the paper does not
+      say: the combine weight scales the SwiGLU output before w2 on the expert's rank, so its
+      gradient comes from tensors already kept and expert outputs are not stored.
+
+    Without FP8 the same tensors are kept in the compute dtype."""
+    tp, sp = layout.tp, layout.sequence_parallel
+    act = compute_bytes(layout)
+    fp8 = layout.precision == "fp8"
+    linear_in, attention_out = (FP8_TILE, E5M6_TILE) if fp8 else (act, act)
+    d = cfg.d_model / (tp if sp else 1)
+    h = cfg.n_heads / tp
+    if cfg.family == "deepseek_v3":
+        latents = (cfg.q_lora_rank or 0) + cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        queries = 0.0 if cfg.q_lora_rank else h * cfg.qk_head_dim
+        kept, out = latents + queries, h * cfg.v_head_dim
+    else:
+        kept, out = (h + 2 * max(1.0, cfg.n_kv_heads / tp)) * cfg.head_dim, h * cfg.head_dim
+    attention = (d + kept) * act + out * attention_out + h * FP32
+    ffn = d * act
+    if not cfg.is_moe_layer(layer_id):
+        return attention + ffn + 2 * cfg.ffn_hidden / tp * linear_in
+    k, f_routed = cfg.n_activated_experts, cfg.moe_ffn_hidden / (1 if layout.ep > 1 else tp)
+    f_shared = cfg.n_shared_experts * cfg.moe_ffn_hidden / tp
+    ffn += cfg.n_routed_experts * FP32 + k * (FP32 + 8)  # scores; top-k weights (fp32) and indices (int64)
+    ffn += k * (cfg.d_model + 2 * f_routed) * linear_in + 2 * f_shared * linear_in
+    return attention + ffn
+
+
 def block_activations(cfg: ModelConfig, layer_id: int, mode: str, layout: PlanLayout) -> float:
     """Bytes per token one block keeps for backward under ``mode``."""
+    if mode == "deepseek_v3":
+        return deepseek_v3_activations(cfg, layer_id, layout)
     size = compute_bytes(layout)
     elements = attention_activations(cfg, mode, layout.tp, layout.sequence_parallel)
     elements += ffn_activations(cfg, layer_id, mode, layout, size)
@@ -184,8 +235,19 @@ def in_flight(rank: int, layout: PlanLayout) -> float:
     if schedule == "Interleaved1F1B":
         return float(min(m * v, pp * v + pp - 1 - 2 * rank))
     if schedule == "DualPipe":
-        return float(pp + 1)
-    return float(2 * pp + 1)  # DualPipeV
+        return float(min(m, pp + 1))
+    return float(min(m * v, 2 * pp + 1))  # DualPipeV
+
+
+def moe_buffers(cfg: ModelConfig, layout: PlanLayout) -> float:
+    """Bytes of the all-to-all buffers in use: one micro-batch's k copies per token received by
+    dispatch (FP8 under FP8) and sent back by combine (compute dtype); DualPipe and DualPipeV
+    run a forward and a backward chunk's all-to-alls at once, so twice that."""
+    tokens = layout.micro_batch_size * layout.seq_len
+    dispatch = FP8_TILE if layout.precision == "fp8" else compute_bytes(layout)
+    overlapped = layout.pp > 1 and layout.pp_schedule in ("DualPipe", "DualPipeV")
+    copies = tokens * cfg.n_activated_experts * cfg.d_model
+    return copies * (dispatch + compute_bytes(layout)) * (2 if overlapped else 1)
 
 
 @dataclass
@@ -240,7 +302,7 @@ def estimate_memory(cfg: ModelConfig, layout: PlanLayout, cluster: ClusterConfig
         rank_layers = [i for s in stages for i in stage_layers[s]]
         working = tokens * max(block_activations(cfg, i, "none", layout) for i in rank_layers)
         if cfg.is_moe:
-            working += 2 * tokens * cfg.n_activated_experts * cfg.d_model * size  # dispatch + combine buffers
+            working += moe_buffers(cfg, layout)
         estimates.append(MemoryEstimate(
             weights=n * (FP32 if fp32 else 2), gradients=n * FP32, optimizer=optimizer, activations=activations,
             logits=logits, working=working, reserved=0.0, pp_rank=rank, params_on_gpu=n,
