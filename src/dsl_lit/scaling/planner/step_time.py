@@ -11,7 +11,14 @@ Per micro-batch and rank, forward F and backward B add up
   ``efficiency.attention``;
 - memory-bound work (norms, activations, rotary, residuals): ``efficiency.activation_passes`` HBM
   passes over the bytes backward keeps without recompute, a quarter in forward;
-- recompute: ``full`` runs each block's forward again in backward;
+- FP8 casts (``precision=fp8``): DeepSeek-V3 quantises in kernels of their own (section 3.5.2:
+  BF16 read from HBM, FP8 written back, read again by the GEMM; for the weight gradient the cached
+  1x128 tiles are read, transposed and re-quantised to 128x1): per token and linear, its input is
+  quantised in forward (2 + 1 bytes per element) and re-tiled in backward (1 + 1), its output
+  gradient quantised for both GEMMs of backward (2 + 1 + 1); at ``efficiency.hbm``;
+- recompute: ``selective`` and ``deepseek_v3`` repeat the forward's memory-bound work (norms,
+  activations) in backward, ``deepseek_v3`` also the MLA up-projections' GEMMs; ``full`` runs each
+  block's forward again;
 - tensor parallelism: two all-reduces of the hidden states per block in forward and two in
   backward (ring: 2 (tp-1)/tp of the bytes), over NVLink inside a node, ``tp_overlap`` hidden.
 
@@ -46,6 +53,7 @@ from dsl_lit.models.config import ModelConfig
 from dsl_lit.scaling.planner.cluster import ClusterConfig
 from dsl_lit.scaling.planner.layout import PlanLayout
 from dsl_lit.scaling.planner.memory import (
+    FP8_TILE,
     FP32,
     block_activations,
     compute_bytes,
@@ -90,6 +98,50 @@ def _gemm_dtype(layout: PlanLayout) -> str:
 
 def _block_matmul_params(cfg: ModelConfig, layer_id: int) -> float:
     return float(attention_params(cfg) + ffn_params_per_token(cfg, layer_id))
+
+
+def _fp8_cast_bytes(cfg: ModelConfig, layer_id: int, layout: PlanLayout) -> tuple[float, float]:
+    """(forward, backward) HBM bytes per token of the FP8 casts around one block's linears.
+
+    Elements per token: ``quantised`` distinct linear inputs cast in forward (a routed token is
+    cast once, before its FP8 dispatch), ``retiled`` GEMM inputs re-tiled for the weight gradient
+    (each routed copy), ``grads`` linear outputs whose gradient is cast."""
+    if layout.precision != "fp8":
+        return 0.0, 0.0
+    tp, d = layout.tp, cfg.d_model
+    h = cfg.n_heads / tp
+    if cfg.family == "deepseek_v3":
+        latent_kv = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        up_kv = h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        if cfg.q_lora_rank:
+            inputs = d + cfg.q_lora_rank + cfg.kv_lora_rank + h * cfg.v_head_dim
+            grads = cfg.q_lora_rank + h * cfg.qk_head_dim + latent_kv + up_kv + d
+        else:
+            inputs = d + cfg.kv_lora_rank + h * cfg.v_head_dim
+            grads = h * cfg.qk_head_dim + latent_kv + up_kv + d
+    else:
+        inputs = d + h * cfg.head_dim
+        grads = (h + 2 * max(1.0, cfg.n_kv_heads / tp)) * cfg.head_dim + d
+    retiled = inputs
+    if not cfg.is_moe_layer(layer_id):
+        f = cfg.ffn_hidden / tp
+        inputs, retiled, grads = inputs + d + f, retiled + d + f, grads + 2 * f + d
+    else:
+        k, f_routed = cfg.n_activated_experts, cfg.moe_ffn_hidden / (1 if layout.ep > 1 else tp)
+        f_shared = cfg.n_shared_experts * cfg.moe_ffn_hidden / tp
+        inputs += d + f_shared + k * f_routed
+        retiled += d + f_shared + k * (d + f_routed)
+        grads += 2 * f_shared + d + k * (2 * f_routed + d)
+    bf16 = 2.0
+    return inputs * (bf16 + FP8_TILE), retiled * 2 * FP8_TILE + grads * (bf16 + 2 * FP8_TILE)
+
+
+def _up_projection_params(cfg: ModelConfig) -> float:
+    """MLA's up-projection weights (query and key/value), which ``deepseek_v3`` recomputes."""
+    if cfg.family != "deepseek_v3":
+        return 0.0
+    kv = cfg.kv_lora_rank * cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    return kv + (cfg.q_lora_rank * cfg.n_heads * cfg.qk_head_dim if cfg.q_lora_rank else 0)
 
 
 def _block_attention_flops(cfg: ModelConfig, seq_len: int) -> float:
@@ -152,12 +204,18 @@ def estimate_step_time(cfg: ModelConfig, layout: PlanLayout, cluster: ClusterCon
             head_gemm = 2 * tokens * cfg.d_model * cfg.vocab_size * (1 + mtp_depth(cfg)) / tp / gemm_peak
         fwd_attention = len(blocks) * tokens * _block_attention_flops(cfg, layout.seq_len) / 2 / tp / attention_peak
         memory_bound = sum(tokens * block_activations(cfg, i, "none", layout) for i in blocks) * eff.activation_passes / hbm
+        casts = [_fp8_cast_bytes(cfg, i, layout) for i in blocks]
+        cast_fwd, cast_bwd = (tokens * sum(c[j] for c in casts) / hbm for j in (0, 1))
         tp_comm = len(blocks) * tp_seconds_per_block
-        forward = (fwd_gemm + head_gemm + fwd_attention) * slowdown + memory_bound / 4
+        forward = (fwd_gemm + head_gemm + fwd_attention) * slowdown + memory_bound / 4 + cast_fwd
         weight_grad = (fwd_gemm + head_gemm) * slowdown
-        backward = 2 * weight_grad + ATTENTION_BACKWARD * fwd_attention * slowdown + 3 * memory_bound / 4
+        backward = 2 * weight_grad + ATTENTION_BACKWARD * fwd_attention * slowdown + 3 * memory_bound / 4 + cast_bwd
         if layout.recompute == "full":
-            backward += (fwd_gemm + fwd_attention) * slowdown + memory_bound / 4
+            backward += (fwd_gemm + fwd_attention) * slowdown + memory_bound / 4 + cast_fwd
+        elif layout.recompute != "none":  # norms and activations again; deepseek_v3: MLA up-projections too
+            backward += memory_bound / 4
+            if layout.recompute == "deepseek_v3":
+                backward += len(blocks) * 2 * tokens * _up_projection_params(cfg) / tp / block_peak * slowdown
         moe_layers = sum(1 for i in blocks if cfg.is_moe_layer(i))
         ep_comm = moe_layers * _all_to_all_seconds(cfg, layout, cluster, tokens)
         ranks.append((forward, backward, weight_grad, tp_comm, ep_comm, rank))
