@@ -5,7 +5,9 @@
     python recipes/sft.py sft.dataset=outputs/rejection_sample/<run>/samples.jsonl   # then SFT on it
 
 Without ``init_from`` the model is first cold-started (``cold_start_steps`` of SFT, as in
-recipes/grpo.py), so the demo has something to sample from. Sampling runs in one process.
+recipes/grpo.py), so the demo has something to sample from. Sampling runs on every process of
+``trainer.devices`` x ``trainer.num_nodes`` (each draws its share of the prompt batches; the output
+is the same for any number), e.g. ``init_from=... trainer.devices=4``.
 """
 
 from __future__ import annotations
@@ -16,8 +18,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from dsl_lit.data.rejection import sample_to_file
-from dsl_lit.posttrain_run import cold_start_sft, setup_posttrain
+from dsl_lit.posttrain_run import cold_start_sft, sample_to_file, setup_posttrain
 
 
 @hydra.main(config_path="../conf", config_name="rejection_sample", version_base="1.3")

@@ -4,23 +4,34 @@ SFT -> DPO and SFT -> GRPO as in DeepSeek-R1, each from the SFT run's checkpoint
 Layout parity: the same step computed by one process and by a layout that splits the model gives
 the same numbers (bit-for-bit metrics are not expected: reductions run in another order).
 
-- SFT with packed rows (per-document positions and attention) under a 2-stage 1F1B pipeline;
+- SFT with packed rows (per-document positions and attention) on 2 data-parallel replicas of a
+  2-stage 1F1B pipeline (replicas hold different numbers of targets: the loss is still the mean
+  over the global batch's targets);
 - DPO with a frozen reference model under the pipeline (the reference runs on the last stage);
 - GRPO with mu=2 and a KL reference: tensor parallel for two steps, then resumed from that
   checkpoint as a 2-stage pipeline; each rollout is sampled from a whole copy of the sharded policy,
-  so the rewards (the same samples) and the update match the one-process run step for step.
+  so the rewards (the same samples) and the update match the one-process run step for step;
+- distillation on two processes: the teacher's samples (Lightning's predict loop, prompt batches
+  split over the processes) are exactly those one process draws, then the student trains.
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
+from dsl_lit.data import arithmetic
+from dsl_lit.data.chat import ChatTokenizer
+from dsl_lit.data.rejection import rejection_sample
+from dsl_lit.posttrain_config import PostTrainConfig
+from dsl_lit.pretrained import load_pretrained
 from tests.conftest import ROOT
 
 SFT_STEPS = 30
@@ -32,6 +43,9 @@ DPO = ["dpo.reference=model", "dpo.num_pairs=64", "data.global_batch_size=16", "
 GRPO = ["data.global_batch_size=4", "data.micro_batch_size=2", "grpo.group_size=4", "grpo.sampling.max_new_tokens=16",
         "grpo.iterations=2", "grpo.eval_every_n_steps=0", "checkpoint.every_n_steps=2"]
 PIPELINE = ["trainer.devices=2", "parallel=pp_1f1b"]
+DISTILL = ["rejection.num_prompts=32", "rejection.batch_prompts=8", "rejection.min_reward=0.5",
+           "rejection.keep_per_prompt=4", "data.global_batch_size=4", "data.micro_batch_size=2", "trainer.max_steps=3",
+           "checkpoint.every_n_steps=0"]
 
 
 def run(recipe: str, run_dir: Path, *overrides: str) -> None:
@@ -72,9 +86,9 @@ def test_sft_recipe_and_packed_pipeline_parity(sft_run, tmp_path):
     assert sorted(loss) == list(range(SFT_STEPS))
     assert loss[SFT_STEPS - 1] < loss[0] - 5.0  # measured: 9.03 -> 1.53
     assert (sft_run / "checkpoints" / f"step-{SFT_STEPS}" / "meta.json").is_file()
-    # the first 3 steps again with packed rows split over two pipeline stages (same lr schedule)
-    piped = tmp_path / "sft_pp2"
-    run("sft", piped, *SFT, "trainer.max_steps=3", "checkpoint.every_n_steps=0", *PIPELINE)
+    # the first 3 steps again on dp=2 x pp=2 (same lr schedule)
+    piped = tmp_path / "sft_dp2_pp2"
+    run("sft", piped, *SFT, "trainer.max_steps=3", "checkpoint.every_n_steps=0", "trainer.devices=4", "parallel=pp_1f1b")
     expected = {step: r for step, r in rows(sft_run).items() if step < 3}
     assert_same_steps(rows(piped), expected, ["train/loss", "train/grad_norm"], rel=1e-4)
 
@@ -114,3 +128,22 @@ def test_grpo_recipe_under_tensor_then_pipeline_parallel_with_resume(sft_run, tm
     keys = ["reward/mean", "reward/std", "completion/length", "train/loss", "train/kl", "train/grad_norm",
             "train/clip_fraction"]
     assert_same_steps(rows(sharded), expected, keys, rel=2e-3, abs_=1e-5)
+
+
+@pytest.mark.slow
+def test_distill_samples_on_two_processes_what_one_draws(sft_run, tmp_path):
+    run_dir = tmp_path / "distill"
+    run("distill", run_dir, f"teacher_from={sft_run}", *DISTILL, "trainer.devices=2")
+    raw = yaml.safe_load((run_dir / "teacher" / "resolved_config.yaml").read_text())
+    post = PostTrainConfig.from_raw(raw)
+    teacher, _ = load_pretrained(sft_run)
+    train, _ = arithmetic.split(post.task)
+    expected, stats = rejection_sample(teacher.eval(), ChatTokenizer.from_dir(post.tokenizer_dir),
+                                       train[: post.rejection.num_prompts], arithmetic.prompt, post.rejection,
+                                       seed=raw["trainer"]["seed"])
+    written = [json.loads(line) for line in (run_dir / "distill_data.jsonl").read_text().splitlines()]
+    assert stats.kept > 0 and written == expected
+    assert json.loads((run_dir / "rejection_stats.json").read_text())["samples"] == 32 * post.rejection.samples_per_prompt
+    student = rows(run_dir)
+    assert sorted(student) == [0, 1, 2] and student[2]["train/loss"] < student[0]["train/loss"]
+    assert "n_layers: 1" in (run_dir / "resolved_config.yaml").read_text()  # the student's architecture

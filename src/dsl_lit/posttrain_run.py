@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 from dsl_lit.build import build_trainer, resume_path  # also registers ${project_root:}
-from dsl_lit.config import TrainConfig
+from dsl_lit.config import ParallelConfig, TrainConfig
 from dsl_lit.data.chat import ChatTokenizer
 from dsl_lit.data.datamodule import PretrainDataModule
 from dsl_lit.errors import ConfigError
@@ -86,6 +86,32 @@ def fit(setup: PostTrainSetup, module: Any, datamodule: Any) -> Any:
         raise SystemExit(143) from None
     finish_run(trainer)
     return trainer
+
+
+def sample_to_file(setup: PostTrainSetup, output: Path) -> dict[str, Any]:
+    """Rejection-sample the task's training prompts with the setup's starting weights on every
+    process of ``trainer.devices`` x ``trainer.num_nodes`` (each the whole model: ``parallel`` is
+    for training), write the kept conversations to ``output`` (JSONL, rank 0) and the counts
+    beside it; returns the counts (on every rank)."""
+    from dsl_lit.data import arithmetic
+    from dsl_lit.data.rejection import summary_of, write_samples
+    from dsl_lit.data.rows import RowsDataModule
+    from dsl_lit.modules import RejectionSamplingModule
+
+    cfg, post = setup.cfg, setup.post
+    cfg = replace(cfg, parallel=ParallelConfig(), checkpoint=replace(cfg.checkpoint, every_n_steps=0, every_minutes=0))
+    train, _ = arithmetic.split(post.task)
+    problems = train[: post.rejection.num_prompts]
+    module = RejectionSamplingModule(cfg.model, setup.initial_state, setup.tokenizer, problems, arithmetic.prompt,
+                                     post.rejection, seed=cfg.trainer.seed)
+    datamodule = RowsDataModule(cfg.data, lambda: {"index": torch.arange(len(problems))})
+    datamodule.predict_batch_size = post.rejection.batch_prompts
+    trainer = build_trainer(cfg)
+    trainer.predict(module, datamodule=datamodule, return_predictions=False)
+    summary = write_samples(output, module.records, module.stats) if trainer.is_global_zero else None
+    if trainer.world_size > 1:
+        torch.distributed.barrier()  # the file is complete before any rank goes on to read it
+    return summary or summary_of(module.stats, output)
 
 
 def cold_start_sft(hydra_cfg: DictConfig, run_dir: Path, steps: int, lr: float) -> Path:

@@ -18,11 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from dsl_lit.data import arithmetic
 from dsl_lit.data.chat import ChatTokenizer, prompt_and_reply
 from dsl_lit.data.conversations import write_conversations
 from dsl_lit.generation import generate
-from dsl_lit.models import build_model
 from dsl_lit.posttrain_config import RejectionConfig
 from dsl_lit.rewards import WeightedRewards
 
@@ -40,6 +38,9 @@ class RejectionStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_samples / max(1, self.samples)
+
+    def __add__(self, other: RejectionStats) -> RejectionStats:
+        return RejectionStats(**{k: v + getattr(other, k) for k, v in asdict(self).items()})
 
 
 def select(texts: Sequence[str], ended: Sequence[bool], problems: Sequence[dict[str, Any]],
@@ -62,6 +63,40 @@ def select(texts: Sequence[str], ended: Sequence[bool], problems: Sequence[dict[
     return kept
 
 
+def batch_generator(device: torch.device, seed: int, first_index: int) -> torch.Generator:
+    """The sampling generator of the prompt batch starting at problem ``first_index``: seeded by
+    the batch, not by the process, so any number of processes draws the same samples."""
+    return torch.Generator(device).manual_seed(seed + 1_000_003 * first_index)
+
+
+def sample_batch(
+    model: nn.Module,
+    tokenizer: ChatTokenizer,
+    problems: Sequence[dict[str, Any]],
+    prompt_of: Callable[[dict[str, Any]], list[dict[str, str]]],
+    cfg: RejectionConfig,
+    rewards: WeightedRewards,
+    stats: RejectionStats,
+    generator: torch.Generator,
+) -> list[dict[str, Any]]:
+    """Sample ``cfg.samples_per_prompt`` completions of each problem's prompt, keep the accepted
+    ones (:func:`select`); records ``{"messages", "reward", "answer"}``. Updates ``stats``."""
+    s, k = cfg.sampling, cfg.samples_per_prompt
+    prompts = [tokenizer.encode_prompt(prompt_of(p)) for p in problems]
+    out = generate(model, [p for p in prompts for _ in range(k)], s.max_new_tokens, temperature=s.temperature,
+                   top_p=s.top_p, top_k=s.top_k, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
+                   generator=generator)
+    texts = [tokenizer.decode(c) for c in out.completions]
+    ended = [bool(c) and c[-1] == tokenizer.eos_id for c in out.completions]
+    records = [{"messages": prompt_and_reply(prompt_of(problem), text), "reward": reward, "answer": problem.get("answer")}
+               for problem, kept in zip(problems, select(texts, ended, problems, rewards, cfg, stats))
+               for text, reward in kept]
+    stats.prompts += len(problems)
+    stats.samples += len(problems) * k
+    stats.kept += len(records)
+    return records
+
+
 def rejection_sample(
     model: nn.Module,
     tokenizer: ChatTokenizer,
@@ -70,42 +105,27 @@ def rejection_sample(
     cfg: RejectionConfig,
     seed: int = 0,
 ) -> tuple[list[dict[str, Any]], RejectionStats]:
-    """(records ``{"messages", "reward", "answer"}``, counts) for ``problems``."""
+    """(records ``{"messages", "reward", "answer"}``, counts) for ``problems``, in this process,
+    batch by batch of ``cfg.batch_prompts`` (what each process of a multi-process run does with
+    its share of the batches: :class:`dsl_lit.modules.RejectionSamplingModule`)."""
     rewards = WeightedRewards(cfg.rewards)
-    generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
-    s, k = cfg.sampling, cfg.samples_per_prompt
+    device = next(model.parameters()).device
     records: list[dict[str, Any]] = []
     stats = RejectionStats()
     for start in range(0, len(problems), cfg.batch_prompts):
-        chunk = problems[start : start + cfg.batch_prompts]
-        prompts = [tokenizer.encode_prompt(prompt_of(p)) for p in chunk]
-        out = generate(model, [p for p in prompts for _ in range(k)], s.max_new_tokens, temperature=s.temperature,
-                       top_p=s.top_p, top_k=s.top_k, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
-                       generator=generator)
-        texts = [tokenizer.decode(c) for c in out.completions]
-        ended = [bool(c) and c[-1] == tokenizer.eos_id for c in out.completions]
-        for problem, kept in zip(chunk, select(texts, ended, chunk, rewards, cfg, stats)):
-            records += [{"messages": prompt_and_reply(prompt_of(problem), text), "reward": reward,
-                         "answer": problem.get("answer")} for text, reward in kept]
-        stats.prompts += len(chunk)
-        stats.samples += len(chunk) * k
-    stats.kept = len(records)
+        records += sample_batch(model, tokenizer, problems[start : start + cfg.batch_prompts], prompt_of, cfg,
+                                rewards, stats, batch_generator(device, seed, start))
     return records, stats
 
 
-def sample_to_file(setup: Any, output: Path) -> dict[str, Any]:
-    """Rejection-sample the task's training prompts with a ``PostTrainSetup``'s model (its starting
-    weights), write the kept conversations to ``output`` (JSONL) and the counts beside it."""
-    cfg, post = setup.cfg, setup.post
-    torch.manual_seed(cfg.trainer.seed)
-    model = build_model(cfg.model)
-    if setup.initial_state is not None:
-        model.load_state_dict(setup.initial_state)
-    train, _ = arithmetic.split(post.task)
-    records, stats = rejection_sample(model, setup.tokenizer, train[: post.rejection.num_prompts], arithmetic.prompt,
-                                      post.rejection, seed=cfg.trainer.seed)
+def summary_of(stats: RejectionStats, output: Path) -> dict[str, Any]:
+    return {**asdict(stats), "acceptance_rate": stats.acceptance_rate, "output": str(output)}
+
+
+def write_samples(output: Path, records: list[dict[str, Any]], stats: RejectionStats) -> dict[str, Any]:
+    """Write the kept conversations (JSONL) and ``rejection_stats.json`` beside them; returns the summary."""
     write_conversations(output, records)
-    summary = {**asdict(stats), "acceptance_rate": stats.acceptance_rate, "output": str(output)}
+    summary = summary_of(stats, output)
     (output.parent / "rejection_stats.json").write_text(json.dumps(summary, indent=2))
     log.info("rejection sampling: %d of %d samples accepted (%.1f%%); %d kept from %d of %d prompts -> %s",
              stats.accepted_samples, stats.samples, 100 * stats.acceptance_rate, stats.kept,

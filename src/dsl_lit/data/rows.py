@@ -8,11 +8,11 @@ built by a function in every process (cheap, deterministic), so nothing is writt
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from dsl_lit.data.config import DataConfig
 from dsl_lit.data.datamodule import PretrainDataModule
@@ -37,6 +37,19 @@ class RowsDataset(Dataset):
         return {k: v[index] for k, v in self.rows.items()}
 
 
+class FixedBatches(Sampler[list[int]]):
+    """A batch sampler over batches of indices given in advance."""
+
+    def __init__(self, batches: list[list[int]]) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
 def stack_rows(samples: list[dict[str, torch.Tensor]]) -> Rows:
     return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
 
@@ -51,6 +64,8 @@ class RowsDataModule(PretrainDataModule):
         self.rows: Rows | None = None
         self.steps_per_batch = 1
         """Optimizer steps taken on each batch (GRPO's mu), for the consumed-samples count."""
+        self.predict_batch_size = self.cfg.micro_batch_size
+        """Rows per batch of the predict loop (sampling)."""
 
     def prepare_data(self) -> None:
         """Nothing to build on disk (the recipe prepared the tokenizer)."""
@@ -85,3 +100,13 @@ class RowsDataModule(PretrainDataModule):
 
     def val_dataloader(self) -> list:
         return []
+
+    def predict_dataloader(self) -> DataLoader:
+        """One pass over the rows in batches of ``predict_batch_size`` consecutive rows; batch b
+        goes to data-parallel rank b mod dp, so a batch holds the same rows whatever the layout."""
+        if self.rows is None:
+            self.setup("predict")
+        rank, size = self.dp_coordinates()
+        n, width = RowsDataset(self.rows).size, self.predict_batch_size
+        batches = [list(range(start, min(start + width, n))) for start in range(0, n, width)]
+        return DataLoader(RowsDataset(self.rows), batch_sampler=FixedBatches(batches[rank::size]), collate_fn=self.collate)

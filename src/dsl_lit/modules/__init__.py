@@ -5,6 +5,7 @@ from dsl_lit.modules.dpo import DPOModule
 from dsl_lit.modules.grpo import GRPOModule
 from dsl_lit.modules.posttrain import PostTrainModule
 from dsl_lit.modules.pretrain import PretrainModule
+from dsl_lit.modules.rejection import RejectionSamplingModule
 from dsl_lit.modules.sft import SFTModule
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "GRPOModule",
     "PostTrainModule",
     "PretrainModule",
+    "RejectionSamplingModule",
     "SFTModule",
     "split_micro_batches",
 ]

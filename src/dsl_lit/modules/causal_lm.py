@@ -104,13 +104,28 @@ class CausalLMModule(L.LightningModule):
 
     # -- what a subclass defines -------------------------------------------------------------------
     def loss_normalizers(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """Step-wide counts the micro-batch losses are divided by: the step's targets and
-        sequences (the MoE balance loss is a mean over sequences)."""
+        """Step-wide counts the micro-batch losses are divided by: the step's targets (over all
+        data-parallel replicas, see :meth:`replica_share`) and this rank's sequences (every
+        replica has as many; the MoE balance loss is a mean over sequences)."""
         labels = batch["labels"]
         return {
-            "targets": (labels != -100).sum().clamp_min(1).float(),
+            "targets": self.replica_share((labels != -100).sum()),
             "sequences": torch.tensor(float(labels.shape[0]), device=labels.device),
         }
+
+    def replica_share(self, count: torch.Tensor) -> torch.Tensor:
+        """``count`` summed over data-parallel replicas, divided by their number (at least 1).
+
+        Why: gradients are averaged over replicas, so a replica that divides its loss sum by this
+        contributes ``sum / global count``, and the step's loss is the mean over every target of
+        the global batch, however unevenly padding or prompt masks spread targets over replicas
+        (SFT rows, completions). With one replica it is the count itself."""
+        count = count.float()
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if isinstance(strategy, DeepSeekStrategy) and strategy.dp_size > 1:
+            count = strategy.reduce_over_dp(count.clone(), "sum").clamp_min(1) / strategy.dp_size
+            return count
+        return count.clamp_min(1)
 
     def loss_from_outputs(
         self, outputs: tuple[torch.Tensor, ...], micro_batch: Batch, normalizers: dict[str, torch.Tensor]

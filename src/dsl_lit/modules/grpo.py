@@ -93,13 +93,11 @@ class GRPOModule(PostTrainModule):
 
     # -- the loss ------------------------------------------------------------------------------
     def loss_normalizers(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """``dapo`` divides by the completion tokens of the global batch (``targets``: all replicas);
+        ``bnpo`` by this replica's own (TRL's per-process batch)."""
         normalizers = super().loss_normalizers(batch)
-        tokens = normalizers["targets"]
-        strategy = self.trainer.strategy
-        if self.grpo.loss_type == "dapo" and isinstance(strategy, DeepSeekStrategy) and strategy.dp_size > 1:
-            # gradients are averaged over dp: dividing by (global tokens / dp) gives sum / global tokens
-            tokens = strategy.reduce_over_dp(tokens.clone(), "sum") / strategy.dp_size
-        normalizers["tokens"] = tokens
+        local = (batch["labels"] != -100).sum().clamp_min(1).float()
+        normalizers["tokens"] = local if self.grpo.loss_type == "bnpo" else normalizers["targets"]
         return normalizers
 
     def loss_from_outputs(

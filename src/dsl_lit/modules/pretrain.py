@@ -21,7 +21,7 @@ class PretrainModule(CausalLMModule):
         normalizers = super().loss_normalizers(batch)
         normalizers["sequences"] = torch.tensor(float(labels.shape[0]), device=labels.device)
         for k in range(1, self.mtp_depth + 1):
-            normalizers[f"mtp_{k}"] = (labels[:, k:] != -100).sum().clamp_min(1).float()
+            normalizers[f"mtp_{k}"] = self.replica_share((labels[:, k:] != -100).sum())
         return normalizers
 
     def loss_from_outputs(
