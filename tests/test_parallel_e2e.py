@@ -1,7 +1,10 @@
 """The real recipe on 2 and 4 gloo processes: data parallel with ZeRO-1, tensor, pipeline (1F1B and
 DualPipeV) and expert parallel layouts and their products give the per-step losses and gradient
-norms of one process on the same global batch, for both model families; their checkpoints resume
-under other layouts (issue 7: weights, optimizer state and data position, nothing repeated)."""
+norms of one process on the same global batch; their checkpoints resume under other layouts
+(issue 7: weights, optimizer state and data position, nothing repeated). On DeepSeek-V3, whose
+checkpoints hold every kind of state; DeepSeek LLM runs its TP plan (GQA) end to end under the
+post-training recipes (tests/test_posttrain_recipes.py) and with sequence parallelism in
+tests/test_tensor_parallel.py, its pipeline in tests/test_pipeline.py."""
 
 from __future__ import annotations
 
@@ -28,10 +31,9 @@ LAYOUTS = {
     "tp2_pp2": ["trainer.devices=4", "parallel.tp=2", "parallel=pp_1f1b", "data.micro_batch_size=1"],
 }
 # Each multi-process run costs 20-60 s here (mostly starting processes), so the suite runs few: the
-# products of parallelisms on V3, and DeepSeek LLM's own TP plan (GQA) with sequence parallelism.
+# products of parallelisms.
 LAYOUTS_PER_MODEL = {
     "deepseek_v3_tiny": ["dp2_tp2_sp_zero1", "pp2_dualpipev", "dp2_ep2"],
-    "deepseek_llm_tiny": ["tp2_sp"],  # its pipeline: tests/test_pipeline.py
 }
 # Checkpoints of those runs (step 2) resumed under another layout: (resumed layout, saved by)
 RESUMES_PER_MODEL = {
@@ -90,8 +92,6 @@ def test_checkpoints_resume_under_another_layout(layout_runs):
     SP + ZeRO-1 -> PP=2; DP=2 with experts sharded -> 1 process): weights, optimizer state and data
     position carry over, so steps 2-3 continue the uninterrupted run's losses, on the same samples."""
     model, root = layout_runs
-    if model not in RESUMES_PER_MODEL:
-        pytest.skip("layout changes are checked on DeepSeek-V3, whose checkpoints hold every kind of state")
     reference_losses, reference_norms, reference_val = _results(root / "single")
     tokens = metric(root / "single", "perf/tokens_seen")
     for layout, saved_by in RESUMES_PER_MODEL[model]:
