@@ -7,10 +7,13 @@ in the sweep directory. Copy this file to make your own study.
     python recipes/scaling_laws.py 'sweep.isoflop_budgets=[1e11,1e12]' 'sweep.lrs=[1e-3,2e-3]'
     python recipes/scaling_laws.py hydra.mode=RUN point=3   # one run of the sweep, for debugging
 
-The default sweep (32 runs, 6822 optimizer steps) took 5 min 30 s on a shared 2-core CPU
-(2026-11-22, load average ~5), plus ~16 s the first time to build the 2048-token vocabulary.
-At these toy budgets the optima sit at the grids' small-model / small-batch / low-lr edges, so the
-fitted exponents mean little: the sweep shows the method, a larger ``sweep.*`` shows the laws.
+The default sweep (29 runs, 15804 optimizer steps) took 7 min 49 s on the shared 2-core CPU
+(2026-11-22, load average ~2.5 from another job; 7 min 12 s for a variant with 3e10 as the
+second IsoFLOP budget). Its grids bracket every budget's best run (lr ~3e-3, batch 2 sequences,
+model [1, 16]); a best run on a grid edge is logged as a warning and listed in
+``scaling_laws.json`` (``edge_optima``), since the fitted optimum there is an extrapolation. The
+toy optima say little about the laws: both IsoFLOP budgets pick the same model, so M_opt's
+fitted exponent is 0.
 """
 
 from __future__ import annotations

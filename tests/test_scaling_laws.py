@@ -23,7 +23,7 @@ from dsl_lit.scaling import (
     optimal_allocation,
     optimal_hparams,
 )
-from dsl_lit.scaling.sweep import SweepConfig, fit_results, point_overrides, sweep_points
+from dsl_lit.scaling.sweep import SweepConfig, edge_optima, fit_results, point_overrides, sweep_points
 
 SEQ = 4096
 TOKENS = 2e12  # both models were trained on 2T tokens
@@ -154,3 +154,33 @@ def test_fit_results_and_plots_from_collected_runs(tmp_path):
     paths = write_plots(results, fitted, tmp_path)
     assert sorted(p.name for p in paths) == ["hparam_landscape.png", "isoflop.png", "optima.png"]
     assert all(p.stat().st_size > 10_000 for p in paths)
+
+
+
+def _results(points: list, best_lr: float, best_scale: float) -> list[dict]:
+    return [{"study": p.study, "budget": p.budget, "model_scale": p.model_scale, "lr": p.lr,
+             "batch_tokens": p.batch_tokens,
+             "loss": float(np.log(p.lr / best_lr) ** 2 + np.log(p.batch_size / 2) ** 2
+                           + np.log(p.model_scale / best_scale) ** 2)} for p in points]
+
+
+def test_optima_on_a_grid_edge_are_reported(tmp_path, caplog):
+    """The recipe's end-of-sweep callback warns when a budget's best run sits on a grid edge (its
+    fitted optimum would be an extrapolation) and lists it in scaling_laws.json."""
+    from omegaconf import OmegaConf
+
+    from dsl_lit.scaling.sweep import RESULT_FILE, FitSweep
+
+    points = sweep_points(SweepConfig().validate(), 64)
+    assert edge_optima(_results(points, 3e-3, 6e4)) == []  # the default grids bracket these optima
+    results = _results(points, 1e-1, 1e3)
+    edges = edge_optima(results)
+    assert "hparams C=1e+10: lr at the grid's high edge (0.01)" in edges
+    assert any(e.startswith("isoflop C=2e+10: model_scale at the grid's low edge") for e in edges)
+    for i, result in enumerate(results):
+        (tmp_path / str(i)).mkdir()
+        (tmp_path / str(i) / RESULT_FILE).write_text(json.dumps(result))
+    FitSweep().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == len(edges) and "grid edge" in warned[0]
+    assert json.loads((tmp_path / "scaling_laws.json").read_text())["edge_optima"] == edges

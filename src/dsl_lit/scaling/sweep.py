@@ -44,20 +44,19 @@ RESULT_FILE = "result.json"
 class SweepConfig:
     """The ``sweep`` node of ``conf/scaling_laws.yaml``."""
 
-    hparam_budgets: list[float] = field(default_factory=lambda: [1e10, 3e10])
+    hparam_budgets: list[float] = field(default_factory=lambda: [1e10, 2e10])
     hparam_shape: list[int] = field(default_factory=lambda: [2, 32])
     """[n_layers, d_model] of the model the hyperparameter study trains."""
-    lrs: list[float] = field(default_factory=lambda: [3e-3, 1e-2, 3e-2])
-    batch_sizes: list[int] = field(default_factory=lambda: [4, 8, 16])
+    lrs: list[float] = field(default_factory=lambda: [1e-3, 3e-3, 1e-2])
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4])
     """Sequences per step."""
-    isoflop_budgets: list[float] = field(default_factory=lambda: [1e10, 3e10, 1e11])
-    shapes: list[list[int]] = field(
-        default_factory=lambda: [[1, 16], [2, 16], [1, 32], [2, 32], [2, 48], [2, 64], [2, 96], [2, 128]])
+    isoflop_budgets: list[float] = field(default_factory=lambda: [1e10, 2e10])
+    shapes: list[list[int]] = field(default_factory=lambda: [[2, 8], [1, 16], [2, 16], [1, 32], [2, 32], [2, 48]])
     isoflop_lr: float = 3e-3
     isoflop_batch_size: int = 16
-    head_dim: int = 16
+    head_dim: int = 8
     min_steps: int = 30
-    max_steps: int = 600
+    max_steps: int = 1000
     warmup_fraction: float = 0.05
     num_threads: int | None = 1
     """torch threads per run. One: tiny models gain little from a second thread, and on a shared
@@ -196,9 +195,32 @@ def collect_results(sweep_dir: str | Path) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted(Path(sweep_dir).glob(f"*/{RESULT_FILE}"))]
 
 
+STUDY_AXES = {"hparams": ("batch_tokens", "lr"), "isoflop": ("model_scale",)}
+
+
+def edge_optima(results: list[dict[str, Any]]) -> list[str]:
+    """Budgets whose best run sits on the smallest or largest value its study swept on an axis:
+    the true optimum may lie outside the grid, so the fitted optimum there is an extrapolation.
+    One line per (study, budget, axis), e.g. ``"isoflop C=1e+10: model_scale at the grid's low edge"``."""
+    edges = []
+    for study, axes in STUDY_AXES.items():
+        for budget in sorted({r["budget"] for r in results if r["study"] == study}):
+            runs = [r for r in results if r["study"] == study and r["budget"] == budget]
+            best = min(runs, key=lambda r: r["loss"])
+            for axis in axes:
+                values = sorted({r[axis] for r in runs})
+                if len(values) < 3:
+                    edges.append(f"{study} C={budget:.0e}: only {len(values)} values of {axis}, no interior")
+                elif best[axis] in (values[0], values[-1]):
+                    side = "low" if best[axis] == values[0] else "high"
+                    edges.append(f"{study} C={budget:.0e}: {axis} at the grid's {side} edge ({best[axis]:.3g})")
+    return edges
+
+
 def fit_results(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Fitted laws (JSON-ready) from the collected results; a study with under two budgets is skipped."""
-    fitted: dict[str, Any] = {"runs": len(results)}
+    """Fitted laws (JSON-ready) from the collected results; a study with under two budgets is
+    skipped. ``edge_optima`` lists the budgets whose optimum is on a grid edge (see :func:`edge_optima`)."""
+    fitted: dict[str, Any] = {"runs": len(results), "edge_optima": edge_optima(results)}
     hp = [r for r in results if r["study"] == "hparams"]
     iso = [r for r in results if r["study"] == "isoflop"]
     if len({r["budget"] for r in hp}) >= 2:
@@ -220,6 +242,8 @@ class FitSweep(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         results = collect_results(sweep_dir)
         fitted = fit_results(results)
+        for edge in fitted["edge_optima"]:
+            log.warning("optimum on a grid edge, the fit extrapolates: %s; widen sweep.* there", edge)
         (sweep_dir / "scaling_laws.json").write_text(json.dumps(fitted, indent=2))
         for path in write_plots(results, fitted, sweep_dir):
             log.info("wrote %s", path)
