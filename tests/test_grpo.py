@@ -1,0 +1,38 @@
+"""GRPO's rollout rows: the training pass scores exactly the tokens that were sampled.
+
+A rollout is left-padded prompts followed by completions (pad after the end-of-sequence token);
+``shifted_completion`` turns it into (inputs, labels on the completion only, attention mask), and the
+policy's forward with the mask's positions must give the sampler's own log-probabilities. If the
+labels were shifted by one, or padding leaked into positions, the clipped objective would credit
+other tokens than the rewarded ones while every loss-level test still passed.
+The recipe end to end: tests/test_posttrain_recipes.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsl_lit.generation import generate, positions_from_mask
+from dsl_lit.models import ModelConfig, build_model
+from dsl_lit.modules.posttrain import shifted_completion
+from dsl_lit.objectives import token_logps
+
+
+@pytest.mark.parametrize("family", ["deepseek_llm_tiny", "deepseek_v3_tiny"])
+def test_rollout_rows_score_the_sampled_tokens(family):
+    torch.manual_seed(0)
+    model = build_model(ModelConfig.from_name(family, n_layers=2)).eval()
+    prompts = [[5, 9, 14], [7, 3, 3, 8, 21, 4], [11], [7, 3, 3, 8, 21, 4]]  # different lengths: left padding
+    out = generate(model, prompts, 12, temperature=1.0, eos_token_id=2, pad_token_id=0,
+                   generator=torch.Generator().manual_seed(3))
+    rows = shifted_completion(out.sequences, out.attention_mask, out.prompt_length)
+    completion = out.completion_mask
+    labels = rows["labels"][:, -completion.shape[1]:]
+    assert torch.equal(labels != -100, completion)  # exactly the sampled tokens are targets
+    assert torch.equal(labels[completion], out.completion_ids[completion])
+    assert (rows["labels"][:, : out.prompt_length - 1] == -100).all()  # never a prompt token
+    valid = rows["attention_mask"].bool()
+    with torch.no_grad():
+        logits = model.head(model.hidden_states(rows["input_ids"], positions_from_mask(valid), valid))
+    logps = token_logps(logits, rows["labels"])[:, -completion.shape[1]:]
+    torch.testing.assert_close(logps[completion], out.logprobs[completion], atol=1e-4, rtol=1e-4)
