@@ -67,8 +67,8 @@ def test_llama3_405b_throughput_against_the_published_tflops(preset):
     against Llama 3's Table 4, within 15%: predicted 372 on 16K GPUs (-7%) and 447 on 8K (+4%).
     The layout is the paper's; 2 virtual pipeline stages per rank are an assumption (its Figure 6),
     and its TFLOP/s may count attention FLOPs another way (halved: 4% fewer). The memory estimate
-    does not hold here: it gives 107 GiB where Meta trained without recompute (the activations our
-    blocks keep, not the fused kernels' smaller set)."""
+    does not hold here: it gives 107 GiB where the published run fit in 80 GB (it counts the
+    activations our blocks keep with no recompute, an assumption; Meta's kernels and settings kept less)."""
     plan = plan_of(f"plan_experiment={preset}")
     assert plan.layout.tp == 8 and plan.layout.pp == 16 and plan.layout.micro_batches * plan.layout.dp == 2048
     tflops = plan.tokens_per_gpu_per_s * training_flops_per_token(plan.model, plan.layout.seq_len) / 1e12
