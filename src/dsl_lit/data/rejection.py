@@ -69,32 +69,37 @@ def batch_generator(device: torch.device, seed: int, first_index: int) -> torch.
     return torch.Generator(device).manual_seed(seed + 1_000_003 * first_index)
 
 
-def sample_batch(
-    model: nn.Module,
-    tokenizer: ChatTokenizer,
-    problems: Sequence[dict[str, Any]],
-    prompt_of: Callable[[dict[str, Any]], list[dict[str, str]]],
-    cfg: RejectionConfig,
-    rewards: WeightedRewards,
-    stats: RejectionStats,
-    generator: torch.Generator,
-) -> list[dict[str, Any]]:
-    """Sample ``cfg.samples_per_prompt`` completions of each problem's prompt, keep the accepted
-    ones (:func:`select`); records ``{"messages", "reward", "answer"}``. Updates ``stats``."""
-    s, k = cfg.sampling, cfg.samples_per_prompt
-    prompts = [tokenizer.encode_prompt(prompt_of(p)) for p in problems]
-    out = generate(model, [p for p in prompts for _ in range(k)], s.max_new_tokens, temperature=s.temperature,
-                   top_p=s.top_p, top_k=s.top_k, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
-                   generator=generator)
-    texts = [tokenizer.decode(c) for c in out.completions]
-    ended = [bool(c) and c[-1] == tokenizer.eos_id for c in out.completions]
-    records = [{"messages": prompt_and_reply(prompt_of(problem), text), "reward": reward, "answer": problem.get("answer")}
-               for problem, kept in zip(problems, select(texts, ended, problems, rewards, cfg, stats))
-               for text, reward in kept]
-    stats.prompts += len(problems)
-    stats.samples += len(problems) * k
-    stats.kept += len(records)
-    return records
+@dataclass
+class RejectionSampler:
+    """Everything sampling a batch needs besides the model: how a problem becomes a prompt, the
+    tokenizer, the config and its rewards."""
+
+    tokenizer: ChatTokenizer
+    prompt_of: Callable[[dict[str, Any]], list[dict[str, str]]]
+    cfg: RejectionConfig
+
+    def __post_init__(self) -> None:
+        self.rewards = WeightedRewards(self.cfg.rewards)
+
+    def sample_batch(self, model: nn.Module, problems: Sequence[dict[str, Any]], stats: RejectionStats,
+                     generator: torch.Generator) -> list[dict[str, Any]]:
+        """Sample ``cfg.samples_per_prompt`` completions of each problem's prompt, keep the accepted
+        ones (:func:`select`); records ``{"messages", "reward", "answer"}``. Updates ``stats``."""
+        s, k, tokenizer = self.cfg.sampling, self.cfg.samples_per_prompt, self.tokenizer
+        prompts = [tokenizer.encode_prompt(self.prompt_of(p)) for p in problems]
+        out = generate(model, [p for p in prompts for _ in range(k)], s.max_new_tokens, temperature=s.temperature,
+                       top_p=s.top_p, top_k=s.top_k, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
+                       generator=generator)
+        texts = [tokenizer.decode(c) for c in out.completions]
+        ended = [bool(c) and c[-1] == tokenizer.eos_id for c in out.completions]
+        kept = select(texts, ended, problems, self.rewards, self.cfg, stats)
+        records = [{"messages": prompt_and_reply(self.prompt_of(problem), text), "reward": reward,
+                    "answer": problem.get("answer")}
+                   for problem, texts_kept in zip(problems, kept) for text, reward in texts_kept]
+        stats.prompts += len(problems)
+        stats.samples += len(problems) * k
+        stats.kept += len(records)
+        return records
 
 
 def rejection_sample(
@@ -108,13 +113,13 @@ def rejection_sample(
     """(records ``{"messages", "reward", "answer"}``, counts) for ``problems``, in this process,
     batch by batch of ``cfg.batch_prompts`` (what each process of a multi-process run does with
     its share of the batches: :class:`dsl_lit.modules.RejectionSamplingModule`)."""
-    rewards = WeightedRewards(cfg.rewards)
+    sampler = RejectionSampler(tokenizer, prompt_of, cfg)
     device = next(model.parameters()).device
     records: list[dict[str, Any]] = []
     stats = RejectionStats()
     for start in range(0, len(problems), cfg.batch_prompts):
-        records += sample_batch(model, tokenizer, problems[start : start + cfg.batch_prompts], prompt_of, cfg,
-                                rewards, stats, batch_generator(device, seed, start))
+        records += sampler.sample_batch(model, problems[start : start + cfg.batch_prompts], stats,
+                                        batch_generator(device, seed, start))
     return records, stats
 
 

@@ -18,10 +18,9 @@ import torch
 import torch.distributed as dist
 
 from dsl_lit.data.chat import ChatTokenizer
-from dsl_lit.data.rejection import RejectionStats, batch_generator, sample_batch
+from dsl_lit.data.rejection import RejectionSampler, RejectionStats, batch_generator
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.posttrain_config import RejectionConfig
-from dsl_lit.rewards import WeightedRewards
 
 
 class RejectionSamplingModule(L.LightningModule):
@@ -37,9 +36,8 @@ class RejectionSamplingModule(L.LightningModule):
     ) -> None:
         super().__init__()
         self.model_config, self.initial_state = model_config, initial_state
-        self.tokenizer, self.problems, self.prompt_of = tokenizer, list(problems), prompt_of
-        self.cfg, self.seed = cfg, seed
-        self.rewards = WeightedRewards(cfg.rewards)
+        self.sampler = RejectionSampler(tokenizer, prompt_of, cfg)
+        self.problems, self.seed = list(problems), seed
         self.model: torch.nn.Module | None = None
         self._batches: list[tuple[int, list[dict[str, Any]]]] = []
         self._stats = RejectionStats()
@@ -59,8 +57,8 @@ class RejectionSamplingModule(L.LightningModule):
 
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         indices = batch["index"].tolist()
-        records = sample_batch(self.model, self.tokenizer, [self.problems[i] for i in indices], self.prompt_of,
-                               self.cfg, self.rewards, self._stats, batch_generator(self.device, self.seed, indices[0]))
+        records = self.sampler.sample_batch(self.model, [self.problems[i] for i in indices], self._stats,
+                                            batch_generator(self.device, self.seed, indices[0]))
         self._batches.append((indices[0], records))
 
     def on_predict_epoch_end(self) -> None:
