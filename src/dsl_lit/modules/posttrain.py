@@ -96,7 +96,8 @@ class PostTrainModule(CausalLMModule):
             return self.model
         step = self.trainer.global_step
         if self._inference is None:
-            copy_ = build_model(self.model_config).to(self.device).eval().requires_grad_(False)
+            with torch.random.fork_rng(devices=[]):  # its throwaway init must not move the run's RNG
+                copy_ = build_model(self.model_config).to(self.device).eval().requires_grad_(False)
             self._inference = InferenceCopy(copy_, -1)
         if self._inference.step != step:
             self._inference.model.load_state_dict(self.full_policy_state())
