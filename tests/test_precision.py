@@ -1,5 +1,6 @@
-"""Precision modes under a real Trainer: bf16 and fp16 track fp32, fp16's loss scaler skips an
-overflowing step (no update, scale halved, the step still counted) and training goes on."""
+"""Precision modes under a real Trainer: bf16 and fp16 track fp32 (pretraining, and the
+post-training objectives on their own rows), fp16's loss scaler skips an overflowing step (no
+update, scale halved, the step still counted) and training goes on."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from dsl_lit.modules import PretrainModule
+from dsl_lit.modules import CausalLMModule, DPOModule, PretrainModule, SFTModule
 from dsl_lit.optim import OptimConfig, ScheduleConfig
 from dsl_lit.optim.clip import clip_grad_norm_
+from dsl_lit.posttrain_config import DPOConfig
 from dsl_lit.precision.config import PrecisionConfig
 from dsl_lit.precision.loss_scaler import DynamicLossScaler
 from dsl_lit.precision.plugin import AutocastPrecision
@@ -42,10 +44,12 @@ def test_clipping_unscales_in_the_same_pass():
         torch.testing.assert_close(p.grad, q.grad)
 
 
-def _train(cfg, precision: str, batches, hook=None) -> tuple[PretrainModule, L.Trainer, list[float]]:
+def _train(cfg, precision: str, batches, hook=None, module_type: type[CausalLMModule] = PretrainModule,
+           lr: float = 1e-2, **module_kwargs) -> tuple[CausalLMModule, L.Trainer, list[float]]:
     torch.manual_seed(0)
-    module = PretrainModule(cfg, OptimConfig(lr=1e-2), ScheduleConfig(name="constant", warmup_steps=0), 4,
-                            total_steps=len(batches), precision=PrecisionConfig(name=precision).validate())
+    module = module_type(cfg, OptimConfig(lr=lr), ScheduleConfig(name="constant", warmup_steps=0), 4,
+                         total_steps=len(batches), precision=PrecisionConfig(name=precision).validate(),
+                         **module_kwargs)
     losses: list[float] = []
 
     class Record(L.Callback):
@@ -73,6 +77,43 @@ def test_bf16_and_fp16_track_fp32(family):
         for ours, theirs in zip(losses, reference):
             assert ours == pytest.approx(theirs, rel=1e-2), precision
         assert losses != reference  # the autocast really ran in lower precision
+
+
+def _packed_sft_batch() -> dict[str, torch.Tensor]:
+    """4 rows of two documents each (per-document positions and attention), prompts masked."""
+    batch = _batch(1, rows=4)
+    doc_ids = torch.cat([torch.zeros(4, 12, dtype=torch.long), torch.ones(4, 20, dtype=torch.long)], dim=1)
+    positions = torch.cat([torch.arange(12), torch.arange(20)]).expand(4, -1).clone()
+    batch["labels"][:, :6] = -100
+    batch["labels"][:, 12:18] = -100
+    return {**batch, "positions": positions, "doc_ids": doc_ids}
+
+
+def _preference_batch() -> dict[str, torch.Tensor]:
+    """2 (chosen, rejected) pairs, interleaved; the shared prompt is masked."""
+    batch = _batch(2, rows=4)
+    batch["input_ids"][1::2, :10] = batch["input_ids"][0::2, :10]
+    batch["labels"][:, :9] = -100
+    return batch
+
+
+@pytest.mark.parametrize(("module_type", "batch", "kwargs"), [
+    (SFTModule, _packed_sft_batch(), {}),
+    (DPOModule, _preference_batch(), {"dpo": DPOConfig(reference="model").validate()}),
+], ids=["sft_packed", "dpo_reference_model"])
+def test_post_training_objectives_track_fp32_in_low_precision(module_type, batch, kwargs):
+    """The post-training objectives over their own rows (packed documents; pairs against a frozen
+    reference) in bf16 and fp16 stay within 0.5% of fp32 over 4 steps at lr 1e-3; measured at step
+    4: SFT bf16 2e-5, fp16 <1e-6; DPO bf16 2.3e-4, fp16 4e-5. (At lr 1e-2 DPO's loss swings between
+    steps, and bf16 ends 6% off fp32 after 4 of them.)"""
+    cfg = _llm()
+    reference = _train(cfg, "fp32", [batch] * 4, module_type=module_type, lr=1e-3, **kwargs)[2]
+    assert reference[-1] < reference[0]
+    for precision in ("bf16", "fp16"):
+        losses = _train(cfg, precision, [batch] * 4, module_type=module_type, lr=1e-3, **kwargs)[2]
+        for ours, theirs in zip(losses, reference):
+            assert ours == pytest.approx(theirs, rel=5e-3), precision
+        assert losses != reference
 
 
 class _InjectInf(L.Callback):
