@@ -38,10 +38,10 @@ import json, sys
 import lightning as L
 import torch
 from torch.utils.data import DataLoader
-from dsl_lit.memory.config import MemoryConfig
-from dsl_lit.models.config import ModelConfig
+from dsl_lit.config.memory import MemoryConfig
+from dsl_lit.config.model import ModelConfig
 from dsl_lit.modules import PretrainModule
-from dsl_lit.optim import OptimConfig, ScheduleConfig
+from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 
 name, batch, micro, seq, recompute, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6])
 torch.manual_seed(0)
@@ -81,7 +81,7 @@ def measure(model: str, batch: int, micro: int, seq: int, recompute: str, steps:
 
 
 def estimate(model: str, batch: int, micro: int, seq: int, recompute: str) -> float:
-    from dsl_lit.models.config import ModelConfig
+    from dsl_lit.config.model import ModelConfig
     from dsl_lit.scaling.planner import PlanLayout, estimate_memory
 
     cfg = ModelConfig.from_name(model, max_seq_len=max(seq, 64))

@@ -12,8 +12,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-from dsl_lit.errors import ConfigError
-from dsl_lit.schema import dataclass_from_dict
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.config.schema import dataclass_from_dict
 
 STAGES = (
     "normalize",

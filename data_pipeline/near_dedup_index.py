@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from data_pipeline.config import NearDedupConfig
-from dsl_lit.errors import ConfigError
+from dsl_lit.config.errors import ConfigError
 from dsl_lit.utils.fs import publish_dir
 
 INDEX_DIR = "near_dedup_index"

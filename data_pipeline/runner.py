@@ -25,7 +25,7 @@ from data_pipeline.config import PipelineConfig
 from data_pipeline.ingest import plan_units
 from data_pipeline.shard_io import marker_path, write_json
 from data_pipeline.steps import Step, steps_for
-from dsl_lit.errors import ConfigError
+from dsl_lit.config.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

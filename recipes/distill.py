@@ -18,10 +18,10 @@ import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from dsl_lit.config.errors import ConfigError
 from dsl_lit.data.conversations import read_conversations
 from dsl_lit.data.rows import RowsDataModule
 from dsl_lit.data.sft import sft_rows
-from dsl_lit.errors import ConfigError
 from dsl_lit.modules import SFTModule
 from dsl_lit.posttrain_run import cold_start_sft, fit, module_kwargs, sample_to_file, setup_posttrain
 

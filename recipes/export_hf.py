@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError
 
 from dsl_lit.checkpoint.reader import WEIGHT_SOURCES, find_checkpoint, load_checkpoint_model
-from dsl_lit.errors import ConfigError
+from dsl_lit.config.errors import ConfigError
 from dsl_lit.hf import save_pretrained
 from dsl_lit.hf.io import resolve_dtype
 from dsl_lit.utils.fs import publish_dir

@@ -27,10 +27,10 @@ from dsl_lit.checkpoint.directory import (
 )
 from dsl_lit.checkpoint.sharded import read_full_tensors
 from dsl_lit.config import TrainConfig
-from dsl_lit.errors import ConfigError
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.models import ModelConfig
 from dsl_lit.modules import PretrainModule
-from dsl_lit.optim import OptimConfig, ScheduleConfig
 from tests.conftest import compose_config
 
 FILES = ("shards", "trainer_state.pt", "config.yaml", "meta.json")

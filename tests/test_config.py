@@ -9,7 +9,7 @@ import time
 import pytest
 
 from dsl_lit.config import TrainConfig
-from dsl_lit.errors import ConfigError
+from dsl_lit.config.errors import ConfigError
 from tests.conftest import CONF, ROOT, compose_config
 
 

@@ -19,7 +19,7 @@ import pytest
 import data_pipeline.quality_filter as quality_filter
 from data_pipeline.config import load_config
 from data_pipeline.runner import plan, run
-from dsl_lit.errors import ConfigError
+from dsl_lit.config.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ["normalize", "exact_dedup", "near_dedup", "quality_filter"]

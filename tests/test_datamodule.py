@@ -14,9 +14,9 @@ import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from omegaconf import DictConfig
 
-from dsl_lit.data.config import DataConfig
+from dsl_lit.config.data import DataConfig
+from dsl_lit.config.errors import ConfigError
 from dsl_lit.data.datamodule import PretrainDataModule
-from dsl_lit.errors import ConfigError
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus"
 SEQ, G = 32, 8

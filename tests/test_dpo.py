@@ -9,12 +9,11 @@ import math
 import pytest
 import torch
 
-from dsl_lit.data.arithmetic import TaskConfig
+from dsl_lit.config.optim import OptimConfig, ScheduleConfig
+from dsl_lit.config.posttrain import DPOConfig, TaskConfig
 from dsl_lit.data.preference import collate_pairs, preference_rows, task_pairs
 from dsl_lit.models import ModelConfig
 from dsl_lit.modules import DPOModule
-from dsl_lit.optim import OptimConfig, ScheduleConfig
-from dsl_lit.posttrain_config import DPOConfig
 from tests.test_sft import tokenizer  # noqa: F401  (fixture)
 
 

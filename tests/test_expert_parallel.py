@@ -12,18 +12,18 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from dsl_lit.errors import ConfigError
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.config.parallel import ParallelLayout, check_expert_parallel
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.ops import cross_entropy
 from dsl_lit.parallel.expert_parallel import (
     apply_expert_parallel,
-    check_expert_parallel,
     expert_parameters,
-    init_expert_parallel_mesh,
     max_ranks_per_token,
     ranks_per_token,
 )
 from dsl_lit.parallel.grad_sync import OverlappedGradientReducer
+from dsl_lit.parallel.mesh import build_device_mesh
 
 VOCAB = 256
 
@@ -136,7 +136,7 @@ def _check_matches_one_device(
 def _check_reducers(rank: int, world: int, ep: int) -> None:
     """(edp, ep) mesh: non-experts all-reduce over dp and divide by dp; routed experts all-reduce
     over edp and also divide by dp: both give the mean over dp of the per-rank gradients."""
-    mesh = init_expert_parallel_mesh("cpu", dp=world, ep=ep)
+    mesh = build_device_mesh(ParallelLayout(world_size=world, dp=world, ep=ep), "cpu")
     assert mesh["dp"].get_local_rank() == rank and mesh["ep"].get_local_rank() == rank % ep
     cfg = _cfg(expert_backend="split")
     reference, ours = _model(cfg), _model(cfg)

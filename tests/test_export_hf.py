@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from dsl_lit.checkpoint.sharded import read_full_tensors
-from dsl_lit.errors import ConfigError
+from dsl_lit.config.errors import ConfigError
 from dsl_lit.models import ModelConfig, build_model
 from tests.conftest import ROOT
 from tests.test_pretrain_e2e import run_recipe

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from dsl_lit.errors import ConfigError
+from dsl_lit.config.errors import ConfigError
 from dsl_lit.models import ModelConfig, attention, build_model
 from dsl_lit.models.attention import causal_attention
 

@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 
-from dsl_lit.errors import ConfigError
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.flops import non_embedding_flops_per_token, training_flops_per_token
 from dsl_lit.models import ModelConfig, build_model
-from dsl_lit.optim import OptimConfig, ScheduleConfig, build_lr_scheduler, build_optimizer
+from dsl_lit.optim import build_lr_scheduler, build_optimizer
 from dsl_lit.optim.schedules import cosine_multiplier, multi_step_multiplier, wsd_multiplier
 
 

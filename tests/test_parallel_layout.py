@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from dsl_lit.config import ParallelConfig, TrainConfig
-from dsl_lit.errors import ConfigError
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.config.parallel import ParallelLayout
 from dsl_lit.models import ModelConfig
-from dsl_lit.parallel.layout import validate_layout
 from tests.conftest import compose_config
 
 LLM = ModelConfig.from_name("deepseek_llm_7b")  # 32 heads, 32 kv heads, 30 layers, no experts
@@ -39,16 +39,16 @@ V3 = ModelConfig.from_name("deepseek_v3_671b")  # 128 heads, 61 layers, 256 expe
 )
 def test_bad_layouts_name_the_field(layout, model, world, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        validate_layout(ParallelConfig(**layout).validate(), model, world)
+        ParallelLayout.create(ParallelConfig(**layout).validate(), model, world)
 
 
 def test_dp_defaults_to_what_tp_and_pp_leave():
-    assert validate_layout(ParallelConfig().validate(), LLM, 8) == 8
-    assert validate_layout(ParallelConfig(dp=4).validate(), LLM, 4) == 4
-    assert validate_layout(ParallelConfig(tp=4).validate(), ModelConfig.from_name("deepseek_llm_67b"), 8) == 2
-    assert validate_layout(ParallelConfig(tp=8).validate(), V3, 16) == 2  # MLA: tp divides the 128 heads
+    assert ParallelLayout.create(ParallelConfig().validate(), LLM, 8).dp == 8
+    assert ParallelLayout.create(ParallelConfig(dp=4).validate(), LLM, 4).dp == 4
+    assert ParallelLayout.create(ParallelConfig(tp=4).validate(), ModelConfig.from_name("deepseek_llm_67b"), 8).dp == 2
+    assert ParallelLayout.create(ParallelConfig(tp=8).validate(), V3, 16).dp == 2  # MLA: tp divides the 128 heads
     # DeepSeek LLM 67B has 8 kv heads: tp=16 replicates each on two ranks
-    assert validate_layout(ParallelConfig(tp=16).validate(), ModelConfig.from_name("deepseek_llm_67b"), 32) == 2
+    assert ParallelLayout.create(ParallelConfig(tp=16).validate(), ModelConfig.from_name("deepseek_llm_67b"), 32).dp == 2
 
 
 @pytest.mark.parametrize(

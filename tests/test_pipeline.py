@@ -9,9 +9,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dsl_lit.config.optim import OptimConfig
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.ops import cross_entropy
-from dsl_lit.optim import OptimConfig, build_optimizer
+from dsl_lit.optim import build_optimizer
 from dsl_lit.parallel.optimizer_state import (
     load_named_optimizer_state,
     named_optimizer_state,

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from dsl_lit.errors import ConfigError
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.config.model import ModelConfig
 from dsl_lit.flops import training_flops_per_token
-from dsl_lit.models.config import ModelConfig
 from dsl_lit.scaling.planner import ClusterConfig, PlanLayout, estimate_memory, make_plan, search_layouts
 from dsl_lit.scaling.planner.config import plan_inputs
 from dsl_lit.scaling.planner.memory import in_flight
@@ -81,7 +81,7 @@ def test_plan_validation_names_the_field():
         plan_of("cluster.gpus_per_node=0")
     with pytest.raises(ConfigError, match=r"cluster.efficiency.gemm=1.5 must be in \(0, 1\]"):
         plan_of("cluster.efficiency.gemm=1.5")
-    with pytest.raises(ConfigError, match=r"parallel.tp=3 x parallel.pp=1 does not divide"):
+    with pytest.raises(ConfigError, match=r"parallel.tp=3 x parallel.pp=1 = 3 does not divide the cluster's 8 GPUs"):
         plan_of("parallel.tp=3")
     with pytest.raises(ConfigError, match=r"parallel.ep=3 must divide model.n_routed_experts"):
         plan_of("plan_experiment=deepseek_v3_671b_h800", "parallel.ep=3")

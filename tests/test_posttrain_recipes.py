@@ -27,10 +27,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dsl_lit.config.posttrain import PostTrainConfig
 from dsl_lit.data import arithmetic
 from dsl_lit.data.chat import ChatTokenizer
 from dsl_lit.data.rejection import rejection_sample
-from dsl_lit.posttrain_config import PostTrainConfig
 from dsl_lit.pretrained import load_pretrained
 from tests.conftest import ROOT
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from dsl_lit.config.posttrain import RejectionConfig, SamplingConfig, TaskConfig
 from dsl_lit.data import arithmetic
-from dsl_lit.data.arithmetic import TaskConfig
 from dsl_lit.data.rejection import RejectionStats, rejection_sample, select
 from dsl_lit.models import ModelConfig, build_model
-from dsl_lit.posttrain_config import RejectionConfig, SamplingConfig
 from dsl_lit.rewards import WeightedRewards
 from tests.test_sft import tokenizer  # noqa: F401  (fixture)
 

@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from dsl_lit.errors import ConfigError
-from dsl_lit.models.config import ModelConfig
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.config.model import ModelConfig
 from dsl_lit.scaling import (
     PAPER_BATCH,
     PAPER_LR,

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from dsl_lit.config import TrainConfig
-from dsl_lit.data.arithmetic import TaskConfig, problems
+from dsl_lit.config.optim import OptimConfig, ScheduleConfig
+from dsl_lit.config.posttrain import TaskConfig
+from dsl_lit.data.arithmetic import problems
 from dsl_lit.data.chat import ChatTokenizer
 from dsl_lit.data.conversations import task_conversations
 from dsl_lit.data.datamodule import PretrainDataModule
@@ -16,7 +18,6 @@ from dsl_lit.data.sft import IGNORE, document, packed_rows, padded_rows, sft_row
 from dsl_lit.models import ModelConfig
 from dsl_lit.modules import SFTModule
 from dsl_lit.ops import cross_entropy
-from dsl_lit.optim import OptimConfig, ScheduleConfig
 from tests.conftest import compose_config
 
 

@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dsl_lit.config.optim import OptimConfig
 from dsl_lit.models import ModelConfig, build_model
-from dsl_lit.optim import OptimConfig, build_optimizer, param_groups
+from dsl_lit.optim import build_optimizer, param_groups
 from dsl_lit.optim.clip import clip_grad_norm_
 from dsl_lit.parallel.zero1 import ZeRO1AdamW
 

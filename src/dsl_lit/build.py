@@ -99,11 +99,8 @@ def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = N
     callbacks.append(RNGStateCallback())
     # One process: Lightning's single-device strategy. Several: ours (pp x dp x tp mesh, ZeRO-1).
     # Both save and load the same sharded, layout-independent checkpoints.
-    par = cfg.parallel
     strategy = (
-        DeepSeekStrategy(
-            tp=par.tp, pp=par.pp, ep=par.ep, sequence_parallel=par.sequence_parallel, zero1=par.zero1, pp_schedule=par.pp_schedule, pp_virtual_stages=par.pp_virtual_stages
-        )
+        DeepSeekStrategy(cfg.layout)
         if cfg.world_size > 1
         else OneDeviceStrategy(device=torch.device("cuda", 0) if _device_type(cfg) == "cuda" else torch.device("cpu"))
     )

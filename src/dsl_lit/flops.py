@@ -6,7 +6,7 @@ experts and fused kernels (DESIGN.md section 5).
 
 from __future__ import annotations
 
-from dsl_lit.models.config import ModelConfig
+from dsl_lit.config.model import ModelConfig
 
 
 def non_embedding_flops_per_token(n_layers: int, d_model: int, seq_len: int) -> float:

@@ -15,11 +15,11 @@ from omegaconf import DictConfig
 
 from dsl_lit.build import build_trainer, resume_path  # also registers ${project_root:}
 from dsl_lit.config import ParallelConfig, TrainConfig
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.config.posttrain import PostTrainConfig
 from dsl_lit.data.chat import ChatTokenizer
 from dsl_lit.data.datamodule import PretrainDataModule
-from dsl_lit.errors import ConfigError
 from dsl_lit.models import ModelConfig
-from dsl_lit.posttrain_config import PostTrainConfig
 from dsl_lit.pretrained import load_pretrained
 from dsl_lit.runs import check_vocab, finish_run, save_resolved_config
 

@@ -10,7 +10,7 @@ import lightning as L
 import yaml
 
 from dsl_lit.config import TrainConfig
-from dsl_lit.errors import ConfigError
+from dsl_lit.config.errors import ConfigError
 
 
 def is_launcher_process() -> bool:

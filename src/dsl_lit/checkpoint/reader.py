@@ -17,7 +17,7 @@ import yaml
 
 from dsl_lit.checkpoint.files import CONFIG, META, SHARDS, STATE, checkpoint_problem
 from dsl_lit.checkpoint.sharded import read_full_tensors
-from dsl_lit.errors import ConfigError
+from dsl_lit.config.errors import ConfigError
 from dsl_lit.hf import adapter_for_family
 from dsl_lit.hf.adapter import few
 from dsl_lit.hf.io import load_into_meta_model, resolve_dtype, tied_groups

@@ -10,41 +10,11 @@ the seed; problems are distinct, and the last ``eval_problems`` of them are held
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 from typing import Any
 
-from dsl_lit.errors import ConfigError
+from dsl_lit.config.posttrain import TaskConfig
 
 OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
-
-
-@dataclass
-class TaskConfig:
-    """``task`` group: which generated problems the post-training recipes use."""
-
-    name: str = "arithmetic"
-    num_problems: int = 800
-    eval_problems: int = 64
-    max_operand: int = 20
-    operations: list[str] = field(default_factory=lambda: ["+", "-"])
-    seed: int = 0
-    language: str = "en"
-
-    def validate(self) -> TaskConfig:
-        if self.name != "arithmetic":
-            raise ConfigError(f"task.name={self.name!r} is unknown; the bundled task is 'arithmetic'")
-        bad = [op for op in self.operations if op not in OPERATIONS]
-        if bad or not self.operations:
-            raise ConfigError(f"task.operations={self.operations} must be a non-empty subset of {list(OPERATIONS)}")
-        if self.max_operand < 1:
-            raise ConfigError(f"task.max_operand={self.max_operand} must be >= 1")
-        available = (self.max_operand + 1) ** 2 * len(self.operations)
-        if not 0 < self.num_problems <= available:
-            raise ConfigError(f"task.num_problems={self.num_problems} must be in [1, {available}] (distinct "
-                              f"problems with operands up to task.max_operand={self.max_operand})")
-        if not 0 <= self.eval_problems < self.num_problems:
-            raise ConfigError(f"task.eval_problems={self.eval_problems} must be in [0, task.num_problems)")
-        return self
 
 
 def problems(cfg: TaskConfig) -> list[dict[str, Any]]:

@@ -9,8 +9,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from dsl_lit.config.posttrain import TaskConfig
 from dsl_lit.data import arithmetic
-from dsl_lit.data.arithmetic import TaskConfig
 
 Conversation = list[dict[str, str]]
 

@@ -23,10 +23,10 @@ import torch
 from filelock import FileLock
 from torch.utils.data import DataLoader, Dataset
 
-from dsl_lit.data.config import DataConfig
+from dsl_lit.config.data import DataConfig
+from dsl_lit.config.errors import ConfigError
 from dsl_lit.data.packed import META_FILE, PackedTokens
 from dsl_lit.data.sampler import GlobalBatchSampler, num_windows
-from dsl_lit.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

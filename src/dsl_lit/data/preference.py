@@ -11,8 +11,8 @@ import random
 
 import torch
 
+from dsl_lit.config.posttrain import TaskConfig
 from dsl_lit.data import arithmetic
-from dsl_lit.data.arithmetic import TaskConfig
 from dsl_lit.data.chat import ChatTokenizer, prompt_and_reply
 from dsl_lit.data.rows import Rows
 from dsl_lit.data.sft import document, padded_rows

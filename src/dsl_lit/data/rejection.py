@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from dsl_lit.config.posttrain import RejectionConfig
 from dsl_lit.data.chat import ChatTokenizer, prompt_and_reply
 from dsl_lit.data.conversations import write_conversations
 from dsl_lit.generation import generate
-from dsl_lit.posttrain_config import RejectionConfig
 from dsl_lit.rewards import WeightedRewards
 
 log = logging.getLogger(__name__)

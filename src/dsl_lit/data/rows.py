@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from dsl_lit.data.config import DataConfig
+from dsl_lit.config.data import DataConfig
+from dsl_lit.config.errors import ConfigError
 from dsl_lit.data.datamodule import PretrainDataModule
-from dsl_lit.errors import ConfigError
 
 Rows = dict[str, torch.Tensor]
 

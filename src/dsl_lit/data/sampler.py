@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from dsl_lit.errors import ConfigError
+from dsl_lit.config.errors import ConfigError
 
 
 def num_windows(num_tokens: int, seq_len: int) -> int:

@@ -21,8 +21,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from dsl_lit.errors import ConfigError
-from dsl_lit.models.config import ModelConfig
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.config.model import ModelConfig
 
 StateDict = dict[str, torch.Tensor]
 

@@ -27,7 +27,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from dsl_lit.errors import ConfigError
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.config.model import ModelConfig
 from dsl_lit.hf.adapter import (
     BLOCK_NORM_NAMES,
     SWIGLU_NAMES,
@@ -45,7 +46,6 @@ from dsl_lit.hf.adapter import (
     token_ids_from_hf,
     token_ids_to_hf,
 )
-from dsl_lit.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from dsl_lit.errors import ConfigError
+from dsl_lit.config.errors import ConfigError
 from dsl_lit.hf.adapter import TOKEN_ID_KEYS, StateDict, adapter_for_family, adapter_for_model_type, few
 from dsl_lit.models import ModelConfig, Transformer, build_model
 

@@ -24,9 +24,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from dsl_lit.errors import ConfigError
-
-MODES = ("none", "selective", "full")
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.config.memory import MODES
 
 _aten = torch.ops.aten
 SAVED_OPS = {

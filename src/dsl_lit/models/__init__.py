@@ -1,6 +1,6 @@
 """Pure-PyTorch DeepSeek models. Nothing here imports Lightning or knows about parallelism."""
 
-from dsl_lit.models.config import PRESETS, ModelConfig
+from dsl_lit.config.model import PRESETS, ModelConfig
 from dsl_lit.models.transformer import Transformer
 
 

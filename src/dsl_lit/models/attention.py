@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsl_lit.models.config import ModelConfig
+from dsl_lit.config.model import ModelConfig
 from dsl_lit.models.kv_cache import KVCache
 from dsl_lit.models.layers import apply_rope
 

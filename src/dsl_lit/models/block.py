@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsl_lit.config.model import ModelConfig
 from dsl_lit.models.attention import GroupedQueryAttention
-from dsl_lit.models.config import ModelConfig
 from dsl_lit.models.kv_cache import KVCache
 from dsl_lit.models.layers import RMSNorm, SwiGLU
 from dsl_lit.models.mla import MultiHeadLatentAttention

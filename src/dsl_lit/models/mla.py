@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsl_lit.config.model import ModelConfig
 from dsl_lit.models.attention import causal_attention
-from dsl_lit.models.config import ModelConfig
 from dsl_lit.models.kv_cache import KVCache
 from dsl_lit.models.layers import RMSNorm, apply_rope, yarn_softmax_scale
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsl_lit.models.config import ModelConfig
+from dsl_lit.config.model import ModelConfig
 from dsl_lit.models.layers import SwiGLU
 
 log = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsl_lit.config.model import ModelConfig
 from dsl_lit.models.block import TransformerBlock
-from dsl_lit.models.config import ModelConfig
 from dsl_lit.models.layers import RMSNorm
 
 

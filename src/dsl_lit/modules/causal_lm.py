@@ -20,15 +20,16 @@ import lightning as L
 import torch
 from torch import nn
 
-from dsl_lit.memory.config import MemoryConfig
+from dsl_lit.config.memory import MemoryConfig
+from dsl_lit.config.objective import ObjectiveConfig
+from dsl_lit.config.optim import OptimConfig, ScheduleConfig
+from dsl_lit.config.precision import PrecisionConfig
 from dsl_lit.memory.recompute import apply_recompute
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.models.moe import TopKRouter
-from dsl_lit.modules.objective import ObjectiveConfig
-from dsl_lit.optim import OptimConfig, ScheduleConfig, build_lr_scheduler, build_optimizer
+from dsl_lit.optim import build_lr_scheduler, build_optimizer
 from dsl_lit.optim.clip import clip_grad_norm_
 from dsl_lit.parallel.strategy import DeepSeekStrategy, data_parallel_size
-from dsl_lit.precision.config import PrecisionConfig
 from dsl_lit.precision.fp8 import apply_fp8
 from dsl_lit.precision.loss_scaler import DynamicLossScaler
 from dsl_lit.precision.plugin import AutocastPrecision

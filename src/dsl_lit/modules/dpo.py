@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
+from dsl_lit.config.posttrain import DPOConfig
 from dsl_lit.modules.causal_lm import Batch, Metrics
 from dsl_lit.modules.posttrain import PostTrainModule
 from dsl_lit.objectives import dpo_loss, sequence_logps
-from dsl_lit.posttrain_config import DPOConfig
 
 
 class DPOModule(PostTrainModule):

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from dsl_lit.config.posttrain import GRPOConfig, SamplingConfig
 from dsl_lit.data.chat import ChatTokenizer
 from dsl_lit.data.prompts import prompts_of
 from dsl_lit.generation import generate
@@ -33,7 +34,6 @@ from dsl_lit.modules.causal_lm import Batch, Metrics
 from dsl_lit.modules.posttrain import PostTrainModule, shifted_completion
 from dsl_lit.objectives import group_advantages, grpo_loss, token_logps
 from dsl_lit.parallel.strategy import DeepSeekStrategy
-from dsl_lit.posttrain_config import GRPOConfig, SamplingConfig
 from dsl_lit.rewards import WeightedRewards, accuracy_reward
 
 log = logging.getLogger(__name__)

@@ -17,10 +17,10 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
+from dsl_lit.config.posttrain import RejectionConfig
 from dsl_lit.data.chat import ChatTokenizer
 from dsl_lit.data.rejection import RejectionSampler, RejectionStats, batch_generator
 from dsl_lit.models import ModelConfig, build_model
-from dsl_lit.posttrain_config import RejectionConfig
 
 
 class RejectionSamplingModule(L.LightningModule):

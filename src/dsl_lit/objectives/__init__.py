@@ -2,10 +2,8 @@
 against hand-computed values: DPO (and its IPO / hinge / robust variants), GRPO's group-relative
 advantages and its clipped, KL-regularised policy loss, and per-token log-probabilities."""
 
-from dsl_lit.objectives.dpo import DPO_LOSS_TYPES, DPOOutput, dpo_loss
+from dsl_lit.objectives.dpo import DPOOutput, dpo_loss
 from dsl_lit.objectives.grpo import (
-    ADVANTAGE_SCALES,
-    GRPO_LOSS_TYPES,
     GRPOOutput,
     group_advantages,
     grpo_loss,
@@ -14,11 +12,8 @@ from dsl_lit.objectives.grpo import (
 from dsl_lit.objectives.logps import sequence_logps, token_logps
 
 __all__ = [
-    "ADVANTAGE_SCALES",
-    "DPO_LOSS_TYPES",
     "DPOOutput",
     "GRPOOutput",
-    "GRPO_LOSS_TYPES",
     "dpo_loss",
     "group_advantages",
     "grpo_loss",

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-DPO_LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo")
+from dsl_lit.config.posttrain import DPO_LOSS_TYPES
 
 
 class DPOOutput(NamedTuple):

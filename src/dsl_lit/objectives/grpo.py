@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-ADVANTAGE_SCALES = ("group", "batch", "none")
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+from dsl_lit.config.posttrain import ADVANTAGE_SCALES, GRPO_LOSS_TYPES
+
 STD_EPS = 1e-4
 
 

@@ -1,6 +1,6 @@
-"""Optimizers and learning-rate schedules."""
+"""Optimizers and learning-rate schedules (their configs are data in ``dsl_lit.config.optim``)."""
 
-from dsl_lit.optim.adamw import OptimConfig, build_optimizer, param_groups
-from dsl_lit.optim.schedules import ScheduleConfig, build_lr_scheduler
+from dsl_lit.optim.adamw import build_optimizer, param_groups
+from dsl_lit.optim.schedules import build_lr_scheduler
 
-__all__ = ["OptimConfig", "ScheduleConfig", "build_lr_scheduler", "build_optimizer", "param_groups"]
+__all__ = ["build_lr_scheduler", "build_optimizer", "param_groups"]

@@ -3,49 +3,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from dsl_lit.errors import ConfigError
-
-
-@dataclass
-class OptimConfig:
-    """The ``optim`` config group (DeepSeek LLM / V3: AdamW 0.9/0.95, wd 0.1, clip 1.0)."""
-
-    lr: float = 4.2e-4
-    betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = 0.1
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-    foreach: bool | None = None
-    fused: bool = False
-    """torch's fused AdamW kernel (CUDA and CPU); excludes ``foreach``."""
-    moments_dtype: str = "fp32"
-    """``bf16`` keeps AdamW's two moments in bf16 (DeepSeek-V3 section 3.3.3: half their memory,
-    no observable loss of accuracy); the update itself is computed in fp32."""
-
-    def validate(self) -> OptimConfig:
-        if not self.lr > 0:
-            raise ConfigError(f"optim.lr={self.lr} must be > 0 (DeepSeek LLM 7B used 4.2e-4)")
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ConfigError(f"optim.betas={list(self.betas)} must be two numbers in [0, 1)")
-        if self.weight_decay < 0:
-            raise ConfigError(f"optim.weight_decay={self.weight_decay} must be >= 0")
-        if not self.eps > 0:
-            raise ConfigError(f"optim.eps={self.eps} must be > 0")
-        if self.grad_clip < 0:
-            raise ConfigError(f"optim.grad_clip={self.grad_clip} must be >= 0 (0 disables clipping)")
-        if self.moments_dtype not in MOMENT_DTYPES:
-            raise ConfigError(f"optim.moments_dtype={self.moments_dtype!r} must be one of {list(MOMENT_DTYPES)}")
-        if self.fused and self.foreach:
-            raise ConfigError("optim.fused=true and optim.foreach=true exclude each other; set optim.foreach=null")
-        if self.fused and self.moments_dtype != "fp32":
-            raise ConfigError("optim.fused=true needs optim.moments_dtype=fp32 (the fused kernel keeps moments in "
-                              "the parameters' dtype)")
-        return self
+from dsl_lit.config.optim import OptimConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -8,16 +8,11 @@ the chosen one in a ``LambdaLR`` so its state lives in checkpoints like any sche
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import partial
-from typing import Literal
 
 import torch
 
-from dsl_lit.errors import ConfigError
-
-ScheduleName = Literal["multi_step", "cosine", "wsd", "constant"]
+from dsl_lit.config.optim import ScheduleConfig
 
 
 def _warmup(step: int, warmup_steps: int) -> float:
@@ -64,72 +59,21 @@ def constant_multiplier(step: int, total_steps: int, warmup_steps: int) -> float
     return _warmup(step, warmup_steps)
 
 
-def piecewise_constant(progress: float, values: Sequence[float], boundaries: Sequence[float]) -> float:
-    """``values[i]`` while ``progress`` (fraction of training, 0..1) is below ``boundaries[i]``;
-    used for coefficients that DeepSeek switches at a token count (MTP weight 0.3 -> 0.1 after
-    10T of 14.8T tokens, bias update speed 0.001 -> 0 for the last 500B)."""
-    for value, boundary in zip(values, boundaries):
-        if progress < boundary:
-            return value
-    return values[len(boundaries)]
-
-
-def check_piecewise(values: Sequence[float], boundaries: Sequence[float], field: str) -> None:
-    """ConfigError unless there is one more value than boundaries and boundaries rise within [0, 1]."""
-    if len(values) != len(boundaries) + 1:
-        raise ConfigError(
-            f"{field} has {len(values)} value(s) and {len(boundaries)} boundary(ies); "
-            "a piecewise-constant schedule needs exactly one more value than boundaries"
-        )
-    if list(boundaries) != sorted(boundaries) or any(not 0.0 <= b <= 1.0 for b in boundaries):
-        raise ConfigError(f"{field} boundaries {list(boundaries)} must rise within [0, 1] (fractions of training)")
-
-
-@dataclass
-class ScheduleConfig:
-    """The ``schedule`` config group. ``total_steps`` defaults to ``trainer.max_steps``."""
-
-    name: ScheduleName = "multi_step"
-    warmup_steps: int = 2000
-    total_steps: int | None = None
-    milestones: tuple[float, ...] = (0.8, 0.9)
-    factors: tuple[float, ...] = (0.316, 0.1)
-    min_ratio: float = 0.1
-    decay_fraction: float = 0.2
-
-    def validate(self) -> ScheduleConfig:
-        if self.name not in _SCHEDULES:
-            raise ConfigError(f"schedule.name={self.name!r} is unknown; choose one of {sorted(_SCHEDULES)}")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"schedule.warmup_steps={self.warmup_steps} must be >= 0")
-        if self.total_steps is not None and self.total_steps <= 0:
-            raise ConfigError(f"schedule.total_steps={self.total_steps} must be > 0 (or null for trainer.max_steps)")
-        if len(self.milestones) != len(self.factors) or list(self.milestones) != sorted(self.milestones):
-            raise ConfigError("schedule.milestones must be increasing and as many as schedule.factors")
-        if not 0.0 <= self.min_ratio <= 1.0:
-            raise ConfigError(f"schedule.min_ratio={self.min_ratio} must lie in [0, 1]")
-        if not 0.0 <= self.decay_fraction <= 1.0:
-            raise ConfigError(f"schedule.decay_fraction={self.decay_fraction} must lie in [0, 1]")
-        return self
-
-    def multiplier(self, total_steps: int):
-        """The step -> multiplier function for this config (picklable, so schedulers checkpoint)."""
-        total = self.total_steps or total_steps
-        common = dict(total_steps=total, warmup_steps=self.warmup_steps)
-        if self.name == "multi_step":
-            return partial(multi_step_multiplier, **common, milestones=tuple(self.milestones),
-                           factors=tuple(self.factors))
-        if self.name == "cosine":
-            return partial(cosine_multiplier, **common, min_ratio=self.min_ratio)
-        if self.name == "wsd":
-            return partial(wsd_multiplier, **common, decay_fraction=self.decay_fraction, min_ratio=self.min_ratio)
-        return partial(constant_multiplier, **common)
-
-
-_SCHEDULES = {"multi_step", "cosine", "wsd", "constant"}
+def schedule_multiplier(cfg: ScheduleConfig, total_steps: int):
+    """The step -> multiplier function for this config (picklable, so schedulers checkpoint)."""
+    total = cfg.total_steps or total_steps
+    common = dict(total_steps=total, warmup_steps=cfg.warmup_steps)
+    if cfg.name == "multi_step":
+        return partial(multi_step_multiplier, **common, milestones=tuple(cfg.milestones),
+                       factors=tuple(cfg.factors))
+    if cfg.name == "cosine":
+        return partial(cosine_multiplier, **common, min_ratio=cfg.min_ratio)
+    if cfg.name == "wsd":
+        return partial(wsd_multiplier, **common, decay_fraction=cfg.decay_fraction, min_ratio=cfg.min_ratio)
+    return partial(constant_multiplier, **common)
 
 
 def build_lr_scheduler(
     optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, cfg.multiplier(total_steps))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_multiplier(cfg, total_steps))

@@ -27,41 +27,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from dsl_lit.errors import ConfigError
-from dsl_lit.models.config import ModelConfig
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.config.model import ModelConfig
 from dsl_lit.models.moe import MoE, grouped_swiglu
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
-
-
-def check_expert_parallel(cfg: ModelConfig, ep: int) -> None:
-    """Raise ConfigError (naming the fields and the fix) for an ep size this model cannot use."""
-    if not isinstance(ep, int) or ep < 1:
-        raise ConfigError(f"parallel.ep={ep!r} must be a positive integer")
-    if ep == 1:
-        return
-    if not cfg.is_moe:
-        raise ConfigError(f"parallel.ep={ep} needs a model with routed experts (model {cfg.name!r} has none)")
-    if cfg.n_routed_experts % ep:
-        raise ConfigError(
-            f"parallel.ep={ep} does not divide model.n_routed_experts={cfg.n_routed_experts}; "
-            "every ep rank must hold the same number of experts"
-        )
-    if cfg.expert_backend == "loop":
-        raise ConfigError(
-            f"model.expert_backend=loop is a single-device reference and cannot run with parallel.ep={ep}; "
-            "use expert_backend=grouped_mm or split"
-        )
-    groups, limited = cfg.n_expert_groups, cfg.n_limited_groups
-    if limited < groups and groups % ep and ep % groups:
-        raise ConfigError(
-            f"model.n_expert_groups={groups} and parallel.ep={ep}: with model.n_limited_groups={limited} < "
-            "n_expert_groups, node-limited routing bounds the ranks a token is sent to only if the expert "
-            f"groups line up with ep ranks; make one divide the other (e.g. model.n_expert_groups={ep})"
-        )
 
 
 def max_ranks_per_token(cfg: ModelConfig, ep: int) -> int:
@@ -89,21 +62,6 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     over the expert-data-parallel group instead of all dp ranks."""
     ids = {id(getattr(m.experts, name)) for m in model.modules() if isinstance(m, MoE) for name in EXPERT_WEIGHTS}
     return [p for p in model.parameters() if id(p) in ids]
-
-
-def init_expert_parallel_mesh(device_type: str, dp: int, ep: int, tp: int = 1, pp: int = 1) -> DeviceMesh:
-    """The strategy's (pp, edp, ep, tp) mesh with the flattened ``dp`` = (edp, ep) dimension:
-    ``mesh["ep"]`` for :func:`apply_expert_parallel`, ``mesh["dp"]`` for the non-expert reduction
-    and the data sampler (dp rank = edp * ep + ep rank), ``mesh["edp"]`` for the routed experts'
-    reduction, ``mesh["tp"]`` and ``mesh["pp"]`` for tensor and pipeline parallelism.
-
-    tp ranks are adjacent (one node), then ep ranks, so an ep group stays on as few nodes as tp
-    allows; pipeline stages are outermost."""
-    if dp % ep:
-        raise ConfigError(f"parallel.ep={ep} does not divide the data-parallel size {dp}: experts shard over dp ranks")
-    mesh = init_device_mesh(device_type, (pp, dp // ep, ep, tp), mesh_dim_names=("pp", "edp", "ep", "tp"))
-    mesh["edp", "ep"]._flatten("dp")
-    return mesh
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:

@@ -47,7 +47,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from dsl_lit.models.config import ModelConfig
+from dsl_lit.config.model import ModelConfig
 from dsl_lit.models.moe import MoE
 
 SCHEDULES = {

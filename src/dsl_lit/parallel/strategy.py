@@ -34,17 +34,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 
-from dsl_lit.optim import OptimConfig, build_optimizer, param_groups
+from dsl_lit.config.optim import OptimConfig
+from dsl_lit.config.parallel import ParallelLayout
+from dsl_lit.optim import build_optimizer, param_groups
 from dsl_lit.optim.adamw import MOMENT_DTYPES
 from dsl_lit.optim.clip import clip_grad_norm_
 from dsl_lit.parallel.checkpointing import ShardedCheckpointing
-from dsl_lit.parallel.expert_parallel import (
-    apply_expert_parallel,
-    expert_parameters,
-    init_expert_parallel_mesh,
-)
+from dsl_lit.parallel.expert_parallel import apply_expert_parallel, expert_parameters
 from dsl_lit.parallel.full_state import full_state_dict
 from dsl_lit.parallel.grad_sync import OverlappedGradientReducer
+from dsl_lit.parallel.mesh import build_device_mesh
 from dsl_lit.parallel.pipeline import PipelineRunner
 from dsl_lit.parallel.tensor_parallel import apply_tensor_parallel
 from dsl_lit.parallel.zero1 import ZeRO1AdamW
@@ -58,21 +57,12 @@ def data_parallel_size(trainer: Any) -> int:
 class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
     strategy_name = "dsl_lit"
 
-    def __init__(
-        self,
-        tp: int = 1,
-        pp: int = 1,
-        ep: int = 1,
-        sequence_parallel: bool = False,
-        zero1: bool = False,
-        pp_schedule: str = "1F1B",
-        pp_virtual_stages: int = 1,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, layout: ParallelLayout, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.tp, self.pp, self.ep, self.zero1 = tp, pp, ep, zero1
-        self.sequence_parallel = sequence_parallel
-        self.pp_schedule, self.pp_virtual_stages = pp_schedule, pp_virtual_stages
+        self.layout = layout
+        self.tp, self.pp, self.ep, self.zero1 = layout.tp, layout.pp, layout.ep, layout.zero1
+        self.sequence_parallel = layout.sequence_parallel
+        self.pp_schedule, self.pp_virtual_stages = layout.pp_schedule, layout.pp_virtual_stages
         self.mesh: DeviceMesh | None = None
         self._reducers: list[OverlappedGradientReducer] | None = None
         self._pipeline: PipelineRunner | None = None
@@ -81,8 +71,10 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        dp = self.world_size // (self.tp * self.pp)
-        self.mesh = init_expert_parallel_mesh(self.root_device.type, dp, self.ep, self.tp, self.pp)
+        if self.world_size != self.layout.world_size:
+            raise RuntimeError(f"the layout was validated for {self.layout.world_size} processes, "
+                               f"Lightning started {self.world_size}")
+        self.mesh = build_device_mesh(self.layout, self.root_device.type)
 
     # -- data-parallel coordinates (the data module shards batches by these) ------------------------
     @property
@@ -91,7 +83,7 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
 
     @property
     def dp_size(self) -> int:
-        return self.world_size // (self.tp * self.pp)
+        return self.layout.dp
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
@@ -104,7 +96,7 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
     @property
     def shards_model(self) -> bool:
         """Whether a rank holds less than the whole model (tensor, pipeline or expert parallel)."""
-        return self.tp > 1 or self.pp > 1 or self.ep > 1
+        return self.layout.shards_model
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The single-device state dict of the sharded ``model``, on every rank (collective)."""

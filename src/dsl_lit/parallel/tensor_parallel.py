@@ -66,7 +66,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from dsl_lit.models.config import ModelConfig
+from dsl_lit.config.model import ModelConfig
 
 SEQ = Shard(1)
 """Sequence shards of [batch, seq, d_model] activations (sequence parallelism)."""

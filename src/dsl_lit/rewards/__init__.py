@@ -2,13 +2,13 @@
 and their weighted combination. Each reward is ``fn(completion: str, sample: Mapping) -> float``."""
 
 from dsl_lit.rewards.accuracy import CHECKERS, accuracy_reward, extract_answer, extract_boxed
-from dsl_lit.rewards.combine import REWARDS, RewardFunction, WeightedRewards, build_rewards
+from dsl_lit.rewards.combine import REWARD_FUNCTIONS, RewardFunction, WeightedRewards, build_rewards
 from dsl_lit.rewards.format import format_reward
 from dsl_lit.rewards.language import language_consistency_reward, target_language_share
 
 __all__ = [
     "CHECKERS",
-    "REWARDS",
+    "REWARD_FUNCTIONS",
     "RewardFunction",
     "WeightedRewards",
     "accuracy_reward",

@@ -16,7 +16,7 @@ from dsl_lit.rewards.format import format_reward
 from dsl_lit.rewards.language import language_consistency_reward
 
 RewardFunction = Callable[[str, Mapping[str, Any]], float]
-REWARDS: dict[str, RewardFunction] = {
+REWARD_FUNCTIONS: dict[str, RewardFunction] = {
     "accuracy": accuracy_reward,
     "format": format_reward,
     "language": language_consistency_reward,
@@ -27,7 +27,7 @@ class WeightedRewards:
     """``sum_k weight_k * reward_k(completion, sample)`` over named reward functions."""
 
     def __init__(self, weights: Mapping[str, float], functions: Mapping[str, RewardFunction] | None = None) -> None:
-        functions = {**REWARDS, **(functions or {})}
+        functions = {**REWARD_FUNCTIONS, **(functions or {})}
         unknown = sorted(set(weights) - set(functions))
         if unknown:
             raise ValueError(f"unknown reward(s) {unknown}; known: {sorted(functions)}")

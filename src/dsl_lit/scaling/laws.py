@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dsl_lit.config.model import ModelConfig
 from dsl_lit.flops import non_embedding_flops_per_token, training_flops_per_token
-from dsl_lit.models.config import ModelConfig
 
 flops_per_token = training_flops_per_token
 """Training FLOPs per token of any of our configs (dense or MoE with activated experts only, GQA

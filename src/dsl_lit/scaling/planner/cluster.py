@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsl_lit.errors import ConfigError
-from dsl_lit.schema import dataclass_from_dict
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.config.schema import dataclass_from_dict
 
 GIB = 2**30
 

@@ -13,11 +13,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from dsl_lit.errors import ConfigError
-from dsl_lit.models.config import ModelConfig
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.config.model import ModelConfig
+from dsl_lit.config.parallel import ParallelLayout
+from dsl_lit.config.schema import dataclass_from_dict
 from dsl_lit.scaling.planner.cluster import ClusterConfig
 from dsl_lit.scaling.planner.layout import PlanLayout
-from dsl_lit.schema import dataclass_from_dict
 
 
 @dataclass
@@ -62,9 +63,8 @@ def plan_inputs(cfg: DictConfig) -> tuple[ModelConfig, PlanLayout, ClusterConfig
     if unknown:
         raise ConfigError(f"parallel.{unknown[0]} is not a layout field; known: {list(PARALLEL_KEYS)}")
     tp, pp = int(parallel.get("tp", 1)), int(parallel.get("pp", 1))
-    if cluster.world_size % (tp * pp):
-        raise ConfigError(f"parallel.tp={tp} x parallel.pp={pp} does not divide the cluster's {cluster.world_size} GPUs")
-    parallel["dp"] = parallel.get("dp") or cluster.world_size // (tp * pp)
+    parallel["dp"] = parallel.get("dp") or ParallelLayout.derive_dp(
+        cluster.world_size, tp, pp, world=f"the cluster's {cluster.world_size} GPUs")
     layout = PlanLayout(**parallel, global_batch_size=options.global_batch_size,
                         micro_batch_size=options.micro_batch_size, seq_len=options.seq_len,
                         precision=options.precision, recompute=options.recompute, moments_dtype=options.moments_dtype)

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsl_lit.config import ParallelConfig
-from dsl_lit.errors import ConfigError
-from dsl_lit.memory.recompute import MODES
-from dsl_lit.models.config import ModelConfig
-from dsl_lit.parallel.layout import validate_layout
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.config.memory import MODES
+from dsl_lit.config.model import ModelConfig
+from dsl_lit.config.parallel import ParallelConfig, ParallelLayout
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZB1P", "DualPipe", "DualPipeV")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
@@ -121,7 +120,7 @@ class PlanLayout:
                                   sequence_parallel=self.sequence_parallel, pp_schedule=self.pp_schedule,
                                   pp_virtual_stages=self.pp_virtual_stages if self.pp > 1 else 1)
         try:
-            validate_layout(parallel, model, self.world_size)
+            ParallelLayout.create(parallel, model, self.world_size)
         except ConfigError as error:
             return str(error)
         return None

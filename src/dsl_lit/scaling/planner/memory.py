@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from dsl_lit.config.model import ModelConfig
 from dsl_lit.flops import attention_params
-from dsl_lit.models.config import ModelConfig
 from dsl_lit.parallel.pipeline import split_layers, stages_of_rank
 from dsl_lit.scaling.planner.cluster import GIB, ClusterConfig
 from dsl_lit.scaling.planner.layout import PlanLayout

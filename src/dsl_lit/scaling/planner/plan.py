@@ -8,9 +8,10 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from dsl_lit.errors import ConfigError
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.config.model import ModelConfig
+from dsl_lit.config.parallel import ParallelLayout
 from dsl_lit.flops import training_flops_per_token
-from dsl_lit.models.config import ModelConfig
 from dsl_lit.scaling.planner.cluster import GIB, ClusterConfig
 from dsl_lit.scaling.planner.layout import PlanLayout
 from dsl_lit.scaling.planner.memory import MemoryEstimate, estimate_memory
@@ -117,7 +118,7 @@ def search_layouts(model: ModelConfig, base: PlanLayout, cluster: ClusterConfig,
     for tp, pp, schedule, recompute, micro in itertools.product(tps, pps, schedules, recomputes, micro_batch_sizes):
         if world % (tp * pp) or (pp == 1 and schedule != schedules[0]):
             continue
-        dp = world // (tp * pp)
+        dp = ParallelLayout.derive_dp(world, tp, pp)
         eps = [e for e in _divisors(dp) if model.is_moe and model.n_routed_experts % e == 0] or [1]
         for ep in eps:
             layout = dataclasses.replace(base, dp=dp, tp=tp, pp=pp, ep=ep, pp_schedule=schedule, recompute=recompute,

@@ -48,8 +48,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from dsl_lit.config.model import ModelConfig
 from dsl_lit.flops import attention_params, ffn_params_per_token
-from dsl_lit.models.config import ModelConfig
 from dsl_lit.scaling.planner.cluster import ClusterConfig
 from dsl_lit.scaling.planner.layout import PlanLayout
 from dsl_lit.scaling.planner.memory import (

@@ -6,10 +6,31 @@ Ignored by models without MTP modules or MoE layers, so one group serves every r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from dsl_lit.errors import ConfigError
-from dsl_lit.optim.schedules import check_piecewise, piecewise_constant
+from dsl_lit.config.errors import ConfigError
+
+
+def piecewise_constant(progress: float, values: Sequence[float], boundaries: Sequence[float]) -> float:
+    """``values[i]`` while ``progress`` (fraction of training, 0..1) is below ``boundaries[i]``;
+    used for coefficients that DeepSeek switches at a token count (MTP weight 0.3 -> 0.1 after
+    10T of 14.8T tokens, bias update speed 0.001 -> 0 for the last 500B)."""
+    for value, boundary in zip(values, boundaries):
+        if progress < boundary:
+            return value
+    return values[len(boundaries)]
+
+
+def check_piecewise(values: Sequence[float], boundaries: Sequence[float], field: str) -> None:
+    """ConfigError unless there is one more value than boundaries and boundaries rise within [0, 1]."""
+    if len(values) != len(boundaries) + 1:
+        raise ConfigError(
+            f"{field} has {len(values)} value(s) and {len(boundaries)} boundary(ies); "
+            "a piecewise-constant schedule needs exactly one more value than boundaries"
+        )
+    if list(boundaries) != sorted(boundaries) or any(not 0.0 <= b <= 1.0 for b in boundaries):
+        raise ConfigError(f"{field} boundaries {list(boundaries)} must rise within [0, 1] (fractions of training)")
 
 
 @dataclass

@@ -6,8 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dsl_lit.errors import ConfigError
-from dsl_lit.schema import dataclass_from_dict
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.config.schema import dataclass_from_dict
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsl_lit.errors import ConfigError
+from dsl_lit.config.errors import ConfigError
 
 NAMES = ("fp32", "bf16", "fp16")
 FP8_RECIPES = ("fp8_tensorwise", "fp8_rowwise", "fp8_blockwise")

@@ -14,44 +14,15 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from dsl_lit.data.config import DataConfig
-from dsl_lit.errors import ConfigError
-from dsl_lit.memory.config import MemoryConfig
-from dsl_lit.models.config import ModelConfig
-from dsl_lit.modules.objective import ObjectiveConfig
-from dsl_lit.optim import OptimConfig, ScheduleConfig
-from dsl_lit.parallel.layout import validate_layout, validate_pipeline_micro_batches
-from dsl_lit.precision.config import PrecisionConfig
-from dsl_lit.schema import dataclass_from_dict
-
-PP_SCHEDULES = ("1F1B", "Interleaved1F1B", "DualPipeV", "GPipe")
-
-
-@dataclass
-class ParallelConfig:
-    """``parallel`` group: the device-mesh layout. ``dp`` defaults to what tp and pp leave of the
-    world size (``trainer.devices x trainer.num_nodes``); ``ep`` shards experts over dp ranks."""
-
-    dp: int | None = None
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    sequence_parallel: bool = False
-    pp_schedule: str = "1F1B"
-    pp_virtual_stages: int = 1
-    zero1: bool = False
-
-    def validate(self) -> ParallelConfig:
-        for name in ("tp", "pp", "ep", "pp_virtual_stages"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"parallel.{name}={getattr(self, name)} must be >= 1")
-        if self.dp is not None and self.dp < 1:
-            raise ConfigError(f"parallel.dp={self.dp} must be >= 1 (or null for what tp and pp leave)")
-        if self.pp_schedule not in PP_SCHEDULES:
-            raise ConfigError(f"parallel.pp_schedule={self.pp_schedule!r} is unknown; choose one of {PP_SCHEDULES}")
-        if self.sequence_parallel and self.tp == 1:
-            raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1 (it shards the sequence over tp)")
-        return self
+from dsl_lit.config.data import DataConfig
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.config.memory import MemoryConfig
+from dsl_lit.config.model import ModelConfig
+from dsl_lit.config.objective import ObjectiveConfig
+from dsl_lit.config.optim import OptimConfig, ScheduleConfig
+from dsl_lit.config.parallel import ParallelConfig, ParallelLayout
+from dsl_lit.config.precision import PrecisionConfig
+from dsl_lit.config.schema import dataclass_from_dict
 
 
 @dataclass
@@ -153,6 +124,8 @@ class TrainConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     run_dir: str = "."
     raw: dict[str, Any] = field(default_factory=dict)
+    layout: ParallelLayout | None = None
+    """Set by :meth:`validate`: the parallel layout of ``world_size`` processes."""
 
     @classmethod
     def from_hydra(cls, cfg: DictConfig, run_dir: str = ".") -> TrainConfig:
@@ -188,7 +161,8 @@ class TrainConfig:
                 f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
                 "lower data.seq_len or raise +model.max_seq_len"
             )
-        dp = validate_layout(self.parallel, self.model, self.world_size)
+        self.layout = ParallelLayout.create(self.parallel, self.model, self.world_size)
+        dp = self.layout.dp
         if self.precision.fp8 and self.parallel.tp > 1:
             raise ConfigError(
                 f"precision.fp8={self.precision.fp8} with parallel.tp={self.parallel.tp} is not supported yet "
@@ -200,9 +174,7 @@ class TrainConfig:
                 f"{self.parallel.tp} ranks; make data.seq_len a multiple of it"
             )
         self.data.validate(dp_size=dp)
-        validate_pipeline_micro_batches(
-            self.parallel, self.data.global_batch_size // (dp * self.data.micro_batch_size)
-        )
+        self.layout.check_micro_batches(self.data.global_batch_size, self.data.micro_batch_size)
         if self.trainer.val_every_n_steps and self.data.val_windows < self.data.global_batch_size:
             raise ConfigError(
                 f"trainer.val_every_n_steps={self.trainer.val_every_n_steps} needs held-out data: set data.val_windows "

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsl_lit.errors import ConfigError
-from dsl_lit.memory.recompute import MODES
+from dsl_lit.config.errors import ConfigError
+
+MODES = ("none", "selective", "full")
+"""Activation recompute modes (:mod:`dsl_lit.memory.recompute`)."""
 
 
 @dataclass

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from dsl_lit.errors import ConfigError
+from dsl_lit.config.errors import ConfigError
 
 AttentionBackend = Literal["sdpa", "flash_attn", "eager"]
 ATTENTION_BACKENDS = ("sdpa", "flash_attn", "eager")
