@@ -9,7 +9,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from dsl_lit.parallel.strategy import data_parallel_size
+from dsl_lit.parallel.step_runner import step_runner_of
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class ThroughputMonitor(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         seconds = time.perf_counter() - self._start
-        tokens = pl_module.tokens_in_batch(batch) * data_parallel_size(trainer)  # tp ranks share data
+        tokens = pl_module.tokens_in_batch(batch) * step_runner_of(trainer.strategy).dp_size  # tp ranks share data
         tokens_per_s = tokens / seconds
         mfu = tokens_per_s * self.flops_per_token / (self.peak * 1e12 * trainer.world_size)
         pl_module.log("perf/tokens_per_s", tokens_per_s, prog_bar=True)

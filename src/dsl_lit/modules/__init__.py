@@ -1,6 +1,6 @@
 """LightningModules, one per training objective, all sharing ``CausalLMModule``'s step."""
 
-from dsl_lit.modules.causal_lm import CausalLMModule, split_micro_batches
+from dsl_lit.modules.causal_lm import CausalLMModule
 from dsl_lit.modules.dpo import DPOModule
 from dsl_lit.modules.grpo import GRPOModule
 from dsl_lit.modules.posttrain import PostTrainModule
@@ -16,5 +16,4 @@ __all__ = [
     "PretrainModule",
     "RejectionSamplingModule",
     "SFTModule",
-    "split_micro_batches",
 ]

@@ -13,7 +13,6 @@ each router's expert bias.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import lightning as L
@@ -27,21 +26,14 @@ from dsl_lit.config.precision import PrecisionConfig
 from dsl_lit.memory.recompute import apply_recompute
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.models.moe import TopKRouter
-from dsl_lit.optim import build_lr_scheduler, build_optimizer
-from dsl_lit.optim.clip import clip_grad_norm_
-from dsl_lit.parallel.strategy import DeepSeekStrategy, data_parallel_size
+from dsl_lit.optim import build_lr_scheduler
+from dsl_lit.parallel.step_runner import LocalStepRunner, step_runner_of
 from dsl_lit.precision.fp8 import apply_fp8
 from dsl_lit.precision.loss_scaler import DynamicLossScaler
 from dsl_lit.precision.plugin import AutocastPrecision
 
 Batch = dict[str, torch.Tensor]
 Metrics = dict[str, torch.Tensor]
-
-
-def split_micro_batches(batch: Batch, micro_batch_size: int) -> list[Batch]:
-    """Split every tensor of ``batch`` along dim 0 into chunks of ``micro_batch_size`` rows."""
-    size = next(iter(batch.values())).shape[0]
-    return [{k: v[i : i + micro_batch_size] for k, v in batch.items()} for i in range(0, size, micro_batch_size)]
 
 
 class CausalLMModule(L.LightningModule):
@@ -98,6 +90,16 @@ class CausalLMModule(L.LightningModule):
         return self.trainer.global_step / max(1, self.total_steps)
 
     @property
+    def runner(self) -> LocalStepRunner:
+        """How this step runs on the layout: the strategy's step runner (no trainer: one device)."""
+        return step_runner_of(self._trainer.strategy if self._trainer is not None else None)
+
+    @property
+    def loss_scale(self) -> float:
+        """The fp16 loss scale the objective is multiplied by before backward (1.0 otherwise)."""
+        return self.loss_scaler.scale if self.loss_scaler.enabled else 1.0
+
+    @property
     def mtp_depth(self) -> int:
         """MTP modules of the model (from the config: a pipeline stage may not hold them)."""
         cfg = self.model_config
@@ -122,10 +124,9 @@ class CausalLMModule(L.LightningModule):
         the global batch, however unevenly padding or prompt masks spread targets over replicas
         (SFT rows, completions). With one replica it is the count itself."""
         count = count.float()
-        strategy = self._trainer.strategy if self._trainer is not None else None
-        if isinstance(strategy, DeepSeekStrategy) and strategy.dp_size > 1:
-            count = strategy.reduce_over_dp(count.clone(), "sum").clamp_min(1) / strategy.dp_size
-            return count
+        runner = self.runner
+        if runner.dp_size > 1:
+            return runner.reduce_over_dp(count.clone(), "sum").clamp_min(1) / runner.dp_size
         return count.clamp_min(1)
 
     def loss_from_outputs(
@@ -190,22 +191,7 @@ class CausalLMModule(L.LightningModule):
         the step's mean however the batch is split. Under pipeline parallelism the strategy's
         schedule runs the micro-batches instead (same losses, same normalisation).
         """
-        normalizers = self.loss_normalizers(batch)
-        strategy = self.trainer.strategy
-        ours = isinstance(strategy, DeepSeekStrategy)
-        if ours and strategy.pp > 1:
-            return strategy.pipeline_forward_backward(self, batch, normalizers)
-        totals: Metrics = {}
-        micro_batches = split_micro_batches(batch, self.micro_batch_size)
-        with strategy.loss_context() if ours else contextlib.nullcontext():
-            for i, micro_batch in enumerate(micro_batches):
-                objective, metrics = self.micro_batch_loss(micro_batch, normalizers)
-                if ours and i == len(micro_batches) - 1:
-                    strategy.before_last_backward(self.model, self.optimizers().optimizer)
-                self.manual_backward(objective * self.loss_scaler.scale if self.loss_scaler.enabled else objective)
-                for name, value in metrics.items():
-                    totals[name] = totals.get(name, 0.0) + value
-        return totals
+        return self.runner.run(self, batch, self.loss_normalizers(batch))
 
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         optimizer = self.optimizers()
@@ -226,7 +212,7 @@ class CausalLMModule(L.LightningModule):
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         self.update_expert_bias(0.0 if skip else self.objective.bias_update_rate_at(progress))
-        self.tokens_seen += self.tokens_in_batch(batch) * data_parallel_size(self.trainer)
+        self.tokens_seen += self.tokens_in_batch(batch) * self.runner.dp_size
         sync = self.trainer.world_size > 1
         self.log("train/loss", metrics["loss"], prog_bar=True, sync_dist=sync)
         for name, value in metrics.items():
@@ -257,17 +243,7 @@ class CausalLMModule(L.LightningModule):
     def validation_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         """Held-out loss (``val/loss``, the main next-token loss per target), for any layout: under
         pipeline parallelism the schedule's forward-only pass computes it on the last stage."""
-        normalizers = self.loss_normalizers(batch)
-        strategy = self.trainer.strategy
-        ours = isinstance(strategy, DeepSeekStrategy)
-        if ours and strategy.pp > 1:
-            metrics = strategy.pipeline_forward_backward(self, batch, normalizers, backward=False)
-        else:
-            metrics = {}
-            with strategy.loss_context() if ours else contextlib.nullcontext():
-                for micro_batch in split_micro_batches(batch, self.micro_batch_size):
-                    for name, value in self.micro_batch_objective(micro_batch, normalizers)[1].items():
-                        metrics[name] = metrics.get(name, 0.0) + value
+        metrics = self.runner.run(self, batch, self.loss_normalizers(batch), backward=False)
         sync = self.trainer.world_size > 1
         for name, value in metrics.items():
             self.log(f"val/{name}", value, sync_dist=sync, prog_bar=name == "loss")
@@ -280,12 +256,7 @@ class CausalLMModule(L.LightningModule):
         routers = [m for m in self.model.modules() if isinstance(m, TopKRouter)]
         if not routers:
             return
-        loads = torch.stack([router.load.counts for router in routers])
-        strategy = self.trainer.strategy
-        if isinstance(strategy, DeepSeekStrategy):
-            loads = strategy.reduce_over_dp(loads, reduce_op="sum")
-        elif self.trainer.world_size > 1:
-            loads = strategy.reduce(loads, reduce_op="sum")
+        loads = self.runner.reduce_over_dp(torch.stack([router.load.counts for router in routers]), "sum")
         for router, load in zip(routers, loads):
             router.update_bias(load, rate)
             router.load.reset_parameters()
@@ -296,17 +267,10 @@ class CausalLMModule(L.LightningModule):
     ) -> torch.Tensor:
         """Gradients of the whole step are ready: reduce them across data-parallel ranks (the
         strategy's job when it has one) and clip by the global norm; returns the norm."""
-        strategy = self.trainer.strategy
-        if isinstance(strategy, DeepSeekStrategy):
-            return strategy.finish_gradients(self.model, optimizer, max_norm, loss_scale)
-        return clip_grad_norm_(self.model.parameters(), max_norm, loss_scale=loss_scale)
+        return self.runner.finish_gradients(self.model, optimizer, max_norm, loss_scale)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        strategy = self.trainer.strategy
-        if isinstance(strategy, DeepSeekStrategy):
-            optimizer = strategy.build_optimizer(self.model, self.optim_config)
-        else:
-            optimizer = build_optimizer(self.model, self.optim_config)
+        optimizer = self.runner.build_optimizer(self.model, self.optim_config)
         scheduler = build_lr_scheduler(optimizer, self.schedule_config, self.total_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

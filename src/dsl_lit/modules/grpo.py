@@ -33,7 +33,6 @@ from dsl_lit.generation import generate
 from dsl_lit.modules.causal_lm import Batch, Metrics
 from dsl_lit.modules.posttrain import PostTrainModule, shifted_completion
 from dsl_lit.objectives import group_advantages, grpo_loss, token_logps
-from dsl_lit.parallel.strategy import DeepSeekStrategy
 from dsl_lit.rewards import WeightedRewards, accuracy_reward
 
 log = logging.getLogger(__name__)
@@ -60,8 +59,7 @@ class GRPOModule(PostTrainModule):
 
     # -- sampling ------------------------------------------------------------------------------
     def _generator(self) -> torch.Generator:
-        strategy = self.trainer.strategy
-        rank = strategy.dp_rank if isinstance(strategy, DeepSeekStrategy) else self.trainer.global_rank
+        rank = self.runner.dp_rank
         return torch.Generator(self.device).manual_seed(self.seed + 1_000_003 * self.trainer.global_step + 7919 * rank)
 
     def rollout(self, batch: Batch) -> tuple[Batch, dict[str, float]]:

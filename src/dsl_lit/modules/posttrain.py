@@ -24,7 +24,6 @@ from dsl_lit.generation import positions_from_mask
 from dsl_lit.models import build_model
 from dsl_lit.modules.causal_lm import Batch, CausalLMModule
 from dsl_lit.objectives import token_logps
-from dsl_lit.parallel.strategy import DeepSeekStrategy
 
 
 def shifted_completion(sequences: torch.Tensor, valid: torch.Tensor, prompt_length: int) -> Batch:
@@ -82,17 +81,13 @@ class PostTrainModule(CausalLMModule):
     def full_policy_state(self) -> dict[str, torch.Tensor]:
         """The policy's single-device state dict, gathered from its shards when the layout splits
         it (a collective then: every rank calls it at the same point)."""
-        strategy = self.trainer.strategy
-        if isinstance(strategy, DeepSeekStrategy) and strategy.shards_model:
-            return strategy.full_state_dict(self.model)
-        return self.model.state_dict()
+        return self.runner.full_state_dict(self.model)
 
     def inference_model(self) -> nn.Module:
         """The whole policy, for sampling and frozen log-probs under any layout: the model itself
         when this rank holds all of it, otherwise a single-device copy (eval mode) refreshed from
         the shards once per optimizer step. Collective under sharded layouts."""
-        strategy = self.trainer.strategy
-        if not (isinstance(strategy, DeepSeekStrategy) and strategy.shards_model):
+        if not self.runner.shards_model:
             return self.model
         step = self.trainer.global_step
         if self._inference is None:

@@ -6,9 +6,11 @@ ep, then the rest of dp, with pipeline stages outermost. What it applies, from o
 
 - data parallelism, plain or with ZeRO-1 (:mod:`dsl_lit.parallel.zero1`);
 - tensor (+ sequence) parallelism with each family's plan (:mod:`dsl_lit.parallel.tensor_parallel`);
-- pipeline parallelism with a ``torch.distributed.pipelining`` schedule (:mod:`dsl_lit.parallel.pipeline`):
-  the LightningModule hands its step to :meth:`DeepSeekStrategy.pipeline_forward_backward`;
+- pipeline parallelism with a ``torch.distributed.pipelining`` schedule (:mod:`dsl_lit.parallel.pipeline`);
 - expert parallelism with all-to-all dispatch (:mod:`dsl_lit.parallel.expert_parallel`).
+
+The LightningModule never names this class: it runs its step through :attr:`step_runner`
+(:mod:`dsl_lit.parallel.step_runner`), a plain micro-batch loop or the pipeline schedule.
 
 Why not Lightning's DDPStrategy as is: DDP all-reduces on every backward, but our modules run
 several micro-batches per optimizer step inside ``training_step`` (so that a pipeline schedule or
@@ -45,13 +47,9 @@ from dsl_lit.parallel.full_state import full_state_dict
 from dsl_lit.parallel.grad_sync import OverlappedGradientReducer
 from dsl_lit.parallel.mesh import build_device_mesh
 from dsl_lit.parallel.pipeline import PipelineRunner
+from dsl_lit.parallel.step_runner import MeshStepRunner, PipelineStepRunner
 from dsl_lit.parallel.tensor_parallel import apply_tensor_parallel
 from dsl_lit.parallel.zero1 import ZeRO1AdamW
-
-
-def data_parallel_size(trainer: Any) -> int:
-    """Replicas that see different data: the world size without tensor-parallel duplicates."""
-    return int(getattr(trainer.strategy, "dp_size", trainer.world_size))
 
 
 class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
@@ -66,8 +64,7 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
         self.mesh: DeviceMesh | None = None
         self._reducers: list[OverlappedGradientReducer] | None = None
         self._pipeline: PipelineRunner | None = None
-        self._pp_metric_names: dict[str, list[str]] = {}
-        self._pp_batch: dict[str, torch.Tensor] | None = None
+        self._runner: MeshStepRunner | None = None
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -127,51 +124,20 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
         if self.ep > 1:
             apply_expert_parallel(module.model, self.mesh["ep"])
 
-    # -- pipeline parallelism: the schedule runs the step's micro-batches ---------------------------
-    def pipeline_forward_backward(
-        self, module: Any, batch: dict[str, torch.Tensor], normalizers: dict, backward: bool = True
-    ) -> dict:
-        """Run one step's forwards and backwards (or, for validation, forwards only) through the
-        pipeline schedule; returns the step metrics summed over stages (the loss from the last
-        stage, balance losses from where their MoE layers are), the same on every pipeline rank."""
-        rows = batch["input_ids"].shape[0]
-        self._pipeline.build_schedule(rows // module.micro_batch_size, self._pipeline_loss)
-        self._pp_module, self._pp_normalizers, self._pp_totals = module, normalizers, {}
-        self._pp_batch = batch
-        row_ids = torch.arange(rows, device=batch["input_ids"].device)  # the loss reads its rows' fields
-        with self.loss_context():
-            self._pipeline.step(
-                batch["input_ids"], row_ids, float(rows), backward=backward, loss_scale=module.loss_scaler.scale,
-                inputs=module.model_inputs(batch),
-            )
-        totals: dict[str, torch.Tensor] = dict(self._pp_totals)
-        balance = self._pipeline.balance_total()
-        if balance is not None:
-            totals["balance_loss"] = balance
-        key = "train" if backward else "val"
-        if key not in self._pp_metric_names:  # which metrics exist is agreed once per kind
-            names: list[Any] = [None] * self.pp
-            dist.all_gather_object(names, sorted(totals), group=self.pp_group)
-            self._pp_metric_names[key] = sorted(set().union(*names))
-        zero = torch.zeros((), device=self.root_device)
-        values = torch.stack([totals.get(k, zero).float().reshape(()) for k in self._pp_metric_names[key]])
-        dist.all_reduce(values, group=self.pp_group)
-        self._pp_module = self._pp_normalizers = self._pp_batch = None
-        return dict(zip(self._pp_metric_names[key], values))
+    # -- how the module's step runs on this layout ------------------------------------------------
+    @property
+    def step_runner(self) -> MeshStepRunner:
+        """What the LightningModule runs its step through (:mod:`dsl_lit.parallel.step_runner`)."""
+        if self._runner is None:
+            self._runner = PipelineStepRunner(self) if self.pp > 1 else MeshStepRunner(self)
+        return self._runner
 
-    def _pipeline_loss(self, outputs: tuple[torch.Tensor, ...], row_ids: torch.Tensor, record: bool) -> torch.Tensor:
-        """The schedule's loss function on the last stage: the module's own objective on the
-        micro-batch's rows of the step batch (metrics recorded except in the schedule's
-        shape-inference pass)."""
-        first, end = int(row_ids[0]), int(row_ids[-1]) + 1  # micro-batches are contiguous rows
-        micro_batch = {name: value[first:end] for name, value in self._pp_batch.items()}
-        objective, metrics = self._pp_module.loss_from_outputs(outputs, micro_batch, self._pp_normalizers)
-        objective = objective * self._pp_module.loss_scaler.scale
-        if not record:
-            return objective
-        for name, value in metrics.items():
-            self._pp_totals[name] = self._pp_totals.get(name, 0.0) + value
-        return objective
+    @property
+    def pipeline(self) -> PipelineRunner:
+        """This rank's pipeline stages and schedule (``parallel.pp > 1``; built in :meth:`configure_ddp`)."""
+        if self._pipeline is None:
+            raise RuntimeError("no pipeline: parallel.pp=1, or the model is not set up yet")
+        return self._pipeline
 
     def build_optimizer(self, model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
         """AdamW, or with ``parallel.zero1`` its dp-sharded form (same hyperparameters)."""
