@@ -15,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
-from dsl_lit.build import build_trainer, resume_path
+from dsl_lit.build import build_trainer, module_arguments, resume_path
 from dsl_lit.config import TrainConfig
 from dsl_lit.data.datamodule import PretrainDataModule
 from dsl_lit.modules import PretrainModule
@@ -36,11 +36,7 @@ def main(hydra_cfg: DictConfig) -> None:
     check_vocab(cfg, datamodule)
 
     # 3. The objective, the trainer, and fit (resuming from the run dir's latest checkpoint).
-    module = PretrainModule(
-        cfg.model, cfg.optim, cfg.schedule, cfg.data.micro_batch_size,
-        total_steps=cfg.schedule.total_steps or cfg.trainer.max_steps, objective=cfg.objective,
-        precision=cfg.precision, memory=cfg.memory, max_bad_steps=cfg.trainer.max_bad_steps,
-    )
+    module = PretrainModule(**module_arguments(cfg))
     trainer = build_trainer(cfg)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume_path(cfg))

@@ -9,6 +9,7 @@ import logging
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -36,6 +37,16 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 if not OmegaConf.has_resolver("project_root"):
     # ${project_root:} in YAML: where the bundled corpus and the data cache live, wherever you run from.
     OmegaConf.register_new_resolver("project_root", lambda: str(PROJECT_ROOT))
+
+
+def module_arguments(cfg: TrainConfig) -> dict[str, Any]:
+    """The ``CausalLMModule`` arguments of a validated config: the one mapping from config to
+    module that every recipe (pretraining, post-training, the scaling-law sweep) uses."""
+    return dict(
+        model_config=cfg.model, optim=cfg.optim, schedule=cfg.schedule, micro_batch_size=cfg.data.micro_batch_size,
+        total_steps=cfg.schedule.total_steps or cfg.trainer.max_steps, objective=cfg.objective,
+        precision=cfg.precision, memory=cfg.memory, max_bad_steps=cfg.trainer.max_bad_steps,
+    )
 
 
 def build_loggers(cfg: TrainConfig) -> list[Logger]:

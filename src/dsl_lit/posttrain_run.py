@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
-from dsl_lit.build import build_trainer, resume_path  # also registers ${project_root:}
+from dsl_lit.build import build_trainer, module_arguments, resume_path  # also registers ${project_root:}
 from dsl_lit.config import ParallelConfig, TrainConfig
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.posttrain import PostTrainConfig
@@ -45,8 +45,8 @@ def _use_model_group(cfg: TrainConfig, group: dict[str, Any]) -> None:
 def setup_posttrain(hydra_cfg: DictConfig, run_dir: str, init_from: str | None = None) -> PostTrainSetup:
     """Validated configs, the chat tokenizer and the starting weights (``init_from`` overrides the
     config's, e.g. a cold-start checkpoint)."""
-    cfg = TrainConfig.from_hydra(hydra_cfg, run_dir=run_dir)
-    post = PostTrainConfig.from_raw(cfg.raw)
+    cfg = TrainConfig.from_hydra(hydra_cfg, run_dir=run_dir, post_training=True)
+    post = cfg.post
     source = init_from or post.init_from
     initial_state = None
     if source:
@@ -66,13 +66,7 @@ def setup_posttrain(hydra_cfg: DictConfig, run_dir: str, init_from: str | None =
 
 def module_kwargs(setup: PostTrainSetup) -> dict[str, Any]:
     """The ``CausalLMModule`` arguments every post-training module takes, from the configs."""
-    cfg = setup.cfg
-    return dict(
-        model_config=cfg.model, optim=cfg.optim, schedule=cfg.schedule, micro_batch_size=cfg.data.micro_batch_size,
-        total_steps=cfg.schedule.total_steps or cfg.trainer.max_steps, objective=cfg.objective,
-        precision=cfg.precision, memory=cfg.memory, max_bad_steps=cfg.trainer.max_bad_steps,
-        initial_state=setup.initial_state,
-    )
+    return module_arguments(setup.cfg) | {"initial_state": setup.initial_state}
 
 
 def fit(setup: PostTrainSetup, module: Any, datamodule: Any) -> Any:
@@ -100,6 +94,7 @@ def sample_to_file(setup: PostTrainSetup, output: Path) -> dict[str, Any]:
 
     cfg, post = setup.cfg, setup.post
     cfg = replace(cfg, parallel=ParallelConfig(), checkpoint=replace(cfg.checkpoint, every_n_steps=0, every_minutes=0))
+    cfg.validate()  # the layout of the new parallel group
     train, _ = arithmetic.split(post.task)
     problems = train[: post.rejection.num_prompts]
     module = RejectionSamplingModule(cfg.model, setup.initial_state, setup.tokenizer, problems, arithmetic.prompt,

@@ -21,6 +21,7 @@ from dsl_lit.config.model import ModelConfig
 from dsl_lit.config.objective import ObjectiveConfig
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.config.parallel import ParallelConfig, ParallelLayout
+from dsl_lit.config.posttrain import PostTrainConfig
 from dsl_lit.config.precision import PrecisionConfig
 from dsl_lit.config.schema import dataclass_from_dict
 
@@ -124,11 +125,15 @@ class TrainConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     run_dir: str = "."
     raw: dict[str, Any] = field(default_factory=dict)
+    post: PostTrainConfig | None = None
+    """The post-training sections, for the post-training recipes."""
     layout: ParallelLayout | None = None
     """Set by :meth:`validate`: the parallel layout of ``world_size`` processes."""
 
     @classmethod
-    def from_hydra(cls, cfg: DictConfig, run_dir: str = ".") -> TrainConfig:
+    def from_hydra(cls, cfg: DictConfig, run_dir: str = ".", post_training: bool = False) -> TrainConfig:
+        """Parse and validate every group of ``cfg`` once; ``post_training`` also parses the
+        post-training sections (``init_from``, ``tokenizer_dir``, ``task``, ``sft``, ...) into :attr:`post`."""
         raw = typing.cast(dict, OmegaConf.to_container(cfg, resolve=True))
         model_values = dict(raw.get("model") or {})
         if "name" not in model_values:
@@ -147,7 +152,8 @@ class TrainConfig:
                              ("checkpoint", CheckpointConfig), ("trainer", TrainerConfig),
                              ("objective", ObjectiveConfig), ("memory", MemoryConfig)):
             groups[name] = dataclass_from_dict(schema, dict(raw.get(name) or {}), name)
-        config = cls(model=model, logger=logger, run_dir=run_dir, raw=raw, **groups)
+        post = PostTrainConfig.from_raw(raw) if post_training else None
+        config = cls(model=model, logger=logger, run_dir=run_dir, raw=raw, post=post, **groups)
         return config.validate()
 
     @property

@@ -157,7 +157,7 @@ def train_point(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     import lightning as L
     import torch
 
-    from dsl_lit.build import build_trainer
+    from dsl_lit.build import build_trainer, module_arguments
     from dsl_lit.config import TrainConfig
     from dsl_lit.data.datamodule import PretrainDataModule
     from dsl_lit.modules import PretrainModule
@@ -176,9 +176,7 @@ def train_point(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
         torch.set_num_threads(sweep.num_threads)
     L.seed_everything(train.trainer.seed, workers=True)
     datamodule = PretrainDataModule(train.data)
-    module = PretrainModule(train.model, train.optim, train.schedule, train.data.micro_batch_size,
-                            total_steps=point.steps, objective=train.objective, precision=train.precision,
-                            memory=train.memory, max_bad_steps=train.trainer.max_bad_steps)
+    module = PretrainModule(**module_arguments(train))  # schedule.total_steps = point.steps
     trainer = build_trainer(train)
     trainer.fit(module, datamodule=datamodule)
     loss = float(trainer.callback_metrics["val/loss"])

@@ -1,0 +1,56 @@
+"""The import direction of ARCHITECTURE.md, checked on the source: config <- models <- parallel /
+precision <- training <- recipes, and the module never names the Strategy."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "dsl_lit"
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module a file imports (absolute names), at any depth (lazy imports included)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_config_imports_nothing_else_from_dsl_lit():
+    offenders = {
+        str(path.relative_to(SRC)): sorted(m for m in _imports(path)
+                                          if m.startswith("dsl_lit") and not m.startswith("dsl_lit.config"))
+        for path in (SRC / "config").rglob("*.py")
+    }
+    assert not {k: v for k, v in offenders.items() if v}
+
+
+def test_importing_the_config_loads_no_lightning_module_or_strategy():
+    code = (
+        "import sys, dsl_lit.config, dsl_lit.config.posttrain;"
+        "loaded = [m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')"
+        " or m.startswith(('dsl_lit.modules', 'dsl_lit.parallel', 'dsl_lit.models'))];"
+        "print(loaded); assert not loaded, loaded"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_modules_do_not_name_the_strategy():
+    for path in (SRC / "modules").rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        assert "DeepSeekStrategy" not in text, f"{path.name} names the Strategy; use self.runner"
+        assert "dsl_lit.parallel.strategy" not in _imports(path), path.name
+
+
+def test_models_import_no_upper_layer():
+    upper = ("dsl_lit.parallel", "dsl_lit.modules", "dsl_lit.training", "dsl_lit.precision", "dsl_lit.hf",
+             "dsl_lit.callbacks", "dsl_lit.build", "lightning")
+    for path in (SRC / "models").rglob("*.py"):
+        bad = sorted(m for m in _imports(path) if m.startswith(upper))
+        assert not bad, f"{path.relative_to(SRC)} imports {bad}"
