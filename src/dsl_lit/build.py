@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 
 from dsl_lit.callbacks.ema import EMACallback
 from dsl_lit.callbacks.expert_load import ExpertLoadMonitor
+from dsl_lit.callbacks.preemption import PreemptionHandler
 from dsl_lit.callbacks.rng_state import RNGStateCallback
 from dsl_lit.callbacks.throughput import ThroughputMonitor
 from dsl_lit.checkpoint.directory import DirectoryCheckpointIO, StepCheckpoint, latest_checkpoint
@@ -108,6 +109,7 @@ def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = N
     if ckpt.enabled:
         callbacks.append(StepCheckpoint(checkpoint_dir(cfg), ckpt.every_n_steps, ckpt.every_minutes))
     callbacks.append(RNGStateCallback())
+    callbacks.append(PreemptionHandler())  # before the checkpoint callback (Lightning runs those last)
     # One process: Lightning's single-device strategy. Several: ours (pp x dp x tp mesh, ZeRO-1).
     # Both save and load the same sharded, layout-independent checkpoints.
     strategy = (

@@ -1,0 +1,98 @@
+"""Preemption on several ranks (issue: SIGTERM on a 2-process run hung in Lightning's handler,
+which broadcasts from inside the signal handler, e.g. during a gradient all-reduce).
+
+A SIGTERM to one rank or to all of them (SLURM signals every task): every rank finishes the
+step, the step is saved once, every process exits 143 within seconds, and the rerun continues
+with the uninterrupted run's losses."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_pretrain_e2e import ROOT, SMALL, losses, run_recipe
+
+TWO = ["logger=csv", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=10",
+       "checkpoint.every_n_steps=100", "checkpoint.every_minutes=0", "checkpoint.async_save=false"]
+EXIT_WITHIN_S = 60  # after the signal: the step in flight, one save, teardown (two shared CPU cores)
+
+
+def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    """The recipe in its own session, so ``os.killpg`` reaches every rank Lightning starts."""
+    log = open(f"{run_dir}.log", "w")  # noqa: SIM115
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "recipes" / "pretrain.py"), *SMALL, *overrides, f"hydra.run.dir={run_dir}"],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"},
+    )
+    process.log = Path(f"{run_dir}.log")
+    return process
+
+
+def _wait_for_step(run_dir: Path, process: subprocess.Popen, step: int, timeout: float = 300) -> None:
+    """Until metrics.csv has ``step`` (training is under way on every rank)."""
+    deadline = time.monotonic() + timeout
+    while step not in (losses(run_dir) if (run_dir / "metrics.csv").exists() else {}):
+        assert process.poll() is None, process.log.read_text()[-3000:]
+        assert time.monotonic() < deadline, "training did not reach step %d" % step
+        time.sleep(0.05)
+
+
+def _child_ranks(pid: int) -> list[int]:
+    """The processes the launching rank started (Lightning's other ranks)."""
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _preempt(tmp_path: Path, name: str, who: str, *overrides: str) -> tuple[Path, int]:
+    run_dir = tmp_path / name
+    process = _start(run_dir, *TWO, *overrides)
+    _wait_for_step(run_dir, process, 2)
+    signalled = time.monotonic()
+    if who == "all_ranks":
+        os.killpg(process.pid, signal.SIGTERM)
+    elif who == "rank0_only":
+        process.send_signal(signal.SIGTERM)  # the launching process
+    else:  # another rank only: Lightning's handler broadcast from it alone and hung
+        os.kill(_child_ranks(process.pid)[0], signal.SIGTERM)
+    try:
+        process.wait(timeout=EXIT_WITHIN_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail(f"no exit within {EXIT_WITHIN_S} s of SIGTERM (hang): {process.log.read_text()[-3000:]}")
+    output = process.log.read_text()
+    assert process.returncode == 143, output[-3000:]
+    match = re.search(r"SIGTERM at step (\d+): checkpoint saved", output)
+    assert match, output[-3000:]
+    step = int(match.group(1))
+    assert time.monotonic() - signalled < EXIT_WITHIN_S
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if not p.name.startswith(".")) == [f"step-{step}"]
+    return run_dir, step
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[int, str]:
+    full = tmp_path_factory.mktemp("full")
+    run_recipe(full, *TWO)
+    return losses(full)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("who", ["all_ranks", "rank1_only"])  # rank 0 alone: the pipeline test below
+def test_sigterm_on_two_ranks_saves_once_exits_143_and_resumes_exactly(tmp_path, who, uninterrupted):
+    preempted, step = _preempt(tmp_path, "preempted", who)
+    assert 2 <= step < 10
+    run_recipe(preempted, *TWO)
+    assert losses(preempted) == uninterrupted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("who", ["rank0_only", "rank1_only"])
+def test_sigterm_under_pipeline_parallelism_saves_and_exits(tmp_path, who):
+    _preempt(tmp_path, "pp", who, "parallel=pp_1f1b")
