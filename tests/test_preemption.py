@@ -41,7 +41,7 @@ def _wait_for_step(run_dir: Path, process: subprocess.Popen, step: int, timeout:
     deadline = time.monotonic() + timeout
     while step not in (losses(run_dir) if (run_dir / "metrics.csv").exists() else {}):
         assert process.poll() is None, process.log.read_text()[-3000:]
-        assert time.monotonic() < deadline, "training did not reach step %d" % step
+        assert time.monotonic() < deadline, f"training did not reach step {step}"
         time.sleep(0.05)
 
 
