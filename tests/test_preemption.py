@@ -7,6 +7,7 @@ with the uninterrupted run's losses."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -96,3 +97,38 @@ def test_sigterm_on_two_ranks_saves_once_exits_143_and_resumes_exactly(tmp_path,
 @pytest.mark.parametrize("who", ["rank0_only", "rank1_only"])
 def test_sigterm_under_pipeline_parallelism_saves_and_exits(tmp_path, who):
     _preempt(tmp_path, "pp", who, "parallel=pp_1f1b")
+
+
+def _lose_rank_one(tmp_path: Path, how: int, *overrides: str) -> tuple[subprocess.Popen, float, str]:
+    run_dir = tmp_path / "lost"
+    process = _start(run_dir, *TWO, *overrides)
+    _wait_for_step(run_dir, process, 2)
+    rank1 = _child_ranks(process.pid)[0]
+    lost_at = time.monotonic()
+    os.kill(rank1, how)
+    try:
+        process.wait(timeout=120)
+    finally:
+        os.killpg(process.pid, signal.SIGKILL) if process.poll() is None else None
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rank1, signal.SIGKILL)
+    return process, time.monotonic() - lost_at, process.log.read_text()
+
+
+@pytest.mark.slow
+def test_a_killed_rank_stops_the_others_naming_it_and_the_rerun_resumes(tmp_path, uninterrupted):
+    process, seconds, output = _lose_rank_one(tmp_path, signal.SIGKILL, "checkpoint.every_n_steps=2")
+    assert process.returncode not in (0, None) and seconds < 30, output[-3000:]
+    # ours (torchrun, SLURM) or Lightning's launcher's watchdog, whichever stops rank 0 first
+    assert re.search(r"lost rank\(s\) 1\b|\[rank: 1\] Child process with PID \d+ terminated", output), output[-3000:]
+    run_recipe(tmp_path / "lost", *TWO, "checkpoint.every_n_steps=2")
+    assert losses(tmp_path / "lost") == uninterrupted
+
+
+@pytest.mark.slow
+def test_a_hung_rank_stops_the_others_after_the_collective_timeout(tmp_path):
+    """SIGSTOP: rank 1 is alive but never answers; rank 0 gives up after trainer.collective_timeout_s."""
+    process, seconds, output = _lose_rank_one(tmp_path, signal.SIGSTOP, "trainer.collective_timeout_s=15")
+    assert process.returncode not in (0, None), output[-3000:]
+    assert 15 <= seconds < 15 + 45, output[-3000:]
+    assert "lost rank(s) 1" in output, output[-3000:]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from omegaconf import OmegaConf
 from dsl_lit.callbacks.ema import EMACallback
 from dsl_lit.callbacks.expert_load import ExpertLoadMonitor
 from dsl_lit.callbacks.preemption import PreemptionHandler
+from dsl_lit.callbacks.rank_failure import RankFailureReporter
 from dsl_lit.callbacks.rng_state import RNGStateCallback
 from dsl_lit.callbacks.throughput import ThroughputMonitor
 from dsl_lit.checkpoint.directory import DirectoryCheckpointIO, StepCheckpoint, latest_checkpoint
@@ -109,11 +111,12 @@ def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = N
     if ckpt.enabled:
         callbacks.append(StepCheckpoint(checkpoint_dir(cfg), ckpt.every_n_steps, ckpt.every_minutes))
     callbacks.append(RNGStateCallback())
+    callbacks.append(RankFailureReporter(checkpoint_dir(cfg)))
     callbacks.append(PreemptionHandler())  # before the checkpoint callback (Lightning runs those last)
     # One process: Lightning's single-device strategy. Several: ours (pp x dp x tp mesh, ZeRO-1).
     # Both save and load the same sharded, layout-independent checkpoints.
     strategy = (
-        DeepSeekStrategy(cfg.layout)
+        DeepSeekStrategy(cfg.layout, timeout=timedelta(seconds=cfg.trainer.collective_timeout_s))
         if cfg.world_size > 1
         else OneDeviceStrategy(device=torch.device("cuda", 0) if _device_type(cfg) == "cuda" else torch.device("cpu"))
     )

@@ -92,6 +92,8 @@ class TrainerConfig:
     """Validate on ``data.val_windows`` every N optimizer steps (0: never)."""
     max_bad_steps: int = 10
     """Stop after this many optimizer steps in a row with non-finite gradients (0: never stop)."""
+    collective_timeout_s: float = 1800.0
+    """A collective that waits longer than this for a rank (hung, or cut off) fails and stops the run."""
 
     def validate(self) -> TrainerConfig:
         for name in ("max_steps", "devices", "num_nodes", "log_every_n_steps"):
@@ -99,6 +101,8 @@ class TrainerConfig:
                 raise ConfigError(f"trainer.{name}={getattr(self, name)} must be >= 1")
         if self.accelerator not in ("auto", "cpu", "gpu", "cuda"):
             raise ConfigError(f"trainer.accelerator={self.accelerator!r} must be auto, cpu, gpu or cuda")
+        if not self.collective_timeout_s > 0:
+            raise ConfigError(f"trainer.collective_timeout_s={self.collective_timeout_s} must be > 0 (seconds)")
         if self.max_bad_steps < 0:
             raise ConfigError(f"trainer.max_bad_steps={self.max_bad_steps} must be >= 0 (0 never stops)")
         if self.val_every_n_steps < 0:
