@@ -24,9 +24,11 @@ from dsl_lit.data.rows import RowsDataModule
 from dsl_lit.data.sft import sft_rows
 from dsl_lit.modules import SFTModule
 from dsl_lit.posttrain_run import cold_start_sft, fit, module_kwargs, sample_to_file, setup_posttrain
+from dsl_lit.runs import exits_on_config_error
 
 
 @hydra.main(config_path="../conf", config_name="distill", version_base="1.3")
+@exits_on_config_error
 def main(hydra_cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     data = run_dir / "distill_data.jsonl"

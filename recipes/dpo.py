@@ -16,9 +16,11 @@ from dsl_lit.data.preference import collate_pairs, preference_rows, task_pairs
 from dsl_lit.data.rows import RowsDataModule
 from dsl_lit.modules import DPOModule
 from dsl_lit.posttrain_run import fit, module_kwargs, setup_posttrain
+from dsl_lit.runs import exits_on_config_error
 
 
 @hydra.main(config_path="../conf", config_name="dpo", version_base="1.3")
+@exits_on_config_error
 def main(hydra_cfg: DictConfig) -> None:
     setup = setup_posttrain(hydra_cfg, HydraConfig.get().runtime.output_dir)
     cfg, post = setup.cfg, setup.post

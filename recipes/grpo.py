@@ -26,11 +26,13 @@ from dsl_lit.data.rows import RowsDataModule
 from dsl_lit.modules import GRPOModule
 from dsl_lit.posttrain_run import cold_start_sft, fit, module_kwargs, setup_posttrain
 from dsl_lit.rewards import build_rewards
+from dsl_lit.runs import exits_on_config_error
 
 log = logging.getLogger(__name__)
 
 
 @hydra.main(config_path="../conf", config_name="grpo", version_base="1.3")
+@exits_on_config_error
 def main(hydra_cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     init_from = None

@@ -14,10 +14,12 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from dsl_lit.runs import exits_on_config_error
 from dsl_lit.scaling.planner.report import write_plan
 
 
 @hydra.main(config_path="../conf", config_name="plan", version_base="1.3")
+@exits_on_config_error
 def main(cfg: DictConfig) -> None:
     write_plan(cfg, HydraConfig.get().runtime.output_dir)
 

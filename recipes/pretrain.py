@@ -19,12 +19,13 @@ from dsl_lit.build import build_trainer, module_arguments, resume_path
 from dsl_lit.config import TrainConfig
 from dsl_lit.data.datamodule import PretrainDataModule
 from dsl_lit.modules import PretrainModule
-from dsl_lit.runs import check_vocab, finish_run, save_resolved_config
+from dsl_lit.runs import check_vocab, exits_on_config_error, finish_run, save_resolved_config
 
 log = logging.getLogger(__name__)
 
 
 @hydra.main(config_path="../conf", config_name="pretrain", version_base="1.3")
+@exits_on_config_error
 def main(hydra_cfg: DictConfig) -> None:
     # 1. Validate everything before any data, model or process group exists.
     cfg = TrainConfig.from_hydra(hydra_cfg, run_dir=HydraConfig.get().runtime.output_dir)

@@ -23,12 +23,14 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import dsl_lit.build  # noqa: F401  (registers ${project_root:})
+from dsl_lit.runs import exits_on_config_error
 from dsl_lit.scaling.sweep import register_resolver, train_point
 
 register_resolver()  # ${scaling_points:...}: the multirun's list of runs, before Hydra composes
 
 
 @hydra.main(config_path="../conf", config_name="scaling_laws", version_base="1.3")
+@exits_on_config_error
 def main(cfg: DictConfig) -> float:
     return train_point(cfg, run_dir=HydraConfig.get().runtime.output_dir)["loss"]
 

@@ -20,11 +20,13 @@ from dsl_lit.data.rows import RowsDataModule
 from dsl_lit.data.sft import sft_rows
 from dsl_lit.modules import SFTModule
 from dsl_lit.posttrain_run import fit, module_kwargs, setup_posttrain
+from dsl_lit.runs import exits_on_config_error
 
 log = logging.getLogger(__name__)
 
 
 @hydra.main(config_path="../conf", config_name="sft", version_base="1.3")
+@exits_on_config_error
 def main(hydra_cfg: DictConfig) -> None:
     setup = setup_posttrain(hydra_cfg, HydraConfig.get().runtime.output_dir)
     cfg, post, tokenizer = setup.cfg, setup.post, setup.tokenizer

@@ -88,3 +88,26 @@ def test_recipe_rejects_negative_lr_at_once(tmp_path):
     assert "optim.lr=-1" in result.stderr
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.csv").exists()
     assert elapsed < 60
+
+
+def test_a_bad_config_prints_one_line_and_exits_2():
+    """No Hydra traceback before the message (HYDRA_FULL_ERROR=1 keeps it)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    env = {k: v for k, v in __import__("os").environ.items() if k != "HYDRA_FULL_ERROR"}
+    for override, message in (("optim.lr=-1", "error: optim.lr=-1 must be > 0"),
+                              ("trainer.accelerator=gpu", "error: trainer.accelerator=gpu but this machine has no")):
+        if override.endswith("gpu"):
+            import torch
+
+            if torch.cuda.is_available():
+                continue
+        result = subprocess.run([sys.executable, str(ROOT / "recipes" / "pretrain.py"), override],
+                                capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert result.stderr.strip().splitlines() == [result.stderr.strip().splitlines()[0]]
+        assert result.stderr.startswith(message), result.stderr
+        assert "Traceback" not in result.stderr + result.stdout

@@ -2,15 +2,52 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import lightning as L
 import yaml
 
 from dsl_lit.config import TrainConfig
 from dsl_lit.config.errors import ConfigError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def check_environment(hydra_cfg: Any) -> None:
+    """What the config asks of this machine, checked before any data or process group: a GPU
+    accelerator needs a visible GPU."""
+    import torch
+
+    trainer = hydra_cfg.get("trainer") if hasattr(hydra_cfg, "get") else None
+    accelerator = str(trainer.get("accelerator", "auto")) if trainer is not None else "auto"
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"trainer.accelerator={accelerator} but this machine has no usable CUDA GPU; "
+                          "use trainer.accelerator=cpu (or auto)")
+
+
+def exits_on_config_error(main: F) -> F:
+    """Decorate a recipe's ``main`` (under ``@hydra.main``): a bad config prints one line naming
+    the field and the fix and exits with code 2, without Hydra's traceback (``HYDRA_FULL_ERROR=1``
+    keeps it)."""
+
+    @functools.wraps(main)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            if args:
+                check_environment(args[0])
+            return main(*args, **kwargs)
+        except ConfigError as error:
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            print(f"error: {error}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+    return wrapper  # type: ignore[return-value]
 
 
 def is_launcher_process() -> bool:
