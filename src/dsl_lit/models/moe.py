@@ -106,6 +106,12 @@ def _grouped_mm_usable(x: torch.Tensor) -> bool:
     return x.device.type == "cpu"
 
 
+def expert_weight(w: torch.Tensor, e: int) -> torch.Tensor:
+    """``w[e]`` as a slice and a view: torchao's FP8 expert-weight wrapper survives those, while
+    indexing unwraps it and the expert would silently run in high precision."""
+    return w[e : e + 1].view(w.shape[1:])
+
+
 def grouped_swiglu(
     x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, backend: str
 ) -> torch.Tensor:
@@ -131,7 +137,7 @@ def grouped_swiglu(
     outputs = []
     for e, chunk in enumerate(x.split(counts.tolist())):
         if chunk.shape[0]:
-            a, b, c = (w[e].to(chunk.dtype) for w in (w1, w2, w3))
+            a, b, c = (expert_weight(w, e).to(chunk.dtype) for w in (w1, w2, w3))
             outputs.append(F.linear(F.silu(F.linear(chunk, a)) * F.linear(chunk, c), b))
     return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[-1])
 
@@ -159,7 +165,8 @@ class GroupedExperts(nn.Module):
             token, slot = torch.where(indices == e)
             if token.numel():
                 h = x[token]
-                y = F.linear(F.silu(F.linear(h, self.w1[e])) * F.linear(h, self.w3[e]), self.w2[e])
+                w1, w2, w3 = (expert_weight(w, e) for w in (self.w1, self.w2, self.w3))
+                y = F.linear(F.silu(F.linear(h, w1)) * F.linear(h, w3), w2)
                 out.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
         return out
 

@@ -9,11 +9,15 @@ Recipes (``FP8_RECIPES``); every GEMM of a Linear (fprop ``Y = X W^T``, dgrad ``
 ``dW = dY^T X``) runs on FP8 operands with fp32 accumulation. Scales are online ("dynamic"): the
 amax of the tile at hand, no history.
 
+Every group of elements sharing a scale is quantised as torchao does it: multiplier =
+fp32(fp8_max / float64(amax)), ``q = fp8(clamp(x * multiplier))``, dequantised as
+``q * fp32(1 / multiplier)``; with power-of-two scales the multiplier is rounded down to one.
+
 * ``fp8_tensorwise``: one scale per tensor; X and W in E4M3, dY in E5M2 (torchao's "tensorwise").
-* ``fp8_rowwise``: one scale per row along the contraction dim of each GEMM, all E4M3, scales
-  rounded up to a power of two (torchao's "rowwise").
+* ``fp8_rowwise``: one scale per row along the contraction dim of each GEMM, all E4M3,
+  power-of-two scales (torchao's "rowwise").
 * ``fp8_blockwise``: DeepSeek-V3's recipe (arXiv 2412.19437, section 3.3). E4M3 everywhere
-  ("mantissa over exponents"); scale = amax / 448 per tile (online); activations and the gradients
+  ("mantissa over exponents"); one scale per tile (online, amax / 448); activations and the gradients
   w.r.t. activations in 1x128 tiles (per token per 128 channels), weights in 128x128 blocks.
   What we implement per GEMM, every scale group lying along that GEMM's contraction dim (the
   condition for the paper's per-128-element promotion to fp32, figure 7b):
@@ -44,33 +48,53 @@ kernels need it, and the reference path keeps the same rule so CPU and GPU runs 
 modules are FP8 (on ``deepseek_v3_tiny`` that leaves ``wkv_a`` (80 out), ``wkv_b`` (64 in) and
 the dense FFN (688) in high precision under blockwise).
 
-Where it runs:
+Where it runs (``apply_fp8``'s ``backend``):
 
-* GPU (CUDA, torchao importable): ``fp8_tensorwise`` / ``fp8_rowwise`` through
+* ``"auto"`` on a GPU (CUDA, torchao importable): ``fp8_tensorwise`` / ``fp8_rowwise`` through
   ``torchao.float8.convert_to_float8_training`` (SM89+ / SM90+); ``fp8_blockwise`` through
   ``torchao.prototype.blockwise_fp8_training.linear.Float8BlockwiseLinear`` (SM90+, bf16 outputs,
   no bias). Routed experts through ``torchao.prototype.moe_training``'s ``Float8TrainingOpConfig``
-  (SM90+), which wraps the expert weights so ``torch._grouped_mm`` runs in FP8: torchao 0.18 offers
-  only *rowwise* scaling there, so under ``fp8_blockwise`` or ``fp8_tensorwise`` the experts are
-  rowwise on GPU (logged).
-* Anywhere else (this CPU machine): the pure-PyTorch reference path below, with a warning naming
-  the recipe and the reason. It quantises to ``torch.float8_e4m3fn`` / ``float8_e5m2`` with the
-  recipe's scales (clamp to the format's max, round-to-nearest-even by the dtype cast),
-  dequantises and multiplies in fp32: the numerics of an FP8 GEMM with fp32 accumulation, with
-  no speed-up (it is slower than bf16). Routed experts get the same per expert
-  (:class:`Fp8GroupedExperts`, one GEMM per expert on its sorted tokens).
+  (SM90+), which wraps the expert weights so that ``torch._grouped_mm`` (``expert_backend=
+  grouped_mm``) and ``F.linear`` on one expert's slice (``split``, ``loop``; the slice is taken by
+  ``models.moe.expert_weight``, which keeps the wrapper) run in FP8: torchao 0.18 offers only
+  *rowwise* scaling there, so under ``fp8_blockwise`` or ``fp8_tensorwise`` the experts are rowwise
+  on GPU (logged).
+* ``"auto"`` anywhere else (this CPU machine): the pure-PyTorch reference path below, with a
+  warning naming the recipe and the reason. It quantises to ``torch.float8_e4m3fn`` /
+  ``float8_e5m2`` with the recipe's scales (clamp to the format's max, round-to-nearest-even by
+  the dtype cast), dequantises and multiplies in fp32: the numerics of an FP8 GEMM with fp32
+  accumulation, with no speed-up (it is slower than bf16). Routed experts get the same per
+  expert (:class:`Fp8GroupedExperts`, one GEMM per expert on its sorted tokens) under every
+  ``expert_backend``.
+* ``"torchao"`` on CPU: torchao's tensorwise / rowwise Linears run there too (torch's
+  ``_scaled_mm`` has a CPU implementation), and so do its routed experts under
+  ``expert_backend=split`` or ``loop``; its blockwise Linear and FP8 grouped GEMM are Triton
+  kernels (CUDA only), so asking for those raises.
+
+The reference path against torchao 0.18 on CPU (tests/test_fp8_torchao.py; oneDNN off, so that torch's
+``_scaled_mm`` dequantises and multiplies in fp32 as the reference does): outputs, dX and dW are
+bit-identical for ``fp8_tensorwise`` (fp32 and bf16 modules) and ``fp8_rowwise`` (bf16), and so are
+routed experts under torchao (``split`` / ``loop``) and the reference's ``fp8_rowwise`` experts. Not
+identical, by design: torchao rounds every rowwise GEMM output through bf16 (``_scaled_mm`` has no
+fp32 rowwise output), so fp32 ``fp8_rowwise`` equals ours rounded to bf16; under CPU autocast with
+fp32 weights the forward is identical but torchao returns dX and dW rounded to bf16 (the incoming
+gradient's dtype) where ours keeps the fp32 accumulator. The blockwise quantisers (1x128, 128x1,
+128x128) give the bits and scales of torchao's pure-PyTorch ones; torchao's blockwise GEMMs are GPU
+kernels, not comparable here. With oneDNN on (the default; torch picks its FP8 matmul on CPUs with
+AMX) the sums run in another order and the last bits differ. The GPU kernels have not been run in
+this repo's CI (no GPU).
 
 Limits of the reference path: expert parallelism's dispatch calls ``grouped_swiglu`` on the local
 expert shards directly, bypassing :class:`Fp8GroupedExperts`, so with ``ep > 1`` the routed
 experts stay in high precision; both orders warn (apply_fp8 skips experts whose weights are
 already sharded, and sharding an :class:`Fp8GroupedExperts` logs it). Tensor-parallel (DTensor)
-weights are not supported by the reference path. The torchao GPU path is wired and its module
-swap tested on CPU, but its kernels have not been run in this repo's CI (no GPU).
+weights are not supported by the reference path.
 
-Measured on CPU (tests/test_fp8.py, benchmarks/fp8_reference_error.py): the reference quantisation
-is bit-identical to a float64 emulation (dequantised values within 1e-7), the Linear's three GEMMs
-match a float64 emulation of the recipe to ~3e-7 and are ~3.7% off fp32 (bf16: 0.24%), and five
-AdamW steps of ``deepseek_v3_tiny`` under ``fp8_blockwise`` end within 0.4-1.1% of the fp32 loss.
+Measured on CPU (tests/test_fp8.py, benchmarks/fp8_reference_error.py): the FP8 values equal a
+float64 emulation of this arithmetic bit for bit (dequantised values to one fp32 rounding), the
+Linear's three GEMMs match a float64 emulation of the recipe to ~4e-7 and are ~3.7% off fp32
+(bf16: 0.24%), and five AdamW steps of ``deepseek_v3_tiny`` under ``fp8_blockwise`` end within
+0.3-1.1% of the fp32 loss (seeds 0-5).
 """
 
 from __future__ import annotations
@@ -194,16 +218,22 @@ def _quantize_tiles(tiles: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor,
     # amax over dims (1, 3) of the 4-D view is a slow strided reduction on CPU; putting each
     # tile's elements last first is ~100x faster (it copies only for multi-row tiles)
     amax = tiles.permute(0, 2, 1, 3).reshape(nr, nc, br * bc).abs().amax(dim=-1)
-    scale = amax.clamp_min(AMAX_EPS) / fmax
-    if spec.pow2_scales:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    return (tiles / scale[:, None, :, None]).clamp_(-fmax, fmax).to(spec.dtype), scale
+    # torchao's formula, so that both give the same bits: the multiplier fp8_max / amax is
+    # computed in float64 and rounded once to fp32, values are multiplied by it, and the
+    # dequantisation scale is its fp32 reciprocal. (Dividing by an fp32 amax / fp8_max instead
+    # changes ~2 FP8 values in 10^7, and the last bit of one scale in four.)
+    multiplier = (fmax / amax.double().clamp_min(AMAX_EPS)).float()
+    if spec.pow2_scales:  # rounded down: amax * multiplier stays <= fp8_max
+        multiplier = torch.exp2(torch.floor(torch.log2(multiplier)))
+    q = (tiles * multiplier[:, None, :, None]).clamp_(-fmax, fmax).to(spec.dtype)
+    return q, multiplier.reciprocal()
 
 
 def quantize_fp8(t: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """2-D ``t`` -> (FP8 values of ``t``'s shape, fp32 scales [ceil(rows/br), ceil(k/bk)]) with
-    ``t ~= q * scale``: scale = amax / fp8_max per group (rounded up to a power of two if the
-    spec asks), ``t / scale`` clamped to +-fp8_max and cast (round-to-nearest-even)."""
+    ``t ~= q * scale``: per group, multiplier = fp32(fp8_max / float64(amax)) (rounded down to a
+    power of two if the spec asks), ``t * multiplier`` clamped to +-fp8_max and cast
+    (round-to-nearest-even), scale = fp32(1 / multiplier)."""
     q, scale = _quantize_tiles(_tiles(t, spec.block), spec)
     return _untile(q, t.shape), scale
 
@@ -219,9 +249,16 @@ def fake_quantize_fp8(t: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     return _untile(q.to(torch.float32) * scale[:, None, :, None], t.shape)
 
 
+def _gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a [m, k] @ b [n, k]^T`` in fp32, both operands made row-major ([m, k] and [k, n]) first:
+    BLAS sums in an order that depends on the operands' layouts, and this is the layout torch's
+    CPU ``_scaled_mm`` multiplies in, so the reference gives torchao's bits on CPU."""
+    return a.contiguous() @ b.T.contiguous()
+
+
 def _fp8_gemm(a: torch.Tensor, spec_a: QuantSpec, b: torch.Tensor, spec_b: QuantSpec) -> torch.Tensor:
     """``a [m, k] @ b[n, k]^T`` on FP8 operands with fp32 accumulation (exact products, fp32 sums)."""
-    return fake_quantize_fp8(a, spec_a) @ fake_quantize_fp8(b, spec_b).T
+    return _gemm(fake_quantize_fp8(a, spec_a), fake_quantize_fp8(b, spec_b))
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
@@ -232,7 +269,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         with torch.autocast(x.device.type, enabled=False):  # the fp32 GEMM must stay fp32
             xq, x_scale = quantize_fp8(x2, recipe.x)
-            out = dequantize_fp8(xq, x_scale, recipe.x.block) @ fake_quantize_fp8(weight, recipe.w).T
+            out = _gemm(dequantize_fp8(xq, x_scale, recipe.x.block), fake_quantize_fp8(weight, recipe.w))
         if recipe.cache_fp8_input:
             ctx.save_for_backward(xq, x_scale, weight)
         else:
@@ -407,15 +444,20 @@ def _recipe(recipe: str) -> Fp8Recipe:
     return RECIPES[recipe]
 
 
-def torchao_unavailable_reason(recipe: str, experts: bool = False) -> str | None:
-    """Why torchao's FP8 training cannot run ``recipe`` (for Linears, or for routed experts) here;
-    ``None`` when it can."""
-    if not torch.cuda.is_available():
-        return "CUDA is not available"
-    need = (8, 9) if recipe == "fp8_tensorwise" and not experts else (9, 0)
-    capability = torch.cuda.get_device_capability()
-    if capability < need:
-        return f"needs a GPU of compute capability {need[0]}.{need[1]}+, found {capability[0]}.{capability[1]}"
+def torchao_unavailable_reason(recipe: str, experts: bool = False, expert_backend: str = "grouped_mm") -> str | None:
+    """Why torchao's FP8 training cannot run ``recipe`` here (for Linears, or for routed experts run
+    by ``expert_backend``); ``None`` when it can. Without CUDA, torchao's tensorwise / rowwise
+    Linears still run (torch's CPU ``_scaled_mm``), and so do its experts under ``split`` / ``loop``
+    (one ``F.linear`` per expert); its blockwise and grouped FP8 kernels are Triton (CUDA only)."""
+    if torch.cuda.is_available():
+        need = (8, 9) if recipe == "fp8_tensorwise" and not experts else (9, 0)
+        capability = torch.cuda.get_device_capability()
+        if capability < need:
+            return f"needs a GPU of compute capability {need[0]}.{need[1]}+, found {capability[0]}.{capability[1]}"
+    elif experts and expert_backend == "grouped_mm":
+        return "its FP8 grouped GEMM is a Triton kernel and CUDA is not available (expert_backend=split or loop runs on CPU)"
+    elif recipe == "fp8_blockwise" and not experts:
+        return "its blockwise FP8 kernels are Triton kernels and CUDA is not available"
     try:
         if experts:  # the names used below; older torchao releases lack some of them
             from torchao.prototype.moe_training.config import Float8TrainingOpConfig  # noqa: F401
@@ -459,12 +501,17 @@ def _torchao_experts(model: nn.Module, experts: list[tuple[str, GroupedExperts]]
     quantize_(model, Float8TrainingOpConfig(), filter_fn=lambda _module, fqn: fqn in names)
 
 
-def _choose(recipe: str, part: str, backend: Backend, experts: bool) -> bool:
-    """True for torchao, False for the reference path; logs every fallback."""
+def _choose(recipe: str, part: str, backend: Backend, experts: bool, expert_backend: str = "grouped_mm") -> bool:
+    """True for torchao, False for the reference path; logs every fallback. ``"auto"`` takes torchao
+    on CUDA only: on CPU torchao computes what the reference does (the same bits, oneDNN aside),
+    no faster."""
     if backend == "reference":
         log.info("apply_fp8(%s): %s use the pure-PyTorch reference path (backend='reference')", recipe, part)
         return False
-    reason = torchao_unavailable_reason(recipe, experts=experts)
+    if backend == "auto" and not torch.cuda.is_available():
+        reason: str | None = "CUDA is not available"
+    else:
+        reason = torchao_unavailable_reason(recipe, experts=experts, expert_backend=expert_backend)
     if reason is None:
         return True
     if backend == "torchao":
@@ -490,30 +537,38 @@ def apply_fp8(
     and before ``torch.compile``.
 
     ``filter_fqns``: modules kept in high precision by name (default ``DEFAULT_FP8_FILTER_FQNS``).
-    ``backend``: ``"auto"`` (torchao when the GPU supports it, else the reference path with a
-    warning), ``"torchao"`` (raise when unavailable) or ``"reference"`` (always the reference).
+    ``backend``: ``"auto"`` (torchao on a GPU that supports it, else the reference path with a
+    warning), ``"torchao"`` (torchao wherever it runs, CPU included; raise where it cannot) or
+    ``"reference"`` (always the reference). Every choice is made before any module is swapped.
     """
     r = _recipe(recipe)
     if backend not in ("auto", "torchao", "reference"):
         raise ValueError(f"backend={backend!r}; choose 'auto', 'torchao' or 'reference'")
     linears, experts = fp8_targets(model, recipe, filter_fqns, include_experts)
-    if linears:
-        if _choose(recipe, "Linear layers", backend, experts=False):
-            _torchao_linears(model, recipe, linears)
-        else:
-            for _, module in linears:
-                (BlockwiseFp8Linear if r.name == "fp8_blockwise" else Fp8Linear).convert(module, r)
-    if experts:
-        if _choose(recipe, "routed experts", backend, experts=True):
-            if recipe != "fp8_rowwise":
-                log.warning(
-                    "apply_fp8(%s): torchao's MoE training offers rowwise FP8 only; the routed experts "
-                    "use rowwise scaling on GPU", recipe,
-                )
-            _torchao_experts(model, experts)
-        else:
-            for _, module in experts:
+    torchao_linears = bool(linears) and _choose(recipe, "Linear layers", backend, experts=False)
+    groups: dict[str, list[tuple[str, GroupedExperts]]] = {}
+    for fqn, module in experts:
+        groups.setdefault(module.backend, []).append((fqn, module))
+    torchao_experts = {
+        name: _choose(recipe, f"routed experts (expert_backend={name})", backend, experts=True, expert_backend=name)
+        for name in groups
+    }
+    if torchao_linears:
+        _torchao_linears(model, recipe, linears)
+    else:
+        for _, module in linears:
+            (BlockwiseFp8Linear if r.name == "fp8_blockwise" else Fp8Linear).convert(module, r)
+    for name, group in groups.items():
+        if not torchao_experts[name]:
+            for _, module in group:
                 Fp8GroupedExperts.convert(module, r)
+            continue
+        if recipe != "fp8_rowwise":
+            log.warning(
+                "apply_fp8(%s): torchao's MoE training offers rowwise FP8 only; the routed experts use "
+                "rowwise scaling", recipe,
+            )
+        _torchao_experts(model, group)
     log.info(
         "apply_fp8(%s): %d Linear layers and %d routed-expert modules in FP8",
         recipe, len(linears), len(experts),
