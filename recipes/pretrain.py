@@ -7,28 +7,25 @@
 
 from __future__ import annotations
 
-import logging
-
 import hydra
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
-from dsl_lit.build import build_trainer, module_arguments, resume_path
+from dsl_lit.build import fit, module_arguments, starting_weights
 from dsl_lit.config import TrainConfig
 from dsl_lit.data.datamodule import PretrainDataModule
 from dsl_lit.modules import PretrainModule
-from dsl_lit.runs import check_vocab, exits_on_config_error, finish_run, save_resolved_config
-
-log = logging.getLogger(__name__)
+from dsl_lit.runs import check_vocab, exits_on_config_error, save_resolved_config
 
 
 @hydra.main(config_path="../conf", config_name="pretrain", version_base="1.3")
 @exits_on_config_error
 def main(hydra_cfg: DictConfig) -> None:
-    # 1. Validate everything before any data, model or process group exists.
+    # 1. Validate everything before any data, model or process group exists; init_from's
+    #    architecture (a checkpoint or an HF directory) replaces the model group.
     cfg = TrainConfig.from_hydra(hydra_cfg, run_dir=HydraConfig.get().runtime.output_dir)
+    initial_state = starting_weights(cfg, cfg.init_from)
     save_resolved_config(cfg)
     L.seed_everything(cfg.trainer.seed, workers=True)
 
@@ -36,15 +33,8 @@ def main(hydra_cfg: DictConfig) -> None:
     datamodule = PretrainDataModule(cfg.data)
     check_vocab(cfg, datamodule)
 
-    # 3. The objective, the trainer, and fit (resuming from the run dir's latest checkpoint).
-    module = PretrainModule(**module_arguments(cfg))
-    trainer = build_trainer(cfg)
-    try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=resume_path(cfg))
-    except SIGTERMException:  # preempted: the checkpoint of this step is on disk
-        log.warning("SIGTERM at step %d: checkpoint saved; rerun the same command to resume", trainer.global_step)
-        raise SystemExit(143) from None
-    finish_run(trainer)
+    # 3. The objective and fit (resuming from the run dir's latest checkpoint; SIGTERM exits 143).
+    fit(cfg, PretrainModule(**module_arguments(cfg), initial_state=initial_state), datamodule)
 
 
 if __name__ == "__main__":

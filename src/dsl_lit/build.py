@@ -16,6 +16,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import Logger, WandbLogger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import OmegaConf
 
 from dsl_lit.callbacks.ema import EMACallback
@@ -25,12 +26,14 @@ from dsl_lit.callbacks.rank_failure import RankFailureReporter
 from dsl_lit.callbacks.rng_state import RNGStateCallback
 from dsl_lit.callbacks.throughput import ThroughputMonitor
 from dsl_lit.checkpoint.directory import DirectoryCheckpointIO, StepCheckpoint, latest_checkpoint
-from dsl_lit.config import TrainConfig
+from dsl_lit.config import ModelConfig, TrainConfig
 from dsl_lit.flops import training_flops_per_token
 from dsl_lit.loggers import RunCSVLogger
 from dsl_lit.parallel.checkpointing import OneDeviceStrategy
 from dsl_lit.parallel.strategy import DeepSeekStrategy
 from dsl_lit.precision.plugin import AutocastPrecision
+from dsl_lit.pretrained import load_pretrained
+from dsl_lit.runs import finish_run
 
 log = logging.getLogger(__name__)
 # Lightning warns that manual-optimization checkpoints hold post-step weights: that is what we want.
@@ -50,6 +53,20 @@ def module_arguments(cfg: TrainConfig) -> dict[str, Any]:
         total_steps=cfg.schedule.total_steps or cfg.trainer.max_steps, objective=cfg.objective,
         precision=cfg.precision, memory=cfg.memory, max_bad_steps=cfg.trainer.max_bad_steps,
     )
+
+
+def starting_weights(cfg: TrainConfig, source: str | None) -> dict[str, torch.Tensor] | None:
+    """The state dict ``init_from`` names (None without one). Its architecture replaces
+    ``cfg.model`` (re-validated with the layout), so the run's checkpoints rebuild the right model."""
+    if not source:
+        return None
+    model, group = load_pretrained(source)
+    values = dict(group)
+    cfg.model = ModelConfig.from_name(values.pop("name"), **values)
+    cfg.raw["model"], cfg.raw["init_from"], cfg.init_from = group, str(source), str(source)
+    cfg.validate()
+    log.info("starting from %s (%s, %.1fM parameters)", source, cfg.model.name, model.num_params() / 1e6)
+    return model.state_dict()
 
 
 def build_loggers(cfg: TrainConfig) -> list[Logger]:
@@ -145,3 +162,16 @@ def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = N
         ],
         default_root_dir=cfg.run_dir,
     )
+
+
+def fit(cfg: TrainConfig, module: L.LightningModule, datamodule: L.LightningDataModule) -> L.Trainer:
+    """Build the trainer and fit, resuming from the run dir's latest checkpoint. A SIGTERM leaves
+    the current step's checkpoint and exits 143 (rerun the same command to resume)."""
+    trainer = build_trainer(cfg)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=resume_path(cfg))
+    except SIGTERMException:
+        log.warning("SIGTERM at step %d: checkpoint saved; rerun the same command to resume", trainer.global_step)
+        raise SystemExit(143) from None
+    finish_run(trainer)
+    return trainer

@@ -10,18 +10,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
-from dsl_lit.build import build_trainer, module_arguments, resume_path  # also registers ${project_root:}
+from dsl_lit.build import build_trainer, module_arguments, starting_weights  # also registers ${project_root:}
+from dsl_lit.build import fit as fit_run
 from dsl_lit.config import ParallelConfig, TrainConfig
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.posttrain import PostTrainConfig
 from dsl_lit.data.chat import ChatTokenizer
 from dsl_lit.data.datamodule import PretrainDataModule
-from dsl_lit.models import ModelConfig
-from dsl_lit.pretrained import load_pretrained
-from dsl_lit.runs import check_vocab, finish_run, save_resolved_config
+from dsl_lit.runs import check_vocab, save_resolved_config
 
 log = logging.getLogger(__name__)
 
@@ -35,26 +33,12 @@ class PostTrainSetup:
     """The starting weights (None: random init of ``cfg.model``)."""
 
 
-def _use_model_group(cfg: TrainConfig, group: dict[str, Any]) -> None:
-    values = dict(group)
-    cfg.model = ModelConfig.from_name(values.pop("name"), **values)
-    cfg.raw["model"] = group
-    cfg.validate()
-
-
 def setup_posttrain(hydra_cfg: DictConfig, run_dir: str, init_from: str | None = None) -> PostTrainSetup:
     """Validated configs, the chat tokenizer and the starting weights (``init_from`` overrides the
     config's, e.g. a cold-start checkpoint)."""
     cfg = TrainConfig.from_hydra(hydra_cfg, run_dir=run_dir, post_training=True)
     post = cfg.post
-    source = init_from or post.init_from
-    initial_state = None
-    if source:
-        model, group = load_pretrained(source)
-        _use_model_group(cfg, group)
-        initial_state = model.state_dict()
-        cfg.raw["init_from"] = str(source)
-        log.info("starting from %s (%s, %.1fM parameters)", source, cfg.model.family, model.num_params() / 1e6)
+    initial_state = starting_weights(cfg, init_from or cfg.init_from)
     save_resolved_config(cfg)
     check_vocab(cfg, PretrainDataModule(cfg.data))  # builds the bundled tokenizer on first use
     tokenizer = ChatTokenizer.from_dir(post.tokenizer_dir)
@@ -70,16 +54,8 @@ def module_kwargs(setup: PostTrainSetup) -> dict[str, Any]:
 
 
 def fit(setup: PostTrainSetup, module: Any, datamodule: Any) -> Any:
-    """Build the trainer and fit (resuming from the run dir's latest checkpoint); a SIGTERM leaves
-    the current step's checkpoint and exits 143, as pretraining does. Returns the trainer."""
-    trainer = build_trainer(setup.cfg)
-    try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=resume_path(setup.cfg))
-    except SIGTERMException:
-        log.warning("SIGTERM at step %d: checkpoint saved; rerun the same command to resume", trainer.global_step)
-        raise SystemExit(143) from None
-    finish_run(trainer)
-    return trainer
+    """:func:`dsl_lit.build.fit` with the setup's config."""
+    return fit_run(setup.cfg, module, datamodule)
 
 
 def sample_to_file(setup: PostTrainSetup, output: Path) -> dict[str, Any]:

@@ -198,9 +198,6 @@ _SECTIONS: dict[str, type] = {"task": TaskConfig, "sft": SFTConfig, "dpo": DPOCo
 
 @dataclass
 class PostTrainConfig:
-    init_from: str | None = None
-    """Starting weights: null (random init of ``model``), one of our checkpoints (a step-<N>
-    directory or a run directory: its latest), or a Hugging Face model directory."""
     tokenizer_dir: str = ""
     task: TaskConfig = field(default_factory=TaskConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -210,7 +207,7 @@ class PostTrainConfig:
 
     @classmethod
     def from_raw(cls, raw: dict[str, Any]) -> PostTrainConfig:
-        values: dict[str, Any] = {"init_from": raw.get("init_from"), "tokenizer_dir": raw.get("tokenizer_dir") or ""}
+        values: dict[str, Any] = {"tokenizer_dir": raw.get("tokenizer_dir") or ""}
         for name, schema in _SECTIONS.items():
             section = dict(raw.get(name) or {})
             if "sampling" in section:

@@ -127,6 +127,9 @@ class TrainConfig:
     trainer: TrainerConfig
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    init_from: str | None = None
+    """Starting weights only (fresh optimizer, schedule and data position): one of our checkpoints
+    (a step-<N> or run directory) or a Hugging Face directory; its architecture replaces ``model``."""
     run_dir: str = "."
     raw: dict[str, Any] = field(default_factory=dict)
     post: PostTrainConfig | None = None
@@ -157,7 +160,8 @@ class TrainConfig:
                              ("objective", ObjectiveConfig), ("memory", MemoryConfig)):
             groups[name] = dataclass_from_dict(schema, dict(raw.get(name) or {}), name)
         post = PostTrainConfig.from_raw(raw) if post_training else None
-        config = cls(model=model, logger=logger, run_dir=run_dir, raw=raw, post=post, **groups)
+        config = cls(model=model, logger=logger, run_dir=run_dir, raw=raw, post=post,
+                     init_from=raw.get("init_from") or None, **groups)
         return config.validate()
 
     @property

@@ -48,6 +48,7 @@ class CausalLMModule(L.LightningModule):
         precision: PrecisionConfig | None = None,
         memory: MemoryConfig | None = None,
         max_bad_steps: int = 10,
+        initial_state: dict[str, torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -60,6 +61,9 @@ class CausalLMModule(L.LightningModule):
         self.precision = (precision or PrecisionConfig()).validate()
         self.memory = (memory or MemoryConfig()).validate()
         self.max_bad_steps = max_bad_steps
+        self.initial_state = initial_state
+        """Starting weights (``init_from``); None: the model's random init. A resumed run's checkpoint
+        overwrites them."""
         self.bad_steps_in_a_row = 0
         self.loss_scaler = DynamicLossScaler(
             enabled=self.precision.name == "fp16",
@@ -80,6 +84,13 @@ class CausalLMModule(L.LightningModule):
             if self.precision.fp8:
                 apply_fp8(self.model, self.precision.fp8)
             apply_recompute(self.model, self.memory.recompute, self.memory.recompute_blocks)
+            if self.initial_state is not None:
+                self.model.load_state_dict(self.initial_state, strict=True)
+                self.initial_state = None
+            self.on_initial_weights()
+
+    def on_initial_weights(self) -> None:
+        """Hook: the model holds its starting weights (DPO caches reference log-probs here)."""
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)

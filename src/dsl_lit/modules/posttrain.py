@@ -48,25 +48,10 @@ class InferenceCopy:
 
 
 class PostTrainModule(CausalLMModule):
-    def __init__(self, *args: Any, initial_state: dict[str, torch.Tensor] | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.initial_state = initial_state
         self.reference: nn.Module | None = None
         self._inference: InferenceCopy | None = None
-
-    def configure_model(self) -> None:
-        """Build the model, then give it the starting weights (before any checkpoint is restored:
-        a resumed run overwrites them, and what :meth:`on_initial_weights` derived stays the start's)."""
-        fresh = self.model is None
-        super().configure_model()
-        if fresh:
-            if self.initial_state is not None:
-                self.model.load_state_dict(self.initial_state, strict=True)
-                self.initial_state = None
-            self.on_initial_weights()
-
-    def on_initial_weights(self) -> None:
-        """Hook: the model holds its starting weights (DPO caches reference log-probs here)."""
 
     def make_reference(self) -> None:
         """A frozen copy of the current policy, saved in checkpoints (``reference.*``) so a resumed

@@ -1,0 +1,44 @@
+"""Continued pretraining: ``init_from`` in the pretrain recipe takes a checkpoint's weights, or an
+HF export of them, with a fresh optimizer, schedule and data position, under any layout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.test_pretrain_e2e import ROOT, losses, run_recipe
+
+RUN = ["logger=csv", "trainer.accelerator=cpu", "checkpoint.every_minutes=0", "checkpoint.async_save=false",
+       "model=deepseek_llm_tiny"]
+
+
+@pytest.mark.slow
+def test_init_from_a_checkpoint_or_its_hf_export_under_any_layout(tmp_path):
+    base = tmp_path / "base"
+    run_recipe(base, *RUN, "trainer.max_steps=6", "checkpoint.every_n_steps=6")
+    step = base / "checkpoints" / "step-6"
+    export = tmp_path / "hf"
+    subprocess.run([sys.executable, str(ROOT / "recipes" / "export_hf.py"), f"checkpoint={step}", f"output={export}"],
+                   check=True, cwd=ROOT, capture_output=True, env={**os.environ})
+
+    fresh = losses(base)
+    runs = {}
+    # a different model group on the command line (n_layers=1): init_from's architecture wins
+    for name, source, layout in (("ckpt", step, ["model.n_layers=1"]), ("hf", export, ["model.n_layers=1"]),
+                                 ("pp2", base, ["trainer.devices=2", "parallel=pp_1f1b"])):
+        run_dir = tmp_path / name
+        run_recipe(run_dir, *RUN, "trainer.max_steps=2", "checkpoint.every_n_steps=2", f"init_from={source}", *layout)
+        runs[name] = losses(run_dir)
+        state = torch.load(run_dir / "checkpoints" / "step-2" / "trainer_state.pt", weights_only=True)
+        assert state["PretrainDataModule"]["consumed_samples"] == 2 * 8  # data from the start
+        meta = json.loads((run_dir / "checkpoints" / "step-2" / "meta.json").read_text())
+        assert meta["global_step"] == 2  # a fresh optimizer and schedule
+    # the same first batch as the base run's step 0, scored by trained weights
+    assert float(runs["ckpt"][0]) < float(fresh[0]) - 0.5
+    assert runs["hf"] == runs["ckpt"]  # fp32 export: the same weights bit for bit
+    assert float(runs["pp2"][0]) == pytest.approx(float(runs["ckpt"][0]), rel=1e-5)
