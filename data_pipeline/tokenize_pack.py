@@ -1,4 +1,4 @@
-"""Pipeline stage: tokenize a document dataset and pack it into ``dsl_lit.data.packed`` shards.
+"""Pipeline stage: tokenize a document dataset and pack it into shards of ``dsl_lit.data.format``.
 
 Why two steps: ``datasets.map`` tokenizes in parallel and caches the result under a fingerprint
 derived from the tokenizer file and text field, so a rerun with the same inputs skips the work;
@@ -21,17 +21,10 @@ from typing import Any
 import datasets
 from tokenizers import Tokenizer
 
-from dsl_lit.data.packed import PackedShardWriter
+from data_pipeline.packed_writer import PackedShardWriter
+from dsl_lit.data.format import META_FILE, TOKENIZER_FILE, file_sha256
 
 log = logging.getLogger(__name__)
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 class _Encode:
@@ -59,8 +52,8 @@ class _Encode:
 
 @contextlib.contextmanager
 def _tokenizers_parallelism(enabled: bool) -> Iterator[None]:
-    """Forked workers that inherit a started Rust thread pool can deadlock (see DESIGN.md section 4):
-    disable it around a multi-process map, then restore the caller's setting."""
+    """Forked workers that inherit a started Rust thread pool can deadlock: disable it around a
+    multi-process map, then restore the caller's setting."""
     key = "TOKENIZERS_PARALLELISM"
     saved = os.environ.get(key)
     if not enabled:
@@ -106,8 +99,8 @@ def tokenize_pack(
     Empty documents are skipped and counted in meta.json as ``num_empty_skipped``. Returns ``output_dir``.
     """
     tokenizer_dir = Path(tokenizer_dir)
-    tokenizer_file = tokenizer_dir / "tokenizer.json"
-    tok_meta = json.loads((tokenizer_dir / "meta.json").read_text(encoding="utf-8"))
+    tokenizer_file = tokenizer_dir / TOKENIZER_FILE
+    tok_meta = json.loads((tokenizer_dir / META_FILE).read_text(encoding="utf-8"))
     sha = file_sha256(tokenizer_file)
     if text_field not in dataset.column_names:
         raise ValueError(f"text_field {text_field!r} not in dataset columns {dataset.column_names}")

@@ -20,12 +20,16 @@ import pyarrow.parquet as pq
 
 from data_pipeline.shard_io import link_or_copy, read_documents, shard_file
 from data_pipeline.tokenize_pack import tokenize_pack
-from data_pipeline.train_tokenizer import DEEPSEEK_SPECIAL_TOKENS, train_tokenizer
-from dsl_lit.data.packed import META_FILE, index_name, shard_name
+from data_pipeline.train_tokenizer import train_tokenizer
+from dsl_lit.data.format import (
+    DEEPSEEK_SPECIAL_TOKENS,
+    META_FILE,
+    SHARDS_DIR,
+    TOKENIZER_DIR,
+    index_name,
+    shard_name,
+)
 from dsl_lit.utils.fs import publish_dir
-
-TOKENIZER_DIR = "tokenizer"
-SHARDS_DIR = "shards"  # the name PretrainDataModule reads under its data.cache_dir
 
 
 def _kept_texts(kept_dir: Path, num_shards: int, counter: list[int]) -> Iterator[str]:
@@ -49,7 +53,7 @@ def train_unit(ctx: Any, unit: int) -> dict[str, Any]:
         embedding_size=cfg.padded_vocab_size,
     )
     seconds = time.perf_counter() - start
-    meta = json.loads((out / "meta.json").read_text())
+    meta = json.loads((out / META_FILE).read_text())
     return {
         **meta,
         "bytes_read": counter[0],
@@ -59,7 +63,7 @@ def train_unit(ctx: Any, unit: int) -> dict[str, Any]:
 
 def pack_unit(ctx: Any, unit: int) -> dict[str, Any]:
     tokenizer_dir = ctx.output_dir / TOKENIZER_DIR
-    if not (tokenizer_dir / "meta.json").is_file():
+    if not (tokenizer_dir / META_FILE).is_file():
         raise FileNotFoundError(f"{tokenizer_dir} missing: run the train_tokenizer stage first")
     docs = read_documents(ctx.output_dir / "kept" / shard_file(unit), columns=["text"])
     start = time.perf_counter()

@@ -21,32 +21,10 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from dsl_lit.data.format import DEEPSEEK_SPECIAL_TOKENS, META_FILE, TOKENIZER_FILE
 from dsl_lit.utils.fs import publish_dir
 
 log = logging.getLogger(__name__)
-
-BOS_TOKEN = "<｜begin▁of▁sentence｜>"
-EOS_TOKEN = "<｜end▁of▁sentence｜>"
-PAD_TOKEN = "<｜▁pad▁｜>"
-# 15 special tokens, as DeepSeek LLM ships: bos/eos/pad, fill-in-the-middle, chat roles, R1's
-# reasoning tags, and place holders reserved for later use. Their ids are 0..14 in this order.
-DEEPSEEK_SPECIAL_TOKENS: list[str] = [
-    BOS_TOKEN,
-    EOS_TOKEN,
-    PAD_TOKEN,
-    "<｜fim▁hole｜>",
-    "<｜fim▁begin｜>",
-    "<｜fim▁end｜>",
-    "<｜User｜>",
-    "<｜Assistant｜>",
-    "<think>",
-    "</think>",
-    "<answer>",
-    "</answer>",
-    "<｜place▁holder▁no▁0｜>",
-    "<｜place▁holder▁no▁1｜>",
-    "<｜place▁holder▁no▁2｜>",
-]
 
 # Horizontal whitespace: a leading space may join a word, but a newline never does.
 _HSPACE = r"[^\S\r\n]"
@@ -184,11 +162,11 @@ def train_tokenizer(
     tmp_dir = Path(tempfile.mkdtemp(dir=output_dir.parent, prefix=f".{output_dir.name}.tmp-"))
     try:
         tmp_dir.chmod(0o755)  # mkdtemp makes it private; the published directory should not be
-        tokenizer.save(str(tmp_dir / "tokenizer.json"))
+        tokenizer.save(str(tmp_dir / TOKENIZER_FILE))
         for name, obj in (
             ("tokenizer_config.json", config),
             ("special_tokens_map.json", special_map),
-            ("meta.json", meta),  # last: its presence marks a complete directory
+            (META_FILE, meta),  # last: its presence marks a complete directory
         ):
             (tmp_dir / name).write_text(
                 json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import gzip
 import logging
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +21,8 @@ from dsl_lit.config.data import DataConfig
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.data.datamodule import PretrainDataModule
 
-CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus"
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = ROOT / "data" / "corpus"
 SEQ, G = 32, 8
 
 
@@ -91,7 +95,7 @@ def test_concurrent_prepare_builds_once(
     small_corpus: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     cfg = make_cfg(small_corpus, tmp_path / "cache", tokenizer_max_bytes=60_000)
-    caplog.set_level(logging.INFO, logger="dsl_lit.data.datamodule")
+    caplog.set_level(logging.INFO, logger="dsl_lit.data.cache")
     threads = [threading.Thread(target=PretrainDataModule(cfg).prepare_data) for _ in range(2)]
     for t in threads:
         t.start()
@@ -195,3 +199,24 @@ def test_accepts_the_composed_hydra_data_node(compose_cfg: Callable[[str], DictC
     assert Path(dm.cfg.corpus_dir) == CORPUS
     with pytest.raises(ConfigError, match=r"data\.seq_lenn"):
         PretrainDataModule({"corpus_dir": "c", "cache_dir": "d", "seq_lenn": 3})
+
+
+def test_dsl_lit_never_imports_data_pipeline() -> None:
+    """The trainer and the pipeline share only ``dsl_lit.data.format``: no module of ``dsl_lit``
+    imports ``data_pipeline``, and importing every data module leaves it unloaded."""
+    offenders = []
+    for path in sorted((ROOT / "src" / "dsl_lit").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] == "data_pipeline"]
+    assert offenders == []
+    modules = sorted(p.stem for p in (ROOT / "src" / "dsl_lit" / "data").glob("*.py") if p.stem != "__init__")
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}: importlib.import_module('dsl_lit.data.' + m)\n"
+        "print(len(sys.modules), 'data_pipeline' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.split()[1] == "False", out.stdout
