@@ -14,6 +14,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from data_pipeline.shard_io import link_or_copy, removed_file, shard_file
+from data_pipeline.stage import Stage, Step
 from dsl_lit.utils.fs import publish_dir
 
 
@@ -41,3 +42,16 @@ def run_unit(ctx: Any, unit: int) -> dict[str, Any]:
     _publish(ctx, "kept", kept)
     _publish(ctx, "removed", removed)
     return {"kept_files": len(kept), "removed_files": len(removed)}
+
+
+class Finalize(Stage):
+    """Always runs after the document stages (not listed in ``stages``); it has no settings."""
+
+    name = "finalize"
+    Config = type(None)
+
+    def settings(self) -> None:
+        return None
+
+    def steps(self) -> list[Step]:
+        return [self.step(run_unit, units=1)]

@@ -8,11 +8,13 @@ the shard layout depends only on the input listing and the config.
 
 from __future__ import annotations
 
+import dataclasses as dc
 import glob
 import gzip
 import json
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +22,33 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from data_pipeline.config import InputConfig
 from data_pipeline.document_step import Verdicts, write_split
+from data_pipeline.stage import Stage, Step
+from dsl_lit.config.errors import ConfigError
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz")
 SUFFIXES = (*JSONL_SUFFIXES, ".txt", ".parquet")
+
+
+@dataclass
+class InputConfig:
+    path: str = (
+        ""  # a directory (of .txt/.jsonl/.jsonl.gz/.parquet files), a glob, a file, or a saved dataset
+    )
+    text_field: str = "text"
+    id_field: str = "id"  # documents without one get "<file>:<line>" (or "<file>:<row>")
+    source_field: str = "source"  # copied to the `source` column; defaults to the file's name
+    metadata_fields: list[str] = dc.field(default_factory=list)  # other fields kept as string columns
+    files_per_shard: int = 1000  # .txt inputs: documents (files) per shard
+    rows_per_shard: int = 100_000  # a saved dataset is cut into shards of this many rows
+
+    def validate(self) -> InputConfig:
+        if not self.path:
+            raise ConfigError("input.path is empty: pass input.path=<dir|glob|file|saved dataset>")
+        for name in ("files_per_shard", "rows_per_shard"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"input.{name}={getattr(self, name)} must be a positive integer")
+        return self
 
 
 def _kind(path: Path) -> str:
@@ -195,9 +219,23 @@ def read_unit(cfg: InputConfig, unit: dict[str, Any]) -> _Collector:
 
 
 def run_unit(ctx: Any, unit: int) -> dict[str, Any]:
-    collected = read_unit(ctx.cfg.input, ctx.input_units[unit])
+    collected = read_unit(ctx.config, ctx.input_units[unit])
     schema = pa.schema([(k, pa.string()) for k in collected.rows])
     table = pa.Table.from_pydict(collected.rows, schema=schema)
     stats = write_split(ctx, unit, datasets.Dataset(table), Verdicts(collected.reasons))
     stats["blank_lines"] = collected.blank_lines
     return stats
+
+
+class Ingest(Stage):
+    """Always the first stage (not listed in ``stages``): its settings, ``input``, fingerprint every step."""
+
+    name = "ingest"
+    Config = InputConfig
+    section = "input"
+
+    def settings(self) -> None:
+        return None
+
+    def steps(self) -> list[Step]:
+        return [self.step(run_unit, writes_documents=True)]

@@ -13,14 +13,17 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from data_pipeline.config import NearDedupConfig
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.utils.fs import publish_dir
+
+if TYPE_CHECKING:
+    from data_pipeline.near_dedup import NearDedupConfig
 
 INDEX_DIR = "near_dedup_index"
 _COMPATIBLE = ("num_perm", "ngram", "seed", "scheme")

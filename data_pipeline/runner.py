@@ -24,7 +24,7 @@ import datasets
 from data_pipeline.config import PipelineConfig
 from data_pipeline.ingest import plan_units
 from data_pipeline.shard_io import marker_path, write_json
-from data_pipeline.steps import Step, steps_for
+from data_pipeline.stage import Step
 from dsl_lit.config.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,7 @@ class Context:
     """What a unit needs to run; picklable, so worker processes receive it whole."""
 
     cfg: PipelineConfig
+    config: Any  # the settings of the stage this step belongs to
     output_dir: Path
     step_name: str
     stage: str
@@ -78,13 +79,15 @@ def plan(cfg: PipelineConfig) -> list[Planned]:
     dirs: dict[str, Path] = {}
     document_steps: list[tuple[str, str, Path]] = []
     docs_dir: Path | None = None
-    for position, step in enumerate(steps_for(cfg)):
+    steps = [(stage, step) for stage in cfg.stage_objects() for step in stage.steps()]
+    for position, (stage, step) in enumerate(steps):
         fingerprint = hashlib.sha256(
             json.dumps([fingerprint, step.name, step.settings], sort_keys=True, default=str).encode()
         ).hexdigest()
         step_dir = output_dir / "work" / f"{position:02d}-{step.name}-{fingerprint[:12]}"
         ctx = Context(
             cfg=cfg,
+            config=stage.config,
             output_dir=output_dir,
             step_name=step.name,
             stage=step.stage,
@@ -95,7 +98,7 @@ def plan(cfg: PipelineConfig) -> list[Planned]:
             num_shards=len(units),
             input_units=units,
         )
-        planned.append(Planned(step, ctx, step.num_units(cfg, len(units))))
+        planned.append(Planned(step, ctx, step.num_units(len(units))))
         dirs[step.name] = step_dir
         if step.writes_documents:
             docs_dir = step_dir

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
@@ -17,8 +18,12 @@ import pyarrow.parquet as pq
 import pytest
 
 import data_pipeline.quality_filter as quality_filter
+from data_pipeline import registry
 from data_pipeline.config import load_config
+from data_pipeline.document_step import Verdicts, write_split
 from data_pipeline.runner import plan, run
+from data_pipeline.shard_io import read_documents, shard_file
+from data_pipeline.stage import Stage, Step
 from dsl_lit.config.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -254,10 +259,14 @@ def test_sigkill_then_the_same_command_finishes_only_the_rest(tmp_path: Path) ->
     full = subprocess.run([*cmd, f"output_dir={tmp_path / 'full'}"], capture_output=True, text=True, cwd=ROOT)
     assert full.returncode == 0, full.stderr
     out = tmp_path / "killed"
-    process = subprocess.Popen([*cmd, f"output_dir={out}"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [*cmd, f"output_dir={out}"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + 120
     while not list(out.glob("work/*quality_filter*/done/*.json")):
-        assert process.poll() is None and time.monotonic() < deadline, "the run ended before the filter started"
+        assert process.poll() is None and time.monotonic() < deadline, (
+            "the run ended before the filter started"
+        )
         time.sleep(0.005)
     process.send_signal(signal.SIGKILL)
     process.wait()
@@ -267,3 +276,50 @@ def test_sigkill_then_the_same_command_finishes_only_the_rest(tmp_path: Path) ->
     assert rerun.returncode == 0, rerun.stderr
     assert f"quality_filter: {6 - done} of 6 units to run" in rerun.stderr + rerun.stdout
     assert output_bytes(out) == output_bytes(tmp_path / "full")
+
+
+@dataclass
+class ShortConfig:
+    min_words: int = 1
+
+    def validate(self) -> ShortConfig:
+        if self.min_words < 0:
+            raise ConfigError(f"drop_short.min_words={self.min_words} must be >= 0")
+        return self
+
+
+def _drop_short(ctx, unit: int) -> dict:
+    docs = read_documents(ctx.docs_dir / shard_file(unit))
+    reasons = [None if len(t.split()) >= ctx.config.min_words else "too_short" for t in docs["text"]]
+    return write_split(ctx, unit, docs, Verdicts(reasons))
+
+
+class DropShort(Stage):
+    name = "drop_short"
+    Config = ShortConfig
+
+    def steps(self) -> list[Step]:
+        return [self.step(_drop_short, writes_documents=True)]
+
+
+def test_a_new_stage_is_a_class_and_a_registry_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What data_pipeline/README.md says adding a stage takes: the class, and its line in STAGES."""
+    monkeypatch.setitem(registry.STAGES, "drop_short", DropShort)
+    corpus = tmp_path / "in"
+    corpus.mkdir()
+    texts = [" ".join(["word"] * n) for n in (3, 12, 7, 20)]
+    (corpus / "a.jsonl").write_text(
+        "".join(json.dumps({"id": f"d{i}", "text": t}) + "\n" for i, t in enumerate(texts))
+    )
+    with pytest.raises(ConfigError, match=r"drop_short\.min_words=-1"):
+        run_pipeline(corpus, tmp_path / "bad", stages=["drop_short"], drop_short={"min_words": -1})
+    stats = run_pipeline(
+        corpus, tmp_path / "out", stages=["normalize", "drop_short"], drop_short={"min_words": 10}
+    )
+    assert stats is not None
+    assert sorted(r["id"] for r in rows(tmp_path / "out" / "kept")) == ["d1", "d3"]
+    assert stats["stages"]["drop_short"]["removed"] == {"too_short": 2}
+    assert [(r["id"], r["stage"]) for r in rows(tmp_path / "out" / "removed")] == [
+        ("d0", "drop_short"),
+        ("d2", "drop_short"),
+    ]
