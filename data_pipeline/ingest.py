@@ -25,9 +25,10 @@ import pyarrow.parquet as pq
 from data_pipeline.document_step import Verdicts, write_split
 from data_pipeline.stage import Stage, Step
 from dsl_lit.config.errors import ConfigError
+from dsl_lit.data.corpus import CONTENT_BUDGET_BYTES, DOCUMENT_SUFFIXES, document_files, file_listing
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz")
-SUFFIXES = (*JSONL_SUFFIXES, ".txt", ".parquet")
+SUFFIXES = DOCUMENT_SUFFIXES  # JSON lines, .txt, .parquet
 
 
 @dataclass
@@ -41,6 +42,9 @@ class InputConfig:
     metadata_fields: list[str] = dc.field(default_factory=list)  # other fields kept as string columns
     files_per_shard: int = 1000  # .txt inputs: documents (files) per shard
     rows_per_shard: int = 100_000  # a saved dataset is cut into shards of this many rows
+    fingerprint_bytes: int = CONTENT_BUDGET_BYTES
+    """Inputs up to this many bytes in total are identified by content (xxh3 of every file), larger
+    ones by file sizes and modification times (dsl_lit.data.corpus); 0: always by size and mtime."""
 
     def validate(self) -> InputConfig:
         if not self.path:
@@ -48,6 +52,8 @@ class InputConfig:
         for name in ("files_per_shard", "rows_per_shard"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"input.{name}={getattr(self, name)} must be a positive integer")
+        if self.fingerprint_bytes < 0:
+            raise ConfigError(f"input.fingerprint_bytes={self.fingerprint_bytes} must be >= 0")
         return self
 
 
@@ -73,7 +79,7 @@ def plan_units(cfg: InputConfig) -> list[dict[str, Any]]:
         ]
     if path.is_dir():
         root = path
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(SUFFIXES))
+        files = sorted(path / rel for rel in document_files(path))
     elif path.is_file():
         root, files = path.parent, [path]
     else:  # a glob: paths are relative to the directory before the first wildcard
@@ -83,9 +89,7 @@ def plan_units(cfg: InputConfig) -> list[dict[str, Any]]:
         files = sorted(Path(p) for p in glob.glob(cfg.path, recursive=True) if Path(p).is_file())
     files = [f for f in files if f.name.endswith(SUFFIXES)]
     if not files:
-        raise FileNotFoundError(
-            f"input.path={cfg.path}: no {', '.join(SUFFIXES)} files or saved dataset there"
-        )
+        raise ConfigError(f"input.path={cfg.path}: no {', '.join(SUFFIXES)} files or saved dataset there")
     units: list[dict[str, Any]] = []
     txt: list[str] = []
     for f in files:
@@ -97,6 +101,17 @@ def plan_units(cfg: InputConfig) -> list[dict[str, Any]]:
     for i in range(0, len(txt), cfg.files_per_shard):
         units.append({"kind": "txt", "root": str(root), "files": txt[i : i + cfg.files_per_shard]})
     return units
+
+
+def input_listing(cfg: InputConfig, units: list[dict[str, Any]]) -> list[Any]:
+    """What identifies the input: every file (by content within ``input.fingerprint_bytes``), in
+    sorted order, and a saved dataset's row ranges. For a directory this is
+    ``dsl_lit.data.corpus.file_listing`` of its ``document_files``, as the data module computes it."""
+    root = Path(units[0]["root"])
+    if units[0]["kind"] == "saved":
+        files = sorted(p.name for p in root.iterdir() if p.is_file())
+        return [*file_listing(root, files, cfg.fingerprint_bytes), [[u["start"], u["stop"]] for u in units]]
+    return file_listing(root, sorted(rel for u in units for rel in u["files"]), cfg.fingerprint_bytes)
 
 
 def _stem(rel: str) -> str:

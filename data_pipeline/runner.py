@@ -22,10 +22,11 @@ from typing import Any
 import datasets
 
 from data_pipeline.config import PipelineConfig
-from data_pipeline.ingest import plan_units
+from data_pipeline.ingest import input_listing, plan_units
 from data_pipeline.shard_io import marker_path, write_json
 from data_pipeline.stage import Step
 from dsl_lit.config.errors import ConfigError
+from dsl_lit.data.corpus import listing_digest
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class Context:
     document_steps: list[tuple[str, str, Path]] = field(default_factory=list)  # (name, stage, dir)
     num_shards: int = 0
     input_units: list[dict[str, Any]] = field(default_factory=list)
+    corpus: dict[str, str] = field(default_factory=dict)  # the input's path and content fingerprint
 
 
 @dataclass
@@ -56,24 +58,14 @@ class Planned:
     num_units: int
 
 
-def _listing(units: list[dict[str, Any]]) -> list[Any]:
-    """What identifies the input: paths with sizes and modification times."""
-    out: list[Any] = []
-    for unit in units:
-        for rel in unit.get("files", []):
-            st = (Path(unit["root"]) / rel).stat()
-            out.append([rel, st.st_size, st.st_mtime_ns])
-        if unit["kind"] == "saved":
-            out.append([unit["root"], unit["start"], unit["stop"]])
-    return out
-
-
 def plan(cfg: PipelineConfig) -> list[Planned]:
     """Every step of the run with its directory ``work/<NN>-<name>-<fingerprint>`` and unit count."""
     output_dir = Path(cfg.output_dir)
     units = plan_units(cfg.input)
+    listing = input_listing(cfg.input, units)
+    corpus = {"path": str(Path(cfg.input.path).resolve()), "fingerprint": listing_digest(listing)}
     fingerprint = hashlib.sha256(
-        json.dumps([PIPELINE_VERSION, asdict(cfg.input), _listing(units)], sort_keys=True).encode()
+        json.dumps([PIPELINE_VERSION, asdict(cfg.input), listing], sort_keys=True).encode()
     ).hexdigest()
     planned: list[Planned] = []
     dirs: dict[str, Path] = {}
@@ -97,6 +89,7 @@ def plan(cfg: PipelineConfig) -> list[Planned]:
             document_steps=list(document_steps),
             num_shards=len(units),
             input_units=units,
+            corpus=corpus,
         )
         planned.append(Planned(step, ctx, step.num_units(len(units))))
         dirs[step.name] = step_dir

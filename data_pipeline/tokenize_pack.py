@@ -207,6 +207,8 @@ def merge_unit(ctx: Any, unit: int) -> dict[str, Any]:
                 merged[key] += meta[key]
         assert merged is not None
         merged["shards"] = shards
+        merged["corpus"] = ctx.corpus  # what the data module checks its data.corpus_dir against
+        merged["stages"] = ctx.cfg.stages
         (tmp / META_FILE).write_text(json.dumps(merged, indent=2) + "\n", encoding="utf-8")
         publish_dir(tmp, out)
     except BaseException:

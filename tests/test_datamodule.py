@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ast
 import gzip
+import json
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -12,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
@@ -20,6 +23,7 @@ from omegaconf import DictConfig
 from dsl_lit.config.data import DataConfig
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.data.datamodule import PretrainDataModule
+from dsl_lit.data.packed import PackedTokens
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "data" / "corpus"
@@ -210,7 +214,9 @@ def test_dsl_lit_never_imports_data_pipeline() -> None:
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             if isinstance(node, ast.ImportFrom) and node.level == 0:
                 names = [node.module or ""]
-            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] == "data_pipeline"]
+            offenders += [
+                f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] == "data_pipeline"
+            ]
     assert offenders == []
     modules = sorted(p.stem for p in (ROOT / "src" / "dsl_lit" / "data").glob("*.py") if p.stem != "__init__")
     code = (
@@ -220,3 +226,82 @@ def test_dsl_lit_never_imports_data_pipeline() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.split()[1] == "False", out.stdout
+
+
+# -- the cache is keyed by the corpus ---------------------------------------------------------------
+def _jsonl_corpus(directory: Path, texts: list[str]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"id": f"d{i}", "text": t}) for i, t in enumerate(texts)]
+    (directory / "docs.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return directory
+
+
+def _stream(cache: Path) -> np.ndarray:
+    tokens = PackedTokens(cache / "shards")
+    return tokens.window(0, len(tokens))
+
+
+TEXTS = [
+    f"Entry {i}: the {w} of a thing is what it was made for, and little else."
+    for i, w in enumerate(["purpose", "use", "end", "aim", "point", "goal"] * 4)
+]
+
+
+def test_a_missing_corpus_fails_at_validation_naming_data_corpus_dir(
+    compose_cfg: Callable[..., DictConfig], tmp_path: Path
+) -> None:
+    node = compose_cfg("pretrain", [f"data.corpus_dir={tmp_path / 'nonexistent' / 'corpus'}"]).data
+    with pytest.raises(ConfigError, match=r"data\.corpus_dir=.*nonexistent/corpus is not a directory"):
+        PretrainDataModule(node)
+
+
+def test_another_corpus_in_the_same_cache_rebuilds(small_corpus: Path, tmp_path: Path) -> None:
+    other = _jsonl_corpus(tmp_path / "other", TEXTS)
+    cfg = make_cfg(small_corpus, tmp_path / "cache")
+    PretrainDataModule(cfg).prepare_data()
+    first = _stream(tmp_path / "cache")
+    PretrainDataModule(make_cfg(other, tmp_path / "cache")).prepare_data()
+    meta = json.loads((tmp_path / "cache" / "shards" / "meta.json").read_text())
+    assert meta["corpus"]["path"] == str(other.resolve()) and meta["num_documents"] == len(TEXTS)
+    assert len(_stream(tmp_path / "cache")) < len(first)
+
+
+def test_an_edit_keeping_size_and_mtime_rebuilds(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    corpus = _jsonl_corpus(tmp_path / "corpus", TEXTS)
+    cfg = make_cfg(corpus, tmp_path / "cache")
+    PretrainDataModule(cfg).prepare_data()
+    before = _stream(tmp_path / "cache")
+    path = corpus / "docs.jsonl"
+    st = path.stat()
+    path.write_text(path.read_text(encoding="utf-8").replace("little", "LITTLE"), encoding="utf-8")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+    caplog.set_level(logging.INFO, logger="dsl_lit.data.cache")
+    PretrainDataModule(cfg).prepare_data()
+    assert any("not from data.corpus_dir as it is now" in r.getMessage() for r in caplog.records)
+    assert not np.array_equal(_stream(tmp_path / "cache"), before)
+
+
+def test_a_hand_made_pipeline_run_is_never_rebuilt_by_the_data_module(tmp_path: Path) -> None:
+    """A pipeline output made with other stages (dedup, filters) for another corpus is refused,
+    naming data.cache_dir, instead of being overwritten with an unfiltered build."""
+    corpus = _jsonl_corpus(tmp_path / "corpus", TEXTS)
+    cache = tmp_path / "pipeline_out"
+    command = [
+        sys.executable,
+        "-m",
+        "data_pipeline",
+        f"input.path={corpus}",
+        f"output_dir={cache}",
+        "stages=[exact_dedup,train_tokenizer,tokenize_pack]",
+        "tokenizer.vocab_size=512",
+        "tokenizer.max_bytes=null",
+        "tokenizer.padded_vocab_size=null",
+    ]
+    subprocess.run(command, check=True, capture_output=True, cwd=ROOT)
+    PretrainDataModule(make_cfg(corpus, cache)).prepare_data()  # current: used as it is
+    other = _jsonl_corpus(tmp_path / "other", TEXTS[:5])
+    before = (cache / "shards" / "meta.json").read_bytes()
+    with pytest.raises(ConfigError, match=r"data\.cache_dir=.*stages=\['exact_dedup'"):
+        PretrainDataModule(make_cfg(other, cache)).prepare_data()
+    assert (cache / "shards" / "meta.json").read_bytes() == before

@@ -24,11 +24,13 @@ from filelock import FileLock
 
 from dsl_lit.config.data import DataConfig
 from dsl_lit.config.errors import ConfigError
+from dsl_lit.data.corpus import corpus_record
 from dsl_lit.data.format import META_FILE, SHARDS_DIR, TOKENIZER_DIR, TOKENIZER_FILE, file_sha256
 
 log = logging.getLogger(__name__)
 
 CONFIG_ERROR_EXIT = 2  # python -m data_pipeline's exit status for a refused config
+OWN_STAGES = ["train_tokenizer", "tokenize_pack"]  # what the data module runs; other runs are the user's
 
 
 def _read_meta(directory: Path) -> dict[str, Any] | None:
@@ -36,25 +38,36 @@ def _read_meta(directory: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
-def cache_is_current(cfg: DataConfig) -> bool:
-    """Does ``cfg.cache_dir`` hold a tokenizer trained as ``cfg`` asks and shards encoded with it?"""
+def stale_reason(cfg: DataConfig) -> str | None:
+    """Why ``cfg.cache_dir`` cannot serve ``cfg`` (None: it can): the cache is keyed by the corpus
+    (its path and content fingerprint) and by the tokenizer's settings and file."""
     cache = Path(cfg.cache_dir)
     tokenizer = _read_meta(cache / TOKENIZER_DIR)
     shards = _read_meta(cache / SHARDS_DIR)
     if tokenizer is None or shards is None:
-        return False
-    return (
-        tokenizer.get("requested_vocab_size") == cfg.tokenizer_vocab_size
-        and tokenizer.get("max_bytes") == cfg.tokenizer_max_bytes
-        and shards.get("tokenizer_sha256") == file_sha256(cache / TOKENIZER_DIR / TOKENIZER_FILE)
-    )
+        return "no tokenizer and shards there yet"
+    trained = (tokenizer.get("requested_vocab_size"), tokenizer.get("max_bytes"))
+    if trained != (cfg.tokenizer_vocab_size, cfg.tokenizer_max_bytes):
+        return f"its tokenizer was trained with (vocab_size, max_bytes) = {trained}"
+    if shards.get("tokenizer_sha256") != file_sha256(cache / TOKENIZER_DIR / TOKENIZER_FILE):
+        return "its shards were encoded with another tokenizer"
+    if shards.get("corpus") != corpus_record(cfg.corpus_dir):
+        built_from = (shards.get("corpus") or {}).get("path", "an unrecorded corpus")
+        return f"it was built from {built_from} as it was then, not from data.corpus_dir as it is now"
+    return None
+
+
+def cache_is_current(cfg: DataConfig) -> bool:
+    return stale_reason(cfg) is None
 
 
 def _override(key: str, value: object) -> str:
     """A Hydra command-line override with the value quoted (paths may hold ``=``, commas, spaces)."""
     text = str(value)
     if "'" in text or "\\" in text:
-        raise ConfigError(f"data.{key}={text!r}: quotes and backslashes cannot be passed to the data pipeline")
+        raise ConfigError(
+            f"data.{key}={text!r}: quotes and backslashes cannot be passed to the data pipeline"
+        )
     return f"{key}='{text}'"
 
 
@@ -126,10 +139,24 @@ def prepare_cache(cfg: DataConfig) -> None:
     cache = Path(cfg.cache_dir)
     cache.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(cache.parent / f".{cache.name}.lock")):
-        if cache_is_current(cfg):
+        reason = stale_reason(cfg)
+        if reason is None:
             return
+        stages = (_read_meta(cache / SHARDS_DIR) or {}).get("stages", OWN_STAGES)
+        if stages != OWN_STAGES:  # a pipeline run made by hand (dedup, filters): never redo it ours
+            raise ConfigError(
+                f"data.cache_dir={cache} holds a data-pipeline run with stages={stages} that does not "
+                f"match the data config: {reason}. Rerun that pipeline (input.path=<data.corpus_dir> "
+                "output_dir=<data.cache_dir>) or set data.cache_dir to another directory"
+            )
+        log.info("data: building %s: %s", cache, reason)
         start = time.perf_counter()
         run_pipeline(cfg)
-        if not cache_is_current(cfg):
-            raise RuntimeError(f"the data pipeline finished but {cache} does not match the data config")
-        log.info("data: trained tokenizer and packed shards in %.1fs -> %s", time.perf_counter() - start, cache)
+        reason = stale_reason(cfg)
+        if reason is not None:
+            raise RuntimeError(
+                f"the data pipeline finished but {cache} does not match the data config: {reason}"
+            )
+        log.info(
+            "data: trained tokenizer and packed shards in %.1fs -> %s", time.perf_counter() - start, cache
+        )
