@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from data_pipeline.document_step import Verdicts, write_split
+import pyarrow as pa
+
+from data_pipeline.document_step import Verdicts, map_documents, write_split
 from data_pipeline.shard_io import read_documents, shard_file
 from data_pipeline.stage import Stage, Step, check_fraction
 from dsl_lit.config.errors import ConfigError
@@ -53,7 +55,7 @@ def _identify_batch(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
 def run_unit(ctx: Any, unit: int) -> dict[str, Any]:
     cfg: LanguageFilterConfig = ctx.config
     docs = read_documents(ctx.docs_dir / shard_file(unit))
-    docs = docs.map(_identify_batch, batched=True, load_from_cache_file=False)
+    docs = map_documents(docs, _identify_batch, {"language": pa.string(), "language_score": pa.float64()})
     reasons = [
         f"language:{lang}"
         if lang not in cfg.languages

@@ -11,7 +11,7 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
-from data_pipeline.document_step import Verdicts, text_bytes, write_split
+from data_pipeline.document_step import Verdicts, map_documents, text_bytes, write_split
 from data_pipeline.shard_io import read_documents, shard_file, table_of
 from data_pipeline.stage import Stage, Step
 from dsl_lit.config.errors import ConfigError
@@ -60,11 +60,7 @@ def run_unit(ctx: Any, unit: int) -> dict[str, Any]:
     cfg: NormalizeConfig = ctx.config
     docs = read_documents(ctx.docs_dir / shard_file(unit))
     bytes_in = text_bytes(table_of(docs))
-    docs = docs.map(
-        lambda batch: {"text": [normalize_text(t, cfg) for t in batch["text"]]},
-        batched=True,
-        load_from_cache_file=False,
-    )
+    docs = map_documents(docs, lambda batch: {"text": [normalize_text(t, cfg) for t in batch["text"]]}, {})
     reasons = [None if t.strip() else "empty_after_normalize" for t in docs["text"]]
     return write_split(ctx, unit, docs, Verdicts(reasons), bytes_in)
 

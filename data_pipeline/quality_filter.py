@@ -11,7 +11,9 @@ import dataclasses as dc
 from dataclasses import dataclass
 from typing import Any
 
-from data_pipeline.document_step import Verdicts, text_bytes, write_split
+import pyarrow as pa
+
+from data_pipeline.document_step import Verdicts, map_documents, text_bytes, write_split
 from data_pipeline.filters.c4 import C4Config, c4
 from data_pipeline.filters.fineweb import FineWebConfig, fineweb
 from data_pipeline.filters.gopher_quality import GopherQualityConfig, gopher_quality
@@ -61,7 +63,7 @@ class _Judge:
 def run_unit(ctx: Any, unit: int) -> dict[str, Any]:
     docs = read_documents(ctx.docs_dir / shard_file(unit))
     bytes_in = text_bytes(table_of(docs))
-    docs = docs.map(_Judge(ctx.config), batched=True, load_from_cache_file=False)
+    docs = map_documents(docs, _Judge(ctx.config), {"_reason": pa.string()})
     reasons = docs["_reason"]
     return write_split(ctx, unit, docs.remove_columns("_reason"), Verdicts(list(reasons)), bytes_in)
 

@@ -323,3 +323,51 @@ def test_a_new_stage_is_a_class_and_a_registry_entry(tmp_path: Path, monkeypatch
         ("d0", "drop_short"),
         ("d2", "drop_short"),
     ]
+
+
+ENGLISH = (
+    "river stone light house garden morning winter music letter window people mountain bread story "
+    "friend evening road table summer water forest village teacher market country family"
+).split()
+
+
+def _english_doc(i: int) -> str:
+    """Eight sentences of common English words: kept by every default filter, the language one included."""
+    rng = np.random.default_rng(i)
+    return " ".join(
+        f"The {' '.join(rng.choice(ENGLISH, size=8))} and the {rng.choice(ENGLISH)}." for _ in range(8)
+    )
+
+
+def test_every_stage_accepts_empty_shards(tmp_path: Path) -> None:
+    """b.jsonl repeats a.jsonl under new ids (exact dedup empties its shard) and c.jsonl holds only
+    malformed lines (ingest leaves nothing): every later stage, remix and the tokenizer stages
+    included, runs on the empty shards, and the same command runs again."""
+    corpus = tmp_path / "in"
+    corpus.mkdir()
+    texts = [_english_doc(i) for i in range(6)]
+    for name, prefix in (("a.jsonl", "a"), ("b.jsonl", "b")):
+        lines = [json.dumps({"id": f"{prefix}{i}", "text": t}) for i, t in enumerate(texts)]
+        (corpus / name).write_text("\n".join(lines) + "\n")
+    (corpus / "c.jsonl").write_text('{"id": "c0", "text": \n[1, 2]\n{"id": "c2"}\n')
+    stages = [*STAGES, "language_filter", "remix", "train_tokenizer", "tokenize_pack"]
+    overrides = {
+        "stages": stages,
+        "near_dedup": {"save_index": True},
+        "remix": {"targets": {"a": 1.0}},
+        "tokenizer": {"vocab_size": 300, "padded_vocab_size": None, "max_bytes": None},
+    }
+    stats = run_pipeline(corpus, tmp_path / "out", **overrides)
+    assert stats is not None
+    assert stats["stages"]["ingest"]["removed"] == {"bad_json": 1, "missing_text": 1, "not_an_object": 1}
+    assert stats["stages"]["exact_dedup"]["removed"] == {"exact_duplicate": 6}
+    kept = [pq.read_table(p) for p in sorted((tmp_path / "out" / "kept").glob("*.parquet"))]
+    assert [t.num_rows for t in kept] == [6, 0, 0]
+    assert all(t.schema.equals(kept[0].schema) for t in kept)  # one schema, language columns included
+    assert (
+        stats["output"]["documents"] == 6
+        and stats["stages"]["tokenize_pack"]["details"]["tokenize_pack.merge"]["documents"] == 6
+    )
+    before = output_bytes(tmp_path / "out")
+    assert run_pipeline(corpus, tmp_path / "out", **overrides) is not None
+    assert output_bytes(tmp_path / "out") == before
