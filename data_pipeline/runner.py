@@ -23,6 +23,7 @@ import datasets
 
 from data_pipeline.config import PipelineConfig
 from data_pipeline.ingest import input_listing, plan_units
+from data_pipeline.output_dir import claim_output_dir
 from data_pipeline.shard_io import marker_path, write_json
 from data_pipeline.stage import Step
 from dsl_lit.config.errors import ConfigError
@@ -133,6 +134,9 @@ def run(cfg: PipelineConfig) -> dict[str, Any] | None:
     names = [p.step.name for p in planned]
     if cfg.step is not None and cfg.step not in names:
         raise ConfigError(f"step={cfg.step!r} is not a step of this run; its steps are {names}")
+    units = planned[0].context.input_units
+    input_root = None if Path(cfg.input.path).is_file() else Path(units[0]["root"])
+    claim_output_dir(cfg.output_dir, input_root)
     # spawn, not fork: a forked child inherits thread pools (tokenizers, BLAS) mid-state
     pool = None
     if cfg.num_proc > 1:

@@ -371,3 +371,56 @@ def test_every_stage_accepts_empty_shards(tmp_path: Path) -> None:
     before = output_bytes(tmp_path / "out")
     assert run_pipeline(corpus, tmp_path / "out", **overrides) is not None
     assert output_bytes(tmp_path / "out") == before
+
+
+# -- output_dir belongs to the pipeline -------------------------------------------------------------
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+
+
+def test_an_unrelated_output_dir_is_refused_and_left_as_it_was(messy_input: Path, tmp_path: Path) -> None:
+    out = tmp_path / "mine"
+    mine = {
+        "kept/important.parquet": b"PAR1 not ours",
+        "removed/x.txt": b"keep me",
+        "stats.json": b"{}",
+        "shards/shard-00000.bin": b"\x00\x01",
+        "tokenizer/tokenizer.json": b"{}",
+    }
+    for rel, data in mine.items():
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_bytes(data)
+    with pytest.raises(
+        ConfigError, match=r"output_dir=.*mine is not empty and holds no \.data_pipeline\.json"
+    ):
+        run_pipeline(messy_input, out)
+    assert _files(out) == mine
+    cli = subprocess.run(
+        [sys.executable, "-m", "data_pipeline", f"input.path={messy_input}", f"output_dir={out}"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert cli.returncode == 2 and "output_dir=" in cli.stdout + cli.stderr
+    assert {k: v for k, v in _files(out).items() if not k.startswith("logs/")} == mine  # Hydra's log only
+
+
+def test_output_dir_inside_the_input_is_refused(messy_input: Path) -> None:
+    with pytest.raises(ConfigError, match=r"output_dir=.*/out lies inside the input"):
+        run_pipeline(messy_input, messy_input / "txt" / "out")
+    assert not (messy_input / "txt" / "out").exists()
+
+
+def test_an_empty_or_marked_output_dir_is_the_pipelines(tmp_path: Path) -> None:
+    corpus = tmp_path / "in"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_text(json.dumps({"id": "a", "text": _doc(0)}) + "\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    assert run_pipeline(corpus, out, stages=["normalize"]) is not None  # empty: claimed
+    assert (out / ".data_pipeline.json").is_file()
+    (out / "stats.json").unlink()
+    assert run_pipeline(corpus, out, stages=["normalize"]) is not None  # marked: the pipeline's own
+    (out / ".data_pipeline.json").unlink()  # as written before the marker existed: work/ of step dirs
+    assert run_pipeline(corpus, out, stages=["normalize"]) is not None
+    assert (out / ".data_pipeline.json").is_file()
