@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -424,3 +425,33 @@ def test_an_empty_or_marked_output_dir_is_the_pipelines(tmp_path: Path) -> None:
     (out / ".data_pipeline.json").unlink()  # as written before the marker existed: work/ of step dirs
     assert run_pipeline(corpus, out, stages=["normalize"]) is not None
     assert (out / ".data_pipeline.json").is_file()
+
+
+def test_an_edit_keeping_size_and_mtime_is_not_taken_for_finished_work(tmp_path: Path) -> None:
+    """Inputs within input.fingerprint_bytes are identified by content; beyond it (here 0) only by
+    size and mtime, which such an edit keeps (the documented trade-off)."""
+    corpus = tmp_path / "in"
+    corpus.mkdir()
+    path = corpus / "a.jsonl"
+    path.write_text(json.dumps({"id": "a", "text": "The first version of the page."}) + "\n")
+
+    def edit_keeping_size_and_mtime(old: str, new: str) -> None:
+        st = path.stat()
+        path.write_text(path.read_text().replace(old, new))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+
+    def kept_text(out: Path, **input_cfg) -> str:
+        run(
+            load_config(
+                {"input": {"path": str(corpus), **input_cfg}, "output_dir": str(out), "stages": ["normalize"]}
+            )
+        )
+        return rows(out / "kept")[0]["text"]
+
+    assert kept_text(tmp_path / "out") == "The first version of the page."
+    edit_keeping_size_and_mtime("first", "FIRST")
+    assert kept_text(tmp_path / "out") == "The FIRST version of the page."
+    assert kept_text(tmp_path / "by_stat", fingerprint_bytes=0) == "The FIRST version of the page."
+    edit_keeping_size_and_mtime("FIRST", "final")
+    assert kept_text(tmp_path / "by_stat", fingerprint_bytes=0) == "The FIRST version of the page."
