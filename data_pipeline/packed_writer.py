@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
@@ -16,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from data_pipeline.shard_io import make_temp_dir
 from dsl_lit.data.format import FORMAT_VERSION, META_FILE, index_name, shard_name, token_dtype
 from dsl_lit.utils.fs import publish_dir
 
@@ -53,11 +53,7 @@ class PackedShardWriter:
         self._file: Any = None
         self._ends: list[int] = []  # document ends within the open shard
         self._closed = False
-        self.output_dir.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp_dir = Path(
-            tempfile.mkdtemp(dir=self.output_dir.parent, prefix=f".{self.output_dir.name}.tmp-")
-        )
-        self._tmp_dir.chmod(0o755)  # mkdtemp makes it private; the published directory should not be
+        self._tmp_dir = make_temp_dir(self.output_dir)  # published by rename in close()
 
     @property
     def num_tokens(self) -> int:

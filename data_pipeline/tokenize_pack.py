@@ -14,8 +14,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -27,7 +25,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from data_pipeline.packed_writer import PackedShardWriter
-from data_pipeline.shard_io import link_or_copy, read_documents, shard_file
+from data_pipeline.shard_io import building_dir, link_or_copy, read_documents, shard_file
 from data_pipeline.stage import Stage, Step
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.data.format import (
@@ -39,7 +37,6 @@ from dsl_lit.data.format import (
     index_name,
     shard_name,
 )
-from dsl_lit.utils.fs import publish_dir
 
 log = logging.getLogger(__name__)
 
@@ -187,10 +184,7 @@ def pack_unit(ctx: Any, unit: int) -> dict[str, Any]:
 def merge_unit(ctx: Any, unit: int) -> dict[str, Any]:
     """Link every part's shard files into ``output_dir/shards`` as one packed dataset."""
     part_dir = ctx.dirs["tokenize_pack"]
-    out = ctx.output_dir / SHARDS_DIR
-    tmp = Path(tempfile.mkdtemp(dir=ctx.output_dir, prefix=f".{SHARDS_DIR}.tmp-"))
-    try:
-        tmp.chmod(0o755)
+    with building_dir(ctx.output_dir / SHARDS_DIR) as tmp:
         merged: dict[str, Any] | None = None
         shards: list[dict[str, Any]] = []
         for s in range(ctx.num_shards):
@@ -210,10 +204,6 @@ def merge_unit(ctx: Any, unit: int) -> dict[str, Any]:
         merged["corpus"] = ctx.corpus  # what the data module checks its data.corpus_dir against
         merged["stages"] = ctx.cfg.stages
         (tmp / META_FILE).write_text(json.dumps(merged, indent=2) + "\n", encoding="utf-8")
-        publish_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"documents": merged["num_documents"], "tokens": merged["num_tokens"], "shards": len(shards)}
 
 

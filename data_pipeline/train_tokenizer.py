@@ -15,8 +15,6 @@ import hashlib
 import heapq
 import json
 import logging
-import shutil
-import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -26,11 +24,10 @@ from typing import Any
 import pyarrow.parquet as pq
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from data_pipeline.shard_io import shard_file
+from data_pipeline.shard_io import building_dir, shard_file
 from data_pipeline.stage import Stage, Step
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.data.format import DEEPSEEK_SPECIAL_TOKENS, META_FILE, TOKENIZER_DIR, TOKENIZER_FILE
-from dsl_lit.utils.fs import publish_dir
 
 log = logging.getLogger(__name__)
 
@@ -167,9 +164,7 @@ def train_tokenizer(
         log.warning("corpus too small: trained %d of %d requested tokens", meta["vocab_size"], vocab_size)
     config, special_map = _hf_configs(list(special_tokens))
 
-    tmp_dir = Path(tempfile.mkdtemp(dir=output_dir.parent, prefix=f".{output_dir.name}.tmp-"))
-    try:
-        tmp_dir.chmod(0o755)  # mkdtemp makes it private; the published directory should not be
+    with building_dir(output_dir) as tmp_dir:
         tokenizer.save(str(tmp_dir / TOKENIZER_FILE))
         for name, obj in (
             ("tokenizer_config.json", config),
@@ -179,10 +174,6 @@ def train_tokenizer(
             (tmp_dir / name).write_text(
                 json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
             )
-        publish_dir(tmp_dir, output_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
     log.info(
         "tokenizer: %d tokens (embedding %d) -> %s", meta["vocab_size"], meta["padded_vocab_size"], output_dir
     )

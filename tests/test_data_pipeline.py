@@ -455,3 +455,35 @@ def test_an_edit_keeping_size_and_mtime_is_not_taken_for_finished_work(tmp_path:
     assert kept_text(tmp_path / "by_stat", fingerprint_bytes=0) == "The FIRST version of the page."
     edit_keeping_size_and_mtime("FIRST", "final")
     assert kept_text(tmp_path / "by_stat", fingerprint_bytes=0) == "The FIRST version of the page."
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_written_files_follow_the_umask(tmp_path: Path, umask: int) -> None:
+    """kept/, removed/, stats.json, the tokenizer, the shards, the index and the work files get
+    0o666 & ~umask (directories 0o777 & ~umask), not a temporary file's private 0o600."""
+    corpus = tmp_path / "in"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_text(
+        "".join(json.dumps({"id": f"a{i}", "text": _english_doc(i)}) + "\n" for i in range(3))
+    )
+    previous = os.umask(umask)
+    try:
+        stats = run_pipeline(
+            corpus,
+            tmp_path / "out",
+            stages=["normalize", "near_dedup", "train_tokenizer", "tokenize_pack"],
+            near_dedup={"save_index": True},
+            tokenizer={"vocab_size": 300, "padded_vocab_size": None, "max_bytes": None},
+        )
+    finally:
+        os.umask(previous)
+    assert stats is not None
+    paths = list((tmp_path / "out").rglob("*"))
+    wrong = {
+        str(p.relative_to(tmp_path / "out")): oct(p.stat().st_mode & 0o777)
+        for p in paths
+        if p.stat().st_mode & 0o777 != (0o777 if p.is_dir() else 0o666) & ~umask
+    }
+    assert wrong == {}
+    names = {p.relative_to(tmp_path / "out").as_posix() for p in paths}
+    assert {"stats.json", "kept/shard-00000.parquet", "tokenizer/tokenizer.json", "shards/meta.json"} <= names
