@@ -29,6 +29,7 @@ from dsl_lit.data.corpus import CONTENT_BUDGET_BYTES, DOCUMENT_SUFFIXES, documen
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz")
 SUFFIXES = DOCUMENT_SUFFIXES  # JSON lines, .txt, .parquet
+KEPT_CHARS = 10_000  # of a set-aside record too large or not text: enough to recognise it
 
 
 @dataclass
@@ -42,6 +43,10 @@ class InputConfig:
     metadata_fields: list[str] = dc.field(default_factory=list)  # other fields kept as string columns
     files_per_shard: int = 1000  # .txt inputs: documents (files) per shard
     rows_per_shard: int = 100_000  # a saved dataset is cut into shards of this many rows
+    max_doc_bytes: int = 10_000_000
+    """A larger record (a JSON line, a .txt file, a row's text) is set aside as ``too_large`` (its
+    first characters kept in removed/): one huge document would otherwise cost ~100x its size in the
+    dedup, filter and tokenizer stages."""
     fingerprint_bytes: int = CONTENT_BUDGET_BYTES
     """Inputs up to this many bytes in total are identified by content (xxh3 of every file), larger
     ones by file sizes and modification times (dsl_lit.data.corpus); 0: always by size and mtime."""
@@ -52,6 +57,8 @@ class InputConfig:
         for name in ("files_per_shard", "rows_per_shard"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"input.{name}={getattr(self, name)} must be a positive integer")
+        if self.max_doc_bytes <= 0:
+            raise ConfigError(f"input.max_doc_bytes={self.max_doc_bytes} must be a positive number of bytes")
         if self.fingerprint_bytes < 0:
             raise ConfigError(f"input.fingerprint_bytes={self.fingerprint_bytes} must be >= 0")
         return self
@@ -141,8 +148,11 @@ class _Collector:
             value = record.get(name)
             self.rows[name].append(value if value is None or isinstance(value, str) else json.dumps(value))
         if not isinstance(text, str):
-            self.rows["text"].append(None if text is None else json.dumps(text)[:10_000])
+            self.rows["text"].append(None if text is None else json.dumps(text)[:KEPT_CHARS])
             self.reasons.append("missing_text")
+        elif len(text) * 4 > self.cfg.max_doc_bytes and len(text.encode("utf-8")) > self.cfg.max_doc_bytes:
+            self.rows["text"].append(text[:KEPT_CHARS])
+            self.reasons.append("too_large")
         else:
             self.rows["text"].append(text)
             self.reasons.append(None if text.strip() else "empty_text")
@@ -151,14 +161,29 @@ class _Collector:
         self.add({self.cfg.text_field: raw}, doc_id, source)
         self.reasons[-1] = reason
 
+    def too_large(self, doc_id: str, source: str, head: bytes) -> None:
+        self.bad(doc_id, source, "too_large", head.decode("utf-8", errors="replace")[:KEPT_CHARS])
 
-def _json_lines(path: Path) -> Iterator[tuple[int, bytes | None]]:
-    """(line number, raw bytes) of a possibly gzipped file; (n, None) when the file breaks off."""
+
+class _Oversized(bytes):
+    """The first bytes of a line longer than ``input.max_doc_bytes`` (the rest was skipped unread)."""
+
+
+def _json_lines(path: Path, max_bytes: int) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, raw bytes) of a possibly gzipped file; (n, None) when the file breaks off.
+
+    A line over ``max_bytes`` comes as an ``_Oversized`` head: memory stays bounded by ``max_bytes``.
+    """
     opener = gzip.open if path.name.endswith(".gz") else open
     line_no = 0
     try:
         with opener(path, "rb") as f:
-            for line_no, raw in enumerate(f, 1):  # noqa: B007 (kept for the error record)
+            while raw := f.readline(max_bytes + 1):
+                line_no += 1
+                if len(raw) > max_bytes and not raw.endswith(b"\n"):
+                    while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
+                        pass
+                    raw = _Oversized(raw[: 4 * KEPT_CHARS])
                 yield line_no, raw
     except (EOFError, OSError, zlib.error):
         yield line_no + 1, None
@@ -166,11 +191,14 @@ def _json_lines(path: Path) -> Iterator[tuple[int, bytes | None]]:
 
 def _read_jsonl(root: Path, rel: str, out: _Collector) -> None:
     source = _stem(rel)
-    for line_no, raw in _json_lines(root / rel):
+    for line_no, raw in _json_lines(root / rel, out.cfg.max_doc_bytes):
         where = f"{rel}:{line_no}"
         if raw is None:
             out.bad(where, source, "truncated_file", None)
             return
+        if isinstance(raw, _Oversized):
+            out.too_large(where, source, raw)
+            continue
         if not raw.strip():
             out.blank_lines += 1
             continue
@@ -191,9 +219,13 @@ def _read_jsonl(root: Path, rel: str, out: _Collector) -> None:
 
 
 def _read_txt(root: Path, rel: str, out: _Collector) -> None:
-    raw = (root / rel).read_bytes()
     parts = Path(rel).parts
     source = parts[0] if len(parts) > 1 else root.name
+    if (root / rel).stat().st_size > out.cfg.max_doc_bytes:
+        with open(root / rel, "rb") as f:
+            out.too_large(rel, source, f.read(4 * KEPT_CHARS))
+        return
+    raw = (root / rel).read_bytes()
     try:
         out.add({out.cfg.text_field: raw.decode("utf-8")}, rel, source)
     except UnicodeDecodeError:

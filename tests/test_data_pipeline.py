@@ -487,3 +487,24 @@ def test_written_files_follow_the_umask(tmp_path: Path, umask: int) -> None:
     assert wrong == {}
     names = {p.relative_to(tmp_path / "out").as_posix() for p in paths}
     assert {"stats.json", "kept/shard-00000.parquet", "tokenizer/tokenizer.json", "shards/meta.json"} <= names
+
+
+def test_documents_over_max_doc_bytes_are_set_aside_as_too_large(tmp_path: Path) -> None:
+    corpus = tmp_path / "in"
+    corpus.mkdir()
+    big = "word " * 4000  # 20,000 bytes, over the 4,000 allowed
+    lines = [{"id": "a1", "text": _doc(1)}, {"id": "huge", "text": big}, {"id": "a3", "text": _doc(3)}]
+    (corpus / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    (corpus / "b.txt").write_text(big)
+    pq.write_table(pa.table({"id": ["p0", "p1"], "text": [_doc(5), big]}), corpus / "c.parquet")
+    stats = run_pipeline(
+        corpus, tmp_path / "out", stages=["normalize"], input={"path": str(corpus), "max_doc_bytes": 4000}
+    )
+    assert stats is not None and stats["stages"]["ingest"]["removed"] == {"too_large": 3}
+    assert sorted(r["id"] for r in rows(tmp_path / "out" / "kept")) == ["a1", "a3", "p0"]
+    removed = {r["id"]: r for r in rows(tmp_path / "out" / "removed")}
+    assert set(removed) == {"a.jsonl:2", "b.txt", "p1"}  # the line is never parsed: its place is its id
+    assert all(r["reason"] == "too_large" and "word word word" in r["text"] for r in removed.values())
+    assert [len(removed[i]["text"]) for i in ("b.txt", "p1")] == [10_000, 10_000]  # the head is kept
+    with pytest.raises(ConfigError, match=r"input\.max_doc_bytes=0"):
+        load_config({"input": {"path": "x", "max_doc_bytes": 0}, "output_dir": "y"})
