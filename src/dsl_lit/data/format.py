@@ -18,8 +18,9 @@ Shards roll at document boundaries (a shard exceeds its token budget only to hol
 document), so each shard's index describes whole documents. ``shards/meta.json`` holds
 ``format_version``, ``dtype``, ``num_tokens``, ``num_documents``, ``num_empty_skipped``, ``shards``
 (``file``, ``num_tokens``, ``num_documents`` each), ``eos_id``, ``vocab_size``,
-``padded_vocab_size``, ``tokenizer_sha256`` (of the tokenizer.json it was encoded with) and
-``corpus`` (which input it was built from: ``dsl_lit.data.corpus.corpus_record``).
+``padded_vocab_size``, ``tokenizer_sha256`` (of the tokenizer.json it was encoded with),
+``corpus`` (the input it was built from: ``dsl_lit.data.corpus.corpus_record``) and ``stages`` (the
+pipeline stages that produced it).
 """
 
 from __future__ import annotations
