@@ -32,15 +32,15 @@ def main(hydra_cfg: DictConfig) -> None:
     values = OmegaConf.to_container(hydra_cfg, resolve=True)
     try:
         cfg = load_config(values)
-    except ConfigError as e:
+        if values.get("plan"):
+            for p in plan(cfg):
+                done = p.num_units - len(missing_units(p))
+                print(f"{p.step.name:24s} units={p.num_units:<6d} done={done:<6d} {p.context.step_dir}")
+            return
+        stats = run(cfg)
+    except ConfigError as e:  # refused before any work: the input, the output directory, a setting
         log.error("config error: %s", e)
         sys.exit(2)
-    if values.get("plan"):
-        for p in plan(cfg):
-            done = p.num_units - len(missing_units(p))
-            print(f"{p.step.name:24s} units={p.num_units:<6d} done={done:<6d} {p.context.step_dir}")
-        return
-    stats = run(cfg)
     if stats is None:
         log.info(
             "step %s done for task %d of %d; later steps still to run",

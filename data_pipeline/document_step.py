@@ -9,6 +9,7 @@ removed" accounting identical everywhere.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,22 @@ def _with_copies(kept: pa.Table, copies: np.ndarray) -> pa.Table:
     ids = [i if c == 0 else f"{i}#{c}" for i, c in zip(out.column("id").to_pylist(), copy.tolist())]
     out = out.set_column(out.schema.get_field_index("id"), "id", pa.array(ids, pa.string()))
     return out.append_column("remix_copy", pa.array(copy, pa.int32()))
+
+
+def map_documents(
+    docs: datasets.Dataset,
+    fn: Callable[[dict[str, list[Any]]], dict[str, list[Any]]],
+    adds: dict[str, pa.DataType],
+) -> datasets.Dataset:
+    """``docs.map(fn, batched=True)`` in memory. ``map`` never calls ``fn`` on an empty shard (a stage
+    before may have removed every document), so there the columns ``fn`` adds are added empty,
+    with their types: every shard of a step has the same columns."""
+    if docs.num_rows:
+        return docs.map(fn, batched=True, load_from_cache_file=False)
+    table = table_of(docs)
+    for name, kind in adds.items():
+        table = table.append_column(pa.field(name, kind), pa.array([], kind))
+    return datasets.Dataset(table)
 
 
 def text_bytes(table: pa.Table) -> int:

@@ -9,6 +9,7 @@ no two equal texts, so a second pass removes nothing.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,9 +18,21 @@ import pyarrow.parquet as pq
 from data_pipeline.dedup_apply import mark_duplicates
 from data_pipeline.doc_keys import column_of_keys, make_keys, shard_of
 from data_pipeline.shard_io import shard_file, write_npy
+from data_pipeline.stage import Stage, Step
+from dsl_lit.config.errors import ConfigError
 
 HASH_DTYPE = np.dtype([("h0", "<u8"), ("h1", "<u8"), ("key", "<i8")])
 DUP_DTYPE = np.dtype([("key", "<i8"), ("first", "<i8")])
+
+
+@dataclass
+class ExactDedupConfig:
+    partitions: int = 16  # hash-range partitions resolved in parallel (units of the resolve step)
+
+    def validate(self) -> ExactDedupConfig:
+        if not 1 <= self.partitions <= 4096:
+            raise ConfigError(f"exact_dedup.partitions={self.partitions} must lie in [1, 4096]")
+        return self
 
 
 def text_digests(texts: list[str]) -> np.ndarray:
@@ -33,9 +46,9 @@ def hash_unit(ctx: Any, unit: int) -> dict[str, Any]:
     digests = text_digests(texts)
     records = np.empty(len(texts), dtype=HASH_DTYPE)
     records["h0"], records["h1"], records["key"] = digests[:, 0], digests[:, 1], make_keys(unit, len(texts))
-    partition = records["h0"] % np.uint64(ctx.cfg.exact_dedup.partitions)
+    partition = records["h0"] % np.uint64(ctx.config.partitions)
     order = np.argsort(partition, kind="stable")
-    offsets = np.searchsorted(partition[order], np.arange(ctx.cfg.exact_dedup.partitions + 1))
+    offsets = np.searchsorted(partition[order], np.arange(ctx.config.partitions + 1))
     write_npy(records[order], ctx.step_dir / f"hashes-{unit:05d}.npy")
     write_npy(offsets.astype(np.int64), ctx.step_dir / f"offsets-{unit:05d}.npy")
     return {"documents": len(texts)}
@@ -63,9 +76,21 @@ def resolve_unit(ctx: Any, unit: int) -> dict[str, Any]:
 def apply_unit(ctx: Any, unit: int) -> dict[str, Any]:
     resolve_dir = ctx.dirs["exact_dedup.resolve"]
     found = []
-    for p in range(ctx.cfg.exact_dedup.partitions):
+    for p in range(ctx.config.partitions):
         dups = np.load(resolve_dir / f"dups-{p:05d}.npy")
         found.append(dups[shard_of(dups["key"]) == unit])
     dups = np.concatenate(found)
     originals = column_of_keys(ctx.docs_dir, dups["first"])
     return mark_duplicates(ctx, unit, dups["key"], ["exact_duplicate"] * dups.size, originals)
+
+
+class ExactDedup(Stage):
+    name = "exact_dedup"
+    Config = ExactDedupConfig
+
+    def steps(self) -> list[Step]:
+        return [
+            self.step(hash_unit, "hash"),
+            self.step(resolve_unit, "resolve", units=self.config.partitions),
+            self.step(apply_unit, writes_documents=True),
+        ]

@@ -6,27 +6,19 @@ run, even when an older run with other settings left its work directories behind
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 
-from data_pipeline.shard_io import link_or_copy, removed_file, shard_file
-from dsl_lit.utils.fs import publish_dir
+from data_pipeline.shard_io import building_dir, link_or_copy, removed_file, shard_file
+from data_pipeline.stage import Stage, Step
 
 
 def _publish(ctx: Any, name: str, files: list[tuple[Path, str]]) -> None:
-    tmp = Path(tempfile.mkdtemp(dir=ctx.output_dir, prefix=f".{name}.tmp-"))
-    try:
-        tmp.chmod(0o755)
+    with building_dir(ctx.output_dir / name) as tmp:
         for src, dst in files:
             link_or_copy(src, tmp / dst)
-        publish_dir(tmp, ctx.output_dir / name)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def run_unit(ctx: Any, unit: int) -> dict[str, Any]:
@@ -41,3 +33,16 @@ def run_unit(ctx: Any, unit: int) -> dict[str, Any]:
     _publish(ctx, "kept", kept)
     _publish(ctx, "removed", removed)
     return {"kept_files": len(kept), "removed_files": len(removed)}
+
+
+class Finalize(Stage):
+    """Always runs after the document stages (not listed in ``stages``); it has no settings."""
+
+    name = "finalize"
+    Config = type(None)
+
+    def settings(self) -> None:
+        return None
+
+    def steps(self) -> list[Step]:
+        return [self.step(run_unit, units=1)]

@@ -8,11 +8,13 @@ the shard layout depends only on the input listing and the config.
 
 from __future__ import annotations
 
+import dataclasses as dc
 import glob
 import gzip
 import json
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +22,46 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from data_pipeline.config import InputConfig
 from data_pipeline.document_step import Verdicts, write_split
+from data_pipeline.stage import Stage, Step
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.data.corpus import CONTENT_BUDGET_BYTES, DOCUMENT_SUFFIXES, document_files, file_listing
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz")
-SUFFIXES = (*JSONL_SUFFIXES, ".txt", ".parquet")
+SUFFIXES = DOCUMENT_SUFFIXES  # JSON lines, .txt, .parquet
+KEPT_CHARS = 10_000  # of a set-aside record too large or not text: enough to recognise it
+
+
+@dataclass
+class InputConfig:
+    path: str = (
+        ""  # a directory (of .txt/.jsonl/.jsonl.gz/.parquet files), a glob, a file, or a saved dataset
+    )
+    text_field: str = "text"
+    id_field: str = "id"  # documents without one get "<file>:<line>" (or "<file>:<row>")
+    source_field: str = "source"  # copied to the `source` column; defaults to the file's name
+    metadata_fields: list[str] = dc.field(default_factory=list)  # other fields kept as string columns
+    files_per_shard: int = 1000  # .txt inputs: documents (files) per shard
+    rows_per_shard: int = 100_000  # a saved dataset is cut into shards of this many rows
+    max_doc_bytes: int = 10_000_000
+    """A larger record (a JSON line, a .txt file, a row's text) is set aside as ``too_large`` (its
+    first characters kept in removed/): one huge document would otherwise cost ~100x its size in the
+    dedup, filter and tokenizer stages."""
+    fingerprint_bytes: int = CONTENT_BUDGET_BYTES
+    """Inputs up to this many bytes in total are identified by content (xxh3 of every file), larger
+    ones by file sizes and modification times (dsl_lit.data.corpus); 0: always by size and mtime."""
+
+    def validate(self) -> InputConfig:
+        if not self.path:
+            raise ConfigError("input.path is empty: pass input.path=<dir|glob|file|saved dataset>")
+        for name in ("files_per_shard", "rows_per_shard"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"input.{name}={getattr(self, name)} must be a positive integer")
+        if self.max_doc_bytes <= 0:
+            raise ConfigError(f"input.max_doc_bytes={self.max_doc_bytes} must be a positive number of bytes")
+        if self.fingerprint_bytes < 0:
+            raise ConfigError(f"input.fingerprint_bytes={self.fingerprint_bytes} must be >= 0")
+        return self
 
 
 def _kind(path: Path) -> str:
@@ -49,7 +86,7 @@ def plan_units(cfg: InputConfig) -> list[dict[str, Any]]:
         ]
     if path.is_dir():
         root = path
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(SUFFIXES))
+        files = sorted(path / rel for rel in document_files(path))
     elif path.is_file():
         root, files = path.parent, [path]
     else:  # a glob: paths are relative to the directory before the first wildcard
@@ -59,9 +96,7 @@ def plan_units(cfg: InputConfig) -> list[dict[str, Any]]:
         files = sorted(Path(p) for p in glob.glob(cfg.path, recursive=True) if Path(p).is_file())
     files = [f for f in files if f.name.endswith(SUFFIXES)]
     if not files:
-        raise FileNotFoundError(
-            f"input.path={cfg.path}: no {', '.join(SUFFIXES)} files or saved dataset there"
-        )
+        raise ConfigError(f"input.path={cfg.path}: no {', '.join(SUFFIXES)} files or saved dataset there")
     units: list[dict[str, Any]] = []
     txt: list[str] = []
     for f in files:
@@ -73,6 +108,17 @@ def plan_units(cfg: InputConfig) -> list[dict[str, Any]]:
     for i in range(0, len(txt), cfg.files_per_shard):
         units.append({"kind": "txt", "root": str(root), "files": txt[i : i + cfg.files_per_shard]})
     return units
+
+
+def input_listing(cfg: InputConfig, units: list[dict[str, Any]]) -> list[Any]:
+    """What identifies the input: every file (by content within ``input.fingerprint_bytes``), in
+    sorted order, and a saved dataset's row ranges. For a directory this is
+    ``dsl_lit.data.corpus.file_listing`` of its ``document_files``, as the data module computes it."""
+    root = Path(units[0]["root"])
+    if units[0]["kind"] == "saved":
+        files = sorted(p.name for p in root.iterdir() if p.is_file())
+        return [*file_listing(root, files, cfg.fingerprint_bytes), [[u["start"], u["stop"]] for u in units]]
+    return file_listing(root, sorted(rel for u in units for rel in u["files"]), cfg.fingerprint_bytes)
 
 
 def _stem(rel: str) -> str:
@@ -102,8 +148,11 @@ class _Collector:
             value = record.get(name)
             self.rows[name].append(value if value is None or isinstance(value, str) else json.dumps(value))
         if not isinstance(text, str):
-            self.rows["text"].append(None if text is None else json.dumps(text)[:10_000])
+            self.rows["text"].append(None if text is None else json.dumps(text)[:KEPT_CHARS])
             self.reasons.append("missing_text")
+        elif len(text) * 4 > self.cfg.max_doc_bytes and len(text.encode("utf-8")) > self.cfg.max_doc_bytes:
+            self.rows["text"].append(text[:KEPT_CHARS])
+            self.reasons.append("too_large")
         else:
             self.rows["text"].append(text)
             self.reasons.append(None if text.strip() else "empty_text")
@@ -112,14 +161,29 @@ class _Collector:
         self.add({self.cfg.text_field: raw}, doc_id, source)
         self.reasons[-1] = reason
 
+    def too_large(self, doc_id: str, source: str, head: bytes) -> None:
+        self.bad(doc_id, source, "too_large", head.decode("utf-8", errors="replace")[:KEPT_CHARS])
 
-def _json_lines(path: Path) -> Iterator[tuple[int, bytes | None]]:
-    """(line number, raw bytes) of a possibly gzipped file; (n, None) when the file breaks off."""
+
+class _Oversized(bytes):
+    """The first bytes of a line longer than ``input.max_doc_bytes`` (the rest was skipped unread)."""
+
+
+def _json_lines(path: Path, max_bytes: int) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, raw bytes) of a possibly gzipped file; (n, None) when the file breaks off.
+
+    A line over ``max_bytes`` comes as an ``_Oversized`` head: memory stays bounded by ``max_bytes``.
+    """
     opener = gzip.open if path.name.endswith(".gz") else open
     line_no = 0
     try:
         with opener(path, "rb") as f:
-            for line_no, raw in enumerate(f, 1):  # noqa: B007 (kept for the error record)
+            while raw := f.readline(max_bytes + 1):
+                line_no += 1
+                if len(raw) > max_bytes and not raw.endswith(b"\n"):
+                    while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
+                        pass
+                    raw = _Oversized(raw[: 4 * KEPT_CHARS])
                 yield line_no, raw
     except (EOFError, OSError, zlib.error):
         yield line_no + 1, None
@@ -127,11 +191,14 @@ def _json_lines(path: Path) -> Iterator[tuple[int, bytes | None]]:
 
 def _read_jsonl(root: Path, rel: str, out: _Collector) -> None:
     source = _stem(rel)
-    for line_no, raw in _json_lines(root / rel):
+    for line_no, raw in _json_lines(root / rel, out.cfg.max_doc_bytes):
         where = f"{rel}:{line_no}"
         if raw is None:
             out.bad(where, source, "truncated_file", None)
             return
+        if isinstance(raw, _Oversized):
+            out.too_large(where, source, raw)
+            continue
         if not raw.strip():
             out.blank_lines += 1
             continue
@@ -152,9 +219,13 @@ def _read_jsonl(root: Path, rel: str, out: _Collector) -> None:
 
 
 def _read_txt(root: Path, rel: str, out: _Collector) -> None:
-    raw = (root / rel).read_bytes()
     parts = Path(rel).parts
     source = parts[0] if len(parts) > 1 else root.name
+    if (root / rel).stat().st_size > out.cfg.max_doc_bytes:
+        with open(root / rel, "rb") as f:
+            out.too_large(rel, source, f.read(4 * KEPT_CHARS))
+        return
+    raw = (root / rel).read_bytes()
     try:
         out.add({out.cfg.text_field: raw.decode("utf-8")}, rel, source)
     except UnicodeDecodeError:
@@ -195,9 +266,23 @@ def read_unit(cfg: InputConfig, unit: dict[str, Any]) -> _Collector:
 
 
 def run_unit(ctx: Any, unit: int) -> dict[str, Any]:
-    collected = read_unit(ctx.cfg.input, ctx.input_units[unit])
+    collected = read_unit(ctx.config, ctx.input_units[unit])
     schema = pa.schema([(k, pa.string()) for k in collected.rows])
     table = pa.Table.from_pydict(collected.rows, schema=schema)
     stats = write_split(ctx, unit, datasets.Dataset(table), Verdicts(collected.reasons))
     stats["blank_lines"] = collected.blank_lines
     return stats
+
+
+class Ingest(Stage):
+    """Always the first stage (not listed in ``stages``): its settings, ``input``, fingerprint every step."""
+
+    name = "ingest"
+    Config = InputConfig
+    section = "input"
+
+    def settings(self) -> None:
+        return None
+
+    def steps(self) -> list[Step]:
+        return [self.step(run_unit, writes_documents=True)]

@@ -7,13 +7,31 @@ and ``language_score`` columns.
 
 from __future__ import annotations
 
+import dataclasses as dc
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from data_pipeline.document_step import Verdicts, write_split
+import pyarrow as pa
+
+from data_pipeline.document_step import Verdicts, map_documents, write_split
 from data_pipeline.shard_io import read_documents, shard_file
+from data_pipeline.stage import Stage, Step, check_fraction
+from dsl_lit.config.errors import ConfigError
 
 MAX_CHARS = 10_000  # the first 10k characters decide; enough for a stable answer on long pages
+
+
+@dataclass
+class LanguageFilterConfig:
+    languages: list[str] = dc.field(default_factory=lambda: ["en"])  # ISO 639-1 codes kept
+    min_score: float = 0.65  # the top language's probability must reach this
+
+    def validate(self) -> LanguageFilterConfig:
+        if not self.languages:
+            raise ConfigError("language_filter.languages is empty: list the codes to keep, e.g. [en]")
+        check_fraction("language_filter", "min_score", self.min_score)
+        return self
 
 
 @lru_cache(maxsize=1)
@@ -35,9 +53,9 @@ def _identify_batch(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
 
 
 def run_unit(ctx: Any, unit: int) -> dict[str, Any]:
-    cfg = ctx.cfg.language_filter
+    cfg: LanguageFilterConfig = ctx.config
     docs = read_documents(ctx.docs_dir / shard_file(unit))
-    docs = docs.map(_identify_batch, batched=True, load_from_cache_file=False)
+    docs = map_documents(docs, _identify_batch, {"language": pa.string(), "language_score": pa.float64()})
     reasons = [
         f"language:{lang}"
         if lang not in cfg.languages
@@ -45,3 +63,11 @@ def run_unit(ctx: Any, unit: int) -> dict[str, Any]:
         for lang, score in zip(docs["language"], docs["language_score"])
     ]
     return write_split(ctx, unit, docs, Verdicts(reasons))
+
+
+class LanguageFilter(Stage):
+    name = "language_filter"
+    Config = LanguageFilterConfig
+
+    def steps(self) -> list[Step]:
+        return [self.step(run_unit, writes_documents=True)]

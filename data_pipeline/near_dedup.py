@@ -9,6 +9,8 @@ its first document (earlier runs' indexed documents come before all of this run'
 
 from __future__ import annotations
 
+import dataclasses as dc
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -16,14 +18,52 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from data_pipeline.config import NearDedupConfig
 from data_pipeline.dedup_apply import mark_duplicates
 from data_pipeline.doc_keys import column_of_keys, make_keys, row_of
 from data_pipeline.lsh_bands import choose_bands
 from data_pipeline.minhash import EMPTY, MinHasher, band_hashes, jaccard_of_signatures, shingle_hashes
 from data_pipeline.near_dedup_index import INDEX_DIR, NearDedupIndex, index_meta, load_index, write_index
 from data_pipeline.shard_io import shard_file, write_npy, write_table
+from data_pipeline.stage import Stage, Step, check_fraction
 from data_pipeline.union_find import connected_components
+from dsl_lit.config.errors import ConfigError
+
+
+@dataclass
+class NearDedupConfig:
+    ngram: int = 5  # words per shingle
+    num_perm: int = 112  # MinHash values per document
+    scheme: str = "oph"  # oph (one-permutation + densification) | classic
+    seed: int = 1
+    threshold: float = 0.8  # Jaccard similarity from which a document is a near duplicate
+    min_recall: float = 0.95  # LSH candidate probability wanted at exactly `threshold` (picks bands x rows)
+    bands: int | None = None  # set both bands and rows to override the choice
+    rows: int | None = None
+    verify: str = "exact"  # exact (shingle sets) | signature (MinHash estimate) | none
+    batch_size: int = 2000  # documents hashed per numpy batch (memory ~ batch_size x words)
+    save_index: bool = False  # write output_dir/near_dedup_index for later runs to dedup against
+    against_indexes: list[str] = dc.field(default_factory=list)  # earlier runs' indexes
+
+    def validate(self) -> NearDedupConfig:
+        for name in ("ngram", "num_perm", "batch_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"near_dedup.{name}={getattr(self, name)} must be a positive integer")
+        if self.scheme not in ("oph", "classic"):
+            raise ConfigError(f"near_dedup.scheme={self.scheme!r} must be oph or classic")
+        if self.verify not in ("exact", "signature", "none"):
+            raise ConfigError(f"near_dedup.verify={self.verify!r} must be exact, signature or none")
+        if not 0.0 < self.threshold < 1.0:
+            raise ConfigError(f"near_dedup.threshold={self.threshold} must lie in (0, 1), e.g. 0.8")
+        check_fraction("near_dedup", "min_recall", self.min_recall)
+        if (self.bands is None) != (self.rows is None):
+            raise ConfigError("near_dedup.bands and near_dedup.rows go together: set both or neither")
+        if self.bands is not None and self.rows is not None:
+            if self.bands <= 0 or self.rows <= 0 or self.bands * self.rows > self.num_perm:
+                raise ConfigError(
+                    f"near_dedup.bands x near_dedup.rows = {self.bands} x {self.rows} must be positive and at "
+                    f"most near_dedup.num_perm={self.num_perm}"
+                )
+        return self
 
 
 def lsh_shape(cfg: NearDedupConfig) -> tuple[int, int]:
@@ -38,7 +78,7 @@ def _hasher(cfg: NearDedupConfig) -> MinHasher:
 
 
 def _indexes(ctx: Any) -> list[NearDedupIndex]:
-    cfg = ctx.cfg.near_dedup
+    cfg = ctx.config
     return [load_index(p, index_meta(cfg, *lsh_shape(cfg))) for p in cfg.against_indexes]
 
 
@@ -53,7 +93,7 @@ def _index_key_offsets(indexes: list[NearDedupIndex]) -> list[int]:
 
 
 def signatures_unit(ctx: Any, unit: int) -> dict[str, Any]:
-    cfg: NearDedupConfig = ctx.cfg.near_dedup
+    cfg: NearDedupConfig = ctx.config
     bands, rows = lsh_shape(cfg)
     hasher = _hasher(cfg)
     texts = pq.read_table(ctx.docs_dir / shard_file(unit), columns=["text"]).column("text").to_pylist()
@@ -94,7 +134,7 @@ def buckets_unit(ctx: Any, band: int) -> dict[str, Any]:
 
 def _shingle_sets(ctx: Any, keys: np.ndarray) -> dict[int, np.ndarray]:
     """Unique shingle hashes of this run's documents ``keys`` (texts read shard by shard)."""
-    cfg: NearDedupConfig = ctx.cfg.near_dedup
+    cfg: NearDedupConfig = ctx.config
     texts = column_of_keys(ctx.docs_dir, keys, column="text")
     out: dict[int, np.ndarray] = {}
     for start in range(0, keys.size, cfg.batch_size):
@@ -109,7 +149,7 @@ def _shingle_sets(ctx: Any, keys: np.ndarray) -> dict[int, np.ndarray]:
 
 def _signatures_of(ctx: Any, keys: np.ndarray, indexes: list[NearDedupIndex]) -> np.ndarray:
     sig_dir = ctx.dirs["near_dedup.signatures"]
-    out = np.empty((keys.size, ctx.cfg.near_dedup.num_perm), dtype=np.uint32)
+    out = np.empty((keys.size, ctx.config.num_perm), dtype=np.uint32)
     offsets = _index_key_offsets(indexes)
     maps: dict[int, np.ndarray] = {}
     for i, key in enumerate(keys.tolist()):  # candidates only: a small fraction of all documents
@@ -126,7 +166,7 @@ def _signatures_of(ctx: Any, keys: np.ndarray, indexes: list[NearDedupIndex]) ->
 
 def _similarities(ctx: Any, pairs: np.ndarray, indexes: list[NearDedupIndex]) -> np.ndarray:
     """Jaccard of each candidate pair: exact on shingle sets, or the MinHash estimate."""
-    cfg: NearDedupConfig = ctx.cfg.near_dedup
+    cfg: NearDedupConfig = ctx.config
     if cfg.verify == "none" or pairs.size == 0:
         return np.ones(pairs.shape[0])
     sims = np.empty(pairs.shape[0])
@@ -145,7 +185,7 @@ def _similarities(ctx: Any, pairs: np.ndarray, indexes: list[NearDedupIndex]) ->
 
 
 def cluster_unit(ctx: Any, unit: int) -> dict[str, Any]:
-    cfg: NearDedupConfig = ctx.cfg.near_dedup
+    cfg: NearDedupConfig = ctx.config
     bands, rows = lsh_shape(cfg)
     bucket_dir = ctx.dirs["near_dedup.buckets"]
     pairs = np.concatenate([np.load(bucket_dir / f"pairs-{b:05d}.npy") for b in range(bands)])
@@ -199,7 +239,7 @@ def apply_unit(ctx: Any, unit: int) -> dict[str, Any]:
 
 def save_index_unit(ctx: Any, unit: int) -> dict[str, Any]:
     """Signatures of the documents this run kept, published as ``output_dir/near_dedup_index``."""
-    cfg: NearDedupConfig = ctx.cfg.near_dedup
+    cfg: NearDedupConfig = ctx.config
     sig_dir = ctx.dirs["near_dedup.signatures"]
     sigs, bands, ids = [], [], []
     for shard in range(ctx.num_shards):  # ctx.docs_dir: the shards near_dedup kept, in input order
@@ -214,3 +254,19 @@ def save_index_unit(ctx: Any, unit: int) -> dict[str, Any]:
     index = NearDedupIndex(np.concatenate(sigs), np.concatenate(bands), ids)
     write_index(ctx.output_dir / INDEX_DIR, index, index_meta(cfg, *lsh_shape(cfg)))
     return {"documents": len(ids)}
+
+
+class NearDedup(Stage):
+    name = "near_dedup"
+    Config = NearDedupConfig
+
+    def steps(self) -> list[Step]:
+        steps = [
+            self.step(signatures_unit, "signatures"),
+            self.step(buckets_unit, "buckets", units=lsh_shape(self.config)[0]),
+            self.step(cluster_unit, "cluster", units=1),
+            self.step(apply_unit, writes_documents=True),
+        ]
+        if self.config.save_index:
+            steps.append(self.step(save_index_unit, "save_index", units=1))
+        return steps

@@ -9,18 +9,19 @@ kept, so such pairs are verified with the signature estimate.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from data_pipeline.config import NearDedupConfig
+from data_pipeline.shard_io import building_dir
 from dsl_lit.config.errors import ConfigError
-from dsl_lit.utils.fs import publish_dir
+
+if TYPE_CHECKING:
+    from data_pipeline.near_dedup import NearDedupConfig
 
 INDEX_DIR = "near_dedup_index"
 _COMPATIBLE = ("num_perm", "ngram", "seed", "scheme")
@@ -38,17 +39,11 @@ def index_meta(cfg: NearDedupConfig, bands: int, rows: int) -> dict:
 
 
 def write_index(path: Path, index: NearDedupIndex, meta: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
-    try:
+    with building_dir(path) as tmp:
         np.save(tmp / "signatures.npy", index.signatures)
         np.save(tmp / "bands.npy", index.bands)
         pq.write_table(pa.table({"id": pa.array(index.ids, pa.string())}), tmp / "ids.parquet")
         (tmp / "meta.json").write_text(json.dumps({**meta, "documents": len(index.ids)}, indent=2) + "\n")
-        publish_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def load_index(path: Path, meta: dict) -> NearDedupIndex:

@@ -7,15 +7,28 @@ A removed document's reason names the first rule it failed; stats.json counts ev
 
 from __future__ import annotations
 
+import dataclasses as dc
+from dataclasses import dataclass
 from typing import Any
 
-from data_pipeline.config import QualityFilterConfig
-from data_pipeline.document_step import Verdicts, text_bytes, write_split
-from data_pipeline.filters.c4 import c4
-from data_pipeline.filters.fineweb import fineweb
-from data_pipeline.filters.gopher_quality import gopher_quality
-from data_pipeline.filters.gopher_repetition import gopher_repetition
+import pyarrow as pa
+
+from data_pipeline.document_step import Verdicts, map_documents, text_bytes, write_split
+from data_pipeline.filters.c4 import C4Config, c4
+from data_pipeline.filters.fineweb import FineWebConfig, fineweb
+from data_pipeline.filters.gopher_quality import GopherQualityConfig, gopher_quality
+from data_pipeline.filters.gopher_repetition import GopherRepetitionConfig, gopher_repetition
 from data_pipeline.shard_io import read_documents, shard_file, table_of
+from data_pipeline.stage import Stage, Step
+
+
+@dataclass
+class QualityFilterConfig:
+    gopher_quality: GopherQualityConfig = dc.field(default_factory=GopherQualityConfig)
+    gopher_repetition: GopherRepetitionConfig = dc.field(default_factory=GopherRepetitionConfig)
+    c4: C4Config = dc.field(default_factory=C4Config)
+    fineweb: FineWebConfig = dc.field(default_factory=FineWebConfig)
+
 
 FILTERS = (
     ("gopher_quality", gopher_quality),
@@ -50,6 +63,14 @@ class _Judge:
 def run_unit(ctx: Any, unit: int) -> dict[str, Any]:
     docs = read_documents(ctx.docs_dir / shard_file(unit))
     bytes_in = text_bytes(table_of(docs))
-    docs = docs.map(_Judge(ctx.cfg.quality_filter), batched=True, load_from_cache_file=False)
+    docs = map_documents(docs, _Judge(ctx.config), {"_reason": pa.string()})
     reasons = docs["_reason"]
     return write_split(ctx, unit, docs.remove_columns("_reason"), Verdicts(list(reasons)), bytes_in)
+
+
+class QualityFilter(Stage):
+    name = "quality_filter"
+    Config = QualityFilterConfig
+
+    def steps(self) -> list[Step]:
+        return [self.step(run_unit, writes_documents=True)]

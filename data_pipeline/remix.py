@@ -9,7 +9,9 @@ the original text with ids ``<id>#<k>``; dropped documents are removed as ``remi
 
 from __future__ import annotations
 
+import dataclasses as dc
 import hashlib
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,12 +22,36 @@ import pyarrow.parquet as pq
 from data_pipeline.doc_keys import make_keys
 from data_pipeline.document_step import Verdicts, write_split
 from data_pipeline.shard_io import read_documents, shard_file, write_npy, write_table
+from data_pipeline.stage import Stage, Step
+from dsl_lit.config.errors import ConfigError
 
 NO_VALUE = "<none>"
 
 
+@dataclass
+class RemixConfig:
+    field: str = "source"  # the column whose values are mixed
+    targets: dict[str, float] = dc.field(default_factory=dict)  # value -> proportion (they sum to 1)
+    unit: str = "documents"  # proportions of documents or of UTF-8 bytes
+    total: int | None = None  # documents (or bytes) after remixing; null: as many as before
+    seed: int = 0
+
+    def validate(self) -> RemixConfig:
+        if not self.targets:
+            raise ConfigError(
+                "remix.targets is empty: give proportions, e.g. remix.targets={web: 0.7, code: 0.3}"
+            )
+        if any(v < 0 for v in self.targets.values()) or abs(sum(self.targets.values()) - 1.0) > 1e-6:
+            raise ConfigError(f"remix.targets={self.targets} must be non-negative and sum to 1")
+        if self.unit not in ("documents", "bytes"):
+            raise ConfigError(f"remix.unit={self.unit!r} must be documents or bytes")
+        if self.total is not None and self.total <= 0:
+            raise ConfigError(f"remix.total={self.total} must be positive, or null to keep the current size")
+        return self
+
+
 def weigh_unit(ctx: Any, unit: int) -> dict[str, Any]:
-    cfg = ctx.cfg.remix
+    cfg: RemixConfig = ctx.config
     table = pq.read_table(ctx.docs_dir / shard_file(unit))
     if cfg.field not in table.column_names:
         raise KeyError(f"remix.field={cfg.field!r} is not a column of the documents: {table.column_names}")
@@ -46,7 +72,7 @@ def weigh_unit(ctx: Any, unit: int) -> dict[str, Any]:
 
 def plan_unit(ctx: Any, unit: int) -> dict[str, Any]:
     """Copies per document for every shard, and the before/after report."""
-    cfg = ctx.cfg.remix
+    cfg: RemixConfig = ctx.config
     weigh_dir = ctx.dirs["remix.weigh"]
     table = pa.concat_tables(
         [pq.read_table(weigh_dir / f"weights-{s:05d}.parquet") for s in range(ctx.num_shards)]
@@ -96,3 +122,16 @@ def apply_unit(ctx: Any, unit: int) -> dict[str, Any]:
     docs = read_documents(ctx.docs_dir / shard_file(unit))
     reasons = [None if c > 0 else "remix_downsampled" for c in copies.tolist()]
     return write_split(ctx, unit, docs, Verdicts(reasons, copies=copies.tolist()))
+
+
+class Remix(Stage):
+    name = "remix"
+    Config = RemixConfig
+    needs_settings = "pick remix=<preset> or set remix.targets"
+
+    def steps(self) -> list[Step]:
+        return [
+            self.step(weigh_unit, "weigh"),
+            self.step(plan_unit, "plan", units=1),
+            self.step(apply_unit, writes_documents=True),
+        ]

@@ -22,10 +22,12 @@ from typing import Any
 import datasets
 
 from data_pipeline.config import PipelineConfig
-from data_pipeline.ingest import plan_units
+from data_pipeline.ingest import input_listing, plan_units
+from data_pipeline.output_dir import claim_output_dir
 from data_pipeline.shard_io import marker_path, write_json
-from data_pipeline.steps import Step, steps_for
+from data_pipeline.stage import Step
 from dsl_lit.config.errors import ConfigError
+from dsl_lit.data.corpus import listing_digest
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,7 @@ class Context:
     """What a unit needs to run; picklable, so worker processes receive it whole."""
 
     cfg: PipelineConfig
+    config: Any  # the settings of the stage this step belongs to
     output_dir: Path
     step_name: str
     stage: str
@@ -46,6 +49,7 @@ class Context:
     document_steps: list[tuple[str, str, Path]] = field(default_factory=list)  # (name, stage, dir)
     num_shards: int = 0
     input_units: list[dict[str, Any]] = field(default_factory=list)
+    corpus: dict[str, str] = field(default_factory=dict)  # the input's path and content fingerprint
 
 
 @dataclass
@@ -55,36 +59,28 @@ class Planned:
     num_units: int
 
 
-def _listing(units: list[dict[str, Any]]) -> list[Any]:
-    """What identifies the input: paths with sizes and modification times."""
-    out: list[Any] = []
-    for unit in units:
-        for rel in unit.get("files", []):
-            st = (Path(unit["root"]) / rel).stat()
-            out.append([rel, st.st_size, st.st_mtime_ns])
-        if unit["kind"] == "saved":
-            out.append([unit["root"], unit["start"], unit["stop"]])
-    return out
-
-
 def plan(cfg: PipelineConfig) -> list[Planned]:
     """Every step of the run with its directory ``work/<NN>-<name>-<fingerprint>`` and unit count."""
     output_dir = Path(cfg.output_dir)
     units = plan_units(cfg.input)
+    listing = input_listing(cfg.input, units)
+    corpus = {"path": str(Path(cfg.input.path).resolve()), "fingerprint": listing_digest(listing)}
     fingerprint = hashlib.sha256(
-        json.dumps([PIPELINE_VERSION, asdict(cfg.input), _listing(units)], sort_keys=True).encode()
+        json.dumps([PIPELINE_VERSION, asdict(cfg.input), listing], sort_keys=True).encode()
     ).hexdigest()
     planned: list[Planned] = []
     dirs: dict[str, Path] = {}
     document_steps: list[tuple[str, str, Path]] = []
     docs_dir: Path | None = None
-    for position, step in enumerate(steps_for(cfg)):
+    steps = [(stage, step) for stage in cfg.stage_objects() for step in stage.steps()]
+    for position, (stage, step) in enumerate(steps):
         fingerprint = hashlib.sha256(
             json.dumps([fingerprint, step.name, step.settings], sort_keys=True, default=str).encode()
         ).hexdigest()
         step_dir = output_dir / "work" / f"{position:02d}-{step.name}-{fingerprint[:12]}"
         ctx = Context(
             cfg=cfg,
+            config=stage.config,
             output_dir=output_dir,
             step_name=step.name,
             stage=step.stage,
@@ -94,8 +90,9 @@ def plan(cfg: PipelineConfig) -> list[Planned]:
             document_steps=list(document_steps),
             num_shards=len(units),
             input_units=units,
+            corpus=corpus,
         )
-        planned.append(Planned(step, ctx, step.num_units(cfg, len(units))))
+        planned.append(Planned(step, ctx, step.num_units(len(units))))
         dirs[step.name] = step_dir
         if step.writes_documents:
             docs_dir = step_dir
@@ -137,6 +134,9 @@ def run(cfg: PipelineConfig) -> dict[str, Any] | None:
     names = [p.step.name for p in planned]
     if cfg.step is not None and cfg.step not in names:
         raise ConfigError(f"step={cfg.step!r} is not a step of this run; its steps are {names}")
+    units = planned[0].context.input_units
+    input_root = None if Path(cfg.input.path).is_file() else Path(units[0]["root"])
+    claim_output_dir(cfg.output_dir, input_root)
     # spawn, not fork: a forked child inherits thread pools (tokenizers, BLAS) mid-state
     pool = None
     if cfg.num_proc > 1:

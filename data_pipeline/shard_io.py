@@ -2,14 +2,19 @@
 
 Why: a killed run must never leave a half-written file that a rerun mistakes for finished work.
 Every output is written under a temporary name and renamed; a unit's marker is renamed into place
-only after all its outputs, so "marker present" means "outputs complete".
+only after all its outputs, so "marker present" means "outputs complete". Temporary names are
+chosen, not created with ``mkstemp``/``mkdtemp`` (which make them private, 0600/0700): the files and
+directories are then created as usual, so they follow the umask like any other output.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import tempfile
+import shutil
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +22,8 @@ import datasets
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from dsl_lit.utils.fs import publish_dir
 
 REMOVED_SCHEMA = pa.schema(
     [
@@ -39,15 +46,40 @@ def removed_file(index: int) -> str:
     return f"removed-{index:05d}.parquet"
 
 
+def temp_path(path: Path) -> Path:
+    """An unused hidden name beside ``path`` for building it; nothing is created."""
+    return path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
 def _atomic(path: Path, write: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
-    os.close(fd)
+    tmp = temp_path(path)
     try:
-        write(tmp)
+        write(str(tmp))
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def make_temp_dir(path: Path) -> Path:
+    """A new directory beside ``path`` (mode from the umask) to build ``path`` in."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path)
+    tmp.mkdir()
+    return tmp
+
+
+@contextlib.contextmanager
+def building_dir(path: Path) -> Iterator[Path]:
+    """A directory to fill that replaces ``path`` by rename when the block ends; on an exception it
+    is removed and ``path`` stays as it was."""
+    tmp = make_temp_dir(path)
+    try:
+        yield tmp
+        publish_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
@@ -95,6 +127,4 @@ def link_or_copy(src: Path, dst: Path) -> None:
     try:
         os.link(src, dst)
     except OSError:
-        import shutil
-
         shutil.copyfile(src, dst)

@@ -1,9 +1,10 @@
-"""Pipeline stage: tokenize a document dataset and pack it into ``dsl_lit.data.packed`` shards.
+"""Stage ``tokenize_pack``: tokenize documents and pack them into shards of ``dsl_lit.data.format``.
 
-Why two steps: ``datasets.map`` tokenizes in parallel and caches the result under a fingerprint
-derived from the tokenizer file and text field, so a rerun with the same inputs skips the work;
-the writer then streams the token lists in document order, so the shards are byte-identical for
-the same input whatever ``num_proc`` is.
+Why two halves: ``datasets.map`` tokenizes (in parallel with ``num_proc``), then the writer streams
+the token lists in document order, so the shards are byte-identical for the same input whatever
+``num_proc`` is. Why per kept shard and then a merge: tokenizing is the expensive part and
+parallelises over the kept shards (each packed on its own, resumable); the merge only links the
+shard files into one packed dataset, renumbered in shard order, with one meta.json written last.
 """
 
 from __future__ import annotations
@@ -15,23 +16,29 @@ import logging
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import datasets
+import numpy as np
 from tokenizers import Tokenizer
 
-from dsl_lit.data.packed import PackedShardWriter
+from data_pipeline.packed_writer import PackedShardWriter
+from data_pipeline.shard_io import building_dir, link_or_copy, read_documents, shard_file
+from data_pipeline.stage import Stage, Step
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.data.format import (
+    META_FILE,
+    SHARDS_DIR,
+    TOKENIZER_DIR,
+    TOKENIZER_FILE,
+    file_sha256,
+    index_name,
+    shard_name,
+)
 
 log = logging.getLogger(__name__)
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 class _Encode:
@@ -59,8 +66,8 @@ class _Encode:
 
 @contextlib.contextmanager
 def _tokenizers_parallelism(enabled: bool) -> Iterator[None]:
-    """Forked workers that inherit a started Rust thread pool can deadlock (see DESIGN.md section 4):
-    disable it around a multi-process map, then restore the caller's setting."""
+    """Forked workers that inherit a started Rust thread pool can deadlock: disable it around a
+    multi-process map, then restore the caller's setting."""
     key = "TOKENIZERS_PARALLELISM"
     saved = os.environ.get(key)
     if not enabled:
@@ -106,8 +113,8 @@ def tokenize_pack(
     Empty documents are skipped and counted in meta.json as ``num_empty_skipped``. Returns ``output_dir``.
     """
     tokenizer_dir = Path(tokenizer_dir)
-    tokenizer_file = tokenizer_dir / "tokenizer.json"
-    tok_meta = json.loads((tokenizer_dir / "meta.json").read_text(encoding="utf-8"))
+    tokenizer_file = tokenizer_dir / TOKENIZER_FILE
+    tok_meta = json.loads((tokenizer_dir / META_FILE).read_text(encoding="utf-8"))
     sha = file_sha256(tokenizer_file)
     if text_field not in dataset.column_names:
         raise ValueError(f"text_field {text_field!r} not in dataset columns {dataset.column_names}")
@@ -137,3 +144,81 @@ def tokenize_pack(
         time.perf_counter() - start,
     )
     return Path(output_dir)
+
+
+@dataclass
+class PackConfig:
+    shard_tokens: int = 2**24
+    batch_size: int = 1000
+
+    def validate(self) -> PackConfig:
+        if self.shard_tokens <= 0 or self.batch_size <= 0:
+            raise ConfigError("pack.shard_tokens and pack.batch_size must be positive")
+        return self
+
+
+def pack_unit(ctx: Any, unit: int) -> dict[str, Any]:
+    tokenizer_dir = ctx.output_dir / TOKENIZER_DIR
+    if not (tokenizer_dir / META_FILE).is_file():
+        raise FileNotFoundError(f"{tokenizer_dir} missing: run the train_tokenizer stage first")
+    docs = read_documents(ctx.output_dir / "kept" / shard_file(unit), columns=["text"])
+    start = time.perf_counter()
+    out = tokenize_pack(
+        docs,
+        tokenizer_dir,
+        ctx.step_dir / f"part-{unit:05d}",
+        shard_tokens=ctx.config.shard_tokens,
+        batch_size=ctx.config.batch_size,
+    )
+    seconds = time.perf_counter() - start
+    meta = json.loads((out / META_FILE).read_text())
+    size = sum(len(t.encode("utf-8")) for t in docs["text"])
+    return {
+        "documents": meta["num_documents"],
+        "tokens": meta["num_tokens"],
+        "bytes": size,
+        "encode_mb_per_s": round(size / 1e6 / max(seconds, 1e-9), 3),
+    }
+
+
+def merge_unit(ctx: Any, unit: int) -> dict[str, Any]:
+    """Link every part's shard files into ``output_dir/shards`` as one packed dataset."""
+    part_dir = ctx.dirs["tokenize_pack"]
+    with building_dir(ctx.output_dir / SHARDS_DIR) as tmp:
+        merged: dict[str, Any] | None = None
+        shards: list[dict[str, Any]] = []
+        for s in range(ctx.num_shards):
+            part = part_dir / f"part-{s:05d}"
+            meta = json.loads((part / META_FILE).read_text())
+            for i, shard in enumerate(meta["shards"]):
+                g = len(shards)
+                link_or_copy(part / shard["file"], tmp / shard_name(g))
+                np.save(tmp / index_name(g), np.load(part / index_name(i)))
+                shards.append({**shard, "file": shard_name(g)})
+            if merged is None:
+                merged = {**meta, "num_tokens": 0, "num_documents": 0, "num_empty_skipped": 0}
+            for key in ("num_tokens", "num_documents", "num_empty_skipped"):
+                merged[key] += meta[key]
+        assert merged is not None
+        merged["shards"] = shards
+        merged["corpus"] = ctx.corpus  # what the data module checks its data.corpus_dir against
+        merged["stages"] = ctx.cfg.stages
+        (tmp / META_FILE).write_text(json.dumps(merged, indent=2) + "\n", encoding="utf-8")
+    return {"documents": merged["num_documents"], "tokens": merged["num_tokens"], "shards": len(shards)}
+
+
+class TokenizePack(Stage):
+    """Runs after finalize (and after ``train_tokenizer``): packs ``kept/`` into ``output_dir/shards``."""
+
+    name = "tokenize_pack"
+    Config = PackConfig
+    section = "pack"
+    after_finalize = True
+    comes_after = ("train_tokenizer",)
+
+    def settings(self) -> dict[str, Any]:
+        """The packing and the tokenizer's settings: another tokenizer means other tokens."""
+        return {"pack": asdict(self.config), "tokenizer": asdict(self.pipeline.sections["tokenizer"])}
+
+    def steps(self) -> list[Step]:
+        return [self.step(pack_unit), self.step(merge_unit, "merge", units=1)]

@@ -5,7 +5,8 @@ space), punctuation runs, trailing whitespace, CJK/Hangul runs and single digits
 byte-level BPE, so any byte sequence round-trips and numbers never merge into multi-digit tokens.
 The output directory loads with ``transformers.AutoTokenizer.from_pretrained`` (no transformers
 import is needed here) and carries ``meta.json`` with the ids and the padded embedding size the
-model needs.
+model needs. Stage ``train_tokenizer`` (settings: the ``tokenizer`` section) trains it on a run's
+``kept/`` documents into ``output_dir/tokenizer``.
 """
 
 from __future__ import annotations
@@ -14,39 +15,21 @@ import hashlib
 import heapq
 import json
 import logging
-import shutil
-import tempfile
+import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import pyarrow.parquet as pq
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from dsl_lit.utils.fs import publish_dir
+from data_pipeline.shard_io import building_dir, shard_file
+from data_pipeline.stage import Stage, Step
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.data.format import DEEPSEEK_SPECIAL_TOKENS, META_FILE, TOKENIZER_DIR, TOKENIZER_FILE
 
 log = logging.getLogger(__name__)
-
-BOS_TOKEN = "<｜begin▁of▁sentence｜>"
-EOS_TOKEN = "<｜end▁of▁sentence｜>"
-PAD_TOKEN = "<｜▁pad▁｜>"
-# 15 special tokens, as DeepSeek LLM ships: bos/eos/pad, fill-in-the-middle, chat roles, R1's
-# reasoning tags, and place holders reserved for later use. Their ids are 0..14 in this order.
-DEEPSEEK_SPECIAL_TOKENS: list[str] = [
-    BOS_TOKEN,
-    EOS_TOKEN,
-    PAD_TOKEN,
-    "<｜fim▁hole｜>",
-    "<｜fim▁begin｜>",
-    "<｜fim▁end｜>",
-    "<｜User｜>",
-    "<｜Assistant｜>",
-    "<think>",
-    "</think>",
-    "<answer>",
-    "</answer>",
-    "<｜place▁holder▁no▁0｜>",
-    "<｜place▁holder▁no▁1｜>",
-    "<｜place▁holder▁no▁2｜>",
-]
 
 # Horizontal whitespace: a leading space may join a word, but a newline never does.
 _HSPACE = r"[^\S\r\n]"
@@ -181,23 +164,84 @@ def train_tokenizer(
         log.warning("corpus too small: trained %d of %d requested tokens", meta["vocab_size"], vocab_size)
     config, special_map = _hf_configs(list(special_tokens))
 
-    tmp_dir = Path(tempfile.mkdtemp(dir=output_dir.parent, prefix=f".{output_dir.name}.tmp-"))
-    try:
-        tmp_dir.chmod(0o755)  # mkdtemp makes it private; the published directory should not be
-        tokenizer.save(str(tmp_dir / "tokenizer.json"))
+    with building_dir(output_dir) as tmp_dir:
+        tokenizer.save(str(tmp_dir / TOKENIZER_FILE))
         for name, obj in (
             ("tokenizer_config.json", config),
             ("special_tokens_map.json", special_map),
-            ("meta.json", meta),  # last: its presence marks a complete directory
+            (META_FILE, meta),  # last: its presence marks a complete directory
         ):
             (tmp_dir / name).write_text(
                 json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
             )
-        publish_dir(tmp_dir, output_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
     log.info(
         "tokenizer: %d tokens (embedding %d) -> %s", meta["vocab_size"], meta["padded_vocab_size"], output_dir
     )
     return output_dir
+
+
+@dataclass
+class TokenizerConfig:
+    vocab_size: int = 100_015  # including the special tokens (DeepSeek LLM: 100000 + 15)
+    padded_vocab_size: int | None = 102_400  # embedding rows; null: rounded up to a multiple of 128
+    special_tokens: list[str] | None = None  # null: DeepSeek LLM's 15 (bos, eos, pad first)
+    max_bytes: int | None = 1_000_000_000  # training sample (memory grows with distinct pre-tokens)
+
+    def validate(self) -> TokenizerConfig:
+        specials = 15 if self.special_tokens is None else len(self.special_tokens)
+        if self.special_tokens is not None and len(self.special_tokens) < 3:
+            raise ConfigError("tokenizer.special_tokens must start with bos, eos and pad (at least 3)")
+        if self.vocab_size < 256 + specials:
+            raise ConfigError(
+                f"tokenizer.vocab_size={self.vocab_size} must be at least 256 bytes + {specials} specials"
+            )
+        if self.padded_vocab_size is not None and self.padded_vocab_size < self.vocab_size:
+            raise ConfigError(
+                f"tokenizer.padded_vocab_size={self.padded_vocab_size} is below tokenizer.vocab_size={self.vocab_size}"
+            )
+        if self.max_bytes is not None and self.max_bytes <= 0:
+            raise ConfigError(
+                f"tokenizer.max_bytes={self.max_bytes} must be positive, or null for everything"
+            )
+        return self
+
+
+def _kept_texts(kept_dir: Path, num_shards: int, counter: list[int]) -> Iterator[str]:
+    for s in range(num_shards):
+        for batch in pq.ParquetFile(kept_dir / shard_file(s)).iter_batches(batch_size=1000, columns=["text"]):
+            for text in batch.column(0).to_pylist():
+                counter[0] += len(text.encode("utf-8"))
+                yield text
+
+
+def train_unit(ctx: Any, unit: int) -> dict[str, Any]:
+    cfg: TokenizerConfig = ctx.config
+    counter = [0]
+    start = time.perf_counter()
+    out = train_tokenizer(
+        _kept_texts(ctx.output_dir / "kept", ctx.num_shards, counter),
+        cfg.vocab_size,
+        ctx.output_dir / TOKENIZER_DIR,
+        special_tokens=cfg.special_tokens or DEEPSEEK_SPECIAL_TOKENS,
+        max_bytes=cfg.max_bytes,
+        embedding_size=cfg.padded_vocab_size,
+    )
+    seconds = time.perf_counter() - start
+    meta = json.loads((out / META_FILE).read_text())
+    return {
+        **meta,
+        "bytes_read": counter[0],
+        "train_mb_per_s": round(counter[0] / 1e6 / max(seconds, 1e-9), 3),
+    }
+
+
+class TrainTokenizer(Stage):
+    """Runs after finalize, on ``kept/``: writes ``output_dir/tokenizer``."""
+
+    name = "train_tokenizer"
+    Config = TokenizerConfig
+    section = "tokenizer"
+    after_finalize = True
+
+    def steps(self) -> list[Step]:
+        return [self.step(train_unit, units=1)]

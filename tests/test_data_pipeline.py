@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
@@ -17,8 +19,12 @@ import pyarrow.parquet as pq
 import pytest
 
 import data_pipeline.quality_filter as quality_filter
+from data_pipeline import registry
 from data_pipeline.config import load_config
+from data_pipeline.document_step import Verdicts, write_split
 from data_pipeline.runner import plan, run
+from data_pipeline.shard_io import read_documents, shard_file
+from data_pipeline.stage import Stage, Step
 from dsl_lit.config.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -254,10 +260,14 @@ def test_sigkill_then_the_same_command_finishes_only_the_rest(tmp_path: Path) ->
     full = subprocess.run([*cmd, f"output_dir={tmp_path / 'full'}"], capture_output=True, text=True, cwd=ROOT)
     assert full.returncode == 0, full.stderr
     out = tmp_path / "killed"
-    process = subprocess.Popen([*cmd, f"output_dir={out}"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [*cmd, f"output_dir={out}"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + 120
     while not list(out.glob("work/*quality_filter*/done/*.json")):
-        assert process.poll() is None and time.monotonic() < deadline, "the run ended before the filter started"
+        assert process.poll() is None and time.monotonic() < deadline, (
+            "the run ended before the filter started"
+        )
         time.sleep(0.005)
     process.send_signal(signal.SIGKILL)
     process.wait()
@@ -267,3 +277,234 @@ def test_sigkill_then_the_same_command_finishes_only_the_rest(tmp_path: Path) ->
     assert rerun.returncode == 0, rerun.stderr
     assert f"quality_filter: {6 - done} of 6 units to run" in rerun.stderr + rerun.stdout
     assert output_bytes(out) == output_bytes(tmp_path / "full")
+
+
+@dataclass
+class ShortConfig:
+    min_words: int = 1
+
+    def validate(self) -> ShortConfig:
+        if self.min_words < 0:
+            raise ConfigError(f"drop_short.min_words={self.min_words} must be >= 0")
+        return self
+
+
+def _drop_short(ctx, unit: int) -> dict:
+    docs = read_documents(ctx.docs_dir / shard_file(unit))
+    reasons = [None if len(t.split()) >= ctx.config.min_words else "too_short" for t in docs["text"]]
+    return write_split(ctx, unit, docs, Verdicts(reasons))
+
+
+class DropShort(Stage):
+    name = "drop_short"
+    Config = ShortConfig
+
+    def steps(self) -> list[Step]:
+        return [self.step(_drop_short, writes_documents=True)]
+
+
+def test_a_new_stage_is_a_class_and_a_registry_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What data_pipeline/README.md says adding a stage takes: the class, and its line in STAGES."""
+    monkeypatch.setitem(registry.STAGES, "drop_short", DropShort)
+    corpus = tmp_path / "in"
+    corpus.mkdir()
+    texts = [" ".join(["word"] * n) for n in (3, 12, 7, 20)]
+    (corpus / "a.jsonl").write_text(
+        "".join(json.dumps({"id": f"d{i}", "text": t}) + "\n" for i, t in enumerate(texts))
+    )
+    with pytest.raises(ConfigError, match=r"drop_short\.min_words=-1"):
+        run_pipeline(corpus, tmp_path / "bad", stages=["drop_short"], drop_short={"min_words": -1})
+    stats = run_pipeline(
+        corpus, tmp_path / "out", stages=["normalize", "drop_short"], drop_short={"min_words": 10}
+    )
+    assert stats is not None
+    assert sorted(r["id"] for r in rows(tmp_path / "out" / "kept")) == ["d1", "d3"]
+    assert stats["stages"]["drop_short"]["removed"] == {"too_short": 2}
+    assert [(r["id"], r["stage"]) for r in rows(tmp_path / "out" / "removed")] == [
+        ("d0", "drop_short"),
+        ("d2", "drop_short"),
+    ]
+
+
+ENGLISH = (
+    "river stone light house garden morning winter music letter window people mountain bread story "
+    "friend evening road table summer water forest village teacher market country family"
+).split()
+
+
+def _english_doc(i: int) -> str:
+    """Eight sentences of common English words: kept by every default filter, the language one included."""
+    rng = np.random.default_rng(i)
+    return " ".join(
+        f"The {' '.join(rng.choice(ENGLISH, size=8))} and the {rng.choice(ENGLISH)}." for _ in range(8)
+    )
+
+
+def test_every_stage_accepts_empty_shards(tmp_path: Path) -> None:
+    """b.jsonl repeats a.jsonl under new ids (exact dedup empties its shard) and c.jsonl holds only
+    malformed lines (ingest leaves nothing): every later stage, remix and the tokenizer stages
+    included, runs on the empty shards, and the same command runs again."""
+    corpus = tmp_path / "in"
+    corpus.mkdir()
+    texts = [_english_doc(i) for i in range(6)]
+    for name, prefix in (("a.jsonl", "a"), ("b.jsonl", "b")):
+        lines = [json.dumps({"id": f"{prefix}{i}", "text": t}) for i, t in enumerate(texts)]
+        (corpus / name).write_text("\n".join(lines) + "\n")
+    (corpus / "c.jsonl").write_text('{"id": "c0", "text": \n[1, 2]\n{"id": "c2"}\n')
+    stages = [*STAGES, "language_filter", "remix", "train_tokenizer", "tokenize_pack"]
+    overrides = {
+        "stages": stages,
+        "near_dedup": {"save_index": True},
+        "remix": {"targets": {"a": 1.0}},
+        "tokenizer": {"vocab_size": 300, "padded_vocab_size": None, "max_bytes": None},
+    }
+    stats = run_pipeline(corpus, tmp_path / "out", **overrides)
+    assert stats is not None
+    assert stats["stages"]["ingest"]["removed"] == {"bad_json": 1, "missing_text": 1, "not_an_object": 1}
+    assert stats["stages"]["exact_dedup"]["removed"] == {"exact_duplicate": 6}
+    kept = [pq.read_table(p) for p in sorted((tmp_path / "out" / "kept").glob("*.parquet"))]
+    assert [t.num_rows for t in kept] == [6, 0, 0]
+    assert all(t.schema.equals(kept[0].schema) for t in kept)  # one schema, language columns included
+    assert (
+        stats["output"]["documents"] == 6
+        and stats["stages"]["tokenize_pack"]["details"]["tokenize_pack.merge"]["documents"] == 6
+    )
+    before = output_bytes(tmp_path / "out")
+    assert run_pipeline(corpus, tmp_path / "out", **overrides) is not None
+    assert output_bytes(tmp_path / "out") == before
+
+
+# -- output_dir belongs to the pipeline -------------------------------------------------------------
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+
+
+def test_an_unrelated_output_dir_is_refused_and_left_as_it_was(messy_input: Path, tmp_path: Path) -> None:
+    out = tmp_path / "mine"
+    mine = {
+        "kept/important.parquet": b"PAR1 not ours",
+        "removed/x.txt": b"keep me",
+        "stats.json": b"{}",
+        "shards/shard-00000.bin": b"\x00\x01",
+        "tokenizer/tokenizer.json": b"{}",
+    }
+    for rel, data in mine.items():
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_bytes(data)
+    with pytest.raises(
+        ConfigError, match=r"output_dir=.*mine is not empty and holds no \.data_pipeline\.json"
+    ):
+        run_pipeline(messy_input, out)
+    assert _files(out) == mine
+    cli = subprocess.run(
+        [sys.executable, "-m", "data_pipeline", f"input.path={messy_input}", f"output_dir={out}"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert cli.returncode == 2 and "output_dir=" in cli.stdout + cli.stderr
+    assert {k: v for k, v in _files(out).items() if not k.startswith("logs/")} == mine  # Hydra's log only
+
+
+def test_output_dir_inside_the_input_is_refused(messy_input: Path) -> None:
+    with pytest.raises(ConfigError, match=r"output_dir=.*/out lies inside the input"):
+        run_pipeline(messy_input, messy_input / "txt" / "out")
+    assert not (messy_input / "txt" / "out").exists()
+
+
+def test_an_empty_or_marked_output_dir_is_the_pipelines(tmp_path: Path) -> None:
+    corpus = tmp_path / "in"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_text(json.dumps({"id": "a", "text": _doc(0)}) + "\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    assert run_pipeline(corpus, out, stages=["normalize"]) is not None  # empty: claimed
+    assert (out / ".data_pipeline.json").is_file()
+    (out / "stats.json").unlink()
+    assert run_pipeline(corpus, out, stages=["normalize"]) is not None  # marked: the pipeline's own
+    (out / ".data_pipeline.json").unlink()  # as written before the marker existed: work/ of step dirs
+    assert run_pipeline(corpus, out, stages=["normalize"]) is not None
+    assert (out / ".data_pipeline.json").is_file()
+
+
+def test_an_edit_keeping_size_and_mtime_is_not_taken_for_finished_work(tmp_path: Path) -> None:
+    """Inputs within input.fingerprint_bytes are identified by content; beyond it (here 0) only by
+    size and mtime, which such an edit keeps (the documented trade-off)."""
+    corpus = tmp_path / "in"
+    corpus.mkdir()
+    path = corpus / "a.jsonl"
+    path.write_text(json.dumps({"id": "a", "text": "The first version of the page."}) + "\n")
+
+    def edit_keeping_size_and_mtime(old: str, new: str) -> None:
+        st = path.stat()
+        path.write_text(path.read_text().replace(old, new))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+
+    def kept_text(out: Path, **input_cfg) -> str:
+        run(
+            load_config(
+                {"input": {"path": str(corpus), **input_cfg}, "output_dir": str(out), "stages": ["normalize"]}
+            )
+        )
+        return rows(out / "kept")[0]["text"]
+
+    assert kept_text(tmp_path / "out") == "The first version of the page."
+    edit_keeping_size_and_mtime("first", "FIRST")
+    assert kept_text(tmp_path / "out") == "The FIRST version of the page."
+    assert kept_text(tmp_path / "by_stat", fingerprint_bytes=0) == "The FIRST version of the page."
+    edit_keeping_size_and_mtime("FIRST", "final")
+    assert kept_text(tmp_path / "by_stat", fingerprint_bytes=0) == "The FIRST version of the page."
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_written_files_follow_the_umask(tmp_path: Path, umask: int) -> None:
+    """kept/, removed/, stats.json, the tokenizer, the shards, the index and the work files get
+    0o666 & ~umask (directories 0o777 & ~umask), not a temporary file's private 0o600."""
+    corpus = tmp_path / "in"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_text(
+        "".join(json.dumps({"id": f"a{i}", "text": _english_doc(i)}) + "\n" for i in range(3))
+    )
+    previous = os.umask(umask)
+    try:
+        stats = run_pipeline(
+            corpus,
+            tmp_path / "out",
+            stages=["normalize", "near_dedup", "train_tokenizer", "tokenize_pack"],
+            near_dedup={"save_index": True},
+            tokenizer={"vocab_size": 300, "padded_vocab_size": None, "max_bytes": None},
+        )
+    finally:
+        os.umask(previous)
+    assert stats is not None
+    paths = list((tmp_path / "out").rglob("*"))
+    wrong = {
+        str(p.relative_to(tmp_path / "out")): oct(p.stat().st_mode & 0o777)
+        for p in paths
+        if p.stat().st_mode & 0o777 != (0o777 if p.is_dir() else 0o666) & ~umask
+    }
+    assert wrong == {}
+    names = {p.relative_to(tmp_path / "out").as_posix() for p in paths}
+    assert {"stats.json", "kept/shard-00000.parquet", "tokenizer/tokenizer.json", "shards/meta.json"} <= names
+
+
+def test_documents_over_max_doc_bytes_are_set_aside_as_too_large(tmp_path: Path) -> None:
+    corpus = tmp_path / "in"
+    corpus.mkdir()
+    big = "word " * 4000  # 20,000 bytes, over the 4,000 allowed
+    lines = [{"id": "a1", "text": _doc(1)}, {"id": "huge", "text": big}, {"id": "a3", "text": _doc(3)}]
+    (corpus / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    (corpus / "b.txt").write_text(big)
+    pq.write_table(pa.table({"id": ["p0", "p1"], "text": [_doc(5), big]}), corpus / "c.parquet")
+    stats = run_pipeline(
+        corpus, tmp_path / "out", stages=["normalize"], input={"path": str(corpus), "max_doc_bytes": 4000}
+    )
+    assert stats is not None and stats["stages"]["ingest"]["removed"] == {"too_large": 3}
+    assert sorted(r["id"] for r in rows(tmp_path / "out" / "kept")) == ["a1", "a3", "p0"]
+    removed = {r["id"]: r for r in rows(tmp_path / "out" / "removed")}
+    assert set(removed) == {"a.jsonl:2", "b.txt", "p1"}  # the line is never parsed: its place is its id
+    assert all(r["reason"] == "too_large" and "word word word" in r["text"] for r in removed.values())
+    assert [len(removed[i]["text"]) for i in ("b.txt", "p1")] == [10_000, 10_000]  # the head is kept
+    with pytest.raises(ConfigError, match=r"input\.max_doc_bytes=0"):
+        load_config({"input": {"path": "x", "max_doc_bytes": 0}, "output_dir": "y"})

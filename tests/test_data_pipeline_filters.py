@@ -10,22 +10,14 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer
 
-from data_pipeline.config import (
-    C4Config,
-    FineWebConfig,
-    GopherQualityConfig,
-    GopherRepetitionConfig,
-    NormalizeConfig,
-    QualityFilterConfig,
-    load_config,
-)
-from data_pipeline.filters.c4 import c4
-from data_pipeline.filters.fineweb import fineweb
-from data_pipeline.filters.gopher_quality import gopher_quality
-from data_pipeline.filters.gopher_repetition import gopher_repetition
+from data_pipeline.config import load_config
+from data_pipeline.filters.c4 import C4Config, c4
+from data_pipeline.filters.fineweb import FineWebConfig, fineweb
+from data_pipeline.filters.gopher_quality import GopherQualityConfig, gopher_quality
+from data_pipeline.filters.gopher_repetition import GopherRepetitionConfig, gopher_repetition
 from data_pipeline.language_filter import identify
-from data_pipeline.normalize import normalize_text
-from data_pipeline.quality_filter import judge
+from data_pipeline.normalize import NormalizeConfig, normalize_text
+from data_pipeline.quality_filter import QualityFilterConfig, judge
 from data_pipeline.runner import run
 from dsl_lit.data.packed import PackedTokens
 

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import ast
 import gzip
+import json
 import logging
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
@@ -17,8 +23,10 @@ from omegaconf import DictConfig
 from dsl_lit.config.data import DataConfig
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.data.datamodule import PretrainDataModule
+from dsl_lit.data.packed import PackedTokens
 
-CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus"
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = ROOT / "data" / "corpus"
 SEQ, G = 32, 8
 
 
@@ -91,7 +99,7 @@ def test_concurrent_prepare_builds_once(
     small_corpus: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     cfg = make_cfg(small_corpus, tmp_path / "cache", tokenizer_max_bytes=60_000)
-    caplog.set_level(logging.INFO, logger="dsl_lit.data.datamodule")
+    caplog.set_level(logging.INFO, logger="dsl_lit.data.cache")
     threads = [threading.Thread(target=PretrainDataModule(cfg).prepare_data) for _ in range(2)]
     for t in threads:
         t.start()
@@ -195,3 +203,105 @@ def test_accepts_the_composed_hydra_data_node(compose_cfg: Callable[[str], DictC
     assert Path(dm.cfg.corpus_dir) == CORPUS
     with pytest.raises(ConfigError, match=r"data\.seq_lenn"):
         PretrainDataModule({"corpus_dir": "c", "cache_dir": "d", "seq_lenn": 3})
+
+
+def test_dsl_lit_never_imports_data_pipeline() -> None:
+    """The trainer and the pipeline share only ``dsl_lit.data.format``: no module of ``dsl_lit``
+    imports ``data_pipeline``, and importing every data module leaves it unloaded."""
+    offenders = []
+    for path in sorted((ROOT / "src" / "dsl_lit").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            offenders += [
+                f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] == "data_pipeline"
+            ]
+    assert offenders == []
+    modules = sorted(p.stem for p in (ROOT / "src" / "dsl_lit" / "data").glob("*.py") if p.stem != "__init__")
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}: importlib.import_module('dsl_lit.data.' + m)\n"
+        "print(len(sys.modules), 'data_pipeline' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.split()[1] == "False", out.stdout
+
+
+# -- the cache is keyed by the corpus ---------------------------------------------------------------
+def _jsonl_corpus(directory: Path, texts: list[str]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"id": f"d{i}", "text": t}) for i, t in enumerate(texts)]
+    (directory / "docs.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return directory
+
+
+def _stream(cache: Path) -> np.ndarray:
+    tokens = PackedTokens(cache / "shards")
+    return tokens.window(0, len(tokens))
+
+
+TEXTS = [
+    f"Entry {i}: the {w} of a thing is what it was made for, and little else."
+    for i, w in enumerate(["purpose", "use", "end", "aim", "point", "goal"] * 4)
+]
+
+
+def test_a_missing_corpus_fails_at_validation_naming_data_corpus_dir(
+    compose_cfg: Callable[..., DictConfig], tmp_path: Path
+) -> None:
+    node = compose_cfg("pretrain", [f"data.corpus_dir={tmp_path / 'nonexistent' / 'corpus'}"]).data
+    with pytest.raises(ConfigError, match=r"data\.corpus_dir=.*nonexistent/corpus is not a directory"):
+        PretrainDataModule(node)
+
+
+def test_another_corpus_in_the_same_cache_rebuilds(small_corpus: Path, tmp_path: Path) -> None:
+    other = _jsonl_corpus(tmp_path / "other", TEXTS)
+    cfg = make_cfg(small_corpus, tmp_path / "cache")
+    PretrainDataModule(cfg).prepare_data()
+    first = _stream(tmp_path / "cache")
+    PretrainDataModule(make_cfg(other, tmp_path / "cache")).prepare_data()
+    meta = json.loads((tmp_path / "cache" / "shards" / "meta.json").read_text())
+    assert meta["corpus"]["path"] == str(other.resolve()) and meta["num_documents"] == len(TEXTS)
+    assert len(_stream(tmp_path / "cache")) < len(first)
+
+
+def test_an_edit_keeping_size_and_mtime_rebuilds(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    corpus = _jsonl_corpus(tmp_path / "corpus", TEXTS)
+    cfg = make_cfg(corpus, tmp_path / "cache")
+    PretrainDataModule(cfg).prepare_data()
+    before = _stream(tmp_path / "cache")
+    path = corpus / "docs.jsonl"
+    st = path.stat()
+    path.write_text(path.read_text(encoding="utf-8").replace("little", "LITTLE"), encoding="utf-8")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+    caplog.set_level(logging.INFO, logger="dsl_lit.data.cache")
+    PretrainDataModule(cfg).prepare_data()
+    assert any("not from data.corpus_dir as it is now" in r.getMessage() for r in caplog.records)
+    assert not np.array_equal(_stream(tmp_path / "cache"), before)
+
+
+def test_a_hand_made_pipeline_run_is_never_rebuilt_by_the_data_module(tmp_path: Path) -> None:
+    """A pipeline output made with other stages (dedup, filters) for another corpus is refused,
+    naming data.cache_dir, instead of being overwritten with an unfiltered build."""
+    corpus = _jsonl_corpus(tmp_path / "corpus", TEXTS)
+    cache = tmp_path / "pipeline_out"
+    command = [
+        sys.executable,
+        "-m",
+        "data_pipeline",
+        f"input.path={corpus}",
+        f"output_dir={cache}",
+        "stages=[exact_dedup,train_tokenizer,tokenize_pack]",
+        "tokenizer.vocab_size=512",
+        "tokenizer.max_bytes=null",
+        "tokenizer.padded_vocab_size=null",
+    ]
+    subprocess.run(command, check=True, capture_output=True, cwd=ROOT)
+    PretrainDataModule(make_cfg(corpus, cache)).prepare_data()  # current: used as it is
+    other = _jsonl_corpus(tmp_path / "other", TEXTS[:5])
+    before = (cache / "shards" / "meta.json").read_bytes()
+    with pytest.raises(ConfigError, match=r"data\.cache_dir=.*stages=\['exact_dedup'"):
+        PretrainDataModule(make_cfg(other, cache)).prepare_data()
+    assert (cache / "shards" / "meta.json").read_bytes() == before

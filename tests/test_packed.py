@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+from data_pipeline.packed_writer import PackedShardWriter
 from data_pipeline.sources import load_documents
-from data_pipeline.tokenize_pack import file_sha256, tokenize_pack
+from data_pipeline.tokenize_pack import tokenize_pack
 from data_pipeline.train_tokenizer import train_tokenizer
-from dsl_lit.data.packed import PackedShardWriter, PackedTokens, token_dtype
+from dsl_lit.data.format import file_sha256, token_dtype
+from dsl_lit.data.packed import PackedTokens
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus"
 EOS = 1

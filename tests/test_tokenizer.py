@@ -10,15 +10,12 @@ from tokenizers import Tokenizer
 
 from data_pipeline.sources import load_documents
 from data_pipeline.train_tokenizer import (
-    BOS_TOKEN,
-    DEEPSEEK_SPECIAL_TOKENS,
-    EOS_TOKEN,
-    PAD_TOKEN,
     build_pre_tokenizer,
     padded_vocab_size,
     sample_texts,
     train_tokenizer,
 )
+from dsl_lit.data.format import BOS_TOKEN, DEEPSEEK_SPECIAL_TOKENS, EOS_TOKEN, PAD_TOKEN
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus"
 VOCAB = 512

@@ -3,13 +3,27 @@
 from __future__ import annotations
 
 import re
-
-from data_pipeline.config import C4Config
+from dataclasses import dataclass
 
 _CITATION = re.compile(r"\[\d*\]|\[edit\]|\[citation needed\]")
 _POLICY = ("terms of use", "privacy policy", "cookie policy", "uses cookies", "use of cookies", "use cookies")
 _END = (".", "!", "?", '"', "'")
 _SENTENCE_END = re.compile(r"[.!?]+(?:\s|$)")
+
+
+@dataclass
+class C4Config:
+    enabled: bool = True
+    split_paragraph: bool = True  # lines are \n-separated (False: sentences)
+    remove_citations: bool = True  # "[1]", "[citation needed]"
+    filter_no_terminal_punct: bool = True  # drop lines not ending in . ! ? " or '
+    min_num_sentences: int = 5  # documents with fewer are removed (-1: off)
+    min_words_per_line: int = 3  # shorter lines are dropped (-1: off)
+    max_word_length: int = 1000  # lines with a longer word are dropped (-1: off)
+    filter_lorem_ipsum: bool = True
+    filter_javascript: bool = True
+    filter_curly_bracket: bool = True
+    filter_policy: bool = True
 
 
 def c4(text: str, cfg: C4Config) -> tuple[str | None, str]:

@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
-from data_pipeline.config import FineWebConfig
+from dataclasses import dataclass
+
 from data_pipeline.filters.text_stats import TERMINAL_PUNCTUATION, duplicates
+
+
+@dataclass
+class FineWebConfig:
+    enabled: bool = True
+    line_punct_thr: float = 0.12  # removed when fewer lines end in punctuation
+    line_punct_exclude_zero: bool = False
+    short_line_thr: float = 0.67  # removed when more lines are short
+    short_line_length: int = 30
+    char_duplicates_ratio: float = 0.01  # removed when more characters are in duplicated lines
+    new_line_ratio: float = 0.3  # removed when line breaks per word exceed this
 
 
 def fineweb(text: str, cfg: FineWebConfig) -> tuple[str | None, str]:

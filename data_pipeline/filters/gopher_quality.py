@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses as dc
 import string
-
-from data_pipeline.config import GopherQualityConfig
+from dataclasses import dataclass
 
 _PUNCT = set(string.punctuation) | {"“", "”", "‘", "’", "—", "–", "…"}
+
+
+@dataclass
+class GopherQualityConfig:
+    enabled: bool = True
+    min_doc_words: int = 50
+    max_doc_words: int = 100_000
+    min_avg_word_length: float = 3.0
+    max_avg_word_length: float = 10.0
+    max_symbol_word_ratio: float = 0.1
+    max_bullet_lines_ratio: float = 0.9
+    max_ellipsis_lines_ratio: float = 0.3
+    max_non_alpha_words_ratio: float = 0.8  # "80% of words must contain an alphabetic character"
+    min_stop_words: int = 2
+    stop_words: list[str] = dc.field(
+        default_factory=lambda: ["the", "be", "to", "of", "and", "that", "have", "with"]
+    )
 
 
 def gopher_quality(text: str, cfg: GopherQualityConfig) -> tuple[str | None, str]:

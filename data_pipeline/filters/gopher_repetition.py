@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses as dc
 import re
+from dataclasses import dataclass
 
-from data_pipeline.config import GopherRepetitionConfig
 from data_pipeline.filters.text_stats import duplicated_ngram_fraction, duplicates, top_ngram_fraction
+
+
+@dataclass
+class GopherRepetitionConfig:
+    enabled: bool = True
+    dup_line_frac: float = 0.3
+    dup_para_frac: float = 0.3
+    dup_line_char_frac: float = 0.2
+    dup_para_char_frac: float = 0.2
+    top_n_grams: list[list[float]] = dc.field(default_factory=lambda: [[2, 0.2], [3, 0.18], [4, 0.16]])
+    dup_n_grams: list[list[float]] = dc.field(
+        default_factory=lambda: [[5, 0.15], [6, 0.14], [7, 0.13], [8, 0.12], [9, 0.11], [10, 0.10]]
+    )
 
 
 def gopher_repetition(text: str, cfg: GopherRepetitionConfig) -> tuple[str | None, str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from dsl_lit.config.errors import ConfigError
@@ -19,7 +20,7 @@ class DataConfig:
     """
 
     corpus_dir: str  # a directory of *.jsonl.gz documents (the bundled corpus: data/corpus)
-    cache_dir: str  # the tokenizer and the packed shards are built here, once
+    cache_dir: str  # the tokenizer and the packed shards are built here, once per corpus content
     tokenizer_vocab_size: int = 8192
     tokenizer_max_bytes: int | None = None
     seq_len: int = 256
@@ -72,6 +73,11 @@ class DataConfig:
             )
         if not self.corpus_dir:
             raise ConfigError("data.corpus_dir is empty: point it at a directory of *.jsonl.gz documents")
+        if not Path(self.corpus_dir).is_dir():
+            raise ConfigError(
+                f"data.corpus_dir={self.corpus_dir} is not a directory: point it at a directory of documents "
+                "(*.jsonl.gz, *.jsonl, *.parquet, *.txt; the bundled corpus is data/corpus)"
+            )
         if not self.cache_dir:
             raise ConfigError("data.cache_dir is empty: give a directory for the tokenizer and shards")
         return self

@@ -5,7 +5,7 @@
 Every turn is tokenized on its own and joined with the special-token ids, so a role tag can never
 merge with neighbouring text and the loss mask (the assistant's replies and their end-of-sentence
 token) follows turn boundaries exactly. R1's ``<think>``/``<answer>`` tags inside a reply are
-special tokens of our tokenizer (``data_pipeline.train_tokenizer``), so they encode to one id each.
+special tokens of our tokenizer (``dsl_lit.data.format.DEEPSEEK_SPECIAL_TOKENS``), so they encode to one id each.
 """
 
 from __future__ import annotations
@@ -17,10 +17,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from data_pipeline.train_tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
+from dsl_lit.data.format import ASSISTANT_TOKEN, BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, TOKENIZER_FILE, USER_TOKEN
 
-USER_TOKEN = "<｜User｜>"
-ASSISTANT_TOKEN = "<｜Assistant｜>"
 ROLES = ("system", "user", "assistant")
 Message = Mapping[str, str]
 
@@ -50,7 +48,7 @@ class ChatTokenizer:
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> ChatTokenizer:
-        path = Path(directory) / "tokenizer.json"
+        path = Path(directory) / TOKENIZER_FILE
         if not path.is_file():
             raise FileNotFoundError(f"{path} missing: point tokenizer_dir at a directory with tokenizer.json")
         return cls(Tokenizer.from_file(str(path)))

@@ -1,4 +1,4 @@
-"""``PretrainDataModule``: bundled corpus -> tokenizer -> packed shards -> one global batch per step.
+"""``PretrainDataModule``: corpus -> (data pipeline) tokenizer and packed shards -> one global batch per step.
 
 Why one batch per OPTIMIZER step: the LightningModule (or the pipeline schedule) cuts it into
 micro-batches itself, so gradient accumulation and pipeline parallelism never change which samples
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
@@ -20,12 +19,13 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-from filelock import FileLock
 from torch.utils.data import DataLoader, Dataset
 
 from dsl_lit.config.data import DataConfig
 from dsl_lit.config.errors import ConfigError
-from dsl_lit.data.packed import META_FILE, PackedTokens
+from dsl_lit.data.cache import prepare_cache
+from dsl_lit.data.format import META_FILE, SHARDS_DIR, TOKENIZER_DIR
+from dsl_lit.data.packed import PackedTokens
 from dsl_lit.data.sampler import GlobalBatchSampler, num_windows
 
 log = logging.getLogger(__name__)
@@ -54,13 +54,6 @@ def collate_windows(windows: list[np.ndarray]) -> dict[str, torch.Tensor]:
     return {"input_ids": stacked[:, :-1].contiguous(), "labels": stacked[:, 1:].contiguous()}
 
 
-def corpus_files(corpus_dir: str | Path) -> list[Path]:
-    files = sorted(Path(corpus_dir).glob("*.jsonl.gz")) + sorted(Path(corpus_dir).glob("*.jsonl"))
-    if not files:
-        raise FileNotFoundError(f"no *.jsonl.gz or *.jsonl documents in data.corpus_dir={corpus_dir}")
-    return files
-
-
 class PretrainDataModule(L.LightningDataModule):
     """Builds (once, under a file lock) and serves the packed pretraining stream."""
 
@@ -76,11 +69,11 @@ class PretrainDataModule(L.LightningDataModule):
     # -- where things live --------------------------------------------------------------------
     @property
     def tokenizer_dir(self) -> Path:
-        return Path(self.cfg.cache_dir) / "tokenizer"
+        return Path(self.cfg.cache_dir) / TOKENIZER_DIR
 
     @property
     def shards_dir(self) -> Path:
-        return Path(self.cfg.cache_dir) / "shards"
+        return Path(self.cfg.cache_dir) / SHARDS_DIR
 
     @cached_property
     def tokenizer_meta(self) -> dict[str, Any]:
@@ -91,60 +84,10 @@ class PretrainDataModule(L.LightningDataModule):
         return json.loads(path.read_text(encoding="utf-8"))
 
     # -- building -----------------------------------------------------------------------------
-    def _tokenizer_is_current(self) -> bool:
-        path = self.tokenizer_dir / META_FILE
-        if not path.is_file():
-            return False
-        meta = json.loads(path.read_text(encoding="utf-8"))
-        return (
-            meta.get("requested_vocab_size") == self.cfg.tokenizer_vocab_size
-            and meta.get("max_bytes") == self.cfg.tokenizer_max_bytes
-        )
-
-    def _shards_are_current(self) -> bool:
-        from data_pipeline.tokenize_pack import file_sha256
-
-        path = self.shards_dir / META_FILE
-        if not path.is_file():
-            return False
-        meta = json.loads(path.read_text(encoding="utf-8"))
-        return meta.get("tokenizer_sha256") == file_sha256(self.tokenizer_dir / "tokenizer.json")
-
     def prepare_data(self) -> None:
-        """Train the tokenizer and pack the corpus unless a matching build is already in ``cache_dir``.
-
-        A file lock makes concurrent callers wait for one build; each artefact appears atomically.
-        """
-        from data_pipeline.sources import load_documents
-        from data_pipeline.tokenize_pack import tokenize_pack
-        from data_pipeline.train_tokenizer import train_tokenizer
-
-        cache = Path(self.cfg.cache_dir)
-        cache.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(cache / ".prepare.lock")):
-            fresh_tokenizer = not self._tokenizer_is_current()
-            if not fresh_tokenizer and self._shards_are_current():
-                return
-            start = time.perf_counter()
-            files = corpus_files(self.cfg.corpus_dir)
-            docs = load_documents(files, cache_dir=cache / "hf_datasets")
-            log.info("data: %d documents from %d files in %s", len(docs), len(files), self.cfg.corpus_dir)
-            if fresh_tokenizer:
-                t0 = time.perf_counter()
-                texts = (t for batch in docs.iter(batch_size=1000) for t in batch["text"])
-                train_tokenizer(
-                    texts,
-                    self.cfg.tokenizer_vocab_size,
-                    self.tokenizer_dir,
-                    max_bytes=self.cfg.tokenizer_max_bytes,
-                )
-                log.info(
-                    "data: trained tokenizer in %.1fs -> %s", time.perf_counter() - t0, self.tokenizer_dir
-                )
-            t0 = time.perf_counter()
-            tokenize_pack(docs, self.tokenizer_dir, self.shards_dir)
-            log.info("data: packed shards in %.1fs -> %s", time.perf_counter() - t0, self.shards_dir)
-            log.info("data: prepare_data took %.1fs", time.perf_counter() - start)
+        """Build the tokenizer and the packed shards with the data pipeline unless ``cache_dir``
+        already holds a matching build (``dsl_lit.data.cache``); concurrent callers wait for one."""
+        prepare_cache(self.cfg)
         self.__dict__.pop("tokenizer_meta", None)  # drop a stale cached value
 
     # -- serving ------------------------------------------------------------------------------

@@ -1,0 +1,85 @@
+"""What a pipeline stage is: an object carrying its own config that lists the steps it adds to a run.
+
+Why objects, as in datatrove: a stage's settings (a dataclass with ``validate()``), the steps it runs
+and what fingerprints them live in the stage's own file, so adding a stage is that file plus one
+line in ``data_pipeline/registry.py``. The runner knows stages only through this interface.
+
+A step is a list of independent units (a document shard, an LSH band, a hash partition, or one
+global unit); ``run_unit(ctx, unit)`` computes one and returns its counts, which become the unit's
+marker and feed stats.json.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from dsl_lit.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from data_pipeline.config import PipelineConfig
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    stage: str
+    run_unit: Callable[[Any, int], dict[str, Any]]
+    units: int | None = None  # None: one unit per document shard; else this many units
+    writes_documents: bool = False  # the step's output shards are the next step's documents
+    settings: Any = None  # what the outputs depend on besides the inputs (fingerprinted)
+
+    def num_units(self, num_shards: int) -> int:
+        return num_shards if self.units is None else self.units
+
+
+class Stage:
+    """Base of every stage. Subclasses set ``name`` and ``Config`` and implement ``steps``.
+
+    ``section``: the key of the stage's settings in the config (default: ``name``); stages may share
+    one (``train_tokenizer`` and ``tokenize_pack`` read ``tokenizer``). ``after_finalize``: the stage
+    reads the published ``kept/`` documents and runs after every document stage.
+    ``needs_settings``: the section has no usable defaults; the hint says how to set it.
+    ``comes_after``: stages that, when also selected, must be listed before this one.
+    """
+
+    name: ClassVar[str]
+    Config: ClassVar[type]
+    section: ClassVar[str | None] = None
+    after_finalize: ClassVar[bool] = False
+    needs_settings: ClassVar[str | None] = None
+    comes_after: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, config: Any, pipeline: PipelineConfig) -> None:
+        self.config = config
+        self.pipeline = pipeline
+
+    @classmethod
+    def section_name(cls) -> str:
+        return cls.section or cls.name
+
+    def settings(self) -> Any:
+        """What this stage's outputs depend on besides its inputs: its settings, as plain values."""
+        return asdict(self.config)
+
+    def steps(self) -> list[Step]:
+        raise NotImplementedError(f"stage {self.name} must list its steps")
+
+    def step(
+        self,
+        run_unit: Callable[[Any, int], dict[str, Any]],
+        part: str | None = None,
+        units: int | None = None,
+        writes_documents: bool = False,
+    ) -> Step:
+        """A step of this stage, named ``<stage>.<part>`` (or the stage's name), fingerprinted by
+        the stage's settings."""
+        name = f"{self.name}.{part}" if part else self.name
+        return Step(name, self.name, run_unit, units, writes_documents, self.settings())
+
+
+def check_fraction(prefix: str, name: str, value: float, low: float = 0.0, high: float = 1.0) -> None:
+    """A config check shared by stage configs: ``prefix.name`` lies in ``[low, high]``."""
+    if not low <= value <= high:
+        raise ConfigError(f"{prefix}.{name}={value} must lie in [{low}, {high}]")

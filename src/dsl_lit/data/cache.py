@@ -1,0 +1,162 @@
+"""The data module's cache: a data-pipeline output directory, built by running the pipeline.
+
+Why a separate program: the trainer and ``data_pipeline`` share only the packed-shard format
+(``dsl_lit.data.format``). When ``data.cache_dir`` holds no current tokenizer and shards, the data
+module runs ``python -m data_pipeline`` (the command ``make demo`` runs, with the tokenizer
+stages only) and then reads back its shards; a pipeline output made by hand with more stages
+(dedup, filters) is used as it is when it matches the config.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock
+
+from dsl_lit.config.data import DataConfig
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.data.corpus import corpus_record
+from dsl_lit.data.format import META_FILE, SHARDS_DIR, TOKENIZER_DIR, TOKENIZER_FILE, file_sha256
+
+log = logging.getLogger(__name__)
+
+CONFIG_ERROR_EXIT = 2  # python -m data_pipeline's exit status for a refused config
+OWN_STAGES = ["train_tokenizer", "tokenize_pack"]  # what the data module runs; other runs are the user's
+
+
+def _read_meta(directory: Path) -> dict[str, Any] | None:
+    path = directory / META_FILE
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def stale_reason(cfg: DataConfig) -> str | None:
+    """Why ``cfg.cache_dir`` cannot serve ``cfg`` (None: it can): the cache is keyed by the corpus
+    (its path and content fingerprint) and by the tokenizer's settings and file."""
+    cache = Path(cfg.cache_dir)
+    tokenizer = _read_meta(cache / TOKENIZER_DIR)
+    shards = _read_meta(cache / SHARDS_DIR)
+    if tokenizer is None or shards is None:
+        return "no tokenizer and shards there yet"
+    trained = (tokenizer.get("requested_vocab_size"), tokenizer.get("max_bytes"))
+    if trained != (cfg.tokenizer_vocab_size, cfg.tokenizer_max_bytes):
+        return f"its tokenizer was trained with (vocab_size, max_bytes) = {trained}"
+    if shards.get("tokenizer_sha256") != file_sha256(cache / TOKENIZER_DIR / TOKENIZER_FILE):
+        return "its shards were encoded with another tokenizer"
+    if shards.get("corpus") != corpus_record(cfg.corpus_dir):
+        built_from = (shards.get("corpus") or {}).get("path", "an unrecorded corpus")
+        return f"it was built from {built_from} as it was then, not from data.corpus_dir as it is now"
+    return None
+
+
+def cache_is_current(cfg: DataConfig) -> bool:
+    return stale_reason(cfg) is None
+
+
+def _override(key: str, value: object) -> str:
+    """A Hydra command-line override with the value quoted (paths may hold ``=``, commas, spaces)."""
+    text = str(value)
+    if "'" in text or "\\" in text:
+        raise ConfigError(
+            f"data.{key}={text!r}: quotes and backslashes cannot be passed to the data pipeline"
+        )
+    return f"{key}='{text}'"
+
+
+def pipeline_command(cfg: DataConfig) -> list[str]:
+    """``python -m data_pipeline`` over ``data.corpus_dir`` into ``data.cache_dir``: tokenizer and shards."""
+    max_bytes = "null" if cfg.tokenizer_max_bytes is None else cfg.tokenizer_max_bytes
+    return [
+        sys.executable,
+        "-m",
+        "data_pipeline",
+        _override("input.path", Path(cfg.corpus_dir).resolve()),
+        _override("output_dir", Path(cfg.cache_dir).resolve()),
+        "stages=[train_tokenizer,tokenize_pack]",
+        f"tokenizer.vocab_size={cfg.tokenizer_vocab_size}",
+        f"tokenizer.max_bytes={max_bytes}",
+        "tokenizer.padded_vocab_size=null",  # the vocab rounded up to a multiple of 128
+        "tokenizer.special_tokens=null",
+    ]
+
+
+def _pipeline_env() -> dict[str, str]:
+    """This environment, with the directories holding ``data_pipeline`` and ``dsl_lit`` importable."""
+    roots = []
+    for name in ("data_pipeline", "dsl_lit"):
+        spec = importlib.util.find_spec(name)  # locates the package without importing it
+        if spec is None or spec.origin is None:
+            raise RuntimeError(
+                f"cannot find the {name} package to build data.cache_dir: run from the project root or "
+                "install the project (pip install -e .)"
+            )
+        roots.append(str(Path(spec.origin).parents[1]))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([*dict.fromkeys(roots), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def run_pipeline(cfg: DataConfig) -> None:
+    """Run the pipeline's program, its output logged line by line; a failure raises with its tail."""
+    command = pipeline_command(cfg)
+    log.info("data: building %s with: %s", cfg.cache_dir, " ".join(command[1:]))
+    tail: deque[str] = deque(maxlen=20)
+    with subprocess.Popen(
+        command,
+        env=_pipeline_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        encoding="utf-8",
+        errors="replace",
+    ) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            tail.append(line.rstrip())
+            log.info("data_pipeline: %s", line.rstrip())
+    if proc.returncode == 0:
+        return
+    message = (
+        f"building data.cache_dir={cfg.cache_dir} from data.corpus_dir={cfg.corpus_dir} failed "
+        f"(exit {proc.returncode}):\n" + "\n".join(tail)
+    )
+    raise ConfigError(message) if proc.returncode == CONFIG_ERROR_EXIT else RuntimeError(message)
+
+
+def prepare_cache(cfg: DataConfig) -> None:
+    """Build ``cfg.cache_dir`` unless it is current; concurrent callers wait for one build.
+
+    The lock file sits beside the cache directory: the directory itself belongs to the pipeline.
+    """
+    cache = Path(cfg.cache_dir)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(cache.parent / f".{cache.name}.lock")):
+        reason = stale_reason(cfg)
+        if reason is None:
+            return
+        stages = (_read_meta(cache / SHARDS_DIR) or {}).get("stages", OWN_STAGES)
+        if stages != OWN_STAGES:  # a pipeline run made by hand (dedup, filters): never redo it ours
+            raise ConfigError(
+                f"data.cache_dir={cache} holds a data-pipeline run with stages={stages} that does not "
+                f"match the data config: {reason}. Rerun that pipeline (input.path=<data.corpus_dir> "
+                "output_dir=<data.cache_dir>) or set data.cache_dir to another directory"
+            )
+        log.info("data: building %s: %s", cache, reason)
+        start = time.perf_counter()
+        run_pipeline(cfg)
+        reason = stale_reason(cfg)
+        if reason is not None:
+            raise RuntimeError(
+                f"the data pipeline finished but {cache} does not match the data config: {reason}"
+            )
+        log.info(
+            "data: trained tokenizer and packed shards in %.1fs -> %s", time.perf_counter() - start, cache
+        )
