@@ -40,7 +40,7 @@ import torch
 from torch.utils.data import DataLoader
 from dsl_lit.config.memory import MemoryConfig
 from dsl_lit.config.model import ModelConfig
-from dsl_lit.modules import PretrainModule
+from dsl_lit.training import PretrainModule
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 
 name, batch, micro, seq, recompute, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6])

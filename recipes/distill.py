@@ -22,9 +22,9 @@ from dsl_lit.config.errors import ConfigError
 from dsl_lit.data.conversations import read_conversations
 from dsl_lit.data.rows import RowsDataModule
 from dsl_lit.data.sft import sft_rows
-from dsl_lit.modules import SFTModule
-from dsl_lit.posttrain_run import cold_start_sft, fit, module_kwargs, sample_to_file, setup_posttrain
-from dsl_lit.runs import exits_on_config_error
+from dsl_lit.posttrain import SFTModule
+from dsl_lit.posttrain.run import cold_start_sft, fit, module_kwargs, sample_to_file, setup_posttrain
+from dsl_lit.training.runs import exits_on_config_error
 
 
 @hydra.main(config_path="../conf", config_name="distill", version_base="1.3")

@@ -12,11 +12,11 @@ import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from dsl_lit.data.preference import collate_pairs, preference_rows, task_pairs
 from dsl_lit.data.rows import RowsDataModule
-from dsl_lit.modules import DPOModule
-from dsl_lit.posttrain_run import fit, module_kwargs, setup_posttrain
-from dsl_lit.runs import exits_on_config_error
+from dsl_lit.posttrain import DPOModule
+from dsl_lit.posttrain.dpo.data import collate_pairs, preference_rows, task_pairs
+from dsl_lit.posttrain.run import fit, module_kwargs, setup_posttrain
+from dsl_lit.training.runs import exits_on_config_error
 
 
 @hydra.main(config_path="../conf", config_name="dpo", version_base="1.3")

@@ -14,8 +14,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from dsl_lit.runs import exits_on_config_error
 from dsl_lit.scaling.planner.report import write_plan
+from dsl_lit.training.runs import exits_on_config_error
 
 
 @hydra.main(config_path="../conf", config_name="plan", version_base="1.3")

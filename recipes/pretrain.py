@@ -12,11 +12,11 @@ import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from dsl_lit.build import fit, module_arguments, starting_weights
 from dsl_lit.config import TrainConfig
 from dsl_lit.data.datamodule import PretrainDataModule
-from dsl_lit.modules import PretrainModule
-from dsl_lit.runs import check_vocab, exits_on_config_error, save_resolved_config
+from dsl_lit.training import PretrainModule
+from dsl_lit.training.build import fit, module_arguments, starting_weights
+from dsl_lit.training.runs import check_vocab, exits_on_config_error, save_resolved_config
 
 
 @hydra.main(config_path="../conf", config_name="pretrain", version_base="1.3")

@@ -18,8 +18,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from dsl_lit.posttrain_run import cold_start_sft, sample_to_file, setup_posttrain
-from dsl_lit.runs import exits_on_config_error
+from dsl_lit.posttrain.run import cold_start_sft, sample_to_file, setup_posttrain
+from dsl_lit.training.runs import exits_on_config_error
 
 
 @hydra.main(config_path="../conf", config_name="rejection_sample", version_base="1.3")

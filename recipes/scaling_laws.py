@@ -22,9 +22,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-import dsl_lit.build  # noqa: F401  (registers ${project_root:})
-from dsl_lit.runs import exits_on_config_error
+import dsl_lit.training.build  # noqa: F401  (registers ${project_root:})
 from dsl_lit.scaling.sweep import register_resolver, train_point
+from dsl_lit.training.runs import exits_on_config_error
 
 register_resolver()  # ${scaling_points:...}: the multirun's list of runs, before Hydra composes
 

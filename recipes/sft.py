@@ -18,9 +18,9 @@ from omegaconf import DictConfig
 from dsl_lit.data.conversations import load_conversations
 from dsl_lit.data.rows import RowsDataModule
 from dsl_lit.data.sft import sft_rows
-from dsl_lit.modules import SFTModule
-from dsl_lit.posttrain_run import fit, module_kwargs, setup_posttrain
-from dsl_lit.runs import exits_on_config_error
+from dsl_lit.posttrain import SFTModule
+from dsl_lit.posttrain.run import fit, module_kwargs, setup_posttrain
+from dsl_lit.training.runs import exits_on_config_error
 
 log = logging.getLogger(__name__)
 

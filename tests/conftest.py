@@ -10,7 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-import dsl_lit.build  # noqa: F401  (registers the ${project_root:} resolver)
+import dsl_lit.training.build  # noqa: F401  (registers the ${project_root:} resolver)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

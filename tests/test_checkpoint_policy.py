@@ -18,7 +18,6 @@ from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.utils.data import DataLoader
 
-from dsl_lit.build import build_trainer
 from dsl_lit.checkpoint.directory import (
     DirectoryCheckpointIO,
     StepCheckpoint,
@@ -30,7 +29,8 @@ from dsl_lit.config import TrainConfig
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.models import ModelConfig
-from dsl_lit.modules import PretrainModule
+from dsl_lit.training import PretrainModule
+from dsl_lit.training.build import build_trainer
 from tests.conftest import compose_config
 
 FILES = ("shards", "trainer_state.pt", "config.yaml", "meta.json")

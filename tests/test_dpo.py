@@ -11,9 +11,9 @@ import torch
 
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.config.posttrain import DPOConfig, TaskConfig
-from dsl_lit.data.preference import collate_pairs, preference_rows, task_pairs
 from dsl_lit.models import ModelConfig
-from dsl_lit.modules import DPOModule
+from dsl_lit.posttrain import DPOModule
+from dsl_lit.posttrain.dpo.data import collate_pairs, preference_rows, task_pairs
 from tests.test_sft import tokenizer  # noqa: F401  (fixture)
 
 

@@ -7,8 +7,10 @@ import functools
 import pytest
 import torch
 
-import dsl_lit.generation as generation
-from dsl_lit.generation import (
+import dsl_lit.posttrain.generation as generation
+from dsl_lit.models import ModelConfig, build_model
+from dsl_lit.models.kv_cache import KVCache
+from dsl_lit.posttrain.generation import (
     filter_logits,
     generate,
     positions_from_mask,
@@ -16,8 +18,6 @@ from dsl_lit.generation import (
     top_k_mask,
     top_p_mask,
 )
-from dsl_lit.models import ModelConfig, build_model
-from dsl_lit.models.kv_cache import KVCache
 
 PRESETS = ["deepseek_llm_tiny", "deepseek_v3_tiny"]
 VOCAB = 512

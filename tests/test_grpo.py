@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsl_lit.generation import generate, positions_from_mask
 from dsl_lit.models import ModelConfig, build_model
-from dsl_lit.modules.posttrain import shifted_completion
-from dsl_lit.objectives import token_logps
+from dsl_lit.posttrain.generation import generate, positions_from_mask
+from dsl_lit.posttrain.logps import token_logps
+from dsl_lit.posttrain.module import shifted_completion
 
 
 @pytest.mark.parametrize("family", ["deepseek_llm_tiny", "deepseek_v3_tiny"])

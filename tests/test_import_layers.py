@@ -35,22 +35,24 @@ def test_importing_the_config_loads_no_lightning_module_or_strategy():
     code = (
         "import sys, dsl_lit.config, dsl_lit.config.posttrain;"
         "loaded = [m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')"
-        " or m.startswith(('dsl_lit.modules', 'dsl_lit.parallel', 'dsl_lit.models'))];"
+        " or m.startswith(('dsl_lit.training', 'dsl_lit.posttrain', 'dsl_lit.parallel', 'dsl_lit.models'))];"
         "print(loaded); assert not loaded, loaded"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_modules_do_not_name_the_strategy():
-    for path in (SRC / "modules").rglob("*.py"):
+    modules = [SRC / "training" / "causal_lm.py", SRC / "training" / "pretrain.py", *(SRC / "posttrain").rglob("module.py")]
+    assert len(modules) == 7
+    for path in modules:
         text = path.read_text(encoding="utf-8")
         assert "DeepSeekStrategy" not in text, f"{path.name} names the Strategy; use self.runner"
         assert "dsl_lit.parallel.strategy" not in _imports(path), path.name
 
 
 def test_models_import_no_upper_layer():
-    upper = ("dsl_lit.parallel", "dsl_lit.modules", "dsl_lit.training", "dsl_lit.precision", "dsl_lit.hf",
-             "dsl_lit.callbacks", "dsl_lit.build", "lightning")
+    upper = ("dsl_lit.parallel", "dsl_lit.posttrain", "dsl_lit.training", "dsl_lit.precision", "dsl_lit.hf",
+             "dsl_lit.training.callbacks", "dsl_lit.training.build", "lightning")
     for path in (SRC / "models").rglob("*.py"):
         bad = sorted(m for m in _imports(path) if m.startswith(upper))
         assert not bad, f"{path.relative_to(SRC)} imports {bad}"

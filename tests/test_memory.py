@@ -9,14 +9,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
-from dsl_lit.callbacks.ema import EMACallback
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.memory import MemoryConfig
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.memory.recompute import apply_recompute
 from dsl_lit.models import build_model
-from dsl_lit.modules import PretrainModule
 from dsl_lit.ops import cross_entropy
+from dsl_lit.training import PretrainModule
+from dsl_lit.training.callbacks.ema import EMACallback
 from tests.test_pretrain_module import _batch, _v3
 
 

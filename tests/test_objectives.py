@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
-from dsl_lit.objectives import dpo_loss, group_advantages, grpo_loss, k3_kl, sequence_logps, token_logps
+from dsl_lit.posttrain.dpo.loss import dpo_loss
+from dsl_lit.posttrain.grpo.loss import group_advantages, grpo_loss, k3_kl
+from dsl_lit.posttrain.logps import sequence_logps, token_logps
 
 
 def logsig(x: float) -> float:

@@ -30,8 +30,8 @@ import yaml
 from dsl_lit.config.posttrain import PostTrainConfig
 from dsl_lit.data import arithmetic
 from dsl_lit.data.chat import ChatTokenizer
-from dsl_lit.data.rejection import rejection_sample
-from dsl_lit.pretrained import load_pretrained
+from dsl_lit.posttrain.rejection.data import rejection_sample
+from dsl_lit.training.pretrained import load_pretrained
 from tests.conftest import ROOT
 
 SFT_STEPS = 30

@@ -12,10 +12,11 @@ from torch.utils.data import DataLoader
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.config.posttrain import DPOConfig
 from dsl_lit.config.precision import PrecisionConfig
-from dsl_lit.modules import CausalLMModule, DPOModule, PretrainModule, SFTModule
 from dsl_lit.optim.clip import clip_grad_norm_
+from dsl_lit.posttrain import DPOModule, SFTModule
 from dsl_lit.precision.loss_scaler import DynamicLossScaler
 from dsl_lit.precision.plugin import AutocastPrecision
+from dsl_lit.training import CausalLMModule, PretrainModule
 from tests.test_pretrain_module import _batch, _llm, _v3
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsl_lit.rewards import (
+from dsl_lit.posttrain.rewards import (
     WeightedRewards,
     accuracy_reward,
     extract_answer,

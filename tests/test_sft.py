@@ -16,8 +16,8 @@ from dsl_lit.data.conversations import task_conversations
 from dsl_lit.data.datamodule import PretrainDataModule
 from dsl_lit.data.sft import IGNORE, document, packed_rows, padded_rows, sft_rows
 from dsl_lit.models import ModelConfig
-from dsl_lit.modules import SFTModule
 from dsl_lit.ops import cross_entropy
+from dsl_lit.posttrain import SFTModule
 from tests.conftest import compose_config
 
 

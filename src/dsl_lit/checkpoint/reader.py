@@ -99,7 +99,7 @@ def read_model_weights(checkpoint: Path) -> StateDict:
 
 
 def read_ema(checkpoint: Path) -> tuple[StateDict, float]:
-    """The EMA that ``dsl_lit.callbacks.ema.EMACallback`` saved, and its decay."""
+    """The EMA that ``dsl_lit.training.callbacks.ema.EMACallback`` saved, and its decay."""
     path = checkpoint / STATE
     state = torch.load(path, map_location="cpu", weights_only=True)  # weights_only: no code is unpickled
     callbacks: dict[str, Any] = state.get("callbacks") or {}

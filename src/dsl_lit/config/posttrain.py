@@ -17,7 +17,7 @@ DPO_LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo")
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 ADVANTAGE_SCALES = ("group", "batch", "none")
 REWARDS = ("accuracy", "format", "language")
-"""Names of the rule rewards (``dsl_lit.rewards.REWARD_FUNCTIONS`` has one function per name)."""
+"""Names of the rule rewards (``dsl_lit.posttrain.rewards.REWARD_FUNCTIONS`` has one function per name)."""
 TASK_OPERATIONS = ("+", "-", "*")
 """Operations the generated arithmetic task can draw (``dsl_lit.data.arithmetic``)."""
 

@@ -157,11 +157,11 @@ def train_point(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     import lightning as L
     import torch
 
-    from dsl_lit.build import build_trainer, module_arguments
     from dsl_lit.config import TrainConfig
     from dsl_lit.data.datamodule import PretrainDataModule
-    from dsl_lit.modules import PretrainModule
-    from dsl_lit.runs import finish_run
+    from dsl_lit.training import PretrainModule
+    from dsl_lit.training.build import build_trainer, module_arguments
+    from dsl_lit.training.runs import finish_run
 
     sweep, seq_len = sweep_from_config(cfg)
     points = sweep_points(sweep.validate(), seq_len)

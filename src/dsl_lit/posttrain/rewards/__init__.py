@@ -1,10 +1,10 @@
 """Rule-based rewards (DeepSeek-R1): checked answers, the think/answer format, language consistency,
 and their weighted combination. Each reward is ``fn(completion: str, sample: Mapping) -> float``."""
 
-from dsl_lit.rewards.accuracy import CHECKERS, accuracy_reward, extract_answer, extract_boxed
-from dsl_lit.rewards.combine import REWARD_FUNCTIONS, RewardFunction, WeightedRewards, build_rewards
-from dsl_lit.rewards.format import format_reward
-from dsl_lit.rewards.language import language_consistency_reward, target_language_share
+from dsl_lit.posttrain.rewards.accuracy import CHECKERS, accuracy_reward, extract_answer, extract_boxed
+from dsl_lit.posttrain.rewards.combine import REWARD_FUNCTIONS, RewardFunction, WeightedRewards, build_rewards
+from dsl_lit.posttrain.rewards.format import format_reward
+from dsl_lit.posttrain.rewards.language import language_consistency_reward, target_language_share
 
 __all__ = [
     "CHECKERS",

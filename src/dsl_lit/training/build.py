@@ -19,27 +19,27 @@ from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import OmegaConf
 
-from dsl_lit.callbacks.ema import EMACallback
-from dsl_lit.callbacks.expert_load import ExpertLoadMonitor
-from dsl_lit.callbacks.preemption import PreemptionHandler
-from dsl_lit.callbacks.rank_failure import RankFailureReporter
-from dsl_lit.callbacks.rng_state import RNGStateCallback
-from dsl_lit.callbacks.throughput import ThroughputMonitor
 from dsl_lit.checkpoint.directory import DirectoryCheckpointIO, StepCheckpoint, latest_checkpoint
 from dsl_lit.config import ModelConfig, TrainConfig
 from dsl_lit.flops import training_flops_per_token
-from dsl_lit.loggers import RunCSVLogger
 from dsl_lit.parallel.checkpointing import OneDeviceStrategy
 from dsl_lit.parallel.strategy import DeepSeekStrategy
 from dsl_lit.precision.plugin import AutocastPrecision
-from dsl_lit.pretrained import load_pretrained
-from dsl_lit.runs import finish_run
+from dsl_lit.training.callbacks.ema import EMACallback
+from dsl_lit.training.callbacks.expert_load import ExpertLoadMonitor
+from dsl_lit.training.callbacks.preemption import PreemptionHandler
+from dsl_lit.training.callbacks.rank_failure import RankFailureReporter
+from dsl_lit.training.callbacks.rng_state import RNGStateCallback
+from dsl_lit.training.callbacks.throughput import ThroughputMonitor
+from dsl_lit.training.loggers import RunCSVLogger
+from dsl_lit.training.pretrained import load_pretrained
+from dsl_lit.training.runs import finish_run
 
 log = logging.getLogger(__name__)
 # Lightning warns that manual-optimization checkpoints hold post-step weights: that is what we want.
 warnings.filterwarnings("ignore", message=".*ModelCheckpoint with manual optimization.*")
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROJECT_ROOT = Path(__file__).resolve().parents[3]
 if not OmegaConf.has_resolver("project_root"):
     # ${project_root:} in YAML: where the bundled corpus and the data cache live, wherever you run from.
     OmegaConf.register_new_resolver("project_root", lambda: str(PROJECT_ROOT))

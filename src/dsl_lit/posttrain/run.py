@@ -12,14 +12,18 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from dsl_lit.build import build_trainer, module_arguments, starting_weights  # also registers ${project_root:}
-from dsl_lit.build import fit as fit_run
 from dsl_lit.config import ParallelConfig, TrainConfig
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.posttrain import PostTrainConfig
 from dsl_lit.data.chat import ChatTokenizer
 from dsl_lit.data.datamodule import PretrainDataModule
-from dsl_lit.runs import check_vocab, save_resolved_config
+from dsl_lit.training.build import (  # also registers ${project_root:}
+    build_trainer,
+    module_arguments,
+    starting_weights,
+)
+from dsl_lit.training.build import fit as fit_run
+from dsl_lit.training.runs import check_vocab, save_resolved_config
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +58,7 @@ def module_kwargs(setup: PostTrainSetup) -> dict[str, Any]:
 
 
 def fit(setup: PostTrainSetup, module: Any, datamodule: Any) -> Any:
-    """:func:`dsl_lit.build.fit` with the setup's config."""
+    """:func:`dsl_lit.training.build.fit` with the setup's config."""
     return fit_run(setup.cfg, module, datamodule)
 
 
@@ -64,9 +68,9 @@ def sample_to_file(setup: PostTrainSetup, output: Path) -> dict[str, Any]:
     for training), write the kept conversations to ``output`` (JSONL, rank 0) and the counts
     beside it; returns the counts (on every rank)."""
     from dsl_lit.data import arithmetic
-    from dsl_lit.data.rejection import summary_of, write_samples
     from dsl_lit.data.rows import RowsDataModule
-    from dsl_lit.modules import RejectionSamplingModule
+    from dsl_lit.posttrain import RejectionSamplingModule
+    from dsl_lit.posttrain.rejection.data import summary_of, write_samples
 
     cfg, post = setup.cfg, setup.post
     cfg = replace(cfg, parallel=ParallelConfig(), checkpoint=replace(cfg.checkpoint, every_n_steps=0, every_minutes=0))
@@ -92,7 +96,7 @@ def cold_start_sft(hydra_cfg: DictConfig, run_dir: Path, steps: int, lr: float) 
     from dsl_lit.data.conversations import task_conversations
     from dsl_lit.data.rows import RowsDataModule
     from dsl_lit.data.sft import sft_rows
-    from dsl_lit.modules import SFTModule
+    from dsl_lit.posttrain import SFTModule
 
     if hydra_cfg.trainer.devices * hydra_cfg.trainer.num_nodes > 1:
         raise ConfigError("the cold start runs in this process: with several devices run recipes/sft.py first "

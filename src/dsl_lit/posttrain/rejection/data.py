@@ -21,8 +21,8 @@ from torch import nn
 from dsl_lit.config.posttrain import RejectionConfig
 from dsl_lit.data.chat import ChatTokenizer, prompt_and_reply
 from dsl_lit.data.conversations import write_conversations
-from dsl_lit.generation import generate
-from dsl_lit.rewards import WeightedRewards
+from dsl_lit.posttrain.generation import generate
+from dsl_lit.posttrain.rewards import WeightedRewards
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def rejection_sample(
 ) -> tuple[list[dict[str, Any]], RejectionStats]:
     """(records ``{"messages", "reward", "answer"}``, counts) for ``problems``, in this process,
     batch by batch of ``cfg.batch_prompts`` (what each process of a multi-process run does with
-    its share of the batches: :class:`dsl_lit.modules.RejectionSamplingModule`)."""
+    its share of the batches: :class:`dsl_lit.posttrain.RejectionSamplingModule`)."""
     sampler = RejectionSampler(tokenizer, prompt_of, cfg)
     device = next(model.parameters()).device
     records: list[dict[str, Any]] = []

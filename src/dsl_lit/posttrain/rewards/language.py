@@ -12,7 +12,7 @@ import unicodedata
 from collections.abc import Mapping
 from typing import Any
 
-from dsl_lit.rewards.format import think_block
+from dsl_lit.posttrain.rewards.format import think_block
 
 SCRIPTS = {"en": "LATIN", "fr": "LATIN", "de": "LATIN", "es": "LATIN", "ru": "CYRILLIC", "el": "GREEK",
            "zh": "CJK", "ja": "CJK", "ko": "HANGUL"}

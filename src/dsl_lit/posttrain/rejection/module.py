@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from dsl_lit.config.posttrain import RejectionConfig
 from dsl_lit.data.chat import ChatTokenizer
-from dsl_lit.data.rejection import RejectionSampler, RejectionStats, batch_generator
 from dsl_lit.models import ModelConfig, build_model
+from dsl_lit.posttrain.rejection.data import RejectionSampler, RejectionStats, batch_generator
 
 
 class RejectionSamplingModule(L.LightningModule):

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from dsl_lit.modules.causal_lm import Batch, Metrics
-from dsl_lit.modules.posttrain import PostTrainModule
 from dsl_lit.ops import cross_entropy
+from dsl_lit.posttrain.module import PostTrainModule
+from dsl_lit.training.causal_lm import Batch, Metrics
 
 
 class SFTModule(PostTrainModule):

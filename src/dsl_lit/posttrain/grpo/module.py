@@ -28,12 +28,13 @@ import torch
 
 from dsl_lit.config.posttrain import GRPOConfig, SamplingConfig
 from dsl_lit.data.chat import ChatTokenizer
-from dsl_lit.data.prompts import prompts_of
-from dsl_lit.generation import generate
-from dsl_lit.modules.causal_lm import Batch, Metrics
-from dsl_lit.modules.posttrain import PostTrainModule, shifted_completion
-from dsl_lit.objectives import group_advantages, grpo_loss, token_logps
-from dsl_lit.rewards import WeightedRewards, accuracy_reward
+from dsl_lit.posttrain.generation import generate
+from dsl_lit.posttrain.grpo.data import prompts_of
+from dsl_lit.posttrain.grpo.loss import group_advantages, grpo_loss
+from dsl_lit.posttrain.logps import token_logps
+from dsl_lit.posttrain.module import PostTrainModule, shifted_completion
+from dsl_lit.posttrain.rewards import WeightedRewards, accuracy_reward
+from dsl_lit.training.causal_lm import Batch, Metrics
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from dsl_lit.config.posttrain import DPOConfig
-from dsl_lit.modules.causal_lm import Batch, Metrics
-from dsl_lit.modules.posttrain import PostTrainModule
-from dsl_lit.objectives import dpo_loss, sequence_logps
+from dsl_lit.posttrain.dpo.loss import dpo_loss
+from dsl_lit.posttrain.logps import sequence_logps
+from dsl_lit.posttrain.module import PostTrainModule
+from dsl_lit.training.causal_lm import Batch, Metrics
 
 
 class DPOModule(PostTrainModule):

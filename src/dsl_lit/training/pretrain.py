@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from dsl_lit.modules.causal_lm import Batch, CausalLMModule, Metrics
 from dsl_lit.ops import cross_entropy
+from dsl_lit.training.causal_lm import Batch, CausalLMModule, Metrics
 
 
 class PretrainModule(CausalLMModule):

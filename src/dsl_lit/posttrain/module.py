@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from dsl_lit.data.sft import document_mask
-from dsl_lit.generation import positions_from_mask
 from dsl_lit.models import build_model
-from dsl_lit.modules.causal_lm import Batch, CausalLMModule
-from dsl_lit.objectives import token_logps
+from dsl_lit.posttrain.generation import positions_from_mask
+from dsl_lit.posttrain.logps import token_logps
+from dsl_lit.training.causal_lm import Batch, CausalLMModule
 
 
 def shifted_completion(sequences: torch.Tensor, valid: torch.Tensor, prompt_length: int) -> Batch:

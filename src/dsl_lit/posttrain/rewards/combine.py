@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from dsl_lit.rewards.accuracy import accuracy_reward
-from dsl_lit.rewards.format import format_reward
-from dsl_lit.rewards.language import language_consistency_reward
+from dsl_lit.posttrain.rewards.accuracy import accuracy_reward
+from dsl_lit.posttrain.rewards.format import format_reward
+from dsl_lit.posttrain.rewards.language import language_consistency_reward
 
 RewardFunction = Callable[[str, Mapping[str, Any]], float]
 REWARD_FUNCTIONS: dict[str, RewardFunction] = {

@@ -1,0 +1,1 @@
+"""Post-training method ``grpo``: its LightningModule (``module``), its loss (``loss``) and its data (``data``)."""

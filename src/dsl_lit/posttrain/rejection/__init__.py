@@ -1,0 +1,1 @@
+"""Post-training method ``rejection``: rejection sampling's LightningModule (``module``) and data (``data``)."""
