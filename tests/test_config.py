@@ -43,7 +43,10 @@ def test_deepseek_v3_671b_experiment_numbers():
     assert (m.n_layers, m.d_model, m.n_heads, m.vocab_size) == (61, 7168, 128, 129280)
     assert (m.n_routed_experts, m.n_activated_experts, m.n_expert_groups, m.n_limited_groups) == (256, 8, 8, 4)
     assert cfg.optim.lr == 2.2e-4 and cfg.data.seq_len == 4096 and cfg.data.global_batch_size == 15360
-    assert cfg.trainer.max_steps * 15360 * 4096 == pytest.approx(14.8e12, rel=1e-4)
+    batches = cfg.data.batch_schedule
+    assert batches.size_at(0) == 3072 and batches.size_at(batches.ramp_samples) == 15360
+    assert batches.advance(0, cfg.trainer.max_steps) * 4096 == pytest.approx(14.8e12, rel=1e-4)
+    assert cfg.schedule.name == "deepseek_v3"
 
 
 def test_overrides_reach_the_dataclasses():

@@ -3,12 +3,92 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.schema import dataclass_from_dict
+
+
+@dataclass
+class BatchRampConfig:
+    """``data.batch_ramp``: the global batch grows from ``start`` sequences to
+    ``data.global_batch_size`` in steps of ``increment`` over the first ``tokens`` training tokens
+    (DeepSeek-V3: 3072 -> 15360 over 469B; Megatron's ``--rampup-batch-size``). The schedule is a
+    function of the samples consumed only, so every layout (and a resume under another one) sees
+    the same batches. ``start: null`` disables it."""
+
+    start: int | None = None
+    tokens: int = 0
+    increment: int | None = None
+    """Sequences added per stage (null: ``start``); ``start`` and it must be multiples of
+    data.micro_batch_size x the data-parallel size."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.start is not None and self.tokens > 0
+
+
+@dataclass
+class BatchSchedule:
+    """The global batch size of every step: constant, or ramped (:class:`BatchRampConfig`)."""
+
+    global_batch_size: int
+    seq_len: int
+    ramp: BatchRampConfig
+
+    @property
+    def _stages(self) -> int:
+        return (self.global_batch_size - self.ramp.start) // self._increment if self.ramp.enabled else 0
+
+    @property
+    def _increment(self) -> int:
+        return self.ramp.increment or self.ramp.start
+
+    @property
+    def ramp_samples(self) -> int:
+        return -(-self.ramp.tokens // self.seq_len) if self.ramp.enabled else 0
+
+    def size_at(self, consumed_samples: int) -> int:
+        """The global batch of the step that starts after ``consumed_samples`` samples."""
+        if not self.ramp.enabled or consumed_samples >= self.ramp_samples:
+            return self.global_batch_size
+        stage = consumed_samples * (self._stages + 1) // self.ramp_samples
+        return min(self.global_batch_size, self.ramp.start + stage * self._increment)
+
+    def advance(self, consumed_samples: int, steps: int) -> int:
+        """Samples consumed after ``steps`` more steps (whole stages at a time: O(stages))."""
+        consumed = consumed_samples
+        while steps > 0:
+            size = self.size_at(consumed)
+            if size == self.global_batch_size:
+                return consumed + steps * size
+            stage = consumed * (self._stages + 1) // self.ramp_samples
+            stage_end = -(-(stage + 1) * self.ramp_samples // (self._stages + 1))  # first sample of the next stage
+            in_stage = max(1, -(-(stage_end - consumed) // size))
+            take = min(steps, in_stage)
+            consumed, steps = consumed + take * size, steps - take
+        return consumed
+
+    def validate(self, quantum: int) -> None:
+        """ConfigError unless every batch of the ramp splits into ``quantum`` = micro x dp pieces."""
+        ramp = self.ramp
+        if ramp.start is None and ramp.tokens == 0:
+            return
+        if ramp.start is None or ramp.tokens <= 0:
+            raise ConfigError("data.batch_ramp needs both start (sequences) and tokens (> 0), or start=null")
+        if not 0 < ramp.start <= self.global_batch_size:
+            raise ConfigError(f"data.batch_ramp.start={ramp.start} must be in (0, data.global_batch_size="
+                              f"{self.global_batch_size}]")
+        increment = self._increment
+        if increment <= 0 or (self.global_batch_size - ramp.start) % increment:
+            raise ConfigError(f"data.batch_ramp.increment={increment} must divide data.global_batch_size - "
+                              f"data.batch_ramp.start = {self.global_batch_size - ramp.start}")
+        for name, value in (("start", ramp.start), ("increment", increment)):
+            if value % quantum:
+                raise ConfigError(f"data.batch_ramp.{name}={value} must be a multiple of data.micro_batch_size x "
+                                  f"the data-parallel size = {quantum} (every ramp step splits into micro-batches)")
 
 
 @dataclass
@@ -28,6 +108,7 @@ class DataConfig:
     micro_batch_size: int = 8
     num_workers: int = 0
     seed: int = 1234
+    batch_ramp: BatchRampConfig = field(default_factory=BatchRampConfig)
     val_windows: int = 0
     """Windows at the end of the packed stream held out for validation (never trained on),
     validated in whole global batches (``val_windows // global_batch_size`` of them)."""
@@ -80,4 +161,13 @@ class DataConfig:
             )
         if not self.cache_dir:
             raise ConfigError("data.cache_dir is empty: give a directory for the tokenizer and shards")
+        self.batch_schedule.validate(step)
         return self
+
+    @property
+    def batch_schedule(self) -> BatchSchedule:
+        return BatchSchedule(self.global_batch_size, self.seq_len, self.batch_ramp)
+
+    @property
+    def smallest_global_batch(self) -> int:
+        return self.batch_ramp.start if self.batch_ramp.enabled else self.global_batch_size

@@ -9,8 +9,8 @@ from typing import Literal
 from dsl_lit.config.errors import ConfigError
 
 MOMENT_DTYPE_NAMES = ("fp32", "bf16")
-ScheduleName = Literal["multi_step", "cosine", "wsd", "constant"]
-_SCHEDULES = ("multi_step", "cosine", "wsd", "constant")
+ScheduleName = Literal["multi_step", "cosine", "wsd", "constant", "deepseek_v3"]
+_SCHEDULES = ("multi_step", "cosine", "wsd", "constant", "deepseek_v3")
 
 
 @dataclass
@@ -61,6 +61,15 @@ class ScheduleConfig:
     factors: tuple[float, ...] = (0.316, 0.1)
     min_ratio: float = 0.1
     decay_fraction: float = 0.2
+    # -- deepseek_v3: counted in training tokens (DeepSeek-V3 section 4.2) --------------------------
+    stable_tokens: float = 10e12
+    """Peak lr after warmup until this many tokens (V3: 10T) ..."""
+    decay_tokens: float = 4.3e12
+    """... then a cosine to ``min_ratio`` x peak over this many (V3: 4.3T, to 2.2e-5) ..."""
+    tail_tokens: float = 333e9
+    """... ``min_ratio`` for this many more (V3: 333B) ..."""
+    tail_ratio: float = 7.3e-6 / 2.2e-4
+    """... then this ratio to the end (V3: 7.3e-6 for the last 167B)."""
 
     def validate(self) -> ScheduleConfig:
         if self.name not in _SCHEDULES:
@@ -73,6 +82,11 @@ class ScheduleConfig:
             raise ConfigError("schedule.milestones must be increasing and as many as schedule.factors")
         if not 0.0 <= self.min_ratio <= 1.0:
             raise ConfigError(f"schedule.min_ratio={self.min_ratio} must lie in [0, 1]")
+        for name in ("stable_tokens", "decay_tokens", "tail_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"schedule.{name}={getattr(self, name)} must be >= 0 (tokens)")
+        if not 0.0 <= self.tail_ratio <= 1.0:
+            raise ConfigError(f"schedule.tail_ratio={self.tail_ratio} must lie in [0, 1]")
         if not 0.0 <= self.decay_fraction <= 1.0:
             raise ConfigError(f"schedule.decay_fraction={self.decay_fraction} must lie in [0, 1]")
         return self

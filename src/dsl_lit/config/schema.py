@@ -52,6 +52,9 @@ def dataclass_from_dict(schema: type[T], values: dict[str, Any], prefix: str) ->
     for key, value in values.items():
         if key not in known:
             raise ConfigError(f"{prefix}.{key} is not a known field; known fields: {sorted(known)}")
+        if dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):  # a nested group
+            values[key] = dataclass_from_dict(hints[key], dict(value), f"{prefix}.{key}")
+            continue
         if not _accepts(hints[key], value):
             raise ConfigError(f"{prefix}.{key}={value!r} has the wrong type; expected {hints[key]}")
         if typing.get_origin(hints[key]) is tuple and isinstance(value, list):

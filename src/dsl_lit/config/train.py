@@ -188,7 +188,7 @@ class TrainConfig:
                 f"{self.parallel.tp} ranks; make data.seq_len a multiple of it"
             )
         self.data.validate(dp_size=dp)
-        self.layout.check_micro_batches(self.data.global_batch_size, self.data.micro_batch_size)
+        self.layout.check_micro_batches(self.data.smallest_global_batch, self.data.micro_batch_size)
         if self.trainer.val_every_n_steps and self.data.val_windows < self.data.global_batch_size:
             raise ConfigError(
                 f"trainer.val_every_n_steps={self.trainer.val_every_n_steps} needs held-out data: set data.val_windows "

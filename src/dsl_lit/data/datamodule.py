@@ -133,6 +133,7 @@ class PretrainDataModule(L.LightningDataModule):
             dp_size=dp_size,
             seed=self.cfg.seed,
             consumed_samples=self.consumed_samples,
+            batch_size_at=self.cfg.batch_schedule.size_at,
         )
 
     def train_dataloader(self) -> DataLoader:
@@ -179,7 +180,7 @@ class PretrainDataModule(L.LightningDataModule):
         if self.trainer is not None:
             start_step = self._start_step if self._start_step is not None else 0
             start = self.consumed_samples if self._start_step is not None else 0
-            consumed = start + (int(self.trainer.global_step) - start_step) * self.cfg.global_batch_size
+            consumed = self.cfg.batch_schedule.advance(start, int(self.trainer.global_step) - start_step)
         return {
             "consumed_samples": consumed,
             "global_batch_size": self.cfg.global_batch_size,

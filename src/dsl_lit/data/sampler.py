@@ -9,7 +9,7 @@ Lightning's ``DistributedSampler`` shard by world size instead, which changes th
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -49,6 +49,7 @@ class GlobalBatchSampler:
         dp_size: int,
         seed: int,
         consumed_samples: int = 0,
+        batch_size_at: Callable[[int], int] | None = None,
     ) -> None:
         if num_windows <= 0:
             raise ConfigError(
@@ -72,6 +73,8 @@ class GlobalBatchSampler:
         self.seed = seed
         self.consumed_samples = consumed_samples
         self.local_batch_size = global_batch_size // dp_size
+        self.batch_size_at = batch_size_at or (lambda consumed: global_batch_size)
+        """Global batch of the step that starts after a number of consumed samples (a batch ramp)."""
         self._perm_cache: dict[int, np.ndarray] = {}
 
     def _perm(self, epoch: int) -> np.ndarray:
@@ -95,6 +98,8 @@ class GlobalBatchSampler:
     def __iter__(self) -> Iterator[list[int]]:
         batch_start = self.consumed_samples
         while True:
-            start = batch_start + self.dp_rank * self.local_batch_size
-            yield self.sample_indices(start, start + self.local_batch_size)
-            batch_start += self.global_batch_size
+            size = self.batch_size_at(batch_start)
+            share = size // self.dp_size
+            start = batch_start + self.dp_rank * share
+            yield self.sample_indices(start, start + share)
+            batch_start += size

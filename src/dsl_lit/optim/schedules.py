@@ -12,6 +12,7 @@ from functools import partial
 
 import torch
 
+from dsl_lit.config.data import BatchSchedule
 from dsl_lit.config.optim import ScheduleConfig
 
 
@@ -59,7 +60,25 @@ def constant_multiplier(step: int, total_steps: int, warmup_steps: int) -> float
     return _warmup(step, warmup_steps)
 
 
-def schedule_multiplier(cfg: ScheduleConfig, total_steps: int):
+def deepseek_v3_multiplier(
+    step: int, warmup_steps: int, batches: BatchSchedule, stable_tokens: float, decay_tokens: float,
+    min_ratio: float, tail_tokens: float, tail_ratio: float,
+) -> float:
+    """DeepSeek-V3 (section 4.2), in tokens: linear warmup over ``warmup_steps`` steps, the peak
+    until ``stable_tokens``, a cosine to ``min_ratio`` over ``decay_tokens``, ``min_ratio`` for
+    ``tail_tokens`` more, then ``tail_ratio``. Tokens follow the batch ramp."""
+    if step < warmup_steps:
+        return _warmup(step, warmup_steps)
+    tokens = batches.advance(0, step) * batches.seq_len  # trained before this step
+    if tokens < stable_tokens:
+        return 1.0
+    if tokens < stable_tokens + decay_tokens:
+        progress = (tokens - stable_tokens) / decay_tokens
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_ratio if tokens < stable_tokens + decay_tokens + tail_tokens else tail_ratio
+
+
+def schedule_multiplier(cfg: ScheduleConfig, total_steps: int, batches: BatchSchedule | None = None):
     """The step -> multiplier function for this config (picklable, so schedulers checkpoint)."""
     total = cfg.total_steps or total_steps
     common = dict(total_steps=total, warmup_steps=cfg.warmup_steps)
@@ -70,10 +89,16 @@ def schedule_multiplier(cfg: ScheduleConfig, total_steps: int):
         return partial(cosine_multiplier, **common, min_ratio=cfg.min_ratio)
     if cfg.name == "wsd":
         return partial(wsd_multiplier, **common, decay_fraction=cfg.decay_fraction, min_ratio=cfg.min_ratio)
+    if cfg.name == "deepseek_v3":
+        if batches is None:
+            raise ValueError("schedule.name=deepseek_v3 counts tokens: pass the run's batch schedule")
+        return partial(deepseek_v3_multiplier, warmup_steps=cfg.warmup_steps, batches=batches,
+                       stable_tokens=cfg.stable_tokens, decay_tokens=cfg.decay_tokens, min_ratio=cfg.min_ratio,
+                       tail_tokens=cfg.tail_tokens, tail_ratio=cfg.tail_ratio)
     return partial(constant_multiplier, **common)
 
 
 def build_lr_scheduler(
-    optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, total_steps: int
+    optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, total_steps: int, batches: BatchSchedule | None = None
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_multiplier(cfg, total_steps))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_multiplier(cfg, total_steps, batches))

@@ -19,6 +19,7 @@ import lightning as L
 import torch
 from torch import nn
 
+from dsl_lit.config.data import BatchSchedule
 from dsl_lit.config.memory import MemoryConfig
 from dsl_lit.config.objective import ObjectiveConfig
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
@@ -49,6 +50,7 @@ class CausalLMModule(L.LightningModule):
         memory: MemoryConfig | None = None,
         max_bad_steps: int = 10,
         initial_state: dict[str, torch.Tensor] | None = None,
+        batch_schedule: BatchSchedule | None = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -62,6 +64,8 @@ class CausalLMModule(L.LightningModule):
         self.memory = (memory or MemoryConfig()).validate()
         self.max_bad_steps = max_bad_steps
         self.initial_state = initial_state
+        self.batch_schedule = batch_schedule
+        """The run's global batch per step (a batch ramp): schedules counted in tokens follow it."""
         """Starting weights (``init_from``); None: the model's random init. A resumed run's checkpoint
         overwrites them."""
         self.bad_steps_in_a_row = 0
@@ -98,7 +102,10 @@ class CausalLMModule(L.LightningModule):
     @property
     def progress(self) -> float:
         """Fraction of training done before the current step (drives coefficient schedules)."""
-        return self.trainer.global_step / max(1, self.total_steps)
+        step = self.trainer.global_step
+        if self.batch_schedule is not None and self.batch_schedule.ramp.enabled:  # fractions of tokens
+            return self.batch_schedule.advance(0, step) / self.batch_schedule.advance(0, max(1, self.total_steps))
+        return step / max(1, self.total_steps)
 
     @property
     def runner(self) -> LocalStepRunner:
@@ -224,6 +231,7 @@ class CausalLMModule(L.LightningModule):
         scheduler.step()
         self.update_expert_bias(0.0 if skip else self.objective.bias_update_rate_at(progress))
         self.tokens_seen += self.tokens_in_batch(batch) * self.runner.dp_size
+        self.log("train/global_batch_size", float(batch["input_ids"].shape[0] * self.runner.dp_size))
         sync = self.trainer.world_size > 1
         self.log("train/loss", metrics["loss"], prog_bar=True, sync_dist=sync)
         for name, value in metrics.items():
@@ -282,7 +290,7 @@ class CausalLMModule(L.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer = self.runner.build_optimizer(self.model, self.optim_config)
-        scheduler = build_lr_scheduler(optimizer, self.schedule_config, self.total_steps)
+        scheduler = build_lr_scheduler(optimizer, self.schedule_config, self.total_steps, self.batch_schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # -- exact resume of counters that live outside the optimizer ------------------------------------
