@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsl_lit.models.kv_cache import KVCache
+from dsl_lit.posttrain.speculative import DraftStats, decode_with_mtp_drafts
 
 
 @dataclass
@@ -54,6 +55,8 @@ class GenerationOutput:
     """Width of the left-padded prompt block (the longest prompt)."""
     logits: torch.Tensor | None = None
     """[batch, T, vocab] fp32 raw logits of every step when ``output_logits=True``."""
+    draft_stats: DraftStats | None = None
+    """MTP drafts made and accepted, and main-model forwards, with ``mtp_speculative=True``."""
 
     @property
     def completion_ids(self) -> torch.Tensor:
@@ -183,16 +186,22 @@ def generate(
     generator: torch.Generator | None = None,
     use_cache: bool = True,
     output_logits: bool = False,
+    mtp_speculative: bool = False,
 ) -> GenerationOutput:
     """Generate up to ``max_new_tokens`` tokens after each prompt, in one left-padded batch.
 
     ``temperature=0`` is greedy; otherwise tokens are sampled after temperature, ``top_k`` and
     ``top_p`` filtering, from ``generator`` (which must live on the model's device). Generation
     stops early once every sequence has emitted one of ``eos_token_id``. ``use_cache=False``
-    recomputes the whole sequence every step (the reference for tests). Runs in eval mode under
+    recomputes the whole sequence every step (the reference for tests). ``mtp_speculative=True``
+    (greedy only) drafts each next-but-one token with the model's MTP module and verifies it in the
+    main model's next forward (:mod:`dsl_lit.posttrain.speculative`): the same tokens, fewer
+    forwards; :attr:`GenerationOutput.draft_stats` counts them. Runs in eval mode under
     ``torch.inference_mode`` and restores the model's training mode afterwards.
     """
     _check_arguments(max_new_tokens, temperature, top_p, top_k)
+    if mtp_speculative and (temperature != 0.0 or not use_cache):
+        raise ValueError("mtp_speculative=True is greedy decoding with the KV cache: temperature=0, use_cache=True")
     if len(prompts) == 0:
         raise ValueError("generate() needs at least one prompt")
     device = next(model.parameters()).device
@@ -215,9 +224,9 @@ def generate(
     model.eval()
     try:
         with torch.inference_mode():
-            sequences, completion_mask, logprobs, logits = _decode(
+            sequences, completion_mask, logprobs, logits, stats = _decode(
                 model, prompt_tokens, prompt_valid, max_new_tokens, temperature, top_k, top_p,
-                eos_ids, pad_token_id, generator, use_cache, output_logits,
+                eos_ids, pad_token_id, generator, use_cache, output_logits, mtp_speculative,
             )
     finally:
         model.train(was_training)
@@ -237,6 +246,7 @@ def generate(
         logprobs=logprobs,
         prompt_length=prompt_length,
         logits=logits,
+        draft_stats=stats,
     )
 
 
@@ -253,8 +263,9 @@ def _decode(
     generator: torch.Generator | None,
     use_cache: bool,
     output_logits: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The decoding loop; returns (sequences, completion_mask, logprobs, logits or None)."""
+    mtp_speculative: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, DraftStats | None]:
+    """The decoding loop; returns (sequences, completion_mask, logprobs, logits or None, draft stats)."""
     batch, prompt_length = prompt_tokens.shape
     device = prompt_tokens.device
     total = prompt_length + max_new_tokens
@@ -270,35 +281,44 @@ def _decode(
     logprobs = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
     all_logits: list[torch.Tensor] = []
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    cache = KVCache(batch, total) if use_cache else None
+    done = 0
 
-    steps = 0
-    for step in range(max_new_tokens):
-        length = prompt_length + step  # tokens known so far
-        if cache is None:
-            logits = _last_logits(model, tokens[:, :length], positions[:, :length], valid[:, :length], None)
-        elif step == 0:
-            logits = _last_logits(model, tokens[:, :length], positions[:, :length], valid[:, :length], cache)
-        else:
-            logits = _last_logits(
-                model, tokens[:, length - 1 : length], positions[:, length - 1 : length], valid[:, :length], cache
-            )
+    def emit(step: int, logits: torch.Tensor) -> bool:
+        """Record step ``step``'s token from ``logits`` [batch, vocab]; True once every row is done."""
+        nonlocal done
         if output_logits:
             all_logits.append(logits)
         next_tokens = sample_next_token(logits, temperature, top_k, top_p, generator)
         logprob = logits.log_softmax(dim=-1).gather(-1, next_tokens[:, None]).squeeze(-1)
         active = ~finished
-        tokens[:, length] = torch.where(active, next_tokens, pad_token_id)
+        tokens[:, prompt_length + step] = torch.where(active, next_tokens, pad_token_id)
         logprobs[:, step] = torch.where(active, logprob, 0.0)
         completion_mask[:, step] = active
-        steps = step + 1
+        done = step + 1
         if eos_ids is not None:
-            finished |= active & torch.isin(next_tokens, eos_ids)
-            if bool(finished.all()):
+            finished.logical_or_(active & torch.isin(next_tokens, eos_ids))
+            return bool(finished.all())
+        return False
+
+    if mtp_speculative:
+        stats = decode_with_mtp_drafts(model, tokens, valid, positions, prompt_length, max_new_tokens, emit)
+    else:
+        stats = None
+        cache = KVCache(batch, total) if use_cache else None
+        for step in range(max_new_tokens):
+            length = prompt_length + step  # tokens known so far
+            if cache is None or step == 0:
+                logits = _last_logits(model, tokens[:, :length], positions[:, :length], valid[:, :length], cache)
+            else:
+                logits = _last_logits(
+                    model, tokens[:, length - 1 : length], positions[:, length - 1 : length], valid[:, :length], cache
+                )
+            if emit(step, logits):
                 break
+    steps = done
 
     logits_out = None
     if output_logits:
         vocab = model.config.vocab_size
         logits_out = torch.stack(all_logits, dim=1) if all_logits else torch.zeros((batch, 0, vocab), device=device)
-    return tokens[:, : prompt_length + steps], completion_mask[:, :steps], logprobs[:, :steps], logits_out
+    return tokens[:, : prompt_length + steps], completion_mask[:, :steps], logprobs[:, :steps], logits_out, stats
