@@ -17,7 +17,7 @@ from dsl_lit.generation import (
     top_p_mask,
 )
 from dsl_lit.models import ModelConfig, build_model
-from dsl_lit.models.kv_cache import KVCache
+from dsl_lit.models.common.kv_cache import KVCache
 
 PRESETS = ["deepseek_llm_tiny", "deepseek_v3_tiny"]
 VOCAB = 512

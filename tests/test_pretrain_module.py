@@ -14,7 +14,7 @@ from dsl_lit.config.objective import ObjectiveConfig
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.loggers import RunCSVLogger
 from dsl_lit.models import ModelConfig, build_model
-from dsl_lit.models.moe import TopKRouter
+from dsl_lit.models.common.moe import TopKRouter
 from dsl_lit.modules import PretrainModule
 
 

@@ -1,5 +1,8 @@
 """DeepSeek-V3 (``DeepseekV3ForCausalLM``) and DeepSeek-V2 (``DeepseekV2ForCausalLM``) checkpoints.
 
+Names and config only; ``dsl_lit.hf.io`` does the file I/O and finds these adapters through the
+family registry (``dsl_lit.models.registry``).
+
 Both are our ``deepseek_v3`` family (MLA + DeepSeekMoE), in the layout of the Hugging Face hub
 checkpoints, which is also what ``transformers`` writes:
 
@@ -20,7 +23,6 @@ plain top-k (``topk_method`` "greedy"). Things neither layout can express raise 
 from __future__ import annotations
 
 import logging
-import math
 import re
 from collections.abc import Collection, Mapping
 from typing import Any, ClassVar
@@ -29,19 +31,19 @@ import torch
 
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.model import ModelConfig
-from dsl_lit.hf.adapter import (
+from dsl_lit.models.common.hf_adapter import (
     BLOCK_NORM_NAMES,
     SWIGLU_NAMES,
     TOP_NAMES,
     HFAdapter,
     StateDict,
-    _require,
+    check_rope_theta_writable,
     few,
     hf_rope,
-    register_adapter,
     reject_unsupported_common,
     renamed_from_hf,
     renamed_to_hf,
+    require,
     supported_rope,
     token_ids_from_hf,
     token_ids_to_hf,
@@ -131,7 +133,7 @@ class DeepSeekV3Adapter(HFAdapter):
 
     def config_from_hf(self, hf: Mapping[str, Any]) -> ModelConfig:
         self._reject_unsupported(hf)
-        n_layers = int(_require(hf, "num_hidden_layers"))
+        n_layers = int(require(hf, "num_hidden_layers"))
         n_experts = int(hf.get("n_routed_experts") or 0)
         max_seq_len = int(hf.get("max_position_embeddings", 4096))
         rope = hf_rope(hf)
@@ -142,30 +144,30 @@ class DeepSeekV3Adapter(HFAdapter):
 
         return ModelConfig(
             name="hf",
-            family="deepseek_v3",
-            vocab_size=int(_require(hf, "vocab_size")),
+            family=self.family,
+            vocab_size=int(require(hf, "vocab_size")),
             n_layers=n_layers,
-            d_model=int(_require(hf, "hidden_size")),
-            n_heads=int(_require(hf, "num_attention_heads")),
-            n_kv_heads=int(_require(hf, "num_attention_heads")),  # MLA: every head has its own key
-            ffn_hidden=int(_require(hf, "intermediate_size")),
+            d_model=int(require(hf, "hidden_size")),
+            n_heads=int(require(hf, "num_attention_heads")),
+            n_kv_heads=int(require(hf, "num_attention_heads")),  # MLA: every head has its own key
+            ffn_hidden=int(require(hf, "intermediate_size")),
             max_seq_len=max_seq_len,
             rope_theta=rope["rope_theta"],
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             init_std=float(hf.get("initializer_range", 0.02)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             q_lora_rank=None if q_lora_rank is None else int(q_lora_rank),
-            kv_lora_rank=int(_require(hf, "kv_lora_rank")),
-            qk_nope_head_dim=int(_require(hf, "qk_nope_head_dim")),
-            qk_rope_head_dim=int(_require(hf, "qk_rope_head_dim")),
-            v_head_dim=int(_require(hf, "v_head_dim")),
+            kv_lora_rank=int(require(hf, "kv_lora_rank")),
+            qk_nope_head_dim=int(require(hf, "qk_nope_head_dim")),
+            qk_rope_head_dim=int(require(hf, "qk_rope_head_dim")),
+            v_head_dim=int(require(hf, "v_head_dim")),
             rope_interleave=bool(hf.get("rope_interleave", True)),
             rope_scaling=self._yarn_from_hf(rope, max_seq_len),
             n_dense_layers=min(int(get("first_k_dense_replace") or 0), n_layers) if n_experts else n_layers,
             n_routed_experts=n_experts,
             n_shared_experts=int(hf.get("n_shared_experts") or 0),
-            n_activated_experts=int(_require(hf, "num_experts_per_tok")) if n_experts else 0,
-            moe_ffn_hidden=int(_require(hf, "moe_intermediate_size")) if n_experts else 0,
+            n_activated_experts=int(require(hf, "num_experts_per_tok")) if n_experts else 0,
+            moe_ffn_hidden=int(require(hf, "moe_intermediate_size")) if n_experts else 0,
             n_expert_groups=int(get("n_group") or 1),
             n_limited_groups=int(get("topk_group") or 1),
             score_func=self.score_func,  # type: ignore[arg-type]
@@ -278,8 +280,7 @@ class DeepSeekV3Adapter(HFAdapter):
         return writer
 
     def _check_writable(self, cfg: ModelConfig) -> None:
-        if not math.isfinite(cfg.rope_theta):
-            raise ConfigError(f"model.rope_theta={cfg.rope_theta!r} cannot be written to config.json")
+        check_rope_theta_writable(cfg)
         if not self.legacy_v2:
             return
         checks = (
@@ -500,7 +501,5 @@ class DeepSeekV2Adapter(DeepSeekV3Adapter):
     }
 
 
-_V3 = DeepSeekV3Adapter()
-_V2 = DeepSeekV2Adapter()
-register_adapter(_V3)
-register_adapter(_V2, for_family=False)
+_V3 = V3_ADAPTER = DeepSeekV3Adapter()
+_V2 = V2_ADAPTER = DeepSeekV2Adapter()
