@@ -531,7 +531,7 @@ def test_unsupported_v3_config_is_a_config_error(saved: Path, changes: dict, mat
     ("changes", "match"),
     [
         ({"scoring_func": "sigmoid"}, "scoring_func='sigmoid'"),
-        ({"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2}, "group_limited_greedy"),
+        ({"topk_method": "group_limited_greedy", "n_group": None}, "missing 'n_group'"),
         ({"norm_topk_prob": True}, "norm_topk_prob"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"rope_interleave": False}, "rope_interleave"),

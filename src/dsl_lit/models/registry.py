@@ -31,6 +31,7 @@ from dsl_lit.models.common.transformer import Transformer
 _FAMILY_MODULES: dict[str, str] = {
     "deepseek_llm": "dsl_lit.models.deepseek_llm",
     "deepseek_v3": "dsl_lit.models.deepseek_v3",
+    "deepseek_v2": "dsl_lit.models.deepseek_v3.v2",
 }
 """Family id -> the module holding its ``SPEC``."""
 

@@ -7,7 +7,7 @@ checks in ``validation``, the tensor-parallel plan in ``parallelize``, the Huggi
 from dsl_lit.models.common.block import Composition
 from dsl_lit.models.common.mla import MultiHeadLatentAttention
 from dsl_lit.models.common.moe import TopKRouter
-from dsl_lit.models.deepseek_v3.hf_adapter import V2_ADAPTER, V3_ADAPTER
+from dsl_lit.models.deepseek_v3.hf_adapter import V3_ADAPTER
 from dsl_lit.models.deepseek_v3.parallelize import tp_plan
 from dsl_lit.models.deepseek_v3.presets import PRESETS
 from dsl_lit.models.deepseek_v3.validation import validate
@@ -21,5 +21,5 @@ SPEC = FamilySpec(
     validate=validate,
     tp_plan=tp_plan,
     hf_adapter=V3_ADAPTER,
-    hf_readers=(V3_ADAPTER, V2_ADAPTER),
+    hf_readers=(V3_ADAPTER,),
 )
