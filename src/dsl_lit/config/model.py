@@ -48,6 +48,7 @@ class ModelConfig:
 
     name: str = "custom"
     family: str = field(default_factory=lambda: _registry().DEFAULT_FAMILY)
+    """A family id of ``dsl_lit.models.registry`` (which blocks the decoder is built from)."""
     vocab_size: int = 102400
     n_layers: int = 30
     d_model: int = 4096

@@ -8,8 +8,9 @@ follow from the composition. Everything outside ``dsl_lit.models`` asks the spec
 folder (or one module in a related family's folder) plus one line in :data:`_FAMILY_MODULES`.
 (torchtitan keeps a ``TrainSpec`` per model folder the same way.)
 
-Family modules are imported on first use, so ``dsl_lit.config`` can consult this registry lazily
-without importing any model code when it is itself imported.
+``dsl_lit.config`` imports this module only when a config is validated or asked a family question
+(``ModelConfig._family``), never when it is itself imported; a family's module is imported the
+first time that family is asked for.
 """
 
 from __future__ import annotations

@@ -226,7 +226,7 @@ class DeepSeekV3Adapter(HFAdapter):
                 "bf16 first"
             )
         if hf.get("use_mla") is False:
-            raise ConfigError(f"{where} use_mla=false is not supported: the deepseek_v3 family is MLA only")
+            raise ConfigError(f"{where} use_mla=false is not supported: the {self.family} family is MLA only")
         if self.legacy_v2 and hf.get("rope_interleave") is False:
             raise ConfigError(
                 f"{where} rope_interleave=false is not supported: DeepSeek-V2 rotates interleaved pairs"
