@@ -24,7 +24,7 @@ import torch
 from benchmarks.timing import interleaved_medians
 from dsl_lit.hf import save_pretrained
 from dsl_lit.models import ModelConfig, build_model
-from dsl_lit.models.moe import MoE
+from dsl_lit.models.common.moe import MoE
 from dsl_lit.ops import cross_entropy
 
 

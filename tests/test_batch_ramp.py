@@ -57,7 +57,7 @@ def test_bad_ramps_name_the_field(ramp, message):
 def test_deepseek_v3_lr_schedule_in_tokens():
     """Warmup in steps, then the peak, the cosine, and the two tails at their token counts."""
     batches = BatchSchedule(16, 10, BatchRampConfig(start=4, tokens=400, increment=4))
-    cfg = ScheduleConfig(name="deepseek_v3", warmup_steps=2, stable_tokens=1000, decay_tokens=1000,
+    cfg = ScheduleConfig(name="deepseek_v3_tokens", warmup_steps=2, stable_tokens=1000, decay_tokens=1000,
                          min_ratio=0.1, tail_tokens=500, tail_ratio=0.03).validate()
     lr = schedule_multiplier(cfg, total_steps=1000, batches=batches)
     assert lr(0) == pytest.approx(0.5) and lr(1) == pytest.approx(1.0)
@@ -75,7 +75,7 @@ def test_deepseek_v3_lr_schedule_in_tokens():
 
 RUN = ["logger=csv", "trainer.accelerator=cpu", "checkpoint.every_minutes=0", "checkpoint.async_save=false",
        "data.global_batch_size=16", "data.micro_batch_size=2", "data.batch_ramp.start=4", "data.batch_ramp.increment=4",
-       "data.batch_ramp.tokens=2560", "schedule=deepseek_v3", "schedule.stable_tokens=5000",
+       "data.batch_ramp.tokens=2560", "schedule=deepseek_v3_tokens", "schedule.stable_tokens=5000",
        "schedule.decay_tokens=3000", "schedule.tail_tokens=1000", "schedule.warmup_steps=2"]
 
 

@@ -46,7 +46,7 @@ def test_deepseek_v3_671b_experiment_numbers():
     batches = cfg.data.batch_schedule
     assert batches.size_at(0) == 3072 and batches.size_at(batches.ramp_samples) == 15360
     assert batches.advance(0, cfg.trainer.max_steps) * 4096 == pytest.approx(14.8e12, rel=1e-4)
-    assert cfg.schedule.name == "deepseek_v3"
+    assert cfg.schedule.name == "deepseek_v3_tokens"
 
 
 def test_overrides_reach_the_dataclasses():

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsl_lit.models import ModelConfig, build_model
-from dsl_lit.models.moe import GroupedExperts, MoE, TopKRouter
+from dsl_lit.models.common.moe import GroupedExperts, MoE, TopKRouter
 from dsl_lit.precision import fp8 as fp8_module
 from dsl_lit.precision.fp8 import (
     FP8_RECIPES,

@@ -27,7 +27,7 @@ from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
 from torchao.float8.float8_training_tensor import LinearMMConfig
 
 from dsl_lit.models import ModelConfig, build_model
-from dsl_lit.models.moe import MoE
+from dsl_lit.models.common.moe import MoE
 from dsl_lit.precision.fp8 import Fp8GroupedExperts, QuantSpec, apply_fp8, fp8_linear, quantize_fp8
 
 BF16 = torch.bfloat16

@@ -9,7 +9,7 @@ import torch
 
 import dsl_lit.posttrain.generation as generation
 from dsl_lit.models import ModelConfig, build_model
-from dsl_lit.models.kv_cache import KVCache
+from dsl_lit.models.common.kv_cache import KVCache
 from dsl_lit.posttrain.generation import (
     filter_logits,
     generate,

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from dsl_lit.config.errors import ConfigError
-from dsl_lit.models import ModelConfig, attention, build_model
-from dsl_lit.models.attention import causal_attention
+from dsl_lit.models import ModelConfig, build_model
+from dsl_lit.models.common import attention
+from dsl_lit.models.common.attention import causal_attention
 
 
 def _meta_params(name: str) -> tuple[int, int]:
@@ -53,7 +54,7 @@ def test_attention_backends_agree(n_kv_heads):
 def test_flash_attn_falls_back_loudly_on_cpu(caplog, monkeypatch):
     monkeypatch.setattr(attention, "_warned", set())  # forget warnings other tests triggered
     q = k = v = torch.randn(1, 8, 2, 16)
-    with caplog.at_level(logging.WARNING, logger="dsl_lit.models.attention"):
+    with caplog.at_level(logging.WARNING, logger="dsl_lit.models.common.attention"):
         out = causal_attention(q, k, v, "flash_attn")
     torch.testing.assert_close(out, causal_attention(q, k, v, "sdpa"))
     assert "falling back to sdpa" in caplog.text

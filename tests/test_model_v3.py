@@ -11,8 +11,8 @@ import torch
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.flops import matmul_params_per_token
 from dsl_lit.models import ModelConfig, build_model
-from dsl_lit.models.layers import RotaryEmbedding, rope_frequencies, yarn_softmax_scale
-from dsl_lit.models.moe import MoE, TopKRouter
+from dsl_lit.models.common.layers import RotaryEmbedding, rope_frequencies, yarn_softmax_scale
+from dsl_lit.models.common.moe import MoE, TopKRouter
 
 
 def _meta(name: str, **overrides):
@@ -162,7 +162,7 @@ def test_grouped_and_split_experts_equal_the_per_expert_loop(score_func):
 
 
 def test_grouped_mm_unavailable_falls_back_to_split_loudly(caplog, monkeypatch):
-    from dsl_lit.models import moe as moe_module
+    from dsl_lit.models.common import moe as moe_module
 
     moe = MoE(_tiny())
     _randomise(moe)
@@ -170,7 +170,7 @@ def test_grouped_mm_unavailable_falls_back_to_split_loudly(caplog, monkeypatch):
     expected = moe(x)
     monkeypatch.setattr(moe_module, "_grouped_mm_usable", lambda _: False)  # e.g. fp32 on a CUDA GPU
     monkeypatch.setattr(moe_module, "_warned", set())
-    with caplog.at_level("WARNING", logger="dsl_lit.models.moe"):
+    with caplog.at_level("WARNING", logger="dsl_lit.models.common.moe"):
         torch.testing.assert_close(moe(x), expected, atol=1e-5, rtol=1e-5)
     assert "using expert_backend=split" in caplog.text
 

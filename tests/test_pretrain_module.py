@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from dsl_lit.config.objective import ObjectiveConfig
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.models import ModelConfig, build_model
-from dsl_lit.models.moe import TopKRouter
+from dsl_lit.models.common.moe import TopKRouter
 from dsl_lit.training import PretrainModule
 from dsl_lit.training.loggers import RunCSVLogger
 

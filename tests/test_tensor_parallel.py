@@ -1,5 +1,5 @@
 """Tensor-parallel plans on real gloo meshes (2 and 4 ranks): sharded models give the single-device
-logits, losses (main, MTP, MoE balance), MTP logits, gradients and gradient norm for both families
+logits, losses (main, MTP, MoE balance), MTP logits, gradients and gradient norm for every family
 (MLA with and without query compression, MoE, MTP), with and without sequence parallelism, with
 a vocab-parallel embedding (tied or not), and with kv heads replicated when tp > n_kv_heads. The
 vocab-parallel cross-entropy never needs the gathered logits, and checkpoints (full tensors by
@@ -16,13 +16,15 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from dsl_lit.models import ModelConfig, build_model
+from dsl_lit.models.registry import family_spec
 from dsl_lit.ops import cross_entropy
 from dsl_lit.optim.clip import squared_norm
-from dsl_lit.parallel.tensor_parallel import apply_tensor_parallel
+from dsl_lit.parallel.tensor_parallel import apply_tensor_parallel, declared_plan, tensor_parallel_plan
 
 LLM = ("deepseek_llm_tiny", dict(n_layers=2, vocab_size=256))
 V3 = ("deepseek_v3_tiny", dict(n_layers=3, vocab_size=256, seq_balance_alpha=0.01))  # dense, MoE, MTP (MoE)
 V3_NO_Q_LORA = (V3[0], dict(V3[1], q_lora_rank=None))
+V2 = ("deepseek_v2_tiny", dict(n_layers=3, vocab_size=256, seq_balance_alpha=0.01))  # V3's plan, V2's router
 
 # (preset, overrides, sequence_parallel); 16 input tokens: divisible by tp, the MTP's 15 are not
 TP2_CASES = [
@@ -34,6 +36,7 @@ TP2_CASES = [
     (*LLM, True),
     (*V3, True),
     (*V3_NO_Q_LORA, True),
+    (*V2, True),
     (LLM[0], dict(LLM[1], n_kv_heads=1), True),
 ]
 TP4_CASES = [
@@ -91,7 +94,7 @@ def _check_case(mesh: DeviceMesh, name: str, overrides: dict, sequence_parallel:
         assert not isinstance(hidden, DTensor), case
     assert isinstance(logits, DTensor) and logits.placements[0].is_shard(dim=logits.ndim - 1), case
     assert logits.to_local().shape[-1] == cfg.vocab_size // world, case  # never gathered
-    assert len(mtp) == len(expected_mtp) == (cfg.mtp_depth if cfg.family == "deepseek_v3" else 0)
+    assert len(mtp) == len(expected_mtp) == cfg.mtp_modules
     close = dict(atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(loss, expected, **close, msg=lambda m: f"{case} loss: {m}")
     torch.testing.assert_close(_full(logits), expected_logits, **close, msg=lambda m: f"{case} logits: {m}")
@@ -154,3 +157,22 @@ def _worker(rank: int, world: int, init_file: str, cases: list) -> None:
 @pytest.mark.parametrize("world, cases", [(2, TP2_CASES), (4, TP4_CASES)], ids=["tp2", "tp4"])
 def test_tensor_parallel_matches_one_device(tmp_path, world, cases):
     mp.spawn(_worker, args=(world, str(tmp_path / "init"), cases), nprocs=world, join=True)
+
+
+@pytest.mark.parametrize("name", ["deepseek_llm_tiny", "deepseek_v3_tiny", "deepseek_v2_tiny"])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_every_family_declares_its_plan_in_known_styles(name, sequence_parallel):
+    """A family's plan is data (FQN -> style name) that names only modules the model has; every
+    name becomes a ParallelStyle, except MLA's shared rotary key, which becomes a gradient hook."""
+    cfg = ModelConfig.from_name(name, n_layers=2)
+    declared = declared_plan(cfg, 2, sequence_parallel)
+    assert declared == family_spec(cfg.family).tp_plan(cfg, 2, sequence_parallel)
+    with torch.device("meta"):
+        modules = {n for n, _ in build_model(cfg).named_modules()}
+    assert set(declared) <= modules
+    styles = tensor_parallel_plan(cfg, 2, sequence_parallel)
+    hooks = {n for n, style in declared.items() if style == "shared_rope_key"}
+    assert set(styles) == set(declared) - hooks
+    assert hooks == ({"layers.0.attention.wkv_a", "layers.1.attention.wkv_a"} | ({"mtp.0.block.attention.wkv_a"} if cfg.mtp_modules else set())
+                     if cfg.latent_attention else set())
+    assert ("norm" in declared) == sequence_parallel

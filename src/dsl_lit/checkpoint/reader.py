@@ -18,10 +18,9 @@ import yaml
 from dsl_lit.checkpoint.files import CONFIG, META, SHARDS, STATE, checkpoint_problem
 from dsl_lit.checkpoint.sharded import read_full_tensors
 from dsl_lit.config.errors import ConfigError
-from dsl_lit.hf import adapter_for_family
-from dsl_lit.hf.adapter import few
-from dsl_lit.hf.io import load_into_meta_model, resolve_dtype, tied_groups
+from dsl_lit.hf.io import adapter_for_family, load_into_meta_model, resolve_dtype, tied_groups
 from dsl_lit.models import ModelConfig, Transformer, build_model
+from dsl_lit.models.common.hf_adapter import few
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from typing import Literal
 from dsl_lit.config.errors import ConfigError
 
 MOMENT_DTYPE_NAMES = ("fp32", "bf16")
-ScheduleName = Literal["multi_step", "cosine", "wsd", "constant", "deepseek_v3"]
-_SCHEDULES = ("multi_step", "cosine", "wsd", "constant", "deepseek_v3")
+ScheduleName = Literal["multi_step", "cosine", "wsd", "constant", "deepseek_v3_tokens"]
+_SCHEDULES = ("multi_step", "cosine", "wsd", "constant", "deepseek_v3_tokens")
 
 
 @dataclass
@@ -61,7 +61,7 @@ class ScheduleConfig:
     factors: tuple[float, ...] = (0.316, 0.1)
     min_ratio: float = 0.1
     decay_fraction: float = 0.2
-    # -- deepseek_v3: counted in training tokens (DeepSeek-V3 section 4.2) --------------------------
+    # -- deepseek_v3_tokens: counted in training tokens (DeepSeek-V3 section 4.2) --------------------------
     stable_tokens: float = 10e12
     """Peak lr after warmup until this many tokens (V3: 10T) ..."""
     decay_tokens: float = 4.3e12

@@ -145,7 +145,7 @@ def validate_layout(parallel: ParallelConfig, model: ModelConfig, world_size: in
     if tp > 1:
         if model.n_heads % tp:
             raise ConfigError(f"parallel.tp={tp} does not divide model.n_heads={model.n_heads}; pick a divisor")
-        if model.n_kv_heads % tp and tp % model.n_kv_heads:
+        if model.kv_heads % tp and tp % model.kv_heads:
             raise ConfigError(
                 f"parallel.tp={tp} and model.n_kv_heads={model.n_kv_heads}: one must divide the other "
                 "(kv heads are sharded, or replicated across tp ranks)"

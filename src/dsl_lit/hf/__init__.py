@@ -2,19 +2,15 @@
 
 ``from_pretrained(path)`` reads a directory written by ``transformers`` (config.json + safetensors);
 ``save_pretrained(model, path)`` writes one that ``transformers.AutoModelForCausalLM`` loads without
-``trust_remote_code``. Per-family name and config translation lives in ``adapter`` (DeepSeek LLM,
-in the Llama layout) and ``deepseek_v3`` (DeepSeek-V3 and V2, ``model_type`` deepseek_v3 / deepseek_v2).
+``trust_remote_code``. The name and config translation of each family lives in its folder
+(``dsl_lit.models.<family>.hf_adapter``); this package does the file I/O and finds the adapter
+through the family registry: by ``model_type`` when reading, by ``ModelConfig.family`` when writing.
 """
 
-from dsl_lit.hf.adapter import (
-    DeepSeekLLMAdapter,
-    HFAdapter,
-    adapter_for_family,
-    adapter_for_model_type,
-    register_adapter,
-)
-from dsl_lit.hf.deepseek_v3 import DeepSeekV2Adapter, DeepSeekV3Adapter
-from dsl_lit.hf.io import from_pretrained, save_pretrained
+from dsl_lit.hf.io import adapter_for_family, adapter_for_model_type, from_pretrained, save_pretrained
+from dsl_lit.models.common.hf_adapter import HFAdapter
+from dsl_lit.models.deepseek_llm.hf_adapter import DeepSeekLLMAdapter
+from dsl_lit.models.deepseek_v3.hf_adapter import DeepSeekV2Adapter, DeepSeekV3Adapter
 
 __all__ = [
     "DeepSeekLLMAdapter",
@@ -24,6 +20,5 @@ __all__ = [
     "adapter_for_family",
     "adapter_for_model_type",
     "from_pretrained",
-    "register_adapter",
     "save_pretrained",
 ]

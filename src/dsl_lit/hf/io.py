@@ -1,6 +1,7 @@
 """Reading and writing Hugging Face checkpoint directories (config.json + safetensors).
 
-Family-agnostic: everything model-specific goes through an :class:`~dsl_lit.hf.adapter.HFAdapter`.
+Family-agnostic: everything model-specific goes through an
+:class:`~dsl_lit.models.common.hf_adapter.HFAdapter`, which the family registry supplies.
 Weights are only ever read from safetensors (never unpickled), and ``trust_remote_code`` is never
 needed: what we write loads with plain ``transformers.AutoModelForCausalLM.from_pretrained``.
 
@@ -23,8 +24,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from dsl_lit.config.errors import ConfigError
-from dsl_lit.hf.adapter import TOKEN_ID_KEYS, StateDict, adapter_for_family, adapter_for_model_type, few
-from dsl_lit.models import ModelConfig, Transformer, build_model
+from dsl_lit.models import ModelConfig, Transformer, build_model, family_spec
+from dsl_lit.models.common.hf_adapter import TOKEN_ID_KEYS, HFAdapter, StateDict, few
+from dsl_lit.models.registry import hf_reader
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -34,6 +36,19 @@ _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _PICKLE_PATTERNS = ("pytorch_model*.bin", "*.bin", "*.pt", "*.pth", "*.ckpt")
 
 DTypeLike = torch.dtype | str | None
+
+
+# -- adapters --------------------------------------------------------------------------------------
+
+
+def adapter_for_model_type(model_type: Any) -> HFAdapter:
+    """The adapter reading checkpoints whose config.json has ``model_type`` (ConfigError if none)."""
+    return hf_reader(model_type)
+
+
+def adapter_for_family(family: str) -> HFAdapter:
+    """The adapter writing models of ``family`` (ConfigError naming ``model.family`` if unknown)."""
+    return family_spec(family).hf_adapter
 
 
 # -- small helpers ---------------------------------------------------------------------------------

@@ -89,9 +89,9 @@ def schedule_multiplier(cfg: ScheduleConfig, total_steps: int, batches: BatchSch
         return partial(cosine_multiplier, **common, min_ratio=cfg.min_ratio)
     if cfg.name == "wsd":
         return partial(wsd_multiplier, **common, decay_fraction=cfg.decay_fraction, min_ratio=cfg.min_ratio)
-    if cfg.name == "deepseek_v3":
+    if cfg.name == "deepseek_v3_tokens":
         if batches is None:
-            raise ValueError("schedule.name=deepseek_v3 counts tokens: pass the run's batch schedule")
+            raise ValueError("schedule.name=deepseek_v3_tokens counts tokens: pass the run's batch schedule")
         return partial(deepseek_v3_multiplier, warmup_steps=cfg.warmup_steps, batches=batches,
                        stable_tokens=cfg.stable_tokens, decay_tokens=cfg.decay_tokens, min_ratio=cfg.min_ratio,
                        tail_tokens=cfg.tail_tokens, tail_ratio=cfg.tail_ratio)

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.model import ModelConfig
-from dsl_lit.models.moe import MoE, grouped_swiglu
+from dsl_lit.models.common.moe import MoE, grouped_swiglu
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 

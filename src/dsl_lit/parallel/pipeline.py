@@ -4,9 +4,10 @@
 How a model becomes stages (the model code knows nothing of it):
 
 - :func:`split_layers` cuts the layers into contiguous stages of balanced *cost*: a layer costs
-  its activated matmul weights, and the last stage also pays for the output head and the MTP
-  modules (DeepSeek-V3's multi-token prediction lives on the last stage, where the head is);
-  the embedding lookup costs no matmul. Every stage keeps at least one layer.
+  its activated matmul weights as the family's FLOPs count them (``FamilySpec.flops``), and the
+  last stage also pays for the output head and the MTP modules (multi-token prediction lives on
+  the last stage, where the head is); the embedding lookup costs no matmul. Every stage keeps at
+  least one layer.
 - :func:`stages_of_rank` places stages on pp ranks: one per rank (GPipe, 1F1B), round-robin
   (Interleaved1F1B), or the V of DualPipeV (rank r holds stages r and 2*pp-1-r, so the first
   and the last stage share rank 0).
@@ -48,7 +49,8 @@ from torch.distributed.pipelining import (
 )
 
 from dsl_lit.config.model import ModelConfig
-from dsl_lit.models.moe import MoE
+from dsl_lit.models import spec_of
+from dsl_lit.models.common.moe import MoE
 
 SCHEDULES = {
     "GPipe": ScheduleGPipe,
@@ -60,23 +62,9 @@ MULTI_STAGE = ("Interleaved1F1B", "DualPipeV")
 
 
 def layer_cost(cfg: ModelConfig, layer_id: int) -> float:
-    """Activated matmul weights of one block (attention + dense FFN or shared + top-k experts)."""
-    d = cfg.d_model
-    if cfg.family == "deepseek_v3":
-        q = d * cfg.n_heads * cfg.qk_head_dim if cfg.q_lora_rank is None else (
-            d * cfg.q_lora_rank + cfg.q_lora_rank * cfg.n_heads * cfg.qk_head_dim
-        )
-        kv = d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-        kv += cfg.kv_lora_rank * cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-        attention = q + kv + cfg.n_heads * cfg.v_head_dim * d
-    else:
-        head_dim = d // cfg.n_heads
-        attention = 2 * d * d + 2 * d * cfg.n_kv_heads * head_dim
-    if cfg.is_moe_layer(layer_id):
-        ffn = 3 * d * cfg.moe_ffn_hidden * (cfg.n_activated_experts + cfg.n_shared_experts)
-    else:
-        ffn = 3 * d * cfg.ffn_hidden
-    return float(attention + ffn)
+    """Activated matmul weights of one block, as the family's FLOPs count them (attention + dense
+    FFN, or router + shared + top-k experts)."""
+    return float(spec_of(cfg).flops.block_params_per_token(cfg, layer_id))
 
 
 def split_layers(cfg: ModelConfig, n_stages: int) -> list[list[int]]:
@@ -85,9 +73,7 @@ def split_layers(cfg: ModelConfig, n_stages: int) -> list[list[int]]:
     The last stage also carries the head (d x vocab) and each MTP module (its block, its
     projection and the head again)."""
     costs = [layer_cost(cfg, i) for i in range(cfg.n_layers)]
-    head = float(cfg.d_model * cfg.vocab_size)
-    depth = cfg.mtp_depth if cfg.family == "deepseek_v3" else 0
-    tail = head + depth * (layer_cost(cfg, cfg.n_layers) + 2 * cfg.d_model * cfg.d_model + head)
+    tail = float(spec_of(cfg).flops.last_stage_params_per_token(cfg))
     n = len(costs)
     if not 1 <= n_stages <= n:
         raise ValueError(f"{n_stages} pipeline stages cannot split {n} layers (each stage needs one)")
@@ -168,7 +154,7 @@ class PipelineStageModule(nn.Module):
         self.layer_ids = layer_ids
         self.is_first, self.is_last = is_first, is_last
         # from the config: stages other than the last have no MTP modules after pruning
-        self.carries_embeddings = model.config.family == "deepseek_v3" and model.config.mtp_depth > 0
+        self.carries_embeddings = model.config.mtp_modules > 0
         self.with_mtp = with_mtp
         """Whether the last stage also returns the MTP logits (post-training trains the main head only)."""
         self.balance_scale = 0.0

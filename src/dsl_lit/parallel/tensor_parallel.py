@@ -1,52 +1,26 @@
-"""Tensor-parallel plans: which of a model's modules are split across the ``tp`` mesh dimension.
+"""Tensor parallelism: a family's declarative plan turned into torch ``ParallelStyle`` objects.
 
-Megatron-style: a column-parallel projection splits its output features (heads, FFN hidden) so
-each rank computes its own heads; the row-parallel projection after it splits its input features
-and all-reduces the output. The model code is unchanged because it reshapes with ``-1`` heads.
-Each family declares a plan here (model code knows nothing of it); the strategy applies it.
+Each family declares its plan as data in its folder (module FQN -> style name, see
+:mod:`dsl_lit.models.common.tp_plan`, which also explains the Megatron layout and sequence
+parallelism); :func:`tensor_parallel_plan` maps every name to one ``ParallelStyle`` and
+:func:`apply_tensor_parallel` shards a model with it. The model code knows nothing of either,
+and nothing here knows which family it shards.
 
-- DeepSeek LLM: wq / wk / wv column, wo row; SwiGLU w1 / w3 column, w2 row. When tp exceeds
-  ``n_kv_heads`` (tp a multiple of it), wk / wv stay whole (replicated DTensors, so checkpoints and
-  the optimizer see the full matrices) and each rank computes only the kv head its query heads
-  use; the weight gradient is summed over tp (every rank contributes to its head's rows only).
-- DeepSeek-V3 MLA: the low-rank down-projections (wq_a, wkv_a) and their norms stay replicated,
-  the up-projections (wq_b or wq, wkv_b) are column-parallel, wo row-parallel, and the shared
-  rotary key's gradient is summed over tp (each rank's heads use it); dense FFNs and the
-  shared experts as SwiGLU; the router and the routed experts stay replicated (experts shard
-  with expert parallelism instead). MTP blocks get the same plan; eh_proj is replicated.
-- The embedding is row-parallel over the vocabulary (each rank looks up its vocab slice, the
-  partial rows are summed); the output head is column-parallel over the vocabulary and its logits
-  stay sharded: the cross-entropy runs vocab-parallel (``loss_parallel``), never gathering
-  [tokens, vocab]. Tied embeddings stay tied (both are sharded on the vocabulary).
-
-Sequence parallelism (``sequence_parallel=True``, Megatron-SP): between blocks the residual stream
-is a DTensor sharded on the sequence (``Shard(1)``), so norms, residual adds and their activations
-cost 1/tp. The embedding reduce-scatters onto sequence shards; a block's norms run on the shard,
-its attention and FFN inputs are all-gathered, and the row-parallel outputs reduce-scatter back
-(the all-reduce of plain TP split in two, same volume). The stream is a DTensor, not its local
-shard, because ``Transformer.hidden_states`` sizes the rotary tables from the embedding's output:
-the global shape gives the full-sequence tables, and the blocks see the full sequence wherever
-RoPE is applied. Per family:
-
-- MLA's attention gets the full sequence as a plain tensor (its replicated projections and the
-  rotary key need every position, identically on all ranks); GQA's gets a replicated DTensor so
-  the three projections' input gradients add up before one reduce-scatter.
-- An MoE layer gathers the sequence at its input and takes its (replicated) output back to the
-  shard: router and routed experts see every token on every tp rank, as without SP, and the
-  shared experts are column / row parallel inside.
-- The final norm works on the shard and the head gathers the sequence (still vocab-sharded).
-- MTP modules run without SP: their sequences are 1..D tokens shorter (not divisible by tp), and
-  they are one block each. Their inputs (the main hidden states and the shifted embeddings) are
-  gathered to full replicated tensors; their norm hands the shared head a replicated DTensor.
-
-Norm weights under SP are replicated DTensors whose gradients come out as partial sums (each rank
-saw its own positions); a gradient hook all-reduces them, so after backward every gradient is a
-plain tensor or a DTensor that is ``Shard`` or ``Replicate`` (never ``Partial``).
+- The embedding is row-parallel over the vocabulary; the output head is column-parallel over the
+  vocabulary and its logits stay sharded: the cross-entropy runs vocab-parallel (``loss_parallel``),
+  never gathering [tokens, vocab]. Tied embeddings stay tied (both are sharded on the vocabulary).
+- Under sequence parallelism the residual stream is a DTensor, not its local shard, because
+  ``Transformer.hidden_states`` sizes the rotary tables from the embedding's output: the global
+  shape gives the full-sequence tables, and the blocks see the full sequence wherever RoPE is
+  applied.
+- Norm weights under SP are replicated DTensors whose gradients come out as partial sums (each
+  rank saw its own positions); a gradient hook all-reduces them, so after backward every gradient
+  is a plain tensor or a DTensor that is ``Shard`` or ``Replicate`` (never ``Partial``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -67,25 +41,14 @@ from torch.distributed.tensor.parallel import (
 )
 
 from dsl_lit.config.model import ModelConfig
+from dsl_lit.models import spec_of
+from dsl_lit.models.common import tp_plan as styles
 
 SEQ = Shard(1)
 """Sequence shards of [batch, seq, d_model] activations (sequence parallelism)."""
 
 _BLOCK_ARGS = 4
 """Blocks call their attention with (x, rope, cache, key_valid), all positional."""
-
-
-def _row(sequence_parallel: bool) -> RowwiseParallel:
-    """Row-parallel projection back to the residual stream: all-reduced, or reduce-scattered
-    onto sequence shards (kept a DTensor: the stream is one under SP)."""
-    if sequence_parallel:
-        return RowwiseParallel(output_layouts=SEQ, use_local_output=False)
-    return RowwiseParallel()
-
-
-def _swiglu(prefix: str, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    w2 = _row(sequence_parallel)
-    return {f"{prefix}.w1": ColwiseParallel(), f"{prefix}.w3": ColwiseParallel(), f"{prefix}.w2": w2}
 
 
 def _gathered(local: bool, n_args: int = 1, **output: Any) -> ParallelStyle:
@@ -98,41 +61,42 @@ def _gathered(local: bool, n_args: int = 1, **output: Any) -> ParallelStyle:
     return PrepareModuleInput(**inputs, use_local_output=local)
 
 
-def _block_plan(
-    cfg: ModelConfig, layer_id: int, prefix: str, tp: int, sequence_parallel: bool
-) -> dict[str, ParallelStyle]:
-    sp = sequence_parallel
-    plan: dict[str, ParallelStyle] = {}
-    attention = f"{prefix}.attention"
-    if sp:
-        plan[f"{prefix}.attention_norm"] = SequenceParallel()
-        plan[f"{prefix}.ffn_norm"] = SequenceParallel()
-        # MLA's replicated wq_a / wkv_a are plain modules: they need a plain (local) input.
-        plan[attention] = _gathered(local=cfg.family == "deepseek_v3", n_args=_BLOCK_ARGS)
-    if cfg.family == "deepseek_v3":
-        up = ["wq_b", "wkv_b"] if cfg.q_lora_rank is not None else ["wq", "wkv_b"]
-        plan.update({f"{attention}.{name}": ColwiseParallel() for name in up})
-    else:
-        plan[f"{attention}.wq"] = ColwiseParallel()
-        for name in ("wk", "wv"):
-            plan[f"{attention}.{name}"] = (
-                ColwiseParallel() if cfg.n_kv_heads % tp == 0 else KVHeadPerRank(cfg.n_kv_heads, cfg.head_dim)
-            )
-    plan[f"{attention}.wo"] = _row(sp)
-    ffn = f"{prefix}.feed_forward"
-    if not cfg.is_moe_layer(layer_id):
-        if sp:
-            plan[ffn] = _gathered(local=False)
-        plan.update(_swiglu(ffn, sp))
-        return plan
-    if sp:
-        # Router and routed experts are plain replicated modules: a plain full-sequence input; the
-        # output (complete on every rank) goes back to sequence shards without communication.
-        plan[ffn] = _gathered(
-            local=True, output_layouts=Replicate(), desired_output_layouts=SEQ, use_local_output=False
-        )
-    if cfg.n_shared_experts:
-        plan.update(_swiglu(f"{ffn}.shared_experts", sequence_parallel=False))
+_STYLES: dict[str, Callable[[ModelConfig], ParallelStyle]] = {
+    styles.COLWISE: lambda cfg: ColwiseParallel(),
+    styles.ROWWISE: lambda cfg: RowwiseParallel(),
+    styles.ROWWISE_TO_SEQUENCE: lambda cfg: RowwiseParallel(output_layouts=SEQ, use_local_output=False),
+    styles.KV_HEAD_PER_RANK: lambda cfg: KVHeadPerRank(cfg.kv_heads, cfg.head_dim),
+    styles.VOCAB_EMBEDDING: lambda cfg: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    styles.VOCAB_EMBEDDING_TO_SEQUENCE: lambda cfg: RowwiseParallel(
+        input_layouts=Replicate(), output_layouts=SEQ, use_local_output=False
+    ),
+    styles.VOCAB_HEAD: lambda cfg: ColwiseParallel(input_layouts=Replicate(), use_local_output=False),
+    styles.VOCAB_HEAD_FROM_SEQUENCE: lambda cfg: ColwiseParallel(input_layouts=SEQ, use_local_output=False),
+    styles.SEQUENCE_PARALLEL: lambda cfg: SequenceParallel(),
+    styles.GATHER_ATTENTION_INPUT: lambda cfg: _gathered(local=False, n_args=_BLOCK_ARGS),
+    styles.GATHER_ATTENTION_INPUT_LOCAL: lambda cfg: _gathered(local=True, n_args=_BLOCK_ARGS),
+    styles.GATHER_FFN_INPUT: lambda cfg: _gathered(local=False),
+    # router and routed experts are plain replicated modules: a plain full-sequence input; the
+    # output (complete on every rank) goes back to sequence shards without communication
+    styles.GATHER_MOE_INPUT: lambda cfg: _gathered(
+        local=True, output_layouts=Replicate(), desired_output_layouts=SEQ, use_local_output=False
+    ),
+    styles.FULL_SEQUENCE_INPUTS: lambda cfg: FullSequenceInputs(),
+    styles.REPLICATED_OUTPUT: lambda cfg: PrepareModuleOutput(
+        output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=False
+    ),
+}
+"""Style name -> the ParallelStyle it means; :data:`~dsl_lit.models.common.tp_plan.SHARED_ROPE_KEY`
+is a gradient hook instead (:func:`apply_tensor_parallel`)."""
+_HOOKS = frozenset({styles.SHARED_ROPE_KEY})
+
+
+def declared_plan(cfg: ModelConfig, tp: int, sequence_parallel: bool = False) -> dict[str, str]:
+    """The family's plan, module FQN -> style name; ValueError for a name no style is known for."""
+    plan = spec_of(cfg).tp_plan(cfg, tp, sequence_parallel)
+    unknown = sorted(set(plan.values()) - set(_STYLES) - _HOOKS)
+    if unknown:
+        raise ValueError(f"the {cfg.family} tensor-parallel plan names unknown style(s) {unknown}")
     return plan
 
 
@@ -140,29 +104,12 @@ def tensor_parallel_plan(
     cfg: ModelConfig, tp: int, sequence_parallel: bool = False
 ) -> dict[str, ParallelStyle]:
     """Module FQN -> parallel style for the whole model (names as in ``Transformer``) over ``tp``
-    ranks."""
-    sp = sequence_parallel
-    plan: dict[str, ParallelStyle] = {
-        "tok_embeddings": RowwiseParallel(
-            input_layouts=Replicate(), output_layouts=SEQ if sp else Replicate(), use_local_output=not sp
-        ),
+    ranks (the hook-only entries of the declared plan left out)."""
+    return {
+        name: _STYLES[style](cfg)
+        for name, style in declared_plan(cfg, tp, sequence_parallel).items()
+        if style not in _HOOKS
     }
-    for i in range(cfg.n_layers):
-        plan.update(_block_plan(cfg, i, f"layers.{i}", tp, sp))
-    depth = cfg.mtp_depth if cfg.family == "deepseek_v3" else 0
-    for k in range(depth):
-        plan.update(_block_plan(cfg, cfg.n_layers + k, f"mtp.{k}.block", tp, sequence_parallel=False))
-        if sp:
-            plan[f"mtp.{k}"] = FullSequenceInputs()
-            # the head below expects sequence shards unless it is handed a DTensor that says otherwise
-            plan[f"mtp.{k}.norm"] = PrepareModuleOutput(
-                output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=False
-            )
-    if sp:
-        plan["norm"] = SequenceParallel()
-    # logits stay a vocab-sharded DTensor for the vocab-parallel loss
-    plan["output"] = ColwiseParallel(input_layouts=SEQ if sp else Replicate(), use_local_output=False)
-    return plan
 
 
 class FullSequenceInputs(ParallelStyle):
@@ -276,12 +223,10 @@ def apply_tensor_parallel(
     length must be divisible by tp, and ``hidden_states`` returns a ``Shard(1)`` DTensor (which
     ``head`` and ``mtp_logits`` accept). Logits are vocab-sharded DTensors either way.
     """
-    present = {name for name, _ in model.named_modules()}
-    plan = {
-        name: style
-        for name, style in tensor_parallel_plan(cfg, tp_mesh.size(), sequence_parallel).items()
-        if name in present
-    }
+    modules = dict(model.named_modules())
+    declared = {name: style for name, style in declared_plan(cfg, tp_mesh.size(), sequence_parallel).items()
+                if name in modules}
+    plan = {name: _STYLES[style](cfg) for name, style in declared.items() if style not in _HOOKS}
     parallelize_module(model, tp_mesh, plan)
     embedding, output = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
     if cfg.tie_embeddings and embedding is not None and output is not None:
@@ -293,11 +238,10 @@ def apply_tensor_parallel(
         # for the DP reducer and ZeRO-1 buckets.
         if isinstance(param, DTensor) and param.requires_grad:
             param.register_hook(lambda grad, placements=param.placements: _placed_like(grad, placements))
-    if cfg.family == "deepseek_v3":
-        group = tp_mesh.get_group()
-        for name, module in model.named_modules():
-            if name.endswith("attention.wkv_a"):
-                module.register_forward_hook(
-                    lambda _m, _i, out: _SumGradOfTail.apply(out, cfg.kv_lora_rank, group)
-                )
+    group = tp_mesh.get_group()
+    for name, style in declared.items():
+        if style == styles.SHARED_ROPE_KEY:  # the last rope_dim features are the shared rotary key
+            modules[name].register_forward_hook(
+                lambda _m, _i, out: _SumGradOfTail.apply(out, out.shape[-1] - cfg.rope_dim, group)
+            )
     return model

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsl_lit.models.kv_cache import KVCache
+from dsl_lit.models.common.kv_cache import KVCache
 from dsl_lit.posttrain.speculative import DraftStats, decode_with_mtp_drafts
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dsl_lit.models.kv_cache import KVCache
+from dsl_lit.models.common.kv_cache import KVCache
 
 
 @dataclass

@@ -110,7 +110,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsl_lit.models.moe import GroupedExperts
+from dsl_lit.models.common.moe import GroupedExperts
 
 log = logging.getLogger(__name__)
 

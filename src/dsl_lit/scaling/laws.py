@@ -45,8 +45,7 @@ def model_scale(cfg: ModelConfig, seq_len: int) -> float:
     """M of any config, counted from its actual shapes: training FLOPs per token without the
     output head (one per prediction, MTP included). For a dense MHA model with a 8/3 d SwiGLU it
     is the paper's formula; GQA, MLA and MoE (activated experts) change the weights counted."""
-    depth = cfg.mtp_depth if cfg.family == "deepseek_v3" else 0
-    return training_flops_per_token(cfg, seq_len) - 6 * (1 + depth) * cfg.d_model * cfg.vocab_size
+    return training_flops_per_token(cfg, seq_len) - 6 * (1 + cfg.mtp_modules) * cfg.d_model * cfg.vocab_size
 
 
 def optimal_hparams(compute_flops: float) -> tuple[float, float]:

@@ -26,7 +26,7 @@ from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.config.precision import PrecisionConfig
 from dsl_lit.memory.recompute import apply_recompute
 from dsl_lit.models import ModelConfig, build_model
-from dsl_lit.models.moe import TopKRouter
+from dsl_lit.models.common.moe import TopKRouter
 from dsl_lit.optim import build_lr_scheduler
 from dsl_lit.parallel.step_runner import LocalStepRunner, step_runner_of
 from dsl_lit.precision.fp8 import apply_fp8
@@ -120,8 +120,7 @@ class CausalLMModule(L.LightningModule):
     @property
     def mtp_depth(self) -> int:
         """MTP modules of the model (from the config: a pipeline stage may not hold them)."""
-        cfg = self.model_config
-        return cfg.mtp_depth if cfg.family == "deepseek_v3" else 0
+        return self.model_config.mtp_modules
 
     # -- what a subclass defines -------------------------------------------------------------------
     def loss_normalizers(self, batch: Batch) -> dict[str, torch.Tensor]:

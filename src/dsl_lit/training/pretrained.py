@@ -16,9 +16,7 @@ import yaml
 
 from dsl_lit.checkpoint.reader import find_checkpoint, load_checkpoint_model
 from dsl_lit.hf import from_pretrained
-from dsl_lit.models import ModelConfig, Transformer
-
-FAMILY_PRESETS = {"deepseek_llm": "deepseek_llm_tiny", "deepseek_v3": "deepseek_v3_tiny"}
+from dsl_lit.models import ModelConfig, Transformer, spec_of
 
 
 def model_group(cfg: ModelConfig) -> dict[str, Any]:
@@ -26,7 +24,7 @@ def model_group(cfg: ModelConfig) -> dict[str, Any]:
     the family with every field overridden (so a checkpoint of this run can be exported)."""
     values = dataclasses.asdict(cfg)
     values.pop("name")
-    return {"name": FAMILY_PRESETS[cfg.family], **values}
+    return {"name": spec_of(cfg).base_preset, **values}
 
 
 def load_pretrained(path: str | Path) -> tuple[Transformer, dict[str, Any]]:

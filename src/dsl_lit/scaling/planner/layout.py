@@ -19,10 +19,13 @@ from dsl_lit.config.parallel import ParallelConfig, ParallelLayout
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZB1P", "DualPipe", "DualPipeV")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
-RECOMPUTE_MODES = (*MODES, "deepseek_v3")
-"""The runtime's modes, plus ``deepseek_v3``: DeepSeek-V3's own recipe (sections 3.2.3 and 3.3.2),
-planned only: norms, MLA up-projections and SwiGLU outputs recomputed, and under FP8 the cached
-linear inputs kept in FP8 (see :func:`dsl_lit.scaling.planner.memory.deepseek_v3_activations`)."""
+V3_RECIPE = "deepseek_v3"
+"""The recompute mode named after DeepSeek-V3's own recipe (sections 3.2.3 and 3.3.2), planned
+only: norms, MLA up-projections and SwiGLU outputs recomputed, and under FP8 the cached linear
+inputs kept in FP8 (see :func:`dsl_lit.scaling.planner.memory.deepseek_v3_activations`). A recipe's
+name, not a model family: ``plan.recompute=deepseek_v3`` plans any model with it."""
+RECOMPUTE_MODES = (*MODES, V3_RECIPE)
+"""The runtime's modes, plus :data:`V3_RECIPE`."""
 
 
 @dataclass

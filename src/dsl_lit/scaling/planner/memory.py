@@ -28,7 +28,7 @@ from dsl_lit.config.model import ModelConfig
 from dsl_lit.flops import attention_params
 from dsl_lit.parallel.pipeline import split_layers, stages_of_rank
 from dsl_lit.scaling.planner.cluster import GIB, ClusterConfig
-from dsl_lit.scaling.planner.layout import PlanLayout
+from dsl_lit.scaling.planner.layout import V3_RECIPE, PlanLayout
 
 FP32 = 4
 FP8_TILE = 1 + FP32 / 128
@@ -60,7 +60,7 @@ def block_params(cfg: ModelConfig, layer_id: int, layout: PlanLayout) -> ParamCo
     """One block's parameters on one GPU (``layer_id >= n_layers``: an MTP block)."""
     tp = layout.tp
     norms = 2 * cfg.d_model
-    if cfg.family == "deepseek_v3":
+    if cfg.latent_attention:
         norms += cfg.kv_lora_rank + (cfg.q_lora_rank or 0)
     dense = attention_params(cfg) / tp + norms
     if cfg.is_moe_layer(layer_id):
@@ -68,10 +68,6 @@ def block_params(cfg: ModelConfig, layer_id: int, layout: PlanLayout) -> ParamCo
         routed = 3 * cfg.d_model * cfg.moe_ffn_hidden * cfg.n_routed_experts
         return ParamCounts(dense, routed / (layout.ep if layout.ep > 1 else tp))
     return ParamCounts(dense + 3 * cfg.d_model * cfg.ffn_hidden / tp, 0.0)
-
-
-def mtp_depth(cfg: ModelConfig) -> int:
-    return cfg.mtp_depth if cfg.family == "deepseek_v3" else 0
 
 
 def stage_layers_of(cfg: ModelConfig, layout: PlanLayout) -> list[list[int]]:
@@ -97,7 +93,7 @@ def stage_params(cfg: ModelConfig, layout: PlanLayout, layers: list[int], first:
         counts.dense += vocab
     if last:
         counts.dense += cfg.d_model + (0 if cfg.tie_embeddings else vocab)
-        for k in range(mtp_depth(cfg)):
+        for k in range(cfg.mtp_modules):
             mtp = block_params(cfg, cfg.n_layers + k, layout)
             counts = counts + ParamCounts(mtp.dense + 2 * cfg.d_model**2 + 3 * cfg.d_model, mtp.experts)
     return counts
@@ -130,7 +126,7 @@ def attention_activations(cfg: ModelConfig, mode: str, tp: int, sp: bool) -> flo
     h = cfg.n_heads / tp
     if mode == "full":
         return d
-    if cfg.family != "deepseek_v3":
+    if not cfg.latent_attention:
         hd, kv = cfg.head_dim, max(1.0, cfg.n_kv_heads / tp)
         if mode == "selective":  # x; q, k, v projections; attention output; wo output
             return 2 * d + h * hd + 2 * kv * hd + h * hd
@@ -191,7 +187,7 @@ def deepseek_v3_activations(cfg: ModelConfig, layer_id: int, layout: PlanLayout)
     linear_in, attention_out = (FP8_TILE, E5M6_TILE) if fp8 else (act, act)
     d = cfg.d_model / (tp if sp else 1)
     h = cfg.n_heads / tp
-    if cfg.family == "deepseek_v3":
+    if cfg.latent_attention:
         latents = (cfg.q_lora_rank or 0) + cfg.kv_lora_rank + cfg.qk_rope_head_dim
         queries = 0.0 if cfg.q_lora_rank else h * cfg.qk_head_dim
         kept, out = latents + queries, h * cfg.v_head_dim
@@ -210,7 +206,7 @@ def deepseek_v3_activations(cfg: ModelConfig, layer_id: int, layout: PlanLayout)
 
 def block_activations(cfg: ModelConfig, layer_id: int, mode: str, layout: PlanLayout) -> float:
     """Bytes per token one block keeps for backward under ``mode``."""
-    if mode == "deepseek_v3":
+    if mode == V3_RECIPE:
         return deepseek_v3_activations(cfg, layer_id, layout)
     size = compute_bytes(layout)
     elements = attention_activations(cfg, mode, layout.tp, layout.sequence_parallel)
@@ -293,7 +289,7 @@ def estimate_memory(cfg: ModelConfig, layout: PlanLayout, cluster: ClusterConfig
         per_chunk = [sum(block_activations(cfg, i, layout.recompute, layout) for i in stage_layers[s]) for s in stages]
         activations = in_flight(rank, layout) * tokens * sum(per_chunk) / len(per_chunk)
         holds_last = last in stages
-        depth = mtp_depth(cfg)
+        depth = cfg.mtp_modules
         logits = 0.0
         if holds_last:
             head = tokens * cfg.vocab_size / layout.tp * size * (1 + depth)

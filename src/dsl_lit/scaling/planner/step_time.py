@@ -51,13 +51,12 @@ from dataclasses import asdict, dataclass
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.flops import attention_params, ffn_params_per_token
 from dsl_lit.scaling.planner.cluster import ClusterConfig
-from dsl_lit.scaling.planner.layout import PlanLayout
+from dsl_lit.scaling.planner.layout import V3_RECIPE, PlanLayout
 from dsl_lit.scaling.planner.memory import (
     FP8_TILE,
     FP32,
     block_activations,
     compute_bytes,
-    mtp_depth,
     optimizer_shard,
     rank_params,
     stage_layers_of,
@@ -110,7 +109,7 @@ def _fp8_cast_bytes(cfg: ModelConfig, layer_id: int, layout: PlanLayout) -> tupl
         return 0.0, 0.0
     tp, d = layout.tp, cfg.d_model
     h = cfg.n_heads / tp
-    if cfg.family == "deepseek_v3":
+    if cfg.latent_attention:
         latent_kv = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         up_kv = h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
         if cfg.q_lora_rank:
@@ -138,7 +137,7 @@ def _fp8_cast_bytes(cfg: ModelConfig, layer_id: int, layout: PlanLayout) -> tupl
 
 def _up_projection_params(cfg: ModelConfig) -> float:
     """MLA's up-projection weights (query and key/value), which ``deepseek_v3`` recomputes."""
-    if cfg.family != "deepseek_v3":
+    if not cfg.latent_attention:
         return 0.0
     kv = cfg.kv_lora_rank * cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
     return kv + (cfg.q_lora_rank * cfg.n_heads * cfg.qk_head_dim if cfg.q_lora_rank else 0)
@@ -146,7 +145,7 @@ def _up_projection_params(cfg: ModelConfig) -> float:
 
 def _block_attention_flops(cfg: ModelConfig, seq_len: int) -> float:
     """Forward FLOPs per token of scores and values, without causal halving (as ``dsl_lit.flops``)."""
-    qk, v = (cfg.qk_head_dim, cfg.v_head_dim) if cfg.family == "deepseek_v3" else (cfg.head_dim, cfg.head_dim)
+    qk, v = (cfg.qk_head_dim, cfg.v_head_dim) if cfg.latent_attention else (cfg.head_dim, cfg.head_dim)
     return 2.0 * cfg.n_heads * (qk + v) * seq_len
 
 
@@ -197,11 +196,11 @@ def estimate_step_time(cfg: ModelConfig, layout: PlanLayout, cluster: ClusterCon
         stages = stages_on_rank(rank, layout)
         blocks = [i for s in stages for i in stage_layers[s]]
         if last in stages:
-            blocks += [cfg.n_layers + k for k in range(mtp_depth(cfg))]
+            blocks += [cfg.n_layers + k for k in range(cfg.mtp_modules)]
         fwd_gemm = sum(2 * tokens * _block_matmul_params(cfg, i) for i in blocks) / tp / block_peak
         head_gemm = 0.0
         if last in stages:
-            head_gemm = 2 * tokens * cfg.d_model * cfg.vocab_size * (1 + mtp_depth(cfg)) / tp / gemm_peak
+            head_gemm = 2 * tokens * cfg.d_model * cfg.vocab_size * (1 + cfg.mtp_modules) / tp / gemm_peak
         fwd_attention = len(blocks) * tokens * _block_attention_flops(cfg, layout.seq_len) / 2 / tp / attention_peak
         memory_bound = sum(tokens * block_activations(cfg, i, "none", layout) for i in blocks) * eff.activation_passes / hbm
         casts = [_fp8_cast_bytes(cfg, i, layout) for i in blocks]
@@ -214,7 +213,7 @@ def estimate_step_time(cfg: ModelConfig, layout: PlanLayout, cluster: ClusterCon
             backward += (fwd_gemm + fwd_attention) * slowdown + memory_bound / 4 + cast_fwd
         elif layout.recompute != "none":  # norms and activations again; deepseek_v3: MLA up-projections too
             backward += memory_bound / 4
-            if layout.recompute == "deepseek_v3":
+            if layout.recompute == V3_RECIPE:
                 backward += len(blocks) * 2 * tokens * _up_projection_params(cfg) / tp / block_peak * slowdown
         moe_layers = sum(1 for i in blocks if cfg.is_moe_layer(i))
         ep_comm = moe_layers * _all_to_all_seconds(cfg, layout, cluster, tokens)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from lightning.pytorch.loggers import WandbLogger
 
-from dsl_lit.models.moe import TopKRouter
+from dsl_lit.models.common.moe import TopKRouter
 
 
 def load_ratios(loads: torch.Tensor) -> torch.Tensor:

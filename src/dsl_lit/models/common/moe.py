@@ -7,7 +7,8 @@ Routing (DeepSeek-V3 section 2.1.2), all in fp32 whatever the activation dtype:
    gradient and never enters the gate values, it only changes *which* experts are picked;
 3. node-limited routing: experts form ``n_expert_groups`` groups; a token keeps the
    ``n_limited_groups`` groups with the highest sum of their two best biased scores and picks its
-   top-k experts inside them;
+   top-k experts inside them (:meth:`TopKRouter.group_scores`; DeepSeek-V2's router ranks a group
+   by its best expert instead);
 4. the gate values are the *unbiased* ``s`` of the chosen experts, normalised to sum to one (V3),
    times ``route_scale``.
 
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsl_lit.config.model import ModelConfig
-from dsl_lit.models.layers import SwiGLU
+from dsl_lit.models.common.layers import SwiGLU
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
@@ -75,8 +76,7 @@ class TopKRouter(nn.Module):
             choice = scores + self.expert_bias
             if self.n_limited_groups < self.n_groups:
                 grouped = choice.view(x.shape[0], self.n_groups, -1)
-                best = min(2, grouped.shape[-1])
-                group_scores = grouped.topk(best, dim=-1).values.sum(dim=-1)
+                group_scores = self.group_scores(grouped)
                 keep = group_scores.topk(self.n_limited_groups, dim=-1).indices
                 group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
                 choice = choice.masked_fill(~group_mask.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
@@ -90,6 +90,12 @@ class TopKRouter(nn.Module):
             with torch.no_grad():
                 self.load.counts += torch.bincount(indices.flatten(), minlength=self.n_experts).float()
         return scores, weights, indices
+
+    @staticmethod
+    def group_scores(grouped: torch.Tensor) -> torch.Tensor:
+        """[tokens, groups, experts per group] biased scores -> [tokens, groups] group ranking:
+        the sum of each group's two best (DeepSeek-V3); a family may rank groups otherwise."""
+        return grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor, rate: float) -> None:
@@ -179,13 +185,13 @@ class MoE(nn.Module):
     loads for the bias update.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, router: type[TopKRouter] = TopKRouter) -> None:
         super().__init__()
         self.n_experts = cfg.n_routed_experts
         self.top_k = cfg.n_activated_experts
         self.seq_balance_alpha = cfg.seq_balance_alpha
         self.batch_balance_alpha = cfg.batch_balance_alpha
-        self.gate = TopKRouter(cfg)
+        self.gate = router(cfg)
         self.experts = GroupedExperts(cfg.n_routed_experts, cfg.d_model, cfg.moe_ffn_hidden, cfg.expert_backend)
         self.shared_experts = (
             SwiGLU(cfg.d_model, cfg.n_shared_experts * cfg.moe_ffn_hidden) if cfg.n_shared_experts else None

@@ -1,5 +1,8 @@
 """The decoder-only transformer shared by the DeepSeek families, in plain PyTorch.
 
+A family's :class:`~dsl_lit.models.common.block.Composition` says which attention, which router
+and whether MTP modules go in; ``dsl_lit.models.build_model`` picks it from the family registry.
+
 Pre-norm blocks: h = x + attn(norm(x)); out = h + ffn(norm(h)). Layers live in a ``ModuleDict``
 keyed by their index so that a pipeline stage can drop the layers it does not own and the names of
 the kept ones (``layers.7.attention.wq.weight``) stay the same in every parallel layout, which is
@@ -13,31 +16,32 @@ import torch
 from torch import nn
 
 from dsl_lit.config.model import ModelConfig
-from dsl_lit.models.block import TransformerBlock
-from dsl_lit.models.kv_cache import KVCache
-from dsl_lit.models.layers import RMSNorm, RotaryEmbedding
-from dsl_lit.models.moe import MoE, TopKRouter
-from dsl_lit.models.mtp import MTPModule
+from dsl_lit.models.common.block import Composition, TransformerBlock
+from dsl_lit.models.common.kv_cache import KVCache
+from dsl_lit.models.common.layers import RMSNorm, RotaryEmbedding
+from dsl_lit.models.common.moe import MoE, TopKRouter
+from dsl_lit.models.common.mtp import MTPModule
 
 
 class Transformer(nn.Module):
     """``forward(input_ids[batch, seq]) -> logits[batch, seq, vocab]``.
 
-    DeepSeek-V3 configs add ``mtp`` modules (:meth:`mtp_logits`, used by the pretraining loss);
+    Families with multi-token prediction add ``mtp`` modules (:meth:`mtp_logits`, used by the pretraining loss);
     MoE blocks leave a ``balance_loss`` that :meth:`balance_loss` collects.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, composition: Composition) -> None:
         super().__init__()
         cfg.validate()
         self.config = cfg
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.rope = RotaryEmbedding(cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i, composition) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        depth = cfg.mtp_depth if cfg.family == "deepseek_v3" else 0
-        self.mtp = nn.ModuleDict({str(k): MTPModule(cfg, cfg.n_layers + k) for k in range(depth)})
+        self.mtp = nn.ModuleDict(
+            {str(k): MTPModule(cfg, cfg.n_layers + k, composition) for k in range(cfg.mtp_modules)}
+        )
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.init_weights()

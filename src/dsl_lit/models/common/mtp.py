@@ -14,17 +14,17 @@ import torch
 from torch import nn
 
 from dsl_lit.config.model import ModelConfig
-from dsl_lit.models.block import TransformerBlock
-from dsl_lit.models.layers import RMSNorm
+from dsl_lit.models.common.block import Composition, TransformerBlock
+from dsl_lit.models.common.layers import RMSNorm
 
 
 class MTPModule(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, composition: Composition) -> None:
         super().__init__()
         self.enorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.hnorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.eh_proj = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=False)
-        self.block = TransformerBlock(cfg, layer_id)
+        self.block = TransformerBlock(cfg, layer_id, composition)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
 
     def forward(

@@ -10,14 +10,15 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dsl_lit.config.model import ModelConfig
-from dsl_lit.models.kv_cache import KVCache
-from dsl_lit.models.layers import apply_rope
+from dsl_lit.models.common.kv_cache import KVCache
+from dsl_lit.models.common.layers import apply_rope
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
@@ -115,6 +116,19 @@ def eager_causal_attention(
 
 class GroupedQueryAttention(nn.Module):
     """Multi-head attention with ``n_kv_heads`` shared key/value heads and RoPE on q and k."""
+
+    latent: ClassVar[bool] = False
+    """Keys and values are projected per kv head, not expanded from a shared latent (see MLA)."""
+
+    @staticmethod
+    def matmul_params(cfg: ModelConfig) -> int:
+        """Weights of wq, wk, wv and wo: what FLOPs and pipeline stage costs count."""
+        return cfg.d_model * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+
+    @staticmethod
+    def score_dims(cfg: ModelConfig) -> tuple[int, int]:
+        """Per-head widths of q/k and of v (both ``head_dim``), for the attention FLOPs."""
+        return cfg.head_dim, cfg.head_dim
 
     def __init__(self, cfg: ModelConfig, layer_id: int = 0) -> None:
         super().__init__()

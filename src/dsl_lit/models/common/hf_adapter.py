@@ -1,11 +1,10 @@
-"""Per-family translation between our models and Hugging Face checkpoints.
+"""Translation between our models and Hugging Face checkpoints: the adapter base and shared helpers.
 
 An adapter knows two things about one model family: how our ``ModelConfig`` maps to an HF
-``config.json`` dict, and how our parameter names (FQNs) map to HF's. It does no file I/O, so a
-family plugs in by writing an adapter and calling :func:`register_adapter` (DeepSeek LLM here,
-DeepSeek-V3/V2 in ``dsl_lit.hf.deepseek_v3``); ``dsl_lit.hf.io`` picks the adapter by HF
-``model_type`` when reading and by ``ModelConfig.family`` when writing. The helpers below are shared
-by the families.
+``config.json`` dict, and how our parameter names (FQNs) map to HF's. It does no file I/O: each
+family folder holds its adapter(s) and names them in its ``FamilySpec`` (``hf_readers`` by HF
+``model_type``, ``hf_adapter`` for writing); ``dsl_lit.hf.io`` finds them through
+:mod:`dsl_lit.models.registry`. The helpers below are shared by the families.
 
 State dicts are translated whole (not name by name) because some families need more than renames,
 e.g. stacking per-expert HF weights into one grouped tensor. Renames keep the same tensor objects,
@@ -75,40 +74,16 @@ class HFAdapter(ABC):
         """Our names -> HF's, leaving out tensors HF does not store (e.g. a tied output head)."""
 
 
-_BY_MODEL_TYPE: dict[str, HFAdapter] = {}
-_BY_FAMILY: dict[str, HFAdapter] = {}
-
-
-def register_adapter(adapter: HFAdapter, *, for_family: bool = True) -> HFAdapter:
-    """Make ``adapter`` the one used for its HF ``model_type`` (reading) and, unless ``for_family``
-    is False, for our ``family`` (writing): a family read from several model types writes with one."""
-    _BY_MODEL_TYPE[adapter.model_type] = adapter
-    if for_family:
-        _BY_FAMILY[adapter.family] = adapter
-    return adapter
-
-
-def adapter_for_model_type(model_type: Any) -> HFAdapter:
-    if model_type not in _BY_MODEL_TYPE:
-        raise ConfigError(
-            f"config.json model_type={model_type!r} is not supported; supported model types: "
-            f"{sorted(_BY_MODEL_TYPE)}"
-        )
-    return _BY_MODEL_TYPE[model_type]
-
-
-def adapter_for_family(family: str) -> HFAdapter:
-    if family not in _BY_FAMILY:
-        raise ConfigError(
-            f"model.family={family!r} has no Hugging Face adapter; families with one: {sorted(_BY_FAMILY)}"
-        )
-    return _BY_FAMILY[family]
-
-
-def _require(hf: Mapping[str, Any], key: str) -> Any:
+def require(hf: Mapping[str, Any], key: str) -> Any:
     if hf.get(key) is None:
         raise ConfigError(f"config.json is missing {key!r}, which the model cannot be built without")
     return hf[key]
+
+
+def check_rope_theta_writable(cfg: ModelConfig) -> None:
+    """JSON has no infinity or NaN: a config with such a ``rope_theta`` cannot be written."""
+    if not math.isfinite(cfg.rope_theta):
+        raise ConfigError(f"model.rope_theta={cfg.rope_theta!r} cannot be written to config.json")
 
 
 # -- pieces shared by the families -----------------------------------------------------------------
@@ -124,7 +99,7 @@ BLOCK_NORM_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-# One SwiGLU (``dsl_lit.models.layers.SwiGLU``, or one expert), ours -> HF's ``*_proj`` names.
+# One SwiGLU (``dsl_lit.models.common.layers.SwiGLU``, or one expert), ours -> HF's ``*_proj`` names.
 SWIGLU_NAMES = {
     "w1.weight": "gate_proj.weight",
     "w3.weight": "up_proj.weight",
@@ -238,121 +213,3 @@ def renamed_to_hf(state: StateDict, cfg: ModelConfig, rename: Callable[[str], st
     if unknown:
         raise ConfigError(f"model has parameter(s) with no Hugging Face name: {few(unknown)}")
     return out
-
-
-class DeepSeekLLMAdapter(HFAdapter):
-    """DeepSeek LLM 7B/67B, released in the plain Llama layout (``LlamaForCausalLM``)."""
-
-    family = "deepseek_llm"
-    model_type = "llama"
-    architecture = "LlamaForCausalLM"
-
-    _TOP = TOP_NAMES
-    # Names inside one block, ours (after ``layers.<i>.``) -> HF (after ``model.layers.<i>.``).
-    _BLOCK = {
-        **BLOCK_NORM_NAMES,
-        "attention.wq.weight": "self_attn.q_proj.weight",
-        "attention.wk.weight": "self_attn.k_proj.weight",
-        "attention.wv.weight": "self_attn.v_proj.weight",
-        "attention.wo.weight": "self_attn.o_proj.weight",
-        **{f"feed_forward.{ours}": f"mlp.{hf}" for ours, hf in SWIGLU_NAMES.items()},
-    }
-    _TOP_INV = {v: k for k, v in _TOP.items()}
-    _BLOCK_INV = {v: k for k, v in _BLOCK.items()}
-    # Old transformers versions saved RoPE's inverse frequencies; we recompute them from rope_theta.
-    _IGNORED_HF_SUFFIXES = (".rotary_emb.inv_freq",)
-
-    # -- config -----------------------------------------------------------------------------------
-
-    def config_from_hf(self, hf: Mapping[str, Any]) -> ModelConfig:
-        self._reject_unsupported(hf)
-        d_model = int(_require(hf, "hidden_size"))
-        n_heads = int(_require(hf, "num_attention_heads"))
-        head_dim = hf.get("head_dim")
-        if head_dim is not None and n_heads and head_dim * n_heads != d_model:
-            raise ConfigError(
-                f"config.json head_dim={head_dim} differs from hidden_size / num_attention_heads = "
-                f"{d_model}/{n_heads}; our attention derives head_dim from d_model and cannot represent it"
-            )
-        return ModelConfig(
-            name="hf",
-            family="deepseek_llm",
-            vocab_size=int(_require(hf, "vocab_size")),
-            n_layers=int(_require(hf, "num_hidden_layers")),
-            d_model=d_model,
-            n_heads=n_heads,
-            n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-            ffn_hidden=int(_require(hf, "intermediate_size")),
-            max_seq_len=int(hf.get("max_position_embeddings", 4096)),
-            rope_theta=hf_rope(hf)["rope_theta"],
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            init_std=float(hf.get("initializer_range", 0.02)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            extra=token_ids_from_hf(hf),
-        )
-
-    @staticmethod
-    def _reject_unsupported(hf: Mapping[str, Any]) -> None:
-        """ConfigError naming the first HF field whose value this family's model cannot express."""
-        supported_rope(hf, ("default",), "deepseek_llm")
-        reject_unsupported_common(hf, DeepSeekLLMAdapter.architecture)
-
-    def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
-        if not math.isfinite(cfg.rope_theta):
-            raise ConfigError(f"model.rope_theta={cfg.rope_theta!r} cannot be written to config.json")
-        out: dict[str, Any] = {
-            "architectures": [self.architecture],
-            "model_type": self.model_type,
-            "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.d_model,
-            "intermediate_size": cfg.ffn_hidden,
-            "num_hidden_layers": cfg.n_layers,
-            "num_attention_heads": cfg.n_heads,
-            "num_key_value_heads": cfg.n_kv_heads,
-            "head_dim": cfg.head_dim,
-            "hidden_act": "silu",
-            "max_position_embeddings": cfg.max_seq_len,
-            "initializer_range": cfg.init_std,
-            "rms_norm_eps": cfg.norm_eps,
-            # transformers >= 5 reads rope_parameters; older versions read rope_theta/rope_scaling.
-            "rope_theta": cfg.rope_theta,
-            "rope_scaling": None,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-            "attention_bias": False,
-            "mlp_bias": False,
-            "attention_dropout": 0.0,
-            "pretraining_tp": 1,
-            "tie_word_embeddings": cfg.tie_embeddings,
-            "use_cache": True,
-        }
-        out.update(token_ids_to_hf(cfg))
-        return out
-
-    # -- weights ----------------------------------------------------------------------------------
-
-    def from_hf(self, hf_state: StateDict, cfg: ModelConfig) -> StateDict:
-        return renamed_from_hf(hf_state, cfg, self._hf_to_ours, self.family, self._IGNORED_HF_SUFFIXES)
-
-    def to_hf(self, state: StateDict, cfg: ModelConfig) -> StateDict:
-        return renamed_to_hf(state, cfg, self._ours_to_hf)
-
-    def _hf_to_ours(self, hf_name: str) -> str | None:
-        if hf_name in self._TOP_INV:
-            return self._TOP_INV[hf_name]
-        parts = hf_name.split(".", 3)  # model, layers, <i>, rest
-        if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
-            rest = self._BLOCK_INV.get(parts[3])
-            return None if rest is None else f"layers.{parts[2]}.{rest}"
-        return None
-
-    def _ours_to_hf(self, name: str) -> str | None:
-        if name in self._TOP:
-            return self._TOP[name]
-        parts = name.split(".", 2)  # layers, <i>, rest
-        if len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit():
-            rest = self._BLOCK.get(parts[2])
-            return None if rest is None else f"model.layers.{parts[1]}.{rest}"
-        return None
-
-
-register_adapter(DeepSeekLLMAdapter())

@@ -1,7 +1,11 @@
 """DeepSeek-V3 (``DeepseekV3ForCausalLM``) and DeepSeek-V2 (``DeepseekV2ForCausalLM``) checkpoints.
 
-Both are our ``deepseek_v3`` family (MLA + DeepSeekMoE), in the layout of the Hugging Face hub
-checkpoints, which is also what ``transformers`` writes:
+Names and config only; ``dsl_lit.hf.io`` does the file I/O and finds these adapters through the
+family registry (``dsl_lit.models.registry``).
+
+``model_type`` deepseek_v3 reads into our ``deepseek_v3`` family, deepseek_v2 into ``deepseek_v2``
+(MLA + DeepSeekMoE both), in the layout of the Hugging Face hub checkpoints, which is also what
+``transformers`` writes:
 
 * routed experts are stored one by one (``model.layers.<i>.mlp.experts.<e>.gate_proj.weight``,
   ``up_proj``, ``down_proj``); we stack them into ``feed_forward.experts.w1/w3/w2`` [E, out, in]
@@ -12,36 +16,38 @@ checkpoints, which is also what ``transformers`` writes:
   ``hnorm``, ``eh_proj`` and ``shared_head.norm`` next to the usual block weights, plus copies of the
   shared embedding (``embed_tokens``) and head (``shared_head.head``) that we write and drop on load.
 
-Routing decides the model type written: transformers' DeepSeek-V3 router is sigmoid only, so a
-softmax-routed model (DeepSeek-V2-Lite) is written as ``deepseek_v2``, whose router is softmax with
-plain top-k (``topk_method`` "greedy"). Things neither layout can express raise ConfigError.
+Routing decides the model type written. transformers' DeepSeek-V3 router is sigmoid only, so a
+softmax-routed ``deepseek_v3``-family model (the DeepSeek-V2-Lite preset) is written as
+``deepseek_v2`` with plain top-k (``topk_method`` "greedy"), which needs it to have no group limit:
+the two routers rank expert groups differently. The ``deepseek_v2`` family routes as DeepSeek-V2
+does (``group_limited_greedy``: groups ranked by their best expert) and is written with it
+whenever its group limit is on. Things neither layout can express raise ConfigError.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, ClassVar
 
 import torch
 
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.model import ModelConfig
-from dsl_lit.hf.adapter import (
+from dsl_lit.models.common.hf_adapter import (
     BLOCK_NORM_NAMES,
     SWIGLU_NAMES,
     TOP_NAMES,
     HFAdapter,
     StateDict,
-    _require,
+    check_rope_theta_writable,
     few,
     hf_rope,
-    register_adapter,
     reject_unsupported_common,
     renamed_from_hf,
     renamed_to_hf,
+    require,
     supported_rope,
     token_ids_from_hf,
     token_ids_to_hf,
@@ -116,7 +122,8 @@ class DeepSeekV3Adapter(HFAdapter):
     """``topk_method`` values of this model type's hub configs; the first is written."""
     legacy_v2: ClassVar[bool] = False
     """DeepSeek-V2 conventions: no balancing bias, no MTP, RoPE always interleaved (no
-    ``rope_interleave`` key) and gates never renormalised."""
+    ``rope_interleave`` key), gates never renormalised, ``topk_method`` says whether groups limit
+    the routing."""
     defaults: ClassVar[dict[str, Any]] = {
         "norm_topk_prob": True,
         "routed_scaling_factor": 2.5,
@@ -131,7 +138,7 @@ class DeepSeekV3Adapter(HFAdapter):
 
     def config_from_hf(self, hf: Mapping[str, Any]) -> ModelConfig:
         self._reject_unsupported(hf)
-        n_layers = int(_require(hf, "num_hidden_layers"))
+        n_layers = int(require(hf, "num_hidden_layers"))
         n_experts = int(hf.get("n_routed_experts") or 0)
         max_seq_len = int(hf.get("max_position_embeddings", 4096))
         rope = hf_rope(hf)
@@ -140,40 +147,50 @@ class DeepSeekV3Adapter(HFAdapter):
         def get(key: str) -> Any:
             return hf[key] if key in hf else self.defaults.get(key)
 
+        groups, limited = self._groups_from_hf(hf, get)
+
         return ModelConfig(
             name="hf",
-            family="deepseek_v3",
-            vocab_size=int(_require(hf, "vocab_size")),
+            family=self.family,
+            vocab_size=int(require(hf, "vocab_size")),
             n_layers=n_layers,
-            d_model=int(_require(hf, "hidden_size")),
-            n_heads=int(_require(hf, "num_attention_heads")),
-            n_kv_heads=int(_require(hf, "num_attention_heads")),  # MLA: every head has its own key
-            ffn_hidden=int(_require(hf, "intermediate_size")),
+            d_model=int(require(hf, "hidden_size")),
+            n_heads=int(require(hf, "num_attention_heads")),
+            n_kv_heads=int(require(hf, "num_attention_heads")),  # MLA: every head has its own key
+            ffn_hidden=int(require(hf, "intermediate_size")),
             max_seq_len=max_seq_len,
             rope_theta=rope["rope_theta"],
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             init_std=float(hf.get("initializer_range", 0.02)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             q_lora_rank=None if q_lora_rank is None else int(q_lora_rank),
-            kv_lora_rank=int(_require(hf, "kv_lora_rank")),
-            qk_nope_head_dim=int(_require(hf, "qk_nope_head_dim")),
-            qk_rope_head_dim=int(_require(hf, "qk_rope_head_dim")),
-            v_head_dim=int(_require(hf, "v_head_dim")),
+            kv_lora_rank=int(require(hf, "kv_lora_rank")),
+            qk_nope_head_dim=int(require(hf, "qk_nope_head_dim")),
+            qk_rope_head_dim=int(require(hf, "qk_rope_head_dim")),
+            v_head_dim=int(require(hf, "v_head_dim")),
             rope_interleave=bool(hf.get("rope_interleave", True)),
             rope_scaling=self._yarn_from_hf(rope, max_seq_len),
             n_dense_layers=min(int(get("first_k_dense_replace") or 0), n_layers) if n_experts else n_layers,
             n_routed_experts=n_experts,
             n_shared_experts=int(hf.get("n_shared_experts") or 0),
-            n_activated_experts=int(_require(hf, "num_experts_per_tok")) if n_experts else 0,
-            moe_ffn_hidden=int(_require(hf, "moe_intermediate_size")) if n_experts else 0,
-            n_expert_groups=int(get("n_group") or 1),
-            n_limited_groups=int(get("topk_group") or 1),
+            n_activated_experts=int(require(hf, "num_experts_per_tok")) if n_experts else 0,
+            moe_ffn_hidden=int(require(hf, "moe_intermediate_size")) if n_experts else 0,
+            n_expert_groups=groups,
+            n_limited_groups=limited,
             score_func=self.score_func,  # type: ignore[arg-type]
             route_scale=float(get("routed_scaling_factor")),
             norm_topk_prob=bool(get("norm_topk_prob")),
             mtp_depth=0 if self.legacy_v2 else int(get("num_nextn_predict_layers") or 0),
             extra=token_ids_from_hf(hf),
         )
+
+    def _groups_from_hf(self, hf: Mapping[str, Any], get: Callable[[str], Any]) -> tuple[int, int]:
+        """(n_expert_groups, n_limited_groups): DeepSeek-V3's node-limited routing always reads them."""
+        return int(get("n_group") or 1), int(get("topk_group") or 1)
+
+    def _topk_method(self, cfg: ModelConfig) -> str:
+        """The ``topk_method`` written for ``cfg``."""
+        return self.topk_methods[0]
 
     def _reject_unsupported(self, hf: Mapping[str, Any]) -> None:
         """ConfigError naming the first config.json field our model cannot express."""
@@ -189,11 +206,6 @@ class DeepSeekV3Adapter(HFAdapter):
         if topk_method not in self.topk_methods:
             raise ConfigError(
                 f"{where} topk_method={topk_method!r} is not supported; supported: {list(self.topk_methods)}"
-            )
-        if topk_method == "group_limited_greedy" and (hf.get("topk_group") or 1) < (hf.get("n_group") or 1):
-            raise ConfigError(
-                f"{where} topk_method='group_limited_greedy' with topk_group < n_group is not supported: "
-                "DeepSeek-V2 ranks groups by their best expert, our router by the sum of the best two"
             )
         if (hf.get("moe_layer_freq") or 1) != 1:
             raise ConfigError(
@@ -214,7 +226,7 @@ class DeepSeekV3Adapter(HFAdapter):
                 "bf16 first"
             )
         if hf.get("use_mla") is False:
-            raise ConfigError(f"{where} use_mla=false is not supported: the deepseek_v3 family is MLA only")
+            raise ConfigError(f"{where} use_mla=false is not supported: the {self.family} family is MLA only")
         if self.legacy_v2 and hf.get("rope_interleave") is False:
             raise ConfigError(
                 f"{where} rope_interleave=false is not supported: DeepSeek-V2 rotates interleaved pairs"
@@ -272,25 +284,29 @@ class DeepSeekV3Adapter(HFAdapter):
         return self._writer(cfg)._config_to_hf(cfg)
 
     def _writer(self, cfg: ModelConfig) -> DeepSeekV3Adapter:
-        """The model type a model is written as: its routing decides (see the module docstring)."""
-        writer = _V2 if cfg.score_func == "softmax" else _V3
-        writer._check_writable(cfg)
-        return writer
+        """The model type a ``deepseek_v3``-family model is written as: its routing decides (see the
+        module docstring)."""
+        if cfg.score_func != "softmax":
+            self._check_writable(cfg)
+            return self
+        if cfg.is_moe and cfg.n_limited_groups < cfg.n_expert_groups:
+            raise ConfigError(
+                f"model.n_limited_groups={cfg.n_limited_groups!r} cannot be written as model_type "
+                f"{_V2.model_type!r}, the Hugging Face layout for softmax routing: it ranks expert groups by "
+                "their best expert, this family's router by the sum of the best two (the deepseek_v2 family "
+                "routes as DeepSeek-V2 does)"
+            )
+        _V2._check_writable(cfg)
+        return _V2
 
     def _check_writable(self, cfg: ModelConfig) -> None:
-        if not math.isfinite(cfg.rope_theta):
-            raise ConfigError(f"model.rope_theta={cfg.rope_theta!r} cannot be written to config.json")
+        check_rope_theta_writable(cfg)
         if not self.legacy_v2:
             return
         checks = (
             ("mtp_depth", cfg.mtp_depth != 0, "it has no MTP layers"),
             ("rope_interleave", not cfg.rope_interleave, "it always rotates interleaved pairs"),
             ("norm_topk_prob", cfg.norm_topk_prob, "it does not renormalise the softmax gates"),
-            (
-                "n_limited_groups",
-                cfg.is_moe and cfg.n_limited_groups < cfg.n_expert_groups,
-                "it ranks expert groups by their best expert, our router by the sum of the best two",
-            ),
         )
         for name, bad, reason in checks:
             if bad:
@@ -333,7 +349,7 @@ class DeepSeekV3Adapter(HFAdapter):
             "moe_layer_freq": 1,
             "norm_topk_prob": cfg.norm_topk_prob,
             "scoring_func": self.score_func,
-            "topk_method": self.topk_methods[0],
+            "topk_method": self._topk_method(cfg),
             "hidden_act": "silu",
             "max_position_embeddings": cfg.max_seq_len,
             "initializer_range": cfg.init_std,
@@ -481,10 +497,13 @@ _MTP_INV = {hf: ours for ours, hf in _MTP.items()}
 
 
 class DeepSeekV2Adapter(DeepSeekV3Adapter):
-    """``model_type`` "deepseek_v2" (DeepSeek-V2 / V2-Lite): softmax routing with plain top-k, no
-    balancing bias, no MTP, always interleaved RoPE. Read into, and written from, our deepseek_v3
-    family (the family's writer picks it for softmax-routed models)."""
+    """``model_type`` "deepseek_v2" (DeepSeek-V2 / V2-Lite): softmax routing, plain top-k
+    (``greedy``) or top-k inside the ``topk_group`` groups with the best experts
+    (``group_limited_greedy``), no balancing bias, no MTP, always interleaved RoPE. Read into, and
+    written from, our ``deepseek_v2`` family; also writes softmax-routed ``deepseek_v3``-family
+    models without a group limit."""
 
+    family = "deepseek_v2"
     model_type = "deepseek_v2"
     architecture = "DeepseekV2ForCausalLM"
     fp32_suffixes = ()
@@ -499,8 +518,19 @@ class DeepSeekV2Adapter(DeepSeekV3Adapter):
         "first_k_dense_replace": 0,
     }
 
+    def _writer(self, cfg: ModelConfig) -> DeepSeekV3Adapter:
+        self._check_writable(cfg)
+        return self
 
-_V3 = DeepSeekV3Adapter()
-_V2 = DeepSeekV2Adapter()
-register_adapter(_V3)
-register_adapter(_V2, for_family=False)
+    def _groups_from_hf(self, hf: Mapping[str, Any], get: Callable[[str], Any]) -> tuple[int, int]:
+        """``greedy`` ignores n_group / topk_group (no group limit); ``group_limited_greedy`` needs both."""
+        if (hf.get("topk_method") or self.topk_methods[0]) == "greedy":
+            return 1, 1
+        return int(require(hf, "n_group")), int(require(hf, "topk_group"))
+
+    def _topk_method(self, cfg: ModelConfig) -> str:
+        return "group_limited_greedy" if cfg.is_moe and cfg.n_limited_groups < cfg.n_expert_groups else "greedy"
+
+
+_V3 = V3_ADAPTER = DeepSeekV3Adapter()
+_V2 = V2_ADAPTER = DeepSeekV2Adapter()

@@ -12,13 +12,15 @@ Names follow DeepSeek's reference code: wq / wq_a, q_norm, wq_b, wkv_a, kv_norm,
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
 from dsl_lit.config.model import ModelConfig
-from dsl_lit.models.attention import causal_attention
-from dsl_lit.models.kv_cache import KVCache
-from dsl_lit.models.layers import RMSNorm, apply_rope, yarn_softmax_scale
+from dsl_lit.models.common.attention import causal_attention
+from dsl_lit.models.common.kv_cache import KVCache
+from dsl_lit.models.common.layers import RMSNorm, apply_rope, yarn_softmax_scale
 
 LATENT_NORM_EPS = 1e-6
 """DeepSeek's reference code (and transformers) norm the latents with eps 1e-6 whatever
@@ -26,6 +28,30 @@ LATENT_NORM_EPS = 1e-6
 
 
 class MultiHeadLatentAttention(nn.Module):
+    """MLA: ``forward(x, rope, cache, key_valid)`` as grouped-query attention's, latents cached."""
+
+    latent: ClassVar[bool] = True
+    """Keys and values are expanded from one compressed latent per token (what ``latent_attention``
+    on the config reports: the rotary tables cover ``qk_rope_head_dim`` and every head has its own key)."""
+
+    @staticmethod
+    def matmul_params(cfg: ModelConfig) -> int:
+        """Weights of the projections, low-rank paths included: what FLOPs and pipeline stage costs count."""
+        h = cfg.n_heads
+        if cfg.q_lora_rank is None:
+            q = cfg.d_model * h * cfg.qk_head_dim
+        else:
+            q = cfg.d_model * cfg.q_lora_rank + cfg.q_lora_rank * h * cfg.qk_head_dim
+        kv = cfg.d_model * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * h * (
+            cfg.qk_nope_head_dim + cfg.v_head_dim
+        )
+        return q + kv + h * cfg.v_head_dim * cfg.d_model
+
+    @staticmethod
+    def score_dims(cfg: ModelConfig) -> tuple[int, int]:
+        """q/k heads are nope + rope wide, v heads ``v_head_dim``: the widths the attention FLOPs use."""
+        return cfg.qk_head_dim, cfg.v_head_dim
+
     def __init__(self, cfg: ModelConfig, layer_id: int = 0) -> None:
         super().__init__()
         self.layer_id = layer_id
