@@ -263,5 +263,6 @@ def test_pretraining_data_packs_with_data_tokenizer_dir(trained, tmp_path):
     assert batch["input_ids"].shape == (4, 32) and int(batch["input_ids"].max()) < 128815
     assert stale_reason(cfg.data) is None
     other = _release_dir(trained["deepseek_llm"], tmp_path / "deepseek-llm", None)
-    assert "data.tokenizer_dir" in stale_reason(TrainConfig.from_hydra(compose_config(
+    assert "not the one in data.tokenizer_dir" in stale_reason(TrainConfig.from_hydra(compose_config(
         "pretrain", [*overrides[:2], f"data.tokenizer_dir={other}"])).data)
+    assert "set data.tokenizer_dir" in stale_reason(TrainConfig.from_hydra(compose_config("pretrain", overrides[:2])).data)

@@ -252,3 +252,28 @@ def test_sft_recipe_with_a_released_tokenizer_and_its_template(v3_dir, tmp_path)
         losses = [float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
     assert not (tmp_path / "never_built").exists()
+
+
+def test_v3_tool_calls_are_the_assistants_and_tool_outputs_are_not(v3_dir):
+    """V3's template renders an assistant message without content as its tool calls. (transformers 5
+    drops None-valued keys before rendering, which V3's template cannot render, so the text is
+    checked against the template's literal output here.)"""
+    calls = [{"type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": c})}}
+             for c in ("Paris", "Rome")]
+    conversation = [{"role": "user", "content": "Weather in Paris and Rome?"},
+                    {"role": "assistant", "content": None, "tool_calls": calls},
+                    {"role": "tool", "content": "18C"}, {"role": "tool", "content": "24C"},
+                    {"role": "assistant", "content": "Paris 18C, Rome 24C."}]
+    tokenizer = ChatTokenizer.from_dir(v3_dir)
+    call = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{{\"city\": \"{}\"}}\n```<｜tool▁call▁end｜>"
+    replies = ["<｜tool▁calls▁begin｜>" + call.format("Paris") + "\n" + call.format("Rome")
+               + "<｜tool▁calls▁end｜><｜end▁of▁sentence｜>", "Paris 18C, Rome 24C.<｜end▁of▁sentence｜>"]
+    outputs = "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>18C<｜tool▁output▁end｜>\n<｜tool▁output▁begin｜>24C" \
+              "<｜tool▁output▁end｜><｜tool▁outputs▁end｜>"
+    text = tokenizer.template.render(conversation)
+    assert text == ("<｜begin▁of▁sentence｜><｜User｜>Weather in Paris and Rome?<｜Assistant｜>" + replies[0] + outputs
+                    + replies[1])
+    encoded = tokenizer.encode_conversation(conversation)
+    assert encoded.ids == tokenizer.encode_text(text)
+    trained = [i for i, t in zip(encoded.ids, encoded.trained) if t]
+    assert tokenizer.tokenizer.decode(trained, skip_special_tokens=False) == "".join(replies)

@@ -51,6 +51,8 @@ def stale_reason(cfg: DataConfig) -> str | None:
     if cfg.tokenizer_dir:
         if tokenizer.get("source_tokenizer_sha256") != file_sha256(Path(cfg.tokenizer_dir) / TOKENIZER_FILE):
             return f"its tokenizer is not the one in data.tokenizer_dir={cfg.tokenizer_dir}"
+    elif tokenizer.get("source"):
+        return f"its tokenizer is a copy of {tokenizer['source']}: set data.tokenizer_dir to use it"
     else:
         trained = (tokenizer.get("requested_vocab_size"), tokenizer.get("max_bytes"))
         if trained != (cfg.tokenizer_vocab_size, cfg.tokenizer_max_bytes):

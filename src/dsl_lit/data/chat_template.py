@@ -6,6 +6,9 @@ conversation (DeepSeek-V3's role tokens, R1's template dropping the ``<think>`` 
 assistant turns, tool calls); SFT rows must be exactly that text, so the template is executed with
 the environment transformers gives it (sandboxed Jinja, ``trim_blocks``/``lstrip_blocks``, loop
 controls, ``raise_exception``, ``tojson``, ``strftime_now``) without importing transformers.
+Messages are passed as they are, None values included: V3's template renders an assistant message
+whose content is None as its tool calls (transformers 5 drops None-valued keys first, and then
+cannot render those).
 
 Why spans by difference: templates rewrite content (strip reasoning, prefix tool calls) and may
 render one message differently depending on what follows, so the assistant's characters cannot be
