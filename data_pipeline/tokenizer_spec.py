@@ -9,9 +9,10 @@ the reference copy of the releases); ``bundled`` is this project's demo tokenize
 
 Ids: added tokens below ``bpe_vocab_size`` (V3's bos/eos/pad at 0, 1, 2) are trained as the BPE
 trainer's special tokens, so they take the first ids as in the release; the others follow the
-learned vocabulary (which, as released, lacks the byte characters that are added tokens). A learned vocabulary smaller than the release's (a small ``vocab_size``, or a
-corpus too small for the full one) is padded with reserved entries that no merge produces, so the
-added tokens keep their released ids whatever was learned.
+learned vocabulary (which, as released, lacks the byte characters that are added tokens). A
+learned vocabulary smaller than the release's (a small ``vocab_size``, or a corpus too small for
+the full one) is padded with reserved entries that no merge produces, so the added tokens keep
+their released ids whatever was learned.
 """
 
 from __future__ import annotations
