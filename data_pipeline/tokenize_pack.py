@@ -5,6 +5,9 @@ the token lists in document order, so the shards are byte-identical for the same
 ``num_proc`` is. Why per kept shard and then a merge: tokenizing is the expensive part and
 parallelises over the kept shards (each packed on its own, resumable); the merge only links the
 shard files into one packed dataset, renumbered in shard order, with one meta.json written last.
+The tokenizer is the run's own (``train_tokenizer``) or a ready one (``tokenizer.path``: a model's
+release, read by ``dsl_lit.data.tokenizer_dir``), which the merge copies to ``output_dir/tokenizer``
+with a meta.json, so the output has the layout the data module reads either way.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -37,6 +41,7 @@ from dsl_lit.data.format import (
     index_name,
     shard_name,
 )
+from dsl_lit.data.tokenizer_dir import TOKENIZER_FILES, read_tokenizer_meta
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +119,7 @@ def tokenize_pack(
     """
     tokenizer_dir = Path(tokenizer_dir)
     tokenizer_file = tokenizer_dir / TOKENIZER_FILE
-    tok_meta = json.loads((tokenizer_dir / META_FILE).read_text(encoding="utf-8"))
+    tok_meta = read_tokenizer_meta(tokenizer_dir)
     sha = file_sha256(tokenizer_file)
     if text_field not in dataset.column_names:
         raise ValueError(f"text_field {text_field!r} not in dataset columns {dataset.column_names}")
@@ -157,10 +162,17 @@ class PackConfig:
         return self
 
 
+def given_tokenizer(ctx: Any) -> Path | None:
+    """``tokenizer.path`` (a ready tokenizer), or None when the run trains its own."""
+    path = ctx.cfg.sections["tokenizer"].path
+    return None if path is None else Path(path)
+
+
 def pack_unit(ctx: Any, unit: int) -> dict[str, Any]:
-    tokenizer_dir = ctx.output_dir / TOKENIZER_DIR
-    if not (tokenizer_dir / META_FILE).is_file():
-        raise FileNotFoundError(f"{tokenizer_dir} missing: run the train_tokenizer stage first")
+    tokenizer_dir = given_tokenizer(ctx) or ctx.output_dir / TOKENIZER_DIR
+    if not (tokenizer_dir / TOKENIZER_FILE).is_file():
+        raise FileNotFoundError(f"{tokenizer_dir} missing: run the train_tokenizer stage first, or set "
+                                "tokenizer.path to a ready tokenizer")
     docs = read_documents(ctx.output_dir / "kept" / shard_file(unit), columns=["text"])
     start = time.perf_counter()
     out = tokenize_pack(
@@ -181,9 +193,25 @@ def pack_unit(ctx: Any, unit: int) -> dict[str, Any]:
     }
 
 
+def copy_tokenizer(source: Path, target: Path) -> dict[str, Any]:
+    """Publish ``source``'s tokenizer files at ``target`` with a meta.json (written last); returns it."""
+    meta = {**read_tokenizer_meta(source), "source": str(source.resolve()),
+            "source_tokenizer_sha256": file_sha256(source / TOKENIZER_FILE)}
+    with building_dir(target) as tmp:
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copyfile(source / name, tmp / name)
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    return meta
+
+
 def merge_unit(ctx: Any, unit: int) -> dict[str, Any]:
-    """Link every part's shard files into ``output_dir/shards`` as one packed dataset."""
+    """Link every part's shard files into ``output_dir/shards`` as one packed dataset (after copying
+    a given tokenizer to ``output_dir/tokenizer``)."""
     part_dir = ctx.dirs["tokenize_pack"]
+    source = given_tokenizer(ctx)
+    if source is not None:
+        copy_tokenizer(source, ctx.output_dir / TOKENIZER_DIR)
     with building_dir(ctx.output_dir / SHARDS_DIR) as tmp:
         merged: dict[str, Any] | None = None
         shards: list[dict[str, Any]] = []
@@ -208,7 +236,8 @@ def merge_unit(ctx: Any, unit: int) -> dict[str, Any]:
 
 
 class TokenizePack(Stage):
-    """Runs after finalize (and after ``train_tokenizer``): packs ``kept/`` into ``output_dir/shards``."""
+    """Runs after finalize (and after ``train_tokenizer``, or with ``tokenizer.path``): packs ``kept/``
+    into ``output_dir/shards``."""
 
     name = "tokenize_pack"
     Config = PackConfig
@@ -217,8 +246,13 @@ class TokenizePack(Stage):
     comes_after = ("train_tokenizer",)
 
     def settings(self) -> dict[str, Any]:
-        """The packing and the tokenizer's settings: another tokenizer means other tokens."""
-        return {"pack": asdict(self.config), "tokenizer": asdict(self.pipeline.sections["tokenizer"])}
+        """The packing and the tokenizer's settings (and a given tokenizer's content): another
+        tokenizer means other tokens."""
+        tokenizer = self.pipeline.sections["tokenizer"]
+        settings = {"pack": asdict(self.config), "tokenizer": asdict(tokenizer)}
+        if tokenizer.path is not None:
+            settings["tokenizer_sha256"] = file_sha256(Path(tokenizer.path) / TOKENIZER_FILE)
+        return settings
 
     def steps(self) -> list[Step]:
         return [self.step(pack_unit), self.step(merge_unit, "merge", units=1)]

@@ -103,6 +103,9 @@ class DataConfig:
     cache_dir: str  # the tokenizer and the packed shards are built here, once per corpus content
     tokenizer_vocab_size: int = 8192
     tokenizer_max_bytes: int | None = None
+    tokenizer_dir: str | None = None
+    """A ready tokenizer directory (a model's release: tokenizer.json + tokenizer_config.json) the
+    corpus is packed with instead of training one (``tokenizer_vocab_size``/``max_bytes`` unused)."""
     seq_len: int = 256
     global_batch_size: int = 32
     micro_batch_size: int = 8
@@ -161,6 +164,9 @@ class DataConfig:
             )
         if not self.cache_dir:
             raise ConfigError("data.cache_dir is empty: give a directory for the tokenizer and shards")
+        if self.tokenizer_dir and not (Path(self.tokenizer_dir) / "tokenizer.json").is_file():
+            raise ConfigError(f"data.tokenizer_dir={self.tokenizer_dir} has no tokenizer.json: point it at a "
+                              "tokenizer directory (a model's Hugging Face directory), or null to train one")
         self.batch_schedule.validate(step)
         return self
 

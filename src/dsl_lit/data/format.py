@@ -36,8 +36,9 @@ TOKENIZER_DIR = "tokenizer"
 TOKENIZER_FILE = "tokenizer.json"
 SHARDS_DIR = "shards"
 
-# The special tokens DeepSeek LLM ships, in id order 0..14: bos/eos/pad, fill-in-the-middle, chat
-# roles, R1's reasoning tags, and place holders reserved for later use.
+# The bundled demo tokenizer's special tokens, in id order 0..14: DeepSeek's names for bos/eos/pad,
+# fill-in-the-middle and the chat roles, R1's reasoning tags, and place holders. This set is ours;
+# the released tokenizers' added tokens (ids, special flags) are in data_pipeline/tokenizer_specs/.
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 EOS_TOKEN = "<｜end▁of▁sentence｜>"
 PAD_TOKEN = "<｜▁pad▁｜>"
