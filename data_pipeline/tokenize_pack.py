@@ -28,6 +28,7 @@ import datasets
 import numpy as np
 from tokenizers import Tokenizer
 
+from data_pipeline.fim import encode_documents, fim_token_ids, plan_document
 from data_pipeline.packed_writer import PackedShardWriter
 from data_pipeline.shard_io import building_dir, link_or_copy, read_documents, shard_file
 from data_pipeline.stage import Stage, Step
@@ -49,24 +50,38 @@ log = logging.getLogger(__name__)
 class _Encode:
     """Picklable batch tokenizer for ``datasets.map`` workers; loads the tokenizer once per process."""
 
-    def __init__(self, tokenizer_file: str, text_field: str, single_threaded: bool) -> None:
+    def __init__(self, tokenizer_file: str, text_field: str, single_threaded: bool, fim: FIMSettings | None = None,
+                 shard: int = 0) -> None:
         self.tokenizer_file = tokenizer_file
         self.text_field = text_field
         self.single_threaded = single_threaded
+        self.fim, self.shard = fim, shard
         self._tokenizer: Tokenizer | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_tokenizer": None}
 
-    def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[list[int]]]:
+    def __call__(self, batch: dict[str, list[Any]], rows: list[int]) -> dict[str, list[list[int]]]:
         if self._tokenizer is None:
             if self.single_threaded:  # in a worker process: never start a Rust thread pool there
                 os.environ["TOKENIZERS_PARALLELISM"] = "false"
             self._tokenizer = Tokenizer.from_file(self.tokenizer_file)
-        texts = batch[self.text_field]
+        texts = [t or "" for t in batch[self.text_field]]
         # add_special_tokens=False: packing adds EOS itself; no BOS is prepended in pretraining.
-        encodings = self._tokenizer.encode_batch([t or "" for t in texts], add_special_tokens=False)
-        return {"input_ids": [e.ids for e in encodings]}
+        fim = self.fim
+        if fim is None or fim.rate <= 0:
+            return {"input_ids": [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]}
+        plans = [plan_document(t, fim.rate, fim.spm_rate, fim.seed, self.shard, r) for t, r in zip(texts, rows)]
+        return {"input_ids": encode_documents(self._tokenizer, texts, plans, fim_token_ids(self._tokenizer))}
+
+
+@dataclass(frozen=True)
+class FIMSettings:
+    """``pack.fim_rate`` / ``fim_spm_rate`` / ``fim_seed`` (:mod:`data_pipeline.fim`)."""
+
+    rate: float = 0.0
+    spm_rate: float = 0.0
+    seed: int = 0
 
 
 @contextlib.contextmanager
@@ -87,18 +102,20 @@ def _tokenizers_parallelism(enabled: bool) -> Iterator[None]:
 
 
 def _tokenize(
-    dataset: datasets.Dataset, tokenizer_file: str, sha: str, text_field: str, num_proc: int, batch_size: int
+    dataset: datasets.Dataset, tokenizer_file: str, sha: str, text_field: str, num_proc: int, batch_size: int,
+    fim: FIMSettings | None = None, shard: int = 0,
 ) -> datasets.Dataset:
     return dataset.map(
-        _Encode(tokenizer_file, text_field, single_threaded=num_proc > 1),
+        _Encode(tokenizer_file, text_field, single_threaded=num_proc > 1, fim=fim, shard=shard),
         batched=True,
+        with_indices=True,
         batch_size=batch_size,
         num_proc=num_proc if num_proc > 1 else None,
         remove_columns=dataset.column_names,
         # The function pickles to file paths, which say nothing about the tokenizer's contents:
         # fingerprint on what determines the output instead (num_proc does not).
         new_fingerprint=hashlib.sha256(
-            f"{dataset._fingerprint}|{sha}|{text_field}|tokenize_pack-v1".encode()
+            f"{dataset._fingerprint}|{sha}|{text_field}|{fim}|{shard}|tokenize_pack-v1".encode()
         ).hexdigest()[:32],
         desc="tokenize",
     )
@@ -112,10 +129,13 @@ def tokenize_pack(
     shard_tokens: int = 2**24,
     num_proc: int = 1,
     batch_size: int = 1000,
+    fim: FIMSettings | None = None,
+    shard: int = 0,
 ) -> Path:
     """Tokenize ``dataset[text_field]`` and write packed shards (EOS after each document) to ``output_dir``.
 
-    Empty documents are skipped and counted in meta.json as ``num_empty_skipped``. Returns ``output_dir``.
+    Empty documents are skipped and counted in meta.json as ``num_empty_skipped``. ``fim`` rearranges
+    a share of the documents for fill-in-the-middle, drawn per (seed, ``shard``, row). Returns ``output_dir``.
     """
     tokenizer_dir = Path(tokenizer_dir)
     tokenizer_file = tokenizer_dir / TOKENIZER_FILE
@@ -126,7 +146,9 @@ def tokenize_pack(
 
     start = time.perf_counter()
     with _tokenizers_parallelism(num_proc <= 1):
-        tokenized = _tokenize(dataset, str(tokenizer_file), sha, text_field, num_proc, batch_size)
+        if fim is not None and fim.rate > 0:
+            fim_token_ids(Tokenizer.from_file(str(tokenizer_file)))  # fail before any work without them
+        tokenized = _tokenize(dataset, str(tokenizer_file), sha, text_field, num_proc, batch_size, fim, shard)
     tokenized = tokenized.with_format("numpy")
     with PackedShardWriter(
         output_dir,
@@ -139,7 +161,7 @@ def tokenize_pack(
         for i in range(0, len(tokenized), batch_size):
             for ids in tokenized[i : i + batch_size]["input_ids"]:
                 writer.add_document(ids)
-        writer.close({"text_field": text_field})
+        writer.close({"text_field": text_field, "fim": asdict(fim or FIMSettings())})
     log.info(
         "packed %d documents, %d tokens (%d empty skipped) into %s in %.1fs",
         writer.num_documents,
@@ -155,11 +177,23 @@ def tokenize_pack(
 class PackConfig:
     shard_tokens: int = 2**24
     batch_size: int = 1000
+    fim_rate: float = 0.0
+    """Share of documents packed as fill-in-the-middle (DeepSeek-V3: 0.1); needs the FIM tokens."""
+    fim_spm_rate: float = 0.0
+    """Share of those in the Suffix-Prefix-Middle order (the rest Prefix-Suffix-Middle)."""
+    fim_seed: int = 0
 
     def validate(self) -> PackConfig:
         if self.shard_tokens <= 0 or self.batch_size <= 0:
             raise ConfigError("pack.shard_tokens and pack.batch_size must be positive")
+        for name in ("fim_rate", "fim_spm_rate"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"pack.{name}={getattr(self, name)} must lie in [0, 1]")
         return self
+
+    @property
+    def fim(self) -> FIMSettings:
+        return FIMSettings(self.fim_rate, self.fim_spm_rate, self.fim_seed)
 
 
 def given_tokenizer(ctx: Any) -> Path | None:
@@ -181,6 +215,8 @@ def pack_unit(ctx: Any, unit: int) -> dict[str, Any]:
         ctx.step_dir / f"part-{unit:05d}",
         shard_tokens=ctx.config.shard_tokens,
         batch_size=ctx.config.batch_size,
+        fim=ctx.config.fim,
+        shard=unit,
     )
     seconds = time.perf_counter() - start
     meta = json.loads((out / META_FILE).read_text())

@@ -59,6 +59,9 @@ def stale_reason(cfg: DataConfig) -> str | None:
             return f"its tokenizer was trained with (vocab_size, max_bytes) = {trained}"
     if shards.get("tokenizer_sha256") != file_sha256(cache / TOKENIZER_DIR / TOKENIZER_FILE):
         return "its shards were encoded with another tokenizer"
+    fim, packed = {"rate": cfg.fim_rate, "spm_rate": cfg.fim_spm_rate, "seed": cfg.seed}, shards.get("fim") or {}
+    if (cfg.fim_rate or packed.get("rate")) and packed != fim:  # (without FIM the seed does not matter)
+        return f"its shards were packed with fill-in-the-middle settings {packed or None}, not {fim}"
     if shards.get("corpus") != corpus_record(cfg.corpus_dir):
         built_from = (shards.get("corpus") or {}).get("path", "an unrecorded corpus")
         return f"it was built from {built_from} as it was then, not from data.corpus_dir as it is now"
@@ -88,6 +91,7 @@ def pipeline_command(cfg: DataConfig) -> list[str]:
         _override("input.path", Path(cfg.corpus_dir).resolve()),
         _override("output_dir", Path(cfg.cache_dir).resolve()),
     ]
+    command += [f"pack.fim_rate={cfg.fim_rate}", f"pack.fim_spm_rate={cfg.fim_spm_rate}", f"pack.fim_seed={cfg.seed}"]
     if cfg.tokenizer_dir:
         return [*command, "stages=[tokenize_pack]", _override("tokenizer.path", Path(cfg.tokenizer_dir).resolve())]
     max_bytes = "null" if cfg.tokenizer_max_bytes is None else cfg.tokenizer_max_bytes

@@ -44,13 +44,18 @@ EOS_TOKEN = "<｜end▁of▁sentence｜>"
 PAD_TOKEN = "<｜▁pad▁｜>"
 USER_TOKEN = "<｜User｜>"
 ASSISTANT_TOKEN = "<｜Assistant｜>"
+FIM_BEGIN_TOKEN = "<｜fim▁begin｜>"
+FIM_HOLE_TOKEN = "<｜fim▁hole｜>"
+FIM_END_TOKEN = "<｜fim▁end｜>"
+FIM_TOKENS = (FIM_BEGIN_TOKEN, FIM_HOLE_TOKEN, FIM_END_TOKEN)
+"""Fill-in-the-middle (DeepSeek-V3 section 4.1): ``begin prefix hole suffix end middle``."""
 DEEPSEEK_SPECIAL_TOKENS: list[str] = [
     BOS_TOKEN,
     EOS_TOKEN,
     PAD_TOKEN,
-    "<｜fim▁hole｜>",
-    "<｜fim▁begin｜>",
-    "<｜fim▁end｜>",
+    FIM_HOLE_TOKEN,
+    FIM_BEGIN_TOKEN,
+    FIM_END_TOKEN,
     USER_TOKEN,
     ASSISTANT_TOKEN,
     "<think>",
