@@ -1,0 +1,210 @@
+"""Damaged checkpoints, as disks and people damage them: bytes overwritten in place (same size), a
+``trainer_state.pt`` that no longer unpickles, a tensor renamed in a shard header. Each is caught on
+resume (checksums recorded in ``meta.json``, then a weights-only load), skipped with a warning
+naming the file, and the previous complete checkpoint is used; with every checkpoint bad the run
+stops with an error that names the directory and how to start afresh."""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import xxhash
+from torch.utils.data import DataLoader
+
+from dsl_lit.checkpoint.directory import DirectoryCheckpointIO, StepCheckpoint, latest_checkpoint
+from dsl_lit.checkpoint.reader import find_checkpoint
+from dsl_lit.checkpoint.sharded import read_full_tensors
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.parallel.checkpointing import OneDeviceStrategy
+from tests.test_checkpoint_policy import _batches, _module
+from tests.test_pretrain_e2e import losses, run_recipe
+
+HEAD = "state_dict/model.output.weight"
+
+
+# -- damaging a checkpoint -------------------------------------------------------------------------
+def _shard(step_dir: Path) -> Path:
+    (shard,) = (step_dir / "shards").glob("*.safetensors")
+    return shard
+
+
+def _header(shard: Path) -> tuple[int, dict]:
+    with shard.open("rb") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        return size, json.loads(f.read(size))
+
+
+def nan_tensor(step_dir: Path, key: str = HEAD) -> None:
+    """Overwrite the bytes of one tensor with 0xFF (a NaN in every float format): same size."""
+    shard = _shard(step_dir)
+    size, header = _header(shard)
+    start, end = header[key]["data_offsets"]
+    with shard.open("r+b") as f:
+        f.seek(8 + size + start)
+        f.write(b"\xff" * (end - start))
+
+
+def rename_tensor(step_dir: Path, key: str, new_key: str) -> None:
+    """Rename a tensor in the shard's header and DCP's metadata there, in place (same length, size)."""
+    assert len(key) == len(new_key)
+    shard = _shard(step_dir)
+    data = shard.read_bytes()
+    assert key.encode() in data
+    shard.write_bytes(data.replace(key.encode(), new_key.encode()))
+
+
+def scribble_state(step_dir: Path) -> None:
+    """Overwrite 64 bytes inside ``trainer_state.pt``'s pickle (same size): torch's weights-only
+    unpickler then fails with a message that suggests ``weights_only=False``."""
+    path = step_dir / "trainer_state.pt"
+    data = bytearray(path.read_bytes())
+    start = data.index(b"data.pkl") + 200
+    data[start:start + 64] = b"A" * 64
+    path.write_bytes(bytes(data))
+
+
+def forget_checksums(step_dir: Path) -> None:
+    """``meta.json`` as checkpoints written before checksums were recorded have it."""
+    meta = json.loads((step_dir / "meta.json").read_text())
+    meta.pop("checksum", None)
+    meta.pop("checksums", None)
+    (step_dir / "meta.json").write_text(json.dumps(meta))
+
+
+# -- training and resuming in this process ---------------------------------------------------------
+class ResumedAt(L.Callback):
+    """Records the step training starts at and the weights it starts from."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.step = trainer.global_step
+        self.weights = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+
+
+def train(root: Path, steps: int, resume: Path | None = None, fall_back: bool = True) -> ResumedAt:
+    """A real Trainer with our one-device strategy (the recipe's), saving every 2 steps under ``root``."""
+    torch.manual_seed(0)
+    started = ResumedAt()
+    trainer = L.Trainer(
+        accelerator="cpu", strategy=OneDeviceStrategy(device=torch.device("cpu")), max_steps=steps, logger=False,
+        callbacks=[started, StepCheckpoint(root, every_n_steps=2)], enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=False,
+        plugins=[DirectoryCheckpointIO(fall_back=fall_back)],
+    )
+    trainer.fit(_module(steps), train_dataloaders=DataLoader(_batches(steps), batch_size=None),
+                ckpt_path=str(resume) if resume else None)
+    return started
+
+
+@pytest.fixture
+def four_steps(tmp_path) -> Path:
+    """``step-2`` and ``step-4`` of a short run."""
+    train(tmp_path, 4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-4"]
+    return tmp_path
+
+
+def _weights(step_dir: Path) -> dict[str, torch.Tensor]:
+    return {k.removeprefix("state_dict/"): v for k, v in read_full_tensors(step_dir / "shards").items()
+            if k.startswith("state_dict/")}
+
+
+def assert_resumed_from_step_2(started: ResumedAt, root: Path) -> None:
+    assert started.step == 2
+    for name, value in _weights(root / "step-2").items():
+        torch.testing.assert_close(started.weights[name], value, rtol=0, atol=0, msg=name)
+
+
+# -- checksums ---------------------------------------------------------------------------------------
+def test_meta_json_records_a_checksum_of_every_file(four_steps):
+    step = four_steps / "step-4"
+    meta = json.loads((step / "meta.json").read_text())
+    files = sorted(str(p.relative_to(step)) for p in step.rglob("*") if p.is_file() and p.name != "meta.json")
+    assert "config.yaml" in files and "trainer_state.pt" in files
+    assert meta["checksum"] == "xxh3_128" and sorted(meta["checksums"]) == files == sorted(meta["files"])
+    for name in files:
+        assert meta["checksums"][name] == xxhash.xxh3_128((step / name).read_bytes()).hexdigest(), name
+
+
+@pytest.mark.parametrize("damage, named", [
+    (nan_tensor, "shards/shard-"),
+    (scribble_state, "trainer_state.pt"),
+    (lambda d: rename_tensor(d, HEAD, HEAD.replace("output", "outpux")), "shards/shard-"),
+])
+def test_a_same_size_damage_is_skipped_with_a_warning_naming_the_file(four_steps, caplog, damage, named):
+    damage(four_steps / "step-4")
+    with caplog.at_level(logging.WARNING):
+        started = train(four_steps, 6, resume=four_steps / "step-4")
+    assert_resumed_from_step_2(started, four_steps)
+    warning = next(r.getMessage() for r in caplog.records if "skipping corrupt checkpoint" in r.getMessage())
+    assert "step-4" in warning and named in warning and "checksum" in warning
+    assert "weights_only=False" not in caplog.text
+
+
+@pytest.mark.parametrize("damage, named", [
+    (scribble_state, "trainer_state.pt does not load as a weights-only torch file"),
+    (lambda d: rename_tensor(d, HEAD, HEAD.replace("output", "outpux")), HEAD),
+])
+def test_without_checksums_a_load_failure_falls_back_too(four_steps, caplog, damage, named):
+    """A checkpoint written before checksums were recorded: the damage shows when it is loaded."""
+    damage(four_steps / "step-4")
+    forget_checksums(four_steps / "step-4")
+    with caplog.at_level(logging.WARNING):
+        started = train(four_steps, 6, resume=four_steps / "step-4")
+    assert_resumed_from_step_2(started, four_steps)
+    assert named in caplog.text
+    assert "weights_only=False" not in caplog.text
+
+
+def test_every_checkpoint_damaged_stops_with_an_error_naming_the_dir_and_the_fix(four_steps):
+    nan_tensor(four_steps / "step-4")
+    scribble_state(four_steps / "step-2")
+    forget_checksums(four_steps / "step-2")
+    with pytest.raises(ConfigError) as caught:
+        train(four_steps, 6, resume=four_steps / "step-4")
+    message = str(caught.value)
+    assert str(four_steps) in message and "checkpoint.resume=false" in message
+    assert "step-4: shards/" in message and "step-2: trainer_state.pt" in message
+    assert "weights_only=False" not in message and caught.value.__cause__ is None
+
+
+def test_a_named_checkpoint_that_is_damaged_is_an_error_not_a_fallback(four_steps):
+    nan_tensor(four_steps / "step-4")
+    with pytest.raises(ConfigError, match=r"step-4 cannot be resumed from: shards/shard-.*checksum"):
+        train(four_steps, 6, resume=four_steps / "step-4", fall_back=False)
+
+
+def test_readers_verify_checksums(four_steps, caplog):
+    """The HF export and post-training's init_from read checkpoints through ``find_checkpoint``."""
+    nan_tensor(four_steps / "step-4")
+    assert latest_checkpoint(four_steps) == four_steps / "step-4"  # sizes and headers only
+    with caplog.at_level(logging.WARNING):
+        assert latest_checkpoint(four_steps, verify=True) == four_steps / "step-2"
+        assert find_checkpoint(four_steps) == four_steps / "step-2"
+    assert "step-4" in caplog.text and "checksum" in caplog.text
+    with pytest.raises(FileNotFoundError, match="checksum"):
+        find_checkpoint(four_steps / "step-4")
+
+
+# -- the recipe ---------------------------------------------------------------------------------------
+TINY = ["model=deepseek_llm_tiny", "logger=csv", "trainer.accelerator=cpu", "checkpoint.every_n_steps=2",
+        "checkpoint.every_minutes=0"]
+
+
+@pytest.mark.slow
+def test_recipe_resumes_past_a_nan_shard_with_the_uninterrupted_losses(tmp_path):
+    """A NaN head written over step-4's shard (same size): the rerun warns naming the shard, resumes
+    from step-2 and reproduces an uninterrupted run's losses bit for bit, instead of training on NaN."""
+    full, damaged = tmp_path / "full", tmp_path / "damaged"
+    run_recipe(full, *TINY, "trainer.max_steps=6")
+    run_recipe(damaged, *TINY, "trainer.max_steps=4")
+    nan_tensor(damaged / "checkpoints" / "step-4")
+    result = run_recipe(damaged, *TINY, "trainer.max_steps=6")
+    output = result.stdout + result.stderr
+    assert "skipping corrupt checkpoint" in output and "checksum" in output
+    assert losses(damaged) == losses(full)
