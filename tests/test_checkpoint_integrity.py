@@ -17,9 +17,17 @@ import torch
 import xxhash
 from torch.utils.data import DataLoader
 
-from dsl_lit.checkpoint.directory import DirectoryCheckpointIO, StepCheckpoint, latest_checkpoint
+from dsl_lit.checkpoint.directory import (
+    DirectoryCheckpointIO,
+    StepCheckpoint,
+    latest_checkpoint,
+    prune_checkpoints,
+)
+from dsl_lit.checkpoint.integrity import checksum_problem
 from dsl_lit.checkpoint.reader import find_checkpoint
+from dsl_lit.checkpoint.resume import resume_checkpoint
 from dsl_lit.checkpoint.sharded import read_full_tensors
+from dsl_lit.config import CheckpointConfig
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.parallel.checkpointing import OneDeviceStrategy
 from tests.test_checkpoint_policy import _batches, _module
@@ -86,7 +94,8 @@ class ResumedAt(L.Callback):
         self.weights = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
 
 
-def train(root: Path, steps: int, resume: Path | None = None, fall_back: bool = True) -> ResumedAt:
+def train(root: Path, steps: int, resume: Path | None = None, fall_back: bool = True,
+          keep_last: int | None = None) -> ResumedAt:
     """A real Trainer with our one-device strategy (the recipe's), saving every 2 steps under ``root``."""
     torch.manual_seed(0)
     started = ResumedAt()
@@ -94,7 +103,7 @@ def train(root: Path, steps: int, resume: Path | None = None, fall_back: bool = 
         accelerator="cpu", strategy=OneDeviceStrategy(device=torch.device("cpu")), max_steps=steps, logger=False,
         callbacks=[started, StepCheckpoint(root, every_n_steps=2)], enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False,
-        plugins=[DirectoryCheckpointIO(fall_back=fall_back)],
+        plugins=[DirectoryCheckpointIO(fall_back=fall_back, keep_last=keep_last)],
     )
     trainer.fit(_module(steps), train_dataloaders=DataLoader(_batches(steps), batch_size=None),
                 ckpt_path=str(resume) if resume else None)
@@ -191,6 +200,54 @@ def test_readers_verify_checksums(four_steps, caplog):
         find_checkpoint(four_steps / "step-4")
 
 
+# -- one directory per step, retention, all broken ---------------------------------------------------
+def _listing(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir())
+
+
+@pytest.mark.parametrize("keep_last, kept", [(None, ["step-2", "step-4", "step-6"]), (2, ["step-4", "step-6"])])
+def test_resaving_a_step_after_a_fallback_replaces_its_directory(four_steps, keep_last, kept):
+    """Lightning's ModelCheckpoint would write ``step-4-v1`` beside the damaged ``step-4``, which
+    resume ignores and retention never counts."""
+    nan_tensor(four_steps / "step-4")
+    assert train(four_steps, 6, resume=four_steps / "step-4", keep_last=keep_last).step == 2
+    assert _listing(four_steps) == kept
+    assert checksum_problem(four_steps / "step-4") is None  # the new step-4, not the damaged one
+    assert json.loads((four_steps / "step-4" / "meta.json").read_text())["global_step"] == 4
+
+
+def _fake_checkpoint(path: Path, *files: str) -> None:
+    (path / "shards").mkdir(parents=True)
+    for name in files:
+        (path / name).write_text("{}")
+
+
+def test_keep_last_counts_every_step_directory_we_wrote(tmp_path):
+    """Ours: anything holding our meta.json, damaged or not, and the ``-v<K>`` names older versions
+    made. A ``step-<N>`` without meta.json may not be ours: left alone."""
+    _fake_checkpoint(tmp_path / "step-0")  # not ours
+    _fake_checkpoint(tmp_path / "step-2", "trainer_state.pt", "meta.json")
+    _fake_checkpoint(tmp_path / "step-3-v1", "trainer_state.pt", "meta.json")  # a re-save of step 3, long ago
+    _fake_checkpoint(tmp_path / "step-4", "meta.json")  # damaged since: trainer_state.pt lost
+    _fake_checkpoint(tmp_path / "step-6", "trainer_state.pt", "meta.json")
+    _fake_checkpoint(tmp_path / "step-8", "trainer_state.pt", "meta.json")
+    removed = prune_checkpoints(tmp_path, 2, keep=tmp_path / "step-8")
+    assert sorted(p.name for p in removed) == ["step-2", "step-3-v1", "step-4"]
+    assert _listing(tmp_path) == ["step-0", "step-6", "step-8"]
+
+
+def test_a_run_dir_of_unusable_checkpoints_stops_unless_told_to_start_afresh(tmp_path):
+    assert resume_checkpoint(CheckpointConfig(), tmp_path / "none") is None  # a first run
+    _fake_checkpoint(tmp_path / "step-2", "trainer_state.pt")  # no meta.json
+    _fake_checkpoint(tmp_path / "step-4", "trainer_state.pt", "meta.json")  # an empty meta.json
+    with pytest.raises(ConfigError) as caught:
+        resume_checkpoint(CheckpointConfig(), tmp_path)
+    message = str(caught.value)
+    assert str(tmp_path) in message and "checkpoint.resume=false" in message
+    assert "step-2: no meta.json" in message and "step-4: meta.json does not mark it complete" in message
+    assert resume_checkpoint(CheckpointConfig(resume=False), tmp_path) is None
+
+
 # -- the recipe ---------------------------------------------------------------------------------------
 TINY = ["model=deepseek_llm_tiny", "logger=csv", "trainer.accelerator=cpu", "checkpoint.every_n_steps=2",
         "checkpoint.every_minutes=0"]
@@ -208,3 +265,20 @@ def test_recipe_resumes_past_a_nan_shard_with_the_uninterrupted_losses(tmp_path)
     output = result.stdout + result.stderr
     assert "skipping corrupt checkpoint" in output and "checksum" in output
     assert losses(damaged) == losses(full)
+    assert _listing(damaged / "checkpoints") == ["step-2", "step-4", "step-6"]  # step-4 replaced, no step-4-v1
+
+
+@pytest.mark.slow
+def test_recipe_with_every_checkpoint_damaged_stops_until_told_to_start_afresh(tmp_path):
+    run = tmp_path / "run"
+    run_recipe(run, *TINY, "trainer.max_steps=4")
+    first = losses(run)
+    for step in ("step-2", "step-4"):
+        nan_tensor(run / "checkpoints" / step)
+    result = run_recipe(run, *TINY, "trainer.max_steps=4", succeed=False)
+    output = result.stdout + result.stderr
+    assert f"no checkpoint under {run / 'checkpoints'} can be resumed from" in output
+    assert "checkpoint.resume=false" in output and "weights_only=False" not in output
+    run_recipe(run, *TINY, "trainer.max_steps=4", "checkpoint.resume=false")
+    assert losses(run) == first  # from step 0 again
+    assert all(checksum_problem(run / "checkpoints" / step) is None for step in ("step-2", "step-4"))

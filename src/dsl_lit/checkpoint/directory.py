@@ -48,7 +48,6 @@ from dsl_lit.checkpoint.files import (
     CorruptCheckpoint,
     checkpoint_problem,
     file_sizes,
-    is_complete,
     load_plain_state,
 )
 from dsl_lit.checkpoint.integrity import ALGORITHM, checksum_problem, checksums, recorded_checksums
@@ -68,6 +67,7 @@ from dsl_lit.utils.fs import publish_dir
 log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+_WRITTEN = re.compile(r"^step-(\d+)(?:-v(\d+))?$")
 # Hidden leftovers of an interrupted write or removal (ours, or publish_dir's trash): never read, swept.
 _LEFTOVER = re.compile(r"^\.(tmp-step-\d+|removing-step-\d+-[0-9a-f]+|step-\d+\.old-.*)$")
 
@@ -110,9 +110,13 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
 
 
 def prune_checkpoints(root: Path, keep_last: int | None, keep: Path | None = None) -> list[Path]:
-    """Remove complete ``step-<N>`` directories of ``root`` beyond the ``keep_last`` newest (by N);
-    ``keep`` (the one just written) always stays. ``keep_last`` 0 or None keeps all. Incomplete
-    ``step-<N>`` directories are left alone (``latest_checkpoint`` skips them); hidden leftovers of
+    """Remove the step directories we wrote beyond the ``keep_last`` newest (by step); ``keep`` (the
+    one just written) always stays. ``keep_last`` 0 or None keeps all.
+
+    Every directory holding our ``meta.json`` counts, also one damaged since, and also the
+    ``step-<N>-v<K>`` that Lightning's name versioning made of a re-saved step before this project
+    turned it off (they were ours; resume never reads them). A ``step-<N>`` without ``meta.json``
+    may not be ours, so it is left alone (``latest_checkpoint`` skips it). Hidden leftovers of
     interrupted writes and removals are swept. Returns the removed directories."""
     root = Path(root)
     for child in root.iterdir():
@@ -120,18 +124,28 @@ def prune_checkpoints(root: Path, keep_last: int | None, keep: Path | None = Non
             shutil.rmtree(child, ignore_errors=True)
     if not keep_last:
         return []
-    complete = sorted(
-        (int(m.group(1)), child) for child in root.iterdir()
-        if (m := STEP_DIR.match(child.name)) and child.is_dir() and is_complete(child)
+    ours = sorted(
+        (int(m.group(1)), int(m.group(2) or 0), child) for child in root.iterdir()
+        if (m := _WRITTEN.match(child.name)) and child.is_dir() and (child / META).is_file()
     )
     keep_resolved = Path(keep).resolve() if keep is not None else None
-    others = [child for _, child in complete if child.resolve() != keep_resolved]
-    room = keep_last - (1 if keep_resolved is not None and len(others) < len(complete) else 0)
+    others = [child for _, _, child in ours if child.resolve() != keep_resolved]
+    room = keep_last - (1 if keep_resolved is not None and len(others) < len(ours) else 0)
     removed = others[: max(len(others) - room, 0)]  # oldest first
     for child in removed:
         remove_dir(child)
         log.info("removed old checkpoint %s (checkpoint.keep_last=%d)", child, keep_last)
     return removed
+
+
+def no_usable_checkpoint(root: Path, failures: list[str]) -> ConfigError:
+    """The error of a run whose checkpoints all fail (``failures``: ``step-<N>: why``): it stops
+    rather than silently training from step 0 again, and says how to start afresh on purpose."""
+    return ConfigError(
+        f"no checkpoint under {root} can be resumed from ({'; '.join(failures)}). Rerun with "
+        "checkpoint.resume=false to train from step 0 (its checkpoints replace these step directories), or "
+        "resume another checkpoint with checkpoint.resume_from=<run dir>/checkpoints/step-<N>"
+    )
 
 
 def previous_checkpoints(path: Path) -> list[Path]:
@@ -270,11 +284,7 @@ class DirectoryCheckpointIO(CheckpointIO):
                 failures.append(f"{candidate.name}: {err}")
                 if self.rank == 0:
                     log.warning("skipping corrupt checkpoint %s: %s", candidate, err)
-        raise ConfigError(
-            f"no checkpoint under {path.parent} loads ({'; '.join(failures)}). Rerun with checkpoint.resume=false "
-            "to train from step 0 (its checkpoints replace these step directories), or resume another "
-            "run's checkpoint with checkpoint.resume_from=<dir>/checkpoints/step-<N>"
-        )
+        raise no_usable_checkpoint(path.parent, failures)
 
     def _load_verified(self, path: Path, template: dict[str, Any] | None) -> dict[str, Any]:
         self._agree(checkpoint_problem(path))  # cheap: sizes, headers, meta.json
@@ -347,6 +357,7 @@ class StepCheckpoint(ModelCheckpoint):
             dirpath=dirpath, filename="step-{step}", auto_insert_metric_name=False,
             every_n_train_steps=0, every_n_epochs=0, save_top_k=-1, save_last=False,
             save_on_train_epoch_end=False,
+            enable_version_counter=False,  # re-saving a step replaces its directory, never a step-<N>-v1 beside it
         )
         self.every_n_steps = every_n_steps
         self.every_minutes = every_minutes

@@ -1,0 +1,32 @@
+"""Which checkpoint a run resumes from: a run directory of broken checkpoints stops with an error
+naming the option to start afresh, rather than training from step 0 again without a word.
+
+Only cheap checks happen here (``meta.json``, file sizes, safetensors headers); the checksums are
+verified when the checkpoint is loaded, where the ranks share the hashing and a checkpoint that
+fails falls back to the previous one (:class:`~dsl_lit.checkpoint.directory.DirectoryCheckpointIO`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dsl_lit.checkpoint.directory import latest_checkpoint, no_usable_checkpoint, step_dirs
+from dsl_lit.checkpoint.files import checkpoint_problem
+from dsl_lit.config import CheckpointConfig
+
+
+def resume_checkpoint(checkpoint: CheckpointConfig, checkpoints: Path) -> Path | None:
+    """The step directory to resume from: ``checkpoint.resume_from`` if set, else with
+    ``checkpoint.resume`` the latest usable one under ``checkpoints`` (this run's), else None (train
+    from step 0). ConfigError when every step directory there is unusable:
+    ``checkpoint.resume=false`` is how to start afresh on purpose."""
+    if checkpoint.resume_from:
+        return Path(checkpoint.resume_from)
+    if not checkpoint.resume:
+        return None
+    latest = latest_checkpoint(checkpoints)
+    broken = step_dirs(checkpoints)
+    if latest is None and broken:
+        raise no_usable_checkpoint(checkpoints, [f"{path.name}: {checkpoint_problem(path)}" for _, path in broken])
+    return latest
+
