@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import stat
 import struct
 from pathlib import Path
 
@@ -27,8 +29,10 @@ from dsl_lit.checkpoint.integrity import checksum_problem
 from dsl_lit.checkpoint.reader import find_checkpoint
 from dsl_lit.checkpoint.resume import resume_checkpoint
 from dsl_lit.checkpoint.sharded import read_full_tensors
-from dsl_lit.config import CheckpointConfig
+from dsl_lit.config import CheckpointConfig, ModelConfig
 from dsl_lit.config.errors import ConfigError
+from dsl_lit.hf import save_pretrained
+from dsl_lit.models import build_model
 from dsl_lit.parallel.checkpointing import OneDeviceStrategy
 from tests.test_checkpoint_policy import _batches, _module
 from tests.test_pretrain_e2e import losses, run_recipe
@@ -246,6 +250,33 @@ def test_a_run_dir_of_unusable_checkpoints_stops_unless_told_to_start_afresh(tmp
     assert str(tmp_path) in message and "checkpoint.resume=false" in message
     assert "step-2: no meta.json" in message and "step-4: meta.json does not mark it complete" in message
     assert resume_checkpoint(CheckpointConfig(resume=False), tmp_path) is None
+
+
+# -- file modes ----------------------------------------------------------------------------------------
+@pytest.fixture(params=[0o022, 0o027])
+def umask(request):
+    old = os.umask(request.param)
+    yield request.param
+    os.umask(old)
+
+
+def _modes(root: Path) -> set[tuple[str, int]]:
+    return {("dir" if p.is_dir() else "file", stat.S_IMODE(p.stat().st_mode)) for p in root.rglob("*")}
+
+
+def test_checkpoint_files_follow_the_umask(tmp_path, umask):
+    train(tmp_path, 2)
+    assert _modes(tmp_path) == {("dir", 0o777 & ~umask), ("file", 0o666 & ~umask)}
+
+
+@pytest.mark.parametrize("max_shard_size", ["5GB", 20_000])
+def test_exported_weights_follow_the_umask(tmp_path, umask, max_shard_size):
+    """safetensors' ``save_file`` creates its files ``-rw-------`` whatever the umask."""
+    model = build_model(ModelConfig.from_name("deepseek_llm_tiny", n_layers=1, d_model=32, n_heads=2, n_kv_heads=1,
+                                              ffn_hidden=64, vocab_size=64))
+    save_pretrained(model, tmp_path / "hf", max_shard_size=max_shard_size)
+    assert (len(list((tmp_path / "hf").glob("*.safetensors"))) > 1) == (max_shard_size != "5GB")
+    assert _modes(tmp_path / "hf") == {("file", 0o666 & ~umask)}
 
 
 # -- the recipe ---------------------------------------------------------------------------------------
