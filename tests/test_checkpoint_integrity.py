@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import stat
 import struct
 from pathlib import Path
@@ -17,8 +18,10 @@ import lightning as L
 import pytest
 import torch
 import xxhash
+import yaml
 from torch.utils.data import DataLoader
 
+from dsl_lit.checkpoint.config_drift import check_config_drift
 from dsl_lit.checkpoint.directory import (
     DirectoryCheckpointIO,
     StepCheckpoint,
@@ -29,13 +32,16 @@ from dsl_lit.checkpoint.integrity import checksum_problem
 from dsl_lit.checkpoint.reader import find_checkpoint
 from dsl_lit.checkpoint.resume import resume_checkpoint
 from dsl_lit.checkpoint.sharded import read_full_tensors
-from dsl_lit.config import CheckpointConfig, ModelConfig
+from dsl_lit.config import CheckpointConfig, ModelConfig, TrainConfig
 from dsl_lit.config.errors import ConfigError
+from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.hf import save_pretrained
 from dsl_lit.models import build_model
+from dsl_lit.optim.schedules import cosine_multiplier
 from dsl_lit.parallel.checkpointing import OneDeviceStrategy
+from tests.conftest import compose_config
 from tests.test_checkpoint_policy import _batches, _module
-from tests.test_pretrain_e2e import losses, run_recipe
+from tests.test_pretrain_e2e import losses, metric, run_recipe
 
 HEAD = "state_dict/model.output.weight"
 
@@ -98,18 +104,32 @@ class ResumedAt(L.Callback):
         self.weights = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
 
 
+class Hyperparameters(L.Callback):
+    """Each step's optimizer hyperparameters as the step uses them, and the scheduler's base lrs."""
+
+    def __init__(self) -> None:
+        self.groups: dict[int, list[dict]] = {}
+        self.base_lrs: dict[int, list[float]] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        step = trainer.global_step
+        self.groups[step] = [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizers[0].param_groups]
+        self.base_lrs[step] = list(trainer.lr_scheduler_configs[0].scheduler.base_lrs)
+
+
 def train(root: Path, steps: int, resume: Path | None = None, fall_back: bool = True,
-          keep_last: int | None = None) -> ResumedAt:
+          keep_last: int | None = None, module: L.LightningModule | None = None,
+          callbacks: tuple[L.Callback, ...] = ()) -> ResumedAt:
     """A real Trainer with our one-device strategy (the recipe's), saving every 2 steps under ``root``."""
     torch.manual_seed(0)
     started = ResumedAt()
     trainer = L.Trainer(
         accelerator="cpu", strategy=OneDeviceStrategy(device=torch.device("cpu")), max_steps=steps, logger=False,
-        callbacks=[started, StepCheckpoint(root, every_n_steps=2)], enable_progress_bar=False,
+        callbacks=[started, *callbacks, StepCheckpoint(root, every_n_steps=2)], enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False,
         plugins=[DirectoryCheckpointIO(fall_back=fall_back, keep_last=keep_last)],
     )
-    trainer.fit(_module(steps), train_dataloaders=DataLoader(_batches(steps), batch_size=None),
+    trainer.fit(module or _module(steps), train_dataloaders=DataLoader(_batches(steps), batch_size=None),
                 ckpt_path=str(resume) if resume else None)
     return started
 
@@ -252,6 +272,75 @@ def test_a_run_dir_of_unusable_checkpoints_stops_unless_told_to_start_afresh(tmp
     assert resume_checkpoint(CheckpointConfig(resume=False), tmp_path) is None
 
 
+# -- resuming with changed settings -----------------------------------------------------------------
+def test_changed_optimizer_and_schedule_settings_apply_from_the_resumed_step(tmp_path):
+    """Resumed at step 2 with another lr, betas, weight decay and schedule: step 2 already trains
+    with them (lr = new peak x the new schedule's multiplier at step 2); the moments are the
+    checkpoint's. Resumed unchanged, every value is bit for bit the uninterrupted run's."""
+    before = Hyperparameters()
+    train(tmp_path, 4, callbacks=(before,))
+    shutil.rmtree(tmp_path / "step-4")
+    unchanged = Hyperparameters()
+    train(tmp_path, 4, resume=tmp_path / "step-2", callbacks=(unchanged,))
+    assert unchanged.groups == {s: before.groups[s] for s in (2, 3)}
+    assert unchanged.base_lrs == {s: before.base_lrs[s] for s in (2, 3)}
+
+    optim = OptimConfig(lr=3e-2, betas=(0.8, 0.9), weight_decay=0.05, eps=1e-6)
+    schedule = ScheduleConfig(name="cosine", warmup_steps=1, min_ratio=0.2)
+    after = Hyperparameters()
+    started = train(tmp_path, 4, resume=tmp_path / "step-2", module=_module(4, optim, schedule), callbacks=(after,))
+    assert started.step == 2
+    for step in (2, 3):
+        decay, no_decay = after.groups[step]
+        assert decay["lr"] == no_decay["lr"] == 3e-2 * cosine_multiplier(step, 4, 1, min_ratio=0.2)
+        assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.05, 0.0)
+        assert decay["betas"] == (0.8, 0.9) and decay["eps"] == 1e-6 and decay["initial_lr"] == 3e-2
+        assert after.base_lrs[step] == [3e-2, 3e-2]
+
+
+def _run_config(run_dir: Path, *overrides: str) -> TrainConfig:
+    return TrainConfig.from_hydra(compose_config(overrides=["model=deepseek_llm_tiny", "logger=csv", *overrides]),
+                                  str(run_dir))
+
+
+def _saved_checkpoint(step_dir: Path, cfg: TrainConfig) -> Path:
+    """The config.yaml and meta.json a save of ``cfg``'s run writes (all the drift check reads)."""
+    step_dir.mkdir(parents=True)
+    (step_dir / "config.yaml").write_text(yaml.safe_dump(cfg.raw, sort_keys=False))
+    (step_dir / "meta.json").write_text(json.dumps({"global_step": 4, "complete": True}))
+    return step_dir
+
+
+@pytest.mark.parametrize("override, key", [
+    ("+model.n_layers=3", "model.n_layers"),
+    ("+model.rope_theta=500000.0", "model.rope_theta"),
+    ("model=deepseek_v3_tiny", "model.family"),
+    ("data.tokenizer_vocab_size=4096", "data.tokenizer_vocab_size"),
+])
+def test_a_changed_model_or_tokenizer_is_a_config_error_naming_the_key(tmp_path, override, key):
+    step = _saved_checkpoint(tmp_path / "step-4", _run_config(tmp_path))
+    cfg = _run_config(tmp_path, override)
+    with pytest.raises(ConfigError, match=rf"resuming .*step-4: {key}=.* but the checkpoint has"):
+        check_config_drift(step, cfg.raw, cfg.model)
+
+
+def test_other_changes_are_listed_in_one_warning(tmp_path, caplog):
+    step = _saved_checkpoint(tmp_path / "step-4", _run_config(tmp_path, "optim.lr=2e-3", "run_name=a"))
+    same = _run_config(tmp_path, "optim.lr=2e-3", "run_name=b", "checkpoint.resume_from=x")
+    with caplog.at_level(logging.WARNING):
+        assert check_config_drift(step, same.raw, same.model) == {}
+    assert caplog.text == ""
+    cfg = _run_config(tmp_path, "optim.lr=1e-2", "schedule.warmup_steps=7", "trainer.max_steps=9",
+                      "+model.attn_backend=eager")
+    with caplog.at_level(logging.WARNING):
+        changes = check_config_drift(step, cfg.raw, cfg.model)
+    assert changes == {"model.attn_backend": ("sdpa", "eager"), "optim.lr": (0.002, 0.01),
+                       "schedule.warmup_steps": (same.schedule.warmup_steps, 7),
+                       "trainer.max_steps": (same.trainer.max_steps, 9)}
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "in effect from step 4" in warning and "optim.lr: 0.002 -> 0.01" in warning
+
+
 # -- file modes ----------------------------------------------------------------------------------------
 @pytest.fixture(params=[0o022, 0o027])
 def umask(request):
@@ -313,3 +402,16 @@ def test_recipe_with_every_checkpoint_damaged_stops_until_told_to_start_afresh(t
     run_recipe(run, *TINY, "trainer.max_steps=4", "checkpoint.resume=false")
     assert losses(run) == first  # from step 0 again
     assert all(checksum_problem(run / "checkpoints" / step) is None for step in ("step-2", "step-4"))
+
+
+@pytest.mark.slow
+def test_recipe_resumed_with_another_lr_trains_with_it_from_the_resumed_step(tmp_path):
+    """The issue's case: resumed with optim.lr=1e-2 (was 3e-3), steps 4 and 5 log lr 1e-2 (the
+    schedule is at its peak there), and the warning names the change."""
+    run = tmp_path / "run"
+    run_recipe(run, *TINY, "trainer.max_steps=4")
+    result = run_recipe(run, *TINY, "trainer.max_steps=6", "optim.lr=1e-2")
+    assert "optim.lr: 0.003 -> 0.01" in result.stdout + result.stderr
+    lrs = {step: float(value) for step, value in metric(run, "train/lr").items()}
+    fp32 = 2**-24  # the logged lr went through a float32 tensor: rounded to 24 significant bits
+    assert [lrs[s] for s in (2, 3, 4, 5)] == pytest.approx([3e-3, 3e-3, 1e-2, 1e-2], rel=fp32)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dsl_lit.checkpoint.config_drift import check_config_drift
 from dsl_lit.checkpoint.directory import latest_checkpoint, no_usable_checkpoint, step_dirs
 from dsl_lit.checkpoint.files import checkpoint_problem
-from dsl_lit.config import CheckpointConfig
+from dsl_lit.config import CheckpointConfig, TrainConfig
 
 
 def resume_checkpoint(checkpoint: CheckpointConfig, checkpoints: Path) -> Path | None:
@@ -30,3 +31,14 @@ def resume_checkpoint(checkpoint: CheckpointConfig, checkpoints: Path) -> Path |
         raise no_usable_checkpoint(checkpoints, [f"{path.name}: {checkpoint_problem(path)}" for _, path in broken])
     return latest
 
+
+
+def check_resume(cfg: TrainConfig) -> Path | None:
+    """At start-up, before any data, model or process group: the checkpoint this run will resume
+    from (:func:`resume_checkpoint`, this run's ``<run dir>/checkpoints``), checked against the
+    run's config (:func:`~dsl_lit.checkpoint.config_drift.check_config_drift`: ConfigError for a
+    changed model or tokenizer, one warning listing every other change)."""
+    path = resume_checkpoint(cfg.checkpoint, Path(cfg.run_dir) / "checkpoints")
+    if path is not None:
+        check_config_drift(path, cfg.raw, cfg.model)
+    return path
