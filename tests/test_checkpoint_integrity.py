@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import stat
 import struct
@@ -30,7 +31,7 @@ from dsl_lit.checkpoint.directory import (
 )
 from dsl_lit.checkpoint.integrity import checksum_problem
 from dsl_lit.checkpoint.reader import find_checkpoint
-from dsl_lit.checkpoint.resume import resume_checkpoint
+from dsl_lit.checkpoint.resume import check_resume, resume_checkpoint
 from dsl_lit.checkpoint.sharded import read_full_tensors
 from dsl_lit.config import CheckpointConfig, ModelConfig, TrainConfig
 from dsl_lit.config.errors import ConfigError
@@ -119,7 +120,7 @@ class Hyperparameters(L.Callback):
 
 def train(root: Path, steps: int, resume: Path | None = None, fall_back: bool = True,
           keep_last: int | None = None, module: L.LightningModule | None = None,
-          callbacks: tuple[L.Callback, ...] = ()) -> ResumedAt:
+          callbacks: tuple[L.Callback, ...] = (), resolved_config: dict | None = None) -> ResumedAt:
     """A real Trainer with our one-device strategy (the recipe's), saving every 2 steps under ``root``."""
     torch.manual_seed(0)
     started = ResumedAt()
@@ -127,7 +128,7 @@ def train(root: Path, steps: int, resume: Path | None = None, fall_back: bool = 
         accelerator="cpu", strategy=OneDeviceStrategy(device=torch.device("cpu")), max_steps=steps, logger=False,
         callbacks=[started, *callbacks, StepCheckpoint(root, every_n_steps=2)], enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False,
-        plugins=[DirectoryCheckpointIO(fall_back=fall_back, keep_last=keep_last)],
+        plugins=[DirectoryCheckpointIO(resolved_config, fall_back=fall_back, keep_last=keep_last)],
     )
     trainer.fit(module or _module(steps), train_dataloaders=DataLoader(_batches(steps), batch_size=None),
                 ckpt_path=str(resume) if resume else None)
@@ -341,6 +342,31 @@ def test_other_changes_are_listed_in_one_warning(tmp_path, caplog):
     assert "in effect from step 4" in warning and "optim.lr: 0.002 -> 0.01" in warning
 
 
+# -- checked at start-up ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("make, problem", [
+    (lambda path: None, "no such directory"),
+    (lambda path: path.write_text("x"), "is not a usable checkpoint (it is a file)"),
+    (lambda path: (path / "shards").mkdir(parents=True), "is not a usable checkpoint (no meta.json)"),
+])
+def test_a_bad_resume_from_is_a_config_error_naming_it(tmp_path, make, problem):
+    path = tmp_path / "step-3"
+    make(path)
+    with pytest.raises(ConfigError, match=rf"^checkpoint\.resume_from={path}:? .*{re.escape(problem)}"):
+        check_resume(_run_config(tmp_path / "run", f"checkpoint.resume_from={path}"))
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_resuming_another_models_checkpoint_is_a_config_error_naming_the_field(tmp_path, named):
+    """Its own run dir's, or one named by ``checkpoint.resume_from``: not a bare KeyError from the load."""
+    checkpoints = tmp_path / "run" / "checkpoints"
+    train(checkpoints, 2, resolved_config=_run_config(tmp_path / "run").raw)
+    overrides = ["+model.n_layers=3", "+model.d_model=128"]
+    if named:
+        overrides.append(f"checkpoint.resume_from={checkpoints / 'step-2'}")
+    with pytest.raises(ConfigError, match=r"model\.n_layers=3 but the checkpoint has 4; model\.d_model=128 but"):
+        check_resume(_run_config(tmp_path / ("other" if named else "run"), *overrides))
+
+
 # -- file modes ----------------------------------------------------------------------------------------
 @pytest.fixture(params=[0o022, 0o027])
 def umask(request):
@@ -415,3 +441,19 @@ def test_recipe_resumed_with_another_lr_trains_with_it_from_the_resumed_step(tmp
     lrs = {step: float(value) for step, value in metric(run, "train/lr").items()}
     fp32 = 2**-24  # the logged lr went through a float32 tensor: rounded to 24 significant bits
     assert [lrs[s] for s in (2, 3, 4, 5)] == pytest.approx([3e-3, 3e-3, 1e-2, 1e-2], rel=fp32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("override, named", [
+    ("checkpoint.resume_from=/nonexistent/step-3", "checkpoint.resume_from=/nonexistent/step-3: no such directory"),
+    ("++model.n_layers=3", "model.n_layers=3 but the checkpoint has 2"),
+])
+def test_recipe_stops_at_start_up_naming_the_option(tmp_path, override, named):
+    """Before the seed is set, so before any data preparation or model build."""
+    run = tmp_path / "run"
+    if "model." in override:
+        run_recipe(run, *TINY, "trainer.max_steps=2")
+    result = run_recipe(run, *TINY, "trainer.max_steps=4", override, succeed=False)
+    output = result.stdout + result.stderr
+    assert named in output and "ConfigError" in output and "KeyError" not in output
+    assert "Seed set to" not in output
