@@ -48,20 +48,21 @@ HEAD = "state_dict/model.output.weight"
 
 
 # -- damaging a checkpoint -------------------------------------------------------------------------
-def _shard(step_dir: Path) -> Path:
-    (shard,) = (step_dir / "shards").glob("*.safetensors")
-    return shard
-
-
 def _header(shard: Path) -> tuple[int, dict]:
     with shard.open("rb") as f:
         size = struct.unpack("<Q", f.read(8))[0]
         return size, json.loads(f.read(size))
 
 
+def _shard(step_dir: Path, key: str) -> Path:
+    """The shard holding ``key`` (each rank writes its own)."""
+    (shard,) = [s for s in (step_dir / "shards").glob("*.safetensors") if key in _header(s)[1]]
+    return shard
+
+
 def nan_tensor(step_dir: Path, key: str = HEAD) -> None:
     """Overwrite the bytes of one tensor with 0xFF (a NaN in every float format): same size."""
-    shard = _shard(step_dir)
+    shard = _shard(step_dir, key)
     size, header = _header(shard)
     start, end = header[key]["data_offsets"]
     with shard.open("r+b") as f:
@@ -72,7 +73,7 @@ def nan_tensor(step_dir: Path, key: str = HEAD) -> None:
 def rename_tensor(step_dir: Path, key: str, new_key: str) -> None:
     """Rename a tensor in the shard's header and DCP's metadata there, in place (same length, size)."""
     assert len(key) == len(new_key)
-    shard = _shard(step_dir)
+    shard = _shard(step_dir, key)
     data = shard.read_bytes()
     assert key.encode() in data
     shard.write_bytes(data.replace(key.encode(), new_key.encode()))
@@ -412,6 +413,23 @@ def test_recipe_resumes_past_a_nan_shard_with_the_uninterrupted_losses(tmp_path)
     assert "skipping corrupt checkpoint" in output and "checksum" in output
     assert losses(damaged) == losses(full)
     assert _listing(damaged / "checkpoints") == ["step-2", "step-4", "step-6"]  # step-4 replaced, no step-4-v1
+
+
+@pytest.mark.slow
+def test_two_processes_agree_to_fall_back(tmp_path):
+    """Two ranks, each hashing half of the files and reading its own shards: both skip the damaged
+    step-4 and resume from step-2, repeating steps 2 and 3 exactly (no rank hangs in a collective)."""
+    run = tmp_path / "run"
+    run_recipe(run, *TINY, "trainer.devices=2", "trainer.max_steps=4")
+    first = losses(run)
+    assert len(list((run / "checkpoints" / "step-4" / "shards").glob("*.safetensors"))) == 2
+    nan_tensor(run / "checkpoints" / "step-4")
+    result = run_recipe(run, *TINY, "trainer.devices=2", "trainer.max_steps=6")
+    output = result.stdout + result.stderr
+    assert "skipping corrupt checkpoint" in output and "checksum" in output
+    resumed = losses(run)
+    assert sorted(resumed) == list(range(6)) and all(resumed[s] == first[s] for s in (2, 3))
+    assert _listing(run / "checkpoints") == ["step-2", "step-4", "step-6"]
 
 
 @pytest.mark.slow
