@@ -9,19 +9,20 @@ disk adds the read itself, which any loading of the same bytes pays anyway.
     .venv/bin/python -m benchmarks.checkpoint_checksum [--sizes-mib 64 256 1024] [--repeats 3]
         [--checkpoint outputs/pretrain/<run>/checkpoints/step-<N>] [--dir /tmp]
 
-Measured 2026-11-23 on the 2-core CPU VM (shared with other jobs, so +-30%), local disk,
-defaults (median of 3 interleaved rounds):
+Measured 2026-11-23 on the 2-core CPU VM, shared with other jobs (load average 6-7, so +-30%),
+local disk, ``--repeats 5`` (median of 5 interleaved rounds):
 
     file MiB   read s  xxh3_128 s  blake2b s  sha256 s   xxh3 GB/s
-          64    0.011       0.016      0.172     0.093         4.2
-         256    0.081       0.098      0.782     0.440         2.7
-        1024    0.210       0.396      2.526     1.409         2.7
+          64    0.016       0.019      0.165     0.098         3.5
+         256    0.060       0.082      0.655     0.355         3.3
+        1024    0.245       0.326      2.609     1.491         3.3
 
-The whole ``step-4`` of ``deepseek_llm_tiny`` (81 MiB: one shard, trainer_state.pt, config.yaml)
-verifies in 0.015 s; recording its checksums took 0.06 s of a 2.1 s background write. xxh3 costs
-about twice the read, 6x less than blake2b: ~0.4 s per GiB added to a save (on the background
-writer thread when ``checkpoint.async_save``) and to a resume, where the ranks share it out
-(each hashes 1/world of the files).
+(an earlier, quieter run: 0.40 s, 2.5 s and 1.4 s per GiB). The whole ``step-4`` of
+``deepseek_llm_tiny`` (81 MiB: one shard, trainer_state.pt, config.yaml) verifies in 0.015-0.055 s;
+recording its checksums took 0.06 s of a 2.1 s background write. xxh3 costs about 1.3-1.8x the
+read, 8x less than blake2b and 4.5x less than sha256: ~0.35 s per GiB added to a save (on the
+background writer thread when ``checkpoint.async_save``) and to a resume, where the ranks share it
+out (each hashes 1/world of the files).
 """
 
 from __future__ import annotations
