@@ -6,8 +6,10 @@
 - ``trainer_state.pt``: the rest of the checkpoint dict (loop, scheduler and data positions, loss
   scaler, RNG states), written by rank 0 (``torch.load(weights_only=True)``);
 - ``config.yaml``: the resolved run config;
-- ``meta.json``: written last, naming every file and its size; a directory is published by an
-  atomic rename only once complete.
+- ``meta.json``: written last, naming every file with its size and checksum
+  (:mod:`dsl_lit.checkpoint.integrity`); a directory is published by an atomic rename only once
+  complete, and a step saved again (after a resume fell back past it) replaces its directory the
+  same way, the old one removed only once the new one is in place.
 
 ``StepCheckpoint`` (a Lightning ``ModelCheckpoint``) decides *when*: every N optimizer steps, every M
 minutes of wall-clock time (rank 0's clock, broadcast, so every rank saves at the same step), and at
@@ -16,8 +18,9 @@ with its own part of the checkpoint (no rank gathers the model). Asynchronously,
 are copied to CPU memory before training goes on and written by a background thread under
 ``.tmp-step-<N>/``; rank 0 renames it to ``step-<N>/`` once every rank's shards are written. At most
 one save is in flight; teardown (end of training, or an exception) waits for it. After each
-publication only the newest ``keep_last`` complete directories are kept; a directory is removed by
-renaming it to a hidden name first, so a crash mid-removal never leaves a broken ``step-<N>``.
+publication only the newest ``keep_last`` step directories we wrote are kept; a directory is removed
+by renaming it to a hidden name first, so a crash mid-removal never leaves a broken ``step-<N>``.
+Loading verifies the checksums and falls back past a checkpoint that fails (``load_checkpoint``).
 """
 
 from __future__ import annotations
@@ -323,7 +326,7 @@ class DirectoryCheckpointIO(CheckpointIO):
         state = drop_tensor_markers(load_plain_state(path))
         try:
             tensors = read_full_tensors(path / SHARDS)
-        except Exception as err:  # noqa: BLE001  (safetensors and DCP raise several kinds)
+        except Exception as err:  # safetensors and DCP raise several kinds
             raise CorruptCheckpoint(f"{SHARDS}/ does not load ({err})") from None
         return insert_tensors(state, tensors)
 
