@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -400,19 +401,36 @@ TINY = ["model=deepseek_llm_tiny", "logger=csv", "trainer.accelerator=cpu", "che
         "checkpoint.every_minutes=0"]
 
 
+@pytest.fixture(scope="module")
+def recipe_run_of_4_steps(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("recipe") / "run"
+    run_recipe(run, *TINY, "trainer.max_steps=4")
+    return run
+
+
+@pytest.fixture
+def four_step_run(recipe_run_of_4_steps, tmp_path) -> Path:
+    """A copy of one recipe run of 4 steps (checkpoints step-2 and step-4), for a test to damage
+    or resume; one run serves every test of this module."""
+    return Path(shutil.copytree(recipe_run_of_4_steps, tmp_path / "run"))
+
+
 @pytest.mark.slow
-def test_recipe_resumes_past_a_nan_shard_with_the_uninterrupted_losses(tmp_path):
+def test_recipe_resumes_past_a_nan_shard(four_step_run):
     """A NaN head written over step-4's shard (same size): the rerun warns naming the shard, resumes
-    from step-2 and reproduces an uninterrupted run's losses bit for bit, instead of training on NaN."""
-    full, damaged = tmp_path / "full", tmp_path / "damaged"
-    run_recipe(full, *TINY, "trainer.max_steps=6")
-    run_recipe(damaged, *TINY, "trainer.max_steps=4")
-    nan_tensor(damaged / "checkpoints" / "step-4")
-    result = run_recipe(damaged, *TINY, "trainer.max_steps=6")
+    from step-2 and repeats steps 2 and 3 bit for bit, instead of training on NaN; step-4 is saved
+    again in place (one directory per step: no step-4-v1)."""
+    run = four_step_run
+    first = losses(run)
+    nan_tensor(run / "checkpoints" / "step-4")
+    result = run_recipe(run, *TINY, "trainer.max_steps=6")
     output = result.stdout + result.stderr
-    assert "skipping corrupt checkpoint" in output and "checksum" in output
-    assert losses(damaged) == losses(full)
-    assert _listing(damaged / "checkpoints") == ["step-2", "step-4", "step-6"]  # step-4 replaced, no step-4-v1
+    assert "skipping corrupt checkpoint" in output and "checksum" in output and "shards/shard-" in output
+    resumed = losses(run)
+    assert sorted(resumed) == list(range(6)) and all(resumed[s] == first[s] for s in (2, 3))
+    assert all(math.isfinite(float(loss)) for loss in resumed.values())
+    assert _listing(run / "checkpoints") == ["step-2", "step-4", "step-6"]
+    assert checksum_problem(run / "checkpoints" / "step-4") is None
 
 
 @pytest.mark.slow
@@ -433,9 +451,8 @@ def test_two_processes_agree_to_fall_back(tmp_path):
 
 
 @pytest.mark.slow
-def test_recipe_with_every_checkpoint_damaged_stops_until_told_to_start_afresh(tmp_path):
-    run = tmp_path / "run"
-    run_recipe(run, *TINY, "trainer.max_steps=4")
+def test_recipe_with_every_checkpoint_damaged_stops_until_told_to_start_afresh(four_step_run):
+    run = four_step_run
     first = losses(run)
     for step in ("step-2", "step-4"):
         nan_tensor(run / "checkpoints" / step)
@@ -449,11 +466,10 @@ def test_recipe_with_every_checkpoint_damaged_stops_until_told_to_start_afresh(t
 
 
 @pytest.mark.slow
-def test_recipe_resumed_with_another_lr_trains_with_it_from_the_resumed_step(tmp_path):
+def test_recipe_resumed_with_another_lr_trains_with_it_from_the_resumed_step(four_step_run):
     """The issue's case: resumed with optim.lr=1e-2 (was 3e-3), steps 4 and 5 log lr 1e-2 (the
     schedule is at its peak there), and the warning names the change."""
-    run = tmp_path / "run"
-    run_recipe(run, *TINY, "trainer.max_steps=4")
+    run = four_step_run
     result = run_recipe(run, *TINY, "trainer.max_steps=6", "optim.lr=1e-2")
     assert "optim.lr: 0.003 -> 0.01" in result.stdout + result.stderr
     lrs = {step: float(value) for step, value in metric(run, "train/lr").items()}
@@ -466,12 +482,9 @@ def test_recipe_resumed_with_another_lr_trains_with_it_from_the_resumed_step(tmp
     ("checkpoint.resume_from=/nonexistent/step-3", "checkpoint.resume_from=/nonexistent/step-3: no such directory"),
     ("++model.n_layers=3", "model.n_layers=3 but the checkpoint has 2"),
 ])
-def test_recipe_stops_at_start_up_naming_the_option(tmp_path, override, named):
+def test_recipe_stops_at_start_up_naming_the_option(four_step_run, override, named):
     """Before the seed is set, so before any data preparation or model build."""
-    run = tmp_path / "run"
-    if "model." in override:
-        run_recipe(run, *TINY, "trainer.max_steps=2")
-    result = run_recipe(run, *TINY, "trainer.max_steps=4", override, succeed=False)
+    result = run_recipe(four_step_run, *TINY, "trainer.max_steps=6", override, succeed=False)
     output = result.stdout + result.stderr
     assert named in output and "ConfigError" in output and "KeyError" not in output
     assert "Seed set to" not in output
