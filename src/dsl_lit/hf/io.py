@@ -27,6 +27,7 @@ from dsl_lit.config.errors import ConfigError
 from dsl_lit.models import ModelConfig, Transformer, build_model, family_spec
 from dsl_lit.models.common.hf_adapter import TOKEN_ID_KEYS, HFAdapter, StateDict, few
 from dsl_lit.models.registry import hf_reader
+from dsl_lit.utils.fs import follow_umask
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -370,13 +371,18 @@ def save_pretrained(
             old.unlink()
 
     metadata = {"format": "pt"}  # transformers checks this key
+
+    def write(names: list[str], fname: str) -> None:
+        save_file(_prepare_shard(hf_state, names, dtype_of), str(directory / fname), metadata)
+        follow_umask(directory / fname)  # save_file makes it -rw------- whatever the umask
+
     if len(shards) == 1:
-        save_file(_prepare_shard(hf_state, shards[0], dtype_of), str(directory / SAFE_WEIGHTS_NAME), metadata)
+        write(shards[0], SAFE_WEIGHTS_NAME)
     else:
         mapping: dict[str, str] = {}
         for i, names in enumerate(shards, start=1):
             fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(_prepare_shard(hf_state, names, dtype_of), str(directory / fname), metadata)
+            write(names, fname)
             mapping.update(dict.fromkeys(names, fname))
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": mapping}
         _write_json(directory / SAFE_INDEX_NAME, index)

@@ -19,7 +19,8 @@ from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import OmegaConf
 
-from dsl_lit.checkpoint.directory import DirectoryCheckpointIO, StepCheckpoint, latest_checkpoint
+from dsl_lit.checkpoint.directory import DirectoryCheckpointIO, StepCheckpoint
+from dsl_lit.checkpoint.resume import resume_checkpoint
 from dsl_lit.config import ModelConfig, TrainConfig
 from dsl_lit.flops import training_flops_per_token
 from dsl_lit.parallel.checkpointing import OneDeviceStrategy
@@ -94,11 +95,7 @@ def checkpoint_dir(cfg: TrainConfig) -> Path:
 
 def resume_path(cfg: TrainConfig) -> str | None:
     """``checkpoint.resume_from`` if set, else the latest complete checkpoint of this run dir."""
-    if cfg.checkpoint.resume_from:
-        return cfg.checkpoint.resume_from
-    if not cfg.checkpoint.resume:
-        return None
-    latest = latest_checkpoint(checkpoint_dir(cfg))
+    latest = resume_checkpoint(cfg.checkpoint, checkpoint_dir(cfg))
     if latest is not None:
         log.info("resuming from %s", latest)
     return str(latest) if latest else None
@@ -158,7 +155,8 @@ def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = N
         inference_mode=False,  # no_grad, not inference tensors: pipeline buffers outlive validation
         use_distributed_sampler=False,  # our sampler shards by data-parallel rank, deterministically
         plugins=[
-            DirectoryCheckpointIO(cfg.raw, async_save=ckpt.async_save, keep_last=ckpt.keep_last),
+            DirectoryCheckpointIO(cfg.raw, async_save=ckpt.async_save, keep_last=ckpt.keep_last,
+                                  fall_back=not ckpt.resume_from),  # a named checkpoint does not fall back
             AutocastPrecision(cfg.precision.name, _device_type(cfg)),
         ],
         default_root_dir=cfg.run_dir,

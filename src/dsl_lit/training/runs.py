@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import lightning as L
 import yaml
 
+from dsl_lit.checkpoint.resume import check_resume
 from dsl_lit.config import TrainConfig
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.data.tokenizer_dir import read_tokenizer_meta
@@ -57,7 +58,10 @@ def is_launcher_process() -> bool:
 
 
 def save_resolved_config(cfg: TrainConfig) -> Path:
-    """Write the fully resolved config beside Hydra's ``.hydra/`` (which keeps the unresolved one)."""
+    """Write the fully resolved config beside Hydra's ``.hydra/`` (which keeps the unresolved one),
+    once it is known to suit the checkpoint the run resumes (``check_resume``: every recipe calls
+    this first, before any data or model)."""
+    check_resume(cfg)
     path = Path(cfg.run_dir) / "resolved_config.yaml"
     if is_launcher_process():
         path.parent.mkdir(parents=True, exist_ok=True)
