@@ -35,7 +35,7 @@ from tests.conftest import ROOT, compose_config
 
 @pytest.fixture(scope="module")
 def tokenizer() -> ChatTokenizer:
-    """The bundled corpus's tokenizer (the recipes' default), built into .cache/ on first use."""
+    """The bundled corpus's tokenizer (the recipes' default), built in the session's data cache on first use."""
     datamodule = PretrainDataModule(TrainConfig.from_hydra(compose_config()).data)
     datamodule.prepare_data()
     return ChatTokenizer.from_dir(datamodule.tokenizer_dir)
