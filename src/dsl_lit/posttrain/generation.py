@@ -21,7 +21,7 @@ the same log-probs with gradients.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -183,12 +183,16 @@ def generate(
     generator: torch.Generator | None = None,
     use_cache: bool = True,
     output_logits: bool = False,
+    stop: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> GenerationOutput:
     """Generate up to ``max_new_tokens`` tokens after each prompt, in one left-padded batch.
 
     ``temperature=0`` is greedy; otherwise tokens are sampled after temperature, ``top_k`` and
     ``top_p`` filtering, from ``generator`` (which must live on the model's device). Generation
-    stops early once every sequence has emitted one of ``eos_token_id``. ``use_cache=False``
+    stops early once every sequence has emitted one of ``eos_token_id`` or been stopped by ``stop``:
+    called after every step with the completions so far of the sequences still running
+    ([running, steps] token ids), it returns which of them are done (True), e.g. because their
+    text now holds a stop string (lm-eval's ``until``). ``use_cache=False``
     recomputes the whole sequence every step (the reference for tests). Runs in eval mode under
     ``torch.inference_mode`` and restores the model's training mode afterwards.
     """
@@ -217,7 +221,7 @@ def generate(
         with torch.inference_mode():
             sequences, completion_mask, logprobs, logits = _decode(
                 model, prompt_tokens, prompt_valid, max_new_tokens, temperature, top_k, top_p,
-                eos_ids, pad_token_id, generator, use_cache, output_logits,
+                eos_ids, pad_token_id, generator, use_cache, output_logits, stop,
             )
     finally:
         model.train(was_training)
@@ -253,6 +257,7 @@ def _decode(
     generator: torch.Generator | None,
     use_cache: bool,
     output_logits: bool,
+    stop: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The decoding loop; returns (sequences, completion_mask, logprobs, logits or None)."""
     batch, prompt_length = prompt_tokens.shape
@@ -294,8 +299,12 @@ def _decode(
         steps = step + 1
         if eos_ids is not None:
             finished |= active & torch.isin(next_tokens, eos_ids)
-            if bool(finished.all()):
-                break
+        if stop is not None:
+            running = (~finished).nonzero().squeeze(-1)
+            if running.numel():
+                finished[running] = stop(tokens[running, prompt_length : length + 1]).to(device)
+        if (eos_ids is not None or stop is not None) and bool(finished.all()):
+            break
 
     logits_out = None
     if output_logits:
