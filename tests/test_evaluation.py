@@ -30,6 +30,7 @@ from dsl_lit.config.evaluate import EvaluateConfig
 from dsl_lit.config.schema import dataclass_from_dict
 from dsl_lit.data.datamodule import PretrainDataModule
 from dsl_lit.evaluation import bundled
+from dsl_lit.evaluation.checkpoint import evaluate_checkpoint
 from dsl_lit.evaluation.harness import Harness, flat_metrics
 from dsl_lit.evaluation.lm import DslLitLM
 from dsl_lit.evaluation.source import load_eval_model
@@ -242,8 +243,9 @@ def test_evaluate_recipe_matches_lm_evals_hf_backend(tmp_path: Path, tokenizer_d
     tasks = list(bundled.BUNDLED_TASKS)  # multiple choice, rolling loglikelihood, generate_until
     out = tmp_path / "eval"
     _run("evaluate.py", f"checkpoint={run}", "limit=16", "batch_size=5", "bootstrap_iters=0", "log_samples=true",
-         f"hydra.run.dir={out}", cwd=tmp_path)
+         "wandb.enabled=true", f"hydra.run.dir={out}", cwd=tmp_path)
     ours = json.loads((out / "results.json").read_text())
+    assert list(out.glob("wandb/offline-run-*/files/results.json"))
     assert ours["config"]["global_step"] == 2 and ours["config"]["format"] == "dsl_lit"
     ours["samples"] = {t: [json.loads(line) for line in (out / f"samples_{t}.jsonl").read_text().splitlines()]
                        for t in tasks}
@@ -265,6 +267,14 @@ def test_evaluate_recipe_matches_lm_evals_hf_backend(tmp_path: Path, tokenizer_d
         short = harness.evaluate(DslLitLM(load_eval_model(run).model, tokenizer, batch_size=3, max_length=48))
     _compare_samples(ours, reference, tasks)
     _compare_samples(short, short_reference, short_tasks)
+    # the export itself as the source: its own tokenizer is needed, then the same numbers
+    hf_dir = EvaluateConfig(checkpoint=str(export), tasks=["dsl_devil_perplexity"], limit=16, bootstrap_iters=0)
+    with pytest.raises(ConfigError, match="no tokenizer for .*set tokenizer_dir="):
+        evaluate_checkpoint(hf_dir, tmp_path / "hf_eval")
+    hf_dir.tokenizer_dir = str(tokenizer_dir)
+    from_export = evaluate_checkpoint(hf_dir, tmp_path / "hf_eval")["results"]["dsl_devil_perplexity"]
+    assert from_export["bits_per_byte,none"] == pytest.approx(ours["results"]["dsl_devil_perplexity"]["bits_per_byte,none"],
+                                                              rel=1e-6)
     generated = [s["resps"][0][0] for s in ours["samples"]["dsl_arithmetic"]]
     assert len(set(generated)) > 8  # varied text was generated and compared
     for task in tasks:
