@@ -26,9 +26,11 @@ from dsl_lit.flops import training_flops_per_token
 from dsl_lit.parallel.checkpointing import OneDeviceStrategy
 from dsl_lit.parallel.strategy import DeepSeekStrategy
 from dsl_lit.precision.plugin import AutocastPrecision
+from dsl_lit.training.callbacks.downstream_eval import DownstreamEvaluation
 from dsl_lit.training.callbacks.ema import EMACallback
 from dsl_lit.training.callbacks.expert_load import ExpertLoadMonitor
 from dsl_lit.training.callbacks.preemption import PreemptionHandler
+from dsl_lit.training.callbacks.profiler import TraceProfiler
 from dsl_lit.training.callbacks.rank_failure import RankFailureReporter
 from dsl_lit.training.callbacks.rng_state import RNGStateCallback
 from dsl_lit.training.callbacks.throughput import ThroughputMonitor
@@ -118,6 +120,10 @@ def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = N
     ]
     if cfg.model.is_moe:
         callbacks.append(ExpertLoadMonitor(cfg.logger.expert_load_every_n_steps))
+    if cfg.eval.every_n_steps:
+        callbacks.append(DownstreamEvaluation(cfg.eval, cfg.run_dir, cfg.precision.name))
+    if cfg.profiler.enabled:
+        callbacks.append(TraceProfiler(cfg.profiler, cfg.run_dir))
     if cfg.memory.ema_decay:
         callbacks.append(EMACallback(cfg.memory.ema_decay, cfg.memory.ema_every_n_steps, cfg.memory.validate_with_ema))
     if cfg.trainer.progress_bar:
