@@ -192,7 +192,8 @@ def test_sequence_balance_loss_matches_the_paper_formula():
     torch.testing.assert_close(moe.balance_loss, expected)
     moe.balance_loss.backward()
     assert moe.gate.weight.grad is not None and moe.gate.weight.grad.abs().sum() > 0
-    assert MoE(_tiny(seq_balance_alpha=0.0)).train()(x) is not None  # alpha 0: no loss term
+    unbalanced = MoE(_tiny(seq_balance_alpha=0.0, batch_balance_alpha=0.0)).train()
+    assert unbalanced(x).shape == x.shape and unbalanced.balance_loss is None  # both alphas 0: no loss term
     moe.eval()
     moe(x)
     assert moe.balance_loss is None

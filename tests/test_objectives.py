@@ -105,6 +105,8 @@ def test_grpo_loss_hand_computed(loss_type):
     masked = [[v * m for v, m in zip(r, mr)] for r, mr in zip(tl, mask)]
     expected = {
         "grpo": (sum(masked[0]) / 2 + sum(masked[1]) / 3) / 2,
+        # one batch on one process: both are the mean over all its completion tokens (DAPO eq. 8); they
+        # differ in what a data-parallel rank divides by (tests/test_grpo_data_parallel.py)
         "bnpo": (sum(masked[0]) + sum(masked[1])) / 5,
         "dapo": (sum(masked[0]) + sum(masked[1])) / 5,
         "dr_grpo": (sum(masked[0]) + sum(masked[1])) / (2 * 3),
