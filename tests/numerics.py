@@ -46,6 +46,19 @@ def assert_close_fp32(
     torch.testing.assert_close(actual, reference, **tolerance, msg=lambda m: f"{msg} ({tolerance}): {m}")
 
 
+def assert_close_in_norm(
+    actual: torch.Tensor, reference: torch.Tensor, reduction_len: int, k: float = 8.0, msg: str = ""
+) -> None:
+    """``||actual - reference|| <= k * eps * sqrt(reduction_len) * ||reference||``: the bound of
+    :func:`fp32_tolerance` for the tensor as a whole. For weights after AdamW steps: Adam divides
+    each gradient entry by its own magnitude, so an entry whose gradient is a near-cancelling sum
+    (relative error up to 1) can step differently by up to lr, while the tensor stays within the
+    bound; a wrong update moves the whole tensor by ~lr, far outside it."""
+    bound = k * EPS32 * math.sqrt(max(1, reduction_len))
+    error = relative_error(actual, reference)
+    assert error <= bound, f"{msg}: relative error {error:.3g} > {bound:.3g}"
+
+
 def relative_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
     """``||actual - reference|| / ||reference||`` in float64: one number for a whole tensor, for
     comparisons whose error is not elementwise (lower precision, an optimizer step)."""
