@@ -90,6 +90,18 @@ MUTATIONS = (
         ("tests/test_grpo_data_parallel.py",),
     ),
     Mutation(
+        "a balance-loss term with both alphas 0",
+        "        if not (self.seq_balance_alpha or self.batch_balance_alpha):\n            return None\n",
+        "        if not (self.seq_balance_alpha or self.batch_balance_alpha):\n            return scores.sum() * 0.0\n",
+        ("tests/test_model_v3.py",),
+    ),
+    Mutation(
+        "sdpa attention without the causal mask",
+        "q, k, v, attn_mask=mask, is_causal=plain_causal, scale=scale, enable_gqa=True",
+        "q, k, v, attn_mask=mask, is_causal=False, scale=scale, enable_gqa=True",
+        ("tests/test_model.py",),
+    ),
+    Mutation(
         "MTP weight of the other phase",
         "return piecewise_constant(progress, self.mtp_weight, self.mtp_weight_boundaries)",
         "return piecewise_constant(progress, self.mtp_weight[::-1], self.mtp_weight_boundaries)",
