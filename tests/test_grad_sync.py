@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dsl_lit.parallel.grad_sync import OverlappedGradientReducer
+from tests.numerics import assert_close_fp32
 from tests.test_zero1 import _grads, _model
 
 
@@ -28,7 +29,7 @@ def _worker(rank: int, world: int, init_file: str) -> None:
         assert reducer.launched_in_backward == len(reducer.buckets)
         reducer.wait()
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-            torch.testing.assert_close(p.grad, q.grad / world, atol=1e-6, rtol=1e-5, msg=name)
+            assert_close_fp32(p.grad, q.grad / world, world * 2 * 2 * 16, msg=name)  # every rank's targets
         reducer.remove_hooks()
     finally:
         dist.destroy_process_group()

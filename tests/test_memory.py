@@ -17,6 +17,7 @@ from dsl_lit.models import build_model
 from dsl_lit.ops import cross_entropy
 from dsl_lit.training import PretrainModule
 from dsl_lit.training.callbacks.ema import EMACallback
+from tests.numerics import assert_close_fp32
 from tests.test_pretrain_module import _batch, _v3
 
 
@@ -52,7 +53,7 @@ def test_recompute_keeps_gradients_and_loads_and_recomputes_what_it_says():
     for mode in ("selective", "full"):
         ops, grads, loads = _step(mode)
         for name, grad in base_grads.items():
-            torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=1e-5, msg=f"{mode} {name}")
+            assert_close_fp32(grads[name], grad, 4 * 64, msg=f"{mode} {name}")  # rows x seq of the batch
         assert torch.equal(loads, base_loads), mode  # recomputed router forwards count nothing
         assert ops.rsqrts > base_ops.rsqrts, mode  # norms are recomputed in backward
         if mode == "selective":
@@ -108,7 +109,7 @@ def test_ema_follows_its_recurrence_and_survives_a_checkpoint(tmp_path):
         for name in expected:
             expected[name] = 0.9 * expected[name] + 0.1 * weights[name]
     for name, value in expected.items():
-        torch.testing.assert_close(ema.ema[name], value, atol=1e-6, rtol=1e-5, msg=name)
+        assert_close_fp32(ema.ema[name], value, len(track.history) + 1, msg=name)  # one rounding per step
         assert ema.ema[name].device.type == "cpu"
     path = tmp_path / "ema.ckpt"
     trainer.save_checkpoint(path)

@@ -13,6 +13,7 @@ from dsl_lit.flops import non_embedding_flops_per_token, training_flops_per_toke
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.optim import build_lr_scheduler, build_optimizer
 from dsl_lit.optim.schedules import cosine_multiplier, multi_step_multiplier, wsd_multiplier
+from tests.numerics import assert_close_fp32
 
 
 def test_multi_step_deepseek_values():
@@ -136,6 +137,6 @@ def test_fused_adamw_runs_and_matches_foreach():
             optimizer.step()
             optimizer.zero_grad()
     for p, q in zip(models[0].parameters(), models[1].parameters()):
-        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-6)
+        assert_close_fp32(p, q, 3)  # same gradients; the kernels round each of the 3 updates differently
     with pytest.raises(ConfigError, match="optim.fused=true and optim.foreach=true exclude each other"):
         OptimConfig(fused=True, foreach=True).validate()

@@ -1,5 +1,5 @@
-"""The real recipe on 2 and 4 gloo processes: data parallel with ZeRO-1, tensor, pipeline (1F1B and
-DualPipeV) and expert parallel layouts and their products give the per-step losses and gradient
+"""The real recipe on 2 and 4 gloo processes: data parallel with ZeRO-1, tensor, pipeline (1F1B,
+interleaved and DualPipeV) and expert parallel layouts and their products give the per-step losses and gradient
 norms of one process on the same global batch; their checkpoints resume under other layouts
 (issue 7: weights, optimizer state and data position, nothing repeated). On DeepSeek-V3, whose
 checkpoints hold every kind of state; DeepSeek LLM runs its TP plan (GQA) end to end under the
@@ -8,6 +8,7 @@ tests/test_tensor_parallel.py, its pipeline in tests/test_pipeline.py."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 from dsl_lit.checkpoint.reader import load_checkpoint_model
 from dsl_lit.checkpoint.sharded import read_full_tensors
+from tests.numerics import EPS32
 from tests.test_pretrain_e2e import losses, metric, run_recipe
 
 STEPS = ["trainer.max_steps=4", "logger=csv", "trainer.accelerator=cpu", "data.micro_batch_size=2"]
@@ -29,12 +31,19 @@ LAYOUTS = {
     "pp2_dualpipev": ["trainer.devices=2", "parallel=pp_dualpipev", "data.micro_batch_size=1"],
     "dp2_ep2": ["trainer.devices=2", "parallel=ep"],
     "tp2_pp2": ["trainer.devices=4", "parallel.tp=2", "parallel=pp_1f1b", "data.micro_batch_size=1"],
+    # Interleaved 1F1B (4 virtual stages) x expert parallel over the 2 data-parallel replicas
+    "pp2_interleaved_ep2": ["trainer.devices=4", "parallel=pp_interleaved", "parallel.ep=2", "data.micro_batch_size=1"],
 }
 # Each multi-process run costs 20-60 s here (mostly starting processes), so the suite runs few: the
-# products of parallelisms.
+# products of parallelisms. Not run end to end: ZeRO-1 x pp (ZeRO-1 is checked against AdamW in
+# tests/test_zero1.py, the pipeline's gradients in tests/test_pipeline.py).
 LAYOUTS_PER_MODEL = {
-    "deepseek_v3_tiny": ["dp2_tp2_sp_zero1", "pp2_dualpipev", "dp2_ep2"],
+    "deepseek_v3_tiny": ["dp2_tp2_sp_zero1", "pp2_dualpipev", "dp2_ep2", "pp2_interleaved_ep2"],
 }
+# Step 0 is the same computation in every layout: the per-token losses and gradients differ only by
+# fp32 rounding, and the step's loss and gradient norm by the order in which the 8 rows' (or
+# micro-batches') partial sums are added (measured: at most 1 ulp, 1.1e-7 relative).
+STEP0_REL = 8 * EPS32 * math.sqrt(8)
 # Checkpoints of those runs (step 2) resumed under another layout: (resumed layout, saved by)
 RESUMES_PER_MODEL = {
     "deepseek_v3_tiny": [("tp2_pp2", "single"), ("pp2_1f1b", "dp2_tp2_sp_zero1"), ("single", "dp2_ep2")],
@@ -71,11 +80,12 @@ def test_every_layout_matches_one_process(layout_runs):
         run_losses, norms, val = _results(root / name)
         assert sorted(run_losses) == list(range(4)), name
         for step in range(4):
-            assert float(run_losses[step]) == pytest.approx(float(reference_losses[step]), rel=2e-3), (name, step)
-            # the first step's gradients are the same computation: tight; later ones carry MoE routing
-            # flips (near-tied top-k choices decided by 1e-7 differences), measured up to 2e-4
-            assert float(norms[step]) == pytest.approx(float(reference_norms[step]), rel=1e-5 if step == 0 else 1e-3), (
-                name, step)
+            # later steps carry MoE routing flips (near-tied top-k choices decided by 1e-7 differences)
+            # through Adam's normalised updates: gradient norms measured up to 2e-4 apart
+            rel = STEP0_REL if step == 0 else 2e-3
+            assert float(run_losses[step]) == pytest.approx(float(reference_losses[step]), rel=rel), (name, step)
+            rel = STEP0_REL if step == 0 else 1e-3
+            assert float(norms[step]) == pytest.approx(float(reference_norms[step]), rel=rel), (name, step)
         for step in (1, 3):  # validation under every layout (the pipeline's forward-only pass too)
             assert float(val[step]) == pytest.approx(float(reference_val[step]), rel=1e-4), (name, step)
     # one Hydra output directory per run, not one per rank

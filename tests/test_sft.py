@@ -31,6 +31,7 @@ from dsl_lit.models import ModelConfig
 from dsl_lit.ops import cross_entropy
 from dsl_lit.posttrain import SFTModule
 from tests.conftest import ROOT, compose_config
+from tests.numerics import assert_close_fp32
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +117,8 @@ def test_packed_batch_gives_the_same_loss_as_the_sequences_alone(tokenizer, fami
     # per target token, in order: the same values
     p, a = packed_losses[packed["labels"].flatten() != IGNORE], alone_losses[alone["labels"].flatten() != IGNORE]
     assert p.shape == a.shape and p.numel() > 50
-    torch.testing.assert_close(p, a, atol=2e-5, rtol=1e-5)
+    cfg = module.model_config  # attention over up to 256 positions in another layout, per layer
+    assert_close_fp32(p, a, cfg.d_model * cfg.n_layers * 256)
     # and the document mask is what makes it so: without it the later conversations see the earlier ones
     leaky = {k: v for k, v in packed.items() if k != "doc_ids"}
     with torch.no_grad():
