@@ -176,4 +176,3 @@ def duplicates_of_shard(ctx: Any, shard: int) -> pa.Table:
     low, high = shard << ROW_BITS, (shard + 1) << ROW_BITS
     path = ctx.dirs["near_dedup.merge"] / DUPLICATES_FILE
     return pq.read_table(path, filters=[("key", ">=", low), ("key", "<", high)])
-
