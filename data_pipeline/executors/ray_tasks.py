@@ -48,7 +48,10 @@ class RayExecutor:
                 ) from e
         self.cfg = cfg
         self._task = ray.remote(_in_directory).options(
-            num_cpus=cfg.num_cpus, max_retries=cfg.max_retries, retry_exceptions=[OSError]
+            num_cpus=cfg.num_cpus,
+            max_retries=cfg.max_retries,
+            retry_exceptions=[OSError],
+            scheduling_strategy="SPREAD",  # units are alike and short-lived: use every node from the start
         )
         self._cwd = os.getcwd()
 
