@@ -139,11 +139,11 @@ def run(cfg: PipelineConfig, executor: Executor | None = None) -> dict[str, Any]
     if cfg.step is not None and cfg.step not in names:
         raise ConfigError(f"step={cfg.step!r} is not a step of this run; its steps are {names}")
     inputs = find_inputs(cfg.input)
-    claim_output_dir(cfg.output_dir, None if Path(cfg.input.path).is_file() else inputs.root)
-    planned = plan(cfg, inputs)
     own = executor is None
-    executor = make_executor(cfg) if executor is None else executor
+    executor = make_executor(cfg) if executor is None else executor  # no cluster: refused before any write
     try:
+        claim_output_dir(cfg.output_dir, None if Path(cfg.input.path).is_file() else inputs.root)
+        planned = plan(cfg, inputs)
         for i, p in enumerate(planned):
             if cfg.step is not None and p.step.name != cfg.step:
                 continue

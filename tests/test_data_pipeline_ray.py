@@ -233,3 +233,13 @@ def test_bad_executor_settings_fail_early_naming_the_field(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config({"input": {"path": "x"}, "output_dir": "y", "executor": executor, "num_proc": num_proc})
+
+
+def test_a_ray_head_that_does_not_answer_is_refused_before_any_write(tmp_path: Path) -> None:
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text('{"text": "x"}\n')
+    values = {"input": {"path": str(tmp_path / "in")}, "output_dir": str(tmp_path / "out")}
+    address = f"127.0.0.1:{_free_port()}"
+    with pytest.raises(ConfigError, match=f"executor.address={address}: no Ray head answers"):
+        run(load_config({**values, "executor": {"kind": "ray", "address": address}}))
+    assert not (tmp_path / "out").exists() and not ray.is_initialized()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from typing import Any
 
 from data_pipeline.executors import ExecutorConfig, UnitFn
@@ -21,6 +22,21 @@ from dsl_lit.config.errors import ConfigError
 
 log = logging.getLogger(__name__)
 _POLL_SECONDS = 1.0
+_CONNECT_SECONDS = 5.0
+
+
+def _check_reachable(address: str) -> None:
+    """A named head that does not answer is refused at once (``ray.init`` would retry for minutes)."""
+    if address == "auto":
+        return  # Ray finds the local cluster itself, and says so at once when there is none
+    host, _, port = address.split("://")[-1].rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=_CONNECT_SECONDS).close()
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"executor.address={address}: no Ray head answers there ({e}); give <host>:<port> of a "
+            "running head (`ray start --head` prints it), or auto on a node of the cluster"
+        ) from e
 
 
 def _in_directory(cwd: str, fn: UnitFn, step: Step, ctx: Any, unit: int) -> dict[str, Any]:
@@ -38,6 +54,7 @@ class RayExecutor:
         self._ray = ray
         self._owns_connection = not ray.is_initialized()
         if self._owns_connection:
+            _check_reachable(cfg.address)
             try:
                 ray.init(address=cfg.address, logging_level=logging.WARNING)
             except ConnectionError as e:
