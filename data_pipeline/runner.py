@@ -130,20 +130,27 @@ def _run_step(p: Planned, cfg: PipelineConfig, executor: Executor) -> None:
     executor.run(run_unit, p.step, p.context, todo)
 
 
-def run(cfg: PipelineConfig, executor: Executor | None = None) -> dict[str, Any] | None:
-    """Run the selected steps; returns the stats (also in output_dir/stats.json) once all are done.
-
-    ``executor``: one the caller opened and closes (default: ``cfg.executor``'s, opened and closed here).
-    """
+def claim_and_plan(cfg: PipelineConfig) -> list[Planned]:
+    """Check ``step`` and the input, claim ``output_dir`` (refusing one that is not the pipeline's),
+    then plan: the claimed directory keeps the input's line scans for every later invocation."""
     names = [step.name for stage in cfg.stage_objects() for step in stage.steps()]
     if cfg.step is not None and cfg.step not in names:
         raise ConfigError(f"step={cfg.step!r} is not a step of this run; its steps are {names}")
     inputs = find_inputs(cfg.input)
+    claim_output_dir(cfg.output_dir, None if Path(cfg.input.path).is_file() else inputs.root)
+    return plan(cfg, inputs)
+
+
+def run(cfg: PipelineConfig, executor: Executor | None = None) -> dict[str, Any] | None:
+    """Run the selected steps; returns the stats (also in output_dir/stats.json) once all are done.
+
+    ``executor``: one the caller opened and closes (default: ``cfg.executor``'s, opened and closed
+    here, before anything is written: a cluster that cannot be reached leaves no output_dir behind).
+    """
     own = executor is None
-    executor = make_executor(cfg) if executor is None else executor  # no cluster: refused before any write
+    executor = make_executor(cfg) if executor is None else executor
     try:
-        claim_output_dir(cfg.output_dir, None if Path(cfg.input.path).is_file() else inputs.root)
-        planned = plan(cfg, inputs)
+        planned = claim_and_plan(cfg)
         for i, p in enumerate(planned):
             if cfg.step is not None and p.step.name != cfg.step:
                 continue
