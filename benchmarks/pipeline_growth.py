@@ -41,12 +41,12 @@ def measure(corpus: Path, output_dir: Path, num_proc: int, rows_per_shard: int) 
     class TimedExecutor(LocalExecutor):
         def __init__(self, num_proc: int) -> None:
             super().__init__(num_proc)
-            self.seconds: dict[str, float] = {}
+            self.seconds: dict[str, float] = {}  # by step
 
         def run(self, fn, step, ctx, units) -> None:  # noqa: ANN001 (the Executor protocol's types)
             start = time.perf_counter()
             super().run(fn, step, ctx, units)
-            self.seconds[step.stage] = self.seconds.get(step.stage, 0.0) + time.perf_counter() - start
+            self.seconds[step.name] = time.perf_counter() - start
 
     quality = OmegaConf.to_container(OmegaConf.load(ROOT / "conf/data_pipeline/quality_filter/default.yaml"))
     cfg = load_config(
@@ -65,29 +65,31 @@ def measure(corpus: Path, output_dir: Path, num_proc: int, rows_per_shard: int) 
         total = time.perf_counter() - start
     finally:
         executor.close()
-    peaks: dict[str, float] = {}
+    steps: dict[str, dict[str, Any]] = {}
     for p in plan(cfg):
-        marks = [read_marker(p.context.step_dir, u)["peak_rss_mb"] for u in range(p.num_units)]
-        peaks[p.step.stage] = max(peaks.get(p.step.stage, 0.0), *marks)
-    stages = {
-        name: {
-            "documents": s.get("docs_in", stats["output"]["documents"]),
-            "seconds": executor.seconds[name],
-            "peak_mb": peaks[name],
-            "removed": sum(s.get("removed", {}).values()),
+        peak = max(read_marker(p.context.step_dir, u)["peak_rss_mb"] for u in range(p.num_units))
+        steps[p.step.name] = {
+            "stage": p.step.stage,
+            "seconds": executor.seconds[p.step.name],
+            "peak_mb": peak,
         }
-        for name, s in stats["stages"].items()
-    }
-    stages = {
+    stages: dict[str, dict[str, Any]] = {
         "plan": {
             "documents": stats["input"]["documents"],
             "seconds": total - sum(executor.seconds.values()),
             "peak_mb": 0.0,
             "removed": 0,
-        },
-        **stages,
+        }
     }
-    return {"seconds": total, "shards": stats["stages"]["ingest"]["units"], "stages": stages}
+    for name, s in stats["stages"].items():
+        mine = [v for v in steps.values() if v["stage"] == name]
+        stages[name] = {
+            "documents": s.get("docs_in", stats["output"]["documents"]),
+            "seconds": sum(v["seconds"] for v in mine),
+            "peak_mb": max(v["peak_mb"] for v in mine),
+            "removed": sum(s.get("removed", {}).values()),
+        }
+    return {"seconds": total, "shards": stats["stages"]["ingest"]["units"], "stages": stages, "steps": steps}
 
 
 def slope(x: list[float], y: list[float]) -> float:
@@ -118,6 +120,18 @@ def report(results: dict[tuple[int, int], dict[str, Any]], sizes: list[int], pro
         walls = [results[(n, p)]["seconds"] for n in sizes]
         cells = [f"{n / w:,.0f} ({w:,.0f} s)" for n, w in zip(sizes, walls)]
         print("| **whole run** | " + " | ".join(cells) + f" | {slope(sizes, walls):.2f} | |")
+    dedup = [k for k, v in results[(sizes[0], procs[0])]["steps"].items() if v["stage"].endswith("dedup")]
+    print(f"\ndedup steps, num_proc={procs[-1]}: seconds (peak MiB of one process)\n")
+    print("| step | " + " | ".join(f"{n:,} docs" for n in sizes) + " | memory exponent |")
+    print("|---|" + "---:|" * (len(sizes) + 1))
+    for step in dedup:
+        rows = [results[(n, procs[-1])]["steps"][step] for n in sizes]
+        m = slope(sizes, [r["peak_mb"] for r in rows])
+        print(
+            f"| {step} | "
+            + " | ".join(f"{r['seconds']:,.1f} ({r['peak_mb']:,.0f})" for r in rows)
+            + f" | {m:.2f} |"
+        )
     n = sizes[-1]
     removed = {s: results[(n, procs[0])]["stages"][s]["removed"] for s in stages if s != "plan"}
     print(f"\nremoved at {n:,} documents: {removed}; shards: {results[(n, procs[0])]['shards']}")
