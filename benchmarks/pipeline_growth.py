@@ -1,7 +1,7 @@
 """How the pipeline's time and memory grow with the corpus: per stage, at 10K, 100K and 1M documents.
 
     python -m benchmarks.pipeline_growth [--sizes 10000 100000 1000000] [--procs 1 2]
-        [--rows-per-shard 5000] [--work /tmp/pipeline_growth]
+        [--rows-per-shard 5000] [--work /tmp/pipeline_growth] [--resume]
 
 The corpus (benchmarks.crawl_corpus: ~300-word documents from the bundled corpus's vocabulary, 5%
 exact and 10% near duplicates planted) is written once per size as gzipped JSON-lines files of up
@@ -143,6 +143,7 @@ def main() -> None:
     parser.add_argument("--procs", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rows-per-shard", type=int, default=5000)
     parser.add_argument("--work", type=Path, default=Path("/tmp/pipeline_growth"))
+    parser.add_argument("--resume", action="store_true", help="reuse the results of runs finished before")
     parser.add_argument(
         "--measure", nargs=3, metavar=("CORPUS", "OUTPUT_DIR", "NUM_PROC"), help=argparse.SUPPRESS
     )
@@ -162,6 +163,10 @@ def main() -> None:
             planted_file.write_text(json.dumps(planted))
             print(f"wrote {n:,} documents in {time.perf_counter() - start:.0f} s: {planted}", flush=True)
         for p in args.procs:
+            saved = args.work / f"result-{n}-{p}.json"
+            if args.resume and saved.is_file():  # a run an interrupted benchmark finished
+                results[(n, p)] = json.loads(saved.read_text())
+                continue
             out = args.work / f"run-{n}-{p}"
             subprocess.run(["rm", "-rf", str(out)], check=True)
             cmd = [
@@ -179,6 +184,7 @@ def main() -> None:
             if child.returncode:
                 sys.exit(f"run {n} x {p} failed:\n{child.stderr[-3000:]}")
             results[(n, p)] = json.loads(child.stdout.strip().splitlines()[-1])
+            saved.write_text(json.dumps(results[(n, p)]))
             print(f"{n:,} documents, num_proc={p}: {results[(n, p)]['seconds']:.0f} s", flush=True)
     report(results, args.sizes, args.procs)
 
