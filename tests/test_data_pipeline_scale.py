@@ -149,3 +149,20 @@ def test_scans_are_kept_in_the_output_dir_by_file_identity(
     path.write_bytes(gzip.compress(b"\n".join(json.dumps(r).encode() for r in corpus[:500])))
     monkeypatch.undo()
     assert len(plan(load_config(values))[0].context.input_units) == 2  # another file: scanned again
+
+
+def test_a_filter_that_keeps_the_first_thousand_documents_of_a_shard_and_removes_a_later_one(
+    tmp_path: Path,
+) -> None:
+    """datasets.map writes in batches of 1000: a column of only None in the first batch (every
+    document kept) must still take the reason of a later removal. Shards of crawl size hit this."""
+    words = "the river and the stone of a house in the garden with morning light".split()
+    rng = np.random.default_rng(0)
+    texts = [" ".join(rng.choice(words, size=60)) + "." for _ in range(1500)]
+    texts[1200] = "the river and the stone"  # under gopher_quality.min_doc_words
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    only_gopher = {name: {"enabled": False} for name in ("gopher_repetition", "c4", "fineweb")}
+    stats = pipeline(tmp_path / "in", tmp_path / "out", stages=["quality_filter"], quality_filter=only_gopher)
+    assert stats["stages"]["quality_filter"]["removed"] == {"gopher_quality:min_doc_words": 1}
+    assert [r["id"] for r in rows(tmp_path / "out" / "removed")] == ["a.jsonl:1201"]
