@@ -1,8 +1,9 @@
 """``python -m data_pipeline input.path=<dir|glob|file> output_dir=<dir> [stages=[...]] [k=v ...]``.
 
 Composed by Hydra from ``conf/data_pipeline.yaml`` and its groups, validated into
-``PipelineConfig`` before any work. ``+plan=true`` prints the steps and their units (for schedulers)
-and exits.
+``PipelineConfig`` before any work. ``+plan=true`` claims ``output_dir`` as a run would (keeping
+the input's line scans there for the tasks to come), prints the steps and their units (for
+schedulers) and exits.
 """
 
 from __future__ import annotations
@@ -26,14 +27,14 @@ GROUPS_DIR = Path(__file__).resolve().parents[1] / "conf" / "data_pipeline"
 def main(hydra_cfg: DictConfig) -> None:
     import datasets
 
-    from data_pipeline.runner import missing_units, plan, run
+    from data_pipeline.runner import claim_and_plan, missing_units, run
 
     datasets.disable_progress_bars()
     values = OmegaConf.to_container(hydra_cfg, resolve=True)
     try:
         cfg = load_config(values)
         if values.get("plan"):
-            for p in plan(cfg):
+            for p in claim_and_plan(cfg):
                 done = p.num_units - len(missing_units(p))
                 print(f"{p.step.name:24s} units={p.num_units:<6d} done={done:<6d} {p.context.step_dir}")
             return

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import dataclasses as dc
+import importlib.util
 import typing
 from dataclasses import dataclass
 from typing import Any
 
+from data_pipeline.executors import ExecutorConfig
 from data_pipeline.finalize import Finalize
 from data_pipeline.ingest import Ingest, InputConfig
 from data_pipeline.registry import STAGES
@@ -39,7 +41,8 @@ class PipelineConfig:
     stages: list[str] = dc.field(
         default_factory=lambda: ["normalize", "exact_dedup", "near_dedup", "quality_filter"]
     )
-    num_proc: int = 1  # worker processes on this machine (units of a step run in parallel)
+    num_proc: int = 1  # executor=local: worker processes on this machine (units of a step run in parallel)
+    executor: ExecutorConfig = dc.field(default_factory=ExecutorConfig)  # where units run: local | ray
     step: str | None = None  # run only this step (see `plan`), for cluster schedulers
     task_index: int = 0  # with step: this task takes units task_index, task_index + task_count, ...
     task_count: int = 1
@@ -85,6 +88,14 @@ class PipelineConfig:
                 )
         if self.num_proc <= 0:
             raise ConfigError(f"num_proc={self.num_proc} must be a positive integer")
+        if self.executor.kind == "ray":
+            if self.num_proc != 1:
+                raise ConfigError(
+                    f"num_proc={self.num_proc} sets local processes; with executor=ray the cluster's CPUs "
+                    "run the units (executor.num_cpus each): leave num_proc at 1"
+                )
+            if importlib.util.find_spec("ray") is None:
+                raise ConfigError("executor=ray needs Ray installed: pip install 'dsl-lit[ray]'")
         if self.task_count <= 0 or not 0 <= self.task_index < self.task_count:
             raise ConfigError(f"task_index={self.task_index} must lie in [0, task_count={self.task_count})")
         if self.task_count > 1 and self.step is None:

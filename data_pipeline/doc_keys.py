@@ -30,14 +30,23 @@ def row_of(keys: np.ndarray) -> np.ndarray:
 
 
 def column_of_keys(docs_dir: Path, keys: np.ndarray, column: str = "id") -> list[str]:
-    """``column`` of the documents with these keys, reading each shard once."""
+    """``column`` of the documents with these keys, reading each shard once and of it only the row
+    groups that hold them (a few candidates cost a few row groups, not whole shards)."""
     keys = np.asarray(keys, dtype=np.int64)
     out: list[str] = [""] * keys.size
     shards = shard_of(keys)
     for shard in np.unique(shards):
         where = np.flatnonzero(shards == shard)
-        values = pq.read_table(docs_dir / shard_file(int(shard)), columns=[column]).column(column)
-        taken = values.take(row_of(keys[where])).to_pylist()
+        rows = row_of(keys[where])
+        parquet = pq.ParquetFile(docs_dir / shard_file(int(shard)))
+        sizes = [parquet.metadata.row_group(g).num_rows for g in range(parquet.num_row_groups)]
+        starts = np.concatenate([[0], np.cumsum(sizes)])
+        group = np.searchsorted(starts, rows, side="right") - 1
+        needed = np.unique(group)
+        read_starts = np.zeros(starts.size - 1, dtype=np.int64)  # where each needed group lands
+        read_starts[needed] = np.concatenate([[0], np.cumsum(np.asarray(sizes)[needed])[:-1]])
+        values = parquet.read_row_groups(needed.tolist(), columns=[column]).column(column)
+        taken = values.take(rows - starts[group] + read_starts[group]).to_pylist()
         for i, v in zip(where.tolist(), taken):
             out[i] = v
     return out

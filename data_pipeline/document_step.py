@@ -47,9 +47,13 @@ def map_documents(
 ) -> datasets.Dataset:
     """``docs.map(fn, batched=True)`` in memory. ``map`` never calls ``fn`` on an empty shard (a stage
     before may have removed every document), so there the columns ``fn`` adds are added empty,
-    with their types: every shard of a step has the same columns."""
+    with their types: every shard of a step has the same columns. Elsewhere the types are given to
+    ``map`` too: it writes batches of 1000 rows, and a column whose first batch holds only None
+    (a filter that kept those documents) would otherwise refuse a later batch's values."""
     if docs.num_rows:
-        return docs.map(fn, batched=True, load_from_cache_file=False)
+        added = datasets.Features.from_arrow_schema(pa.schema(list(adds.items())))
+        features = datasets.Features({**docs.features, **added})
+        return docs.map(fn, batched=True, load_from_cache_file=False, features=features)
     table = table_of(docs)
     for name, kind in adds.items():
         table = table.append_column(pa.field(name, kind), pa.array([], kind))

@@ -1,9 +1,10 @@
 """Stage 0: raw inputs -> document shards, with every malformed record set aside and counted.
 
 Why our own readers instead of ``datasets.load_dataset("json")``: that loader stops at the first bad
-line or invalid UTF-8 byte, and one broken record must not cost a whole crawl file. Each input file
-(or group of ``.txt`` files, or row range of a saved dataset) is one unit and becomes one shard, so
-the shard layout depends only on the input listing and the config.
+line or invalid UTF-8 byte, and one broken record must not cost a whole crawl file. Each range of
+at most ``input.rows_per_shard`` rows of an input file (lines of JSON lines, rows of Parquet or of
+a saved dataset; ``data_pipeline.input_splits``), or group of ``.txt`` files, is one unit and
+becomes one shard, so the shard layout depends only on the input listing and the config.
 """
 
 from __future__ import annotations
@@ -15,14 +16,17 @@ import json
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
 import datasets
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from data_pipeline.document_step import Verdicts, write_split
+from data_pipeline.input_splits import json_line_ranges, parquet_row_ranges, scan_all
 from data_pipeline.stage import Stage, Step
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.data.corpus import CONTENT_BUDGET_BYTES, DOCUMENT_SUFFIXES, document_files, file_listing
@@ -41,8 +45,10 @@ class InputConfig:
     id_field: str = "id"  # documents without one get "<file>:<line>" (or "<file>:<row>")
     source_field: str = "source"  # copied to the `source` column; defaults to the file's name
     metadata_fields: list[str] = dc.field(default_factory=list)  # other fields kept as string columns
-    files_per_shard: int = 1000  # .txt inputs: documents (files) per shard
-    rows_per_shard: int = 100_000  # a saved dataset is cut into shards of this many rows
+    files_per_shard: int = 1000  # .txt inputs: documents (files) per shard (and at most rows_per_shard)
+    rows_per_shard: int = 100_000
+    """Every input is cut into shards of at most this many rows: lines of a JSON-lines file (gzipped
+    or not), rows of a Parquet file or a saved dataset, files of a ``.txt`` directory."""
     max_doc_bytes: int = 10_000_000
     """A larger record (a JSON line, a .txt file, a row's text) is set aside as ``too_large`` (its
     first characters kept in removed/): one huge document would otherwise cost ~100x its size in the
@@ -75,15 +81,20 @@ def _is_saved_dataset(path: Path) -> bool:
     return path.is_dir() and (path / "dataset_info.json").is_file() and (path / "state.json").is_file()
 
 
-def plan_units(cfg: InputConfig) -> list[dict[str, Any]]:
-    """The input split into units (one per future shard), in a fixed order: sorted relative paths."""
+@dataclass
+class InputFiles:
+    """What ``input.path`` names: a saved dataset, or document files relative to ``root``."""
+
+    root: Path
+    files: list[str]  # relative POSIX paths, in the order their shards come
+    saved: bool = False
+
+
+def find_inputs(cfg: InputConfig) -> InputFiles:
+    """The input's files, in a fixed order (sorted paths); a ConfigError when there are none."""
     path = Path(cfg.path)
     if _is_saved_dataset(path):
-        n = datasets.load_from_disk(str(path)).num_rows
-        return [
-            {"kind": "saved", "root": str(path), "start": s, "stop": min(s + cfg.rows_per_shard, n)}
-            for s in range(0, max(n, 1), cfg.rows_per_shard)
-        ]
+        return InputFiles(path, [], saved=True)
     if path.is_dir():
         root = path
         files = sorted(path / rel for rel in document_files(path))
@@ -97,28 +108,57 @@ def plan_units(cfg: InputConfig) -> list[dict[str, Any]]:
     files = [f for f in files if f.name.endswith(SUFFIXES)]
     if not files:
         raise ConfigError(f"input.path={cfg.path}: no {', '.join(SUFFIXES)} files or saved dataset there")
+    return InputFiles(root, [f.relative_to(root).as_posix() for f in files])
+
+
+def file_identities(cfg: InputConfig, inputs: InputFiles) -> list[list[Any]]:
+    """``[rel, size, content hash or mtime]`` of every input file, sorted by path: what identifies
+    the input (for a directory, ``dsl_lit.data.corpus.file_listing`` of its ``document_files``, as
+    the data module computes it)."""
+    files = (
+        sorted(p.name for p in inputs.root.iterdir() if p.is_file()) if inputs.saved else sorted(inputs.files)
+    )
+    return file_listing(inputs.root, files, cfg.fingerprint_bytes)
+
+
+def plan_units(
+    cfg: InputConfig, inputs: InputFiles, identities: list[list[Any]], cache_file: Path | None = None
+) -> list[dict[str, Any]]:
+    """The input split into units (one per future shard): each file's row ranges, then the ``.txt``
+    files in groups. ``cache_file`` keeps the JSON-lines scans (see ``input_splits``)."""
+    root = inputs.root
+    if inputs.saved:
+        n = datasets.load_from_disk(str(root)).num_rows
+        return [
+            {"kind": "saved", "root": str(root), "start": s, "stop": min(s + cfg.rows_per_shard, n)}
+            for s in range(0, max(n, 1), cfg.rows_per_shard)
+        ]
+    jsonl = [e for e in identities if _kind(Path(e[0])) == "jsonl"]
+    scans = scan_all(root, jsonl, cfg.rows_per_shard, cache_file)
     units: list[dict[str, Any]] = []
     txt: list[str] = []
-    for f in files:
-        rel = f.relative_to(root).as_posix()
-        if _kind(f) == "txt":
+    for rel in inputs.files:
+        kind = _kind(Path(rel))
+        if kind == "txt":
             txt.append(rel)
-        else:
-            units.append({"kind": _kind(f), "root": str(root), "files": [rel]})
-    for i in range(0, len(txt), cfg.files_per_shard):
-        units.append({"kind": "txt", "root": str(root), "files": txt[i : i + cfg.files_per_shard]})
+            continue
+        ranges = (
+            json_line_ranges(scans[rel], cfg.rows_per_shard)
+            if kind == "jsonl"
+            else parquet_row_ranges(root / rel, cfg.rows_per_shard)
+        )
+        units += [{"kind": kind, "root": str(root), "files": [rel], **r} for r in ranges]
+    per_shard = min(cfg.files_per_shard, cfg.rows_per_shard)
+    for i in range(0, len(txt), per_shard):
+        units.append({"kind": "txt", "root": str(root), "files": txt[i : i + per_shard]})
     return units
 
 
-def input_listing(cfg: InputConfig, units: list[dict[str, Any]]) -> list[Any]:
-    """What identifies the input: every file (by content within ``input.fingerprint_bytes``), in
-    sorted order, and a saved dataset's row ranges. For a directory this is
-    ``dsl_lit.data.corpus.file_listing`` of its ``document_files``, as the data module computes it."""
-    root = Path(units[0]["root"])
+def input_listing(identities: list[list[Any]], units: list[dict[str, Any]]) -> list[Any]:
+    """What the step fingerprints identify the input by: its files, and a saved dataset's row ranges."""
     if units[0]["kind"] == "saved":
-        files = sorted(p.name for p in root.iterdir() if p.is_file())
-        return [*file_listing(root, files, cfg.fingerprint_bytes), [[u["start"], u["stop"]] for u in units]]
-    return file_listing(root, sorted(rel for u in units for rel in u["files"]), cfg.fingerprint_bytes)
+        return [*identities, [[u["start"], u["stop"]] for u in units]]
+    return identities
 
 
 def _stem(rel: str) -> str:
@@ -169,16 +209,19 @@ class _Oversized(bytes):
     """The first bytes of a line longer than ``input.max_doc_bytes`` (the rest was skipped unread)."""
 
 
-def _json_lines(path: Path, max_bytes: int) -> Iterator[tuple[int, bytes | None]]:
-    """(line number, raw bytes) of a possibly gzipped file; (n, None) when the file breaks off.
+def _json_lines(path: Path, max_bytes: int, unit: dict[str, Any]) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, raw bytes) of the unit's lines of a possibly gzipped file; (n, None) when the
+    file breaks off. The unit's lines start at byte ``offset`` (of the decompressed stream: a gzip
+    stream is decompressed up to it) with line ``start + 1``; ``stop`` None reads to the end.
 
     A line over ``max_bytes`` comes as an ``_Oversized`` head: memory stays bounded by ``max_bytes``.
     """
     opener = gzip.open if path.name.endswith(".gz") else open
-    line_no = 0
+    line_no = unit["start"]
     try:
         with opener(path, "rb") as f:
-            while raw := f.readline(max_bytes + 1):
+            f.seek(unit["offset"])
+            while (unit["stop"] is None or line_no < unit["stop"]) and (raw := f.readline(max_bytes + 1)):
                 line_no += 1
                 if len(raw) > max_bytes and not raw.endswith(b"\n"):
                     while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
@@ -189,9 +232,9 @@ def _json_lines(path: Path, max_bytes: int) -> Iterator[tuple[int, bytes | None]
         yield line_no + 1, None
 
 
-def _read_jsonl(root: Path, rel: str, out: _Collector) -> None:
+def _read_jsonl(root: Path, rel: str, out: _Collector, unit: dict[str, Any]) -> None:
     source = _stem(rel)
-    for line_no, raw in _json_lines(root / rel, out.cfg.max_doc_bytes):
+    for line_no, raw in _json_lines(root / rel, out.cfg.max_doc_bytes, unit):
         where = f"{rel}:{line_no}"
         if raw is None:
             out.bad(where, source, "truncated_file", None)
@@ -218,7 +261,7 @@ def _read_jsonl(root: Path, rel: str, out: _Collector) -> None:
         out.add(record, where, source)
 
 
-def _read_txt(root: Path, rel: str, out: _Collector) -> None:
+def _read_txt(root: Path, rel: str, out: _Collector, unit: dict[str, Any]) -> None:
     parts = Path(rel).parts
     source = parts[0] if len(parts) > 1 else root.name
     if (root / rel).stat().st_size > out.cfg.max_doc_bytes:
@@ -237,13 +280,22 @@ def _read_rows(rows: Iterator[dict[str, Any]], prefix: str, source: str, out: _C
         out.add(record, f"{prefix}:{i}", source)
 
 
-def _read_parquet(root: Path, rel: str, out: _Collector) -> None:
+def _read_parquet(root: Path, rel: str, out: _Collector, unit: dict[str, Any]) -> None:
+    """Rows ``start`` to ``stop`` of the file, reading only the row groups that hold them."""
+    parquet = pq.ParquetFile(root / rel)
+    sizes = [parquet.metadata.row_group(g).num_rows for g in range(parquet.num_row_groups)]
+    starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+    groups = [g for g in range(len(sizes)) if starts[g] < unit["stop"] and starts[g + 1] > unit["start"]]
+    if not groups:
+        return
+    first_row = int(starts[groups[0]])
+
     def rows() -> Iterator[tuple[int, dict[str, Any]]]:
-        i = 0
-        for batch in pq.ParquetFile(root / rel).iter_batches(batch_size=10_000):
-            for record in batch.to_pylist():
-                yield i, record
-                i += 1
+        records = (
+            r for b in parquet.iter_batches(batch_size=10_000, row_groups=groups) for r in b.to_pylist()
+        )
+        skipped = islice(enumerate(records, start=first_row), unit["start"] - first_row, None)
+        yield from islice(skipped, unit["stop"] - unit["start"])
 
     _read_rows(rows(), rel, _stem(rel), out)
 
@@ -261,7 +313,7 @@ def read_unit(cfg: InputConfig, unit: dict[str, Any]) -> _Collector:
         return out
     reader = {"jsonl": _read_jsonl, "txt": _read_txt, "parquet": _read_parquet}[unit["kind"]]
     for rel in unit["files"]:
-        reader(Path(unit["root"]), rel, out)
+        reader(Path(unit["root"]), rel, out, unit)
     return out
 
 

@@ -10,7 +10,12 @@ pairs exactly at the threshold.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from data_pipeline.near_dedup import NearDedupConfig
 
 
 def candidate_probability(similarity: float | np.ndarray, bands: int, rows: int) -> np.ndarray:
@@ -43,3 +48,10 @@ def choose_bands(num_perm: int, threshold: float, min_recall: float) -> tuple[in
             "raise num_perm or lower near_dedup.min_recall"
         )
     return best[2], -best[1]
+
+
+def lsh_shape(cfg: NearDedupConfig) -> tuple[int, int]:
+    """(bands, rows) of a near-dedup config: as configured, else chosen for ``min_recall`` at ``threshold``."""
+    if cfg.bands is not None and cfg.rows is not None:
+        return cfg.bands, cfg.rows
+    return choose_bands(cfg.num_perm, cfg.threshold, cfg.min_recall)

@@ -28,7 +28,7 @@ _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 _CHUNK_CELLS = 1 << 22  # shingles x permutations per vectorised block: bounds memory (~32 MB)
 
 
-def _mix64(x: np.ndarray) -> np.ndarray:
+def mix64(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser: spreads the bits of polynomial hashes over all 64 bits (in place)."""
     x ^= x >> np.uint64(30)
     x *= np.uint64(0xBF58476D1CE4E5B9)
@@ -90,7 +90,7 @@ def word_hashes(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     h = np.add.reduceat(terms, np.searchsorted(in_word, start_pos))
     text_starts = np.cumsum([0] + [len(e) + 1 for e in encoded[:-1]])
     doc_of_word = np.searchsorted(text_starts, start_pos, side="right") - 1
-    return _mix64(h), np.bincount(doc_of_word, minlength=len(texts)).astype(np.int64)
+    return mix64(h), np.bincount(doc_of_word, minlength=len(texts)).astype(np.int64)
 
 
 def shingle_hashes(texts: Sequence[str], ngram: int) -> tuple[np.ndarray, np.ndarray]:
@@ -113,7 +113,7 @@ def shingle_hashes(texts: Sequence[str], ngram: int) -> tuple[np.ndarray, np.nda
         shifted[:-k] = h[k:]
         shingle += np.where(left > k, shifted, np.uint64(0)) * weights[k]
     is_start = (left >= ngram) | ((pos == 0) & (counts[doc] < ngram))
-    shingle = _mix64(shingle[is_start])
+    shingle = mix64(shingle[is_start])
     return shingle, np.bincount(doc[is_start], minlength=len(texts)).astype(np.int64)
 
 
@@ -160,7 +160,7 @@ class MinHasher:
         out = np.full((counts.size, self.num_perm), EMPTY, dtype=np.uint32)
         if shingles.size == 0:
             return out
-        h = _mix64(shingles ^ self._salt)
+        h = mix64(shingles ^ self._salt)
         bins = ((h >> np.uint64(32)) * np.uint64(self.num_perm)) >> np.uint64(32)
         cells = np.repeat(np.arange(counts.size, dtype=np.uint64), counts) * np.uint64(self.num_perm) + bins
         np.minimum.at(out.reshape(-1), cells.astype(np.int64), (h & np.uint64(0xFFFFFFFF)).astype(np.uint32))
@@ -213,7 +213,7 @@ def band_hashes(signatures: np.ndarray, bands: int, rows: int) -> np.ndarray:
     for r in range(rows):
         h ^= cols[:, :, r]
         h *= np.uint64(0x100000001B3)
-        h = _mix64(h)
+        h = mix64(h)
     h += np.arange(bands, dtype=np.uint64)[None, :] * np.uint64(0x9E3779B97F4A7C15)  # bands never collide
     return h & _MASK64
 

@@ -2,9 +2,10 @@
 
 Steps and their units: ``signatures`` per shard (numpy MinHash, bounded by ``batch_size``),
 ``buckets`` per LSH band (documents sharing a band hash become candidate pairs, each with the
-band's first document), ``cluster`` once (candidate pairs verified by exact Jaccard of shingle sets,
-or by the signature estimate, then merged with union-find), ``apply`` per shard. Every cluster keeps
-its first document (earlier runs' indexed documents come before all of this run's).
+band's first document, filed by partition), ``cluster`` per partition (its candidate pairs verified
+by exact Jaccard of shingle sets, or by the signature estimate, then union-find), ``merge`` once
+(the partitions' components joined: see ``near_dedup_cluster``), ``apply`` per shard. Every
+cluster keeps its first document (earlier runs' indexed documents come before all of this run's).
 """
 
 from __future__ import annotations
@@ -14,18 +15,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from data_pipeline.dedup_apply import mark_duplicates
-from data_pipeline.doc_keys import column_of_keys, make_keys, row_of
-from data_pipeline.lsh_bands import choose_bands
-from data_pipeline.minhash import EMPTY, MinHasher, band_hashes, jaccard_of_signatures, shingle_hashes
-from data_pipeline.near_dedup_index import INDEX_DIR, NearDedupIndex, index_meta, load_index, write_index
-from data_pipeline.shard_io import shard_file, write_npy, write_table
+from data_pipeline.doc_keys import make_keys, row_of
+from data_pipeline.lsh_bands import lsh_shape
+from data_pipeline.minhash import EMPTY, MinHasher, band_hashes
+from data_pipeline.near_dedup_cluster import cluster_unit, duplicates_of_shard, merge_unit, split_by_partition
+from data_pipeline.near_dedup_index import (
+    INDEX_DIR,
+    NearDedupIndex,
+    index_key_offsets,
+    index_meta,
+    load_indexes,
+    write_index,
+)
+from data_pipeline.shard_io import shard_file, write_npy
 from data_pipeline.stage import Stage, Step, check_fraction
-from data_pipeline.union_find import connected_components
 from dsl_lit.config.errors import ConfigError
 
 
@@ -40,12 +46,13 @@ class NearDedupConfig:
     bands: int | None = None  # set both bands and rows to override the choice
     rows: int | None = None
     verify: str = "exact"  # exact (shingle sets) | signature (MinHash estimate) | none
+    cluster_partitions: int = 8  # candidate pairs verified and clustered in this many units, then merged
     batch_size: int = 2000  # documents hashed per numpy batch (memory ~ batch_size x words)
     save_index: bool = False  # write output_dir/near_dedup_index for later runs to dedup against
     against_indexes: list[str] = dc.field(default_factory=list)  # earlier runs' indexes
 
     def validate(self) -> NearDedupConfig:
-        for name in ("ngram", "num_perm", "batch_size"):
+        for name in ("ngram", "num_perm", "batch_size", "cluster_partitions"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"near_dedup.{name}={getattr(self, name)} must be a positive integer")
         if self.scheme not in ("oph", "classic"):
@@ -66,30 +73,8 @@ class NearDedupConfig:
         return self
 
 
-def lsh_shape(cfg: NearDedupConfig) -> tuple[int, int]:
-    """(bands, rows): as configured, else chosen for ``min_recall`` at ``threshold``."""
-    if cfg.bands is not None and cfg.rows is not None:
-        return cfg.bands, cfg.rows
-    return choose_bands(cfg.num_perm, cfg.threshold, cfg.min_recall)
-
-
 def _hasher(cfg: NearDedupConfig) -> MinHasher:
     return MinHasher(num_perm=cfg.num_perm, ngram=cfg.ngram, seed=cfg.seed, scheme=cfg.scheme)
-
-
-def _indexes(ctx: Any) -> list[NearDedupIndex]:
-    cfg = ctx.config
-    return [load_index(p, index_meta(cfg, *lsh_shape(cfg))) for p in cfg.against_indexes]
-
-
-def _index_key_offsets(indexes: list[NearDedupIndex]) -> list[int]:
-    """Index documents get negative keys, so they sort before (and are kept over) this run's."""
-    total = sum(len(ix.ids) for ix in indexes)
-    offsets, start = [], -total
-    for ix in indexes:
-        offsets.append(start)
-        start += len(ix.ids)
-    return offsets
 
 
 def signatures_unit(ctx: Any, unit: int) -> dict[str, Any]:
@@ -108,7 +93,8 @@ def signatures_unit(ctx: Any, unit: int) -> dict[str, Any]:
 
 
 def buckets_unit(ctx: Any, band: int) -> dict[str, Any]:
-    """Candidate pairs of one band: (first key, other key) for every group sharing the band hash."""
+    """Candidate pairs of one band: (first key, other key) for every group sharing the band hash,
+    grouped by the cluster partition of the first key."""
     sig_dir = ctx.dirs["near_dedup.signatures"]
     hashes, keys = [], []
     for shard in range(ctx.num_shards):
@@ -116,8 +102,8 @@ def buckets_unit(ctx: Any, band: int) -> dict[str, Any]:
         column = np.load(sig_dir / f"bands-{shard:05d}.npy", mmap_mode="r")[:, band]
         hashes.append(np.asarray(column)[has])
         keys.append(make_keys(shard, has.size)[has])
-    indexes = _indexes(ctx)
-    for ix, offset in zip(indexes, _index_key_offsets(indexes)):
+    indexes = load_indexes(ctx.config)
+    for ix, offset in zip(indexes, index_key_offsets(indexes)):
         hashes.append(np.asarray(ix.bands[:, band]))
         keys.append(offset + np.arange(len(ix.ids), dtype=np.int64))
     h, k = np.concatenate(hashes), np.concatenate(keys)
@@ -127,109 +113,15 @@ def buckets_unit(ctx: Any, band: int) -> dict[str, Any]:
     same[1:] = h[1:] == h[:-1]
     first = k[np.maximum.accumulate(np.where(same, 0, np.arange(h.size)))]
     pairs = np.stack([first[same], k[same]], axis=1) if h.size else np.zeros((0, 2), dtype=np.int64)
-    pairs = pairs[pairs[:, 1] >= 0]  # two indexed documents: already deduplicated by their run
-    write_npy(pairs.astype(np.int64), ctx.step_dir / f"pairs-{band:05d}.npy")
+    pairs = pairs[pairs[:, 1] >= 0].astype(np.int64)  # two indexed documents: deduplicated by their run
+    pairs, offsets = split_by_partition(pairs, ctx.config.cluster_partitions)
+    write_npy(pairs, ctx.step_dir / f"pairs-{band:05d}.npy")
+    write_npy(offsets, ctx.step_dir / f"offsets-{band:05d}.npy")
     return {"pairs": int(pairs.shape[0])}
 
 
-def _shingle_sets(ctx: Any, keys: np.ndarray) -> dict[int, np.ndarray]:
-    """Unique shingle hashes of this run's documents ``keys`` (texts read shard by shard)."""
-    cfg: NearDedupConfig = ctx.config
-    texts = column_of_keys(ctx.docs_dir, keys, column="text")
-    out: dict[int, np.ndarray] = {}
-    for start in range(0, keys.size, cfg.batch_size):
-        batch = texts[start : start + cfg.batch_size]
-        shingles, counts = shingle_hashes(batch, cfg.ngram)
-        for key, part in zip(
-            keys[start : start + cfg.batch_size].tolist(), np.split(shingles, np.cumsum(counts)[:-1])
-        ):
-            out[key] = np.unique(part)
-    return out
-
-
-def _signatures_of(ctx: Any, keys: np.ndarray, indexes: list[NearDedupIndex]) -> np.ndarray:
-    sig_dir = ctx.dirs["near_dedup.signatures"]
-    out = np.empty((keys.size, ctx.config.num_perm), dtype=np.uint32)
-    offsets = _index_key_offsets(indexes)
-    maps: dict[int, np.ndarray] = {}
-    for i, key in enumerate(keys.tolist()):  # candidates only: a small fraction of all documents
-        if key >= 0:
-            shard = key >> 32
-            if shard not in maps:
-                maps[shard] = np.load(sig_dir / f"sig-{shard:05d}.npy", mmap_mode="r")
-            out[i] = maps[shard][key & 0xFFFFFFFF]
-        else:
-            j = max(j for j, o in enumerate(offsets) if o <= key)
-            out[i] = indexes[j].signatures[key - offsets[j]]
-    return out
-
-
-def _similarities(ctx: Any, pairs: np.ndarray, indexes: list[NearDedupIndex]) -> np.ndarray:
-    """Jaccard of each candidate pair: exact on shingle sets, or the MinHash estimate."""
-    cfg: NearDedupConfig = ctx.config
-    if cfg.verify == "none" or pairs.size == 0:
-        return np.ones(pairs.shape[0])
-    sims = np.empty(pairs.shape[0])
-    exact = (pairs[:, 0] >= 0) if cfg.verify == "exact" else np.zeros(pairs.shape[0], dtype=bool)
-    if exact.any():
-        sets = _shingle_sets(ctx, np.unique(pairs[exact]))
-        for i in np.flatnonzero(exact).tolist():
-            a, b = sets[int(pairs[i, 0])], sets[int(pairs[i, 1])]
-            sims[i] = np.intersect1d(a, b, assume_unique=True).size / max(np.union1d(a, b).size, 1)
-    estimate = ~exact
-    if estimate.any():
-        keys, inverse = np.unique(pairs[estimate], return_inverse=True)
-        sigs = _signatures_of(ctx, keys, indexes)[inverse.reshape(-1, 2)]
-        sims[estimate] = jaccard_of_signatures(sigs[:, 0], sigs[:, 1])
-    return sims
-
-
-def cluster_unit(ctx: Any, unit: int) -> dict[str, Any]:
-    cfg: NearDedupConfig = ctx.config
-    bands, rows = lsh_shape(cfg)
-    bucket_dir = ctx.dirs["near_dedup.buckets"]
-    pairs = np.concatenate([np.load(bucket_dir / f"pairs-{b:05d}.npy") for b in range(bands)])
-    pairs = np.unique(pairs, axis=0) if pairs.size else np.zeros((0, 2), dtype=np.int64)
-    indexes = _indexes(ctx)
-    sims = _similarities(ctx, pairs, indexes)
-    verified = pairs[sims >= cfg.threshold]
-    nodes, inverse = np.unique(verified, return_inverse=True)
-    roots = nodes[connected_components(nodes.size, inverse.reshape(-1, 2))]
-    is_dup = (roots != nodes) & (nodes >= 0)
-    dup_keys, root_keys = nodes[is_dup], roots[is_dup]
-    original = np.empty(dup_keys.size, dtype=object)
-    local = root_keys >= 0
-    original[local] = column_of_keys(ctx.docs_dir, root_keys[local])
-    offsets = _index_key_offsets(indexes)
-    for i in np.flatnonzero(~local).tolist():
-        j = max(j for j, o in enumerate(offsets) if o <= root_keys[i])
-        original[i] = indexes[j].ids[int(root_keys[i] - offsets[j])]
-    table = pa.table(
-        {
-            "key": pa.array(dup_keys, pa.int64()),
-            "duplicate_of": pa.array(original.tolist(), pa.string()),
-            "of_index": pa.array(~local, pa.bool_()),
-        }
-    )
-    write_table(table, ctx.step_dir / "duplicates.parquet")
-    return {
-        "bands": bands,
-        "rows": rows,
-        "candidate_pairs": int(pairs.shape[0]),
-        "verified_pairs": int(verified.shape[0]),
-        "clusters": int(np.unique(roots).size),
-        "duplicates": int(dup_keys.size),
-        "duplicates_of_index": int((~local).sum()),
-    }
-
-
-def _duplicates_of_shard(ctx: Any, unit: int) -> pa.Table:
-    table = pq.read_table(ctx.dirs["near_dedup.cluster"] / "duplicates.parquet")
-    return table.filter(pc.equal(pc.shift_right(table.column("key"), 32), unit))
-
-
 def apply_unit(ctx: Any, unit: int) -> dict[str, Any]:
-    dups = _duplicates_of_shard(ctx, unit)
+    dups = duplicates_of_shard(ctx, unit)
     reasons = [
         "near_duplicate_of_index" if x else "near_duplicate" for x in dups.column("of_index").to_pylist()
     ]
@@ -245,7 +137,7 @@ def save_index_unit(ctx: Any, unit: int) -> dict[str, Any]:
     for shard in range(ctx.num_shards):  # ctx.docs_dir: the shards near_dedup kept, in input order
         has = np.load(sig_dir / f"has-{shard:05d}.npy")
         keep = np.ones(has.size, dtype=bool)
-        keep[row_of(_duplicates_of_shard(ctx, shard).column("key").to_numpy())] = False
+        keep[row_of(duplicates_of_shard(ctx, shard).column("key").to_numpy())] = False
         kept_ids = pq.read_table(ctx.docs_dir / shard_file(shard), columns=["id"]).column("id").to_pylist()
         ids += [i for i, h in zip(kept_ids, has[keep].tolist()) if h]
         keep &= has
@@ -264,7 +156,8 @@ class NearDedup(Stage):
         steps = [
             self.step(signatures_unit, "signatures"),
             self.step(buckets_unit, "buckets", units=lsh_shape(self.config)[0]),
-            self.step(cluster_unit, "cluster", units=1),
+            self.step(cluster_unit, "cluster", units=self.config.cluster_partitions),
+            self.step(merge_unit, "merge", units=1),
             self.step(apply_unit, writes_documents=True),
         ]
         if self.config.save_index:

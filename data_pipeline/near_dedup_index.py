@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from data_pipeline.lsh_bands import lsh_shape
 from data_pipeline.shard_io import building_dir
 from dsl_lit.config.errors import ConfigError
 
@@ -65,3 +66,26 @@ def load_index(path: Path, meta: dict) -> NearDedupIndex:
         np.load(Path(path) / "bands.npy", mmap_mode="r"),
         ids,
     )
+
+
+def load_indexes(cfg: NearDedupConfig) -> list[NearDedupIndex]:
+    """The indexes ``near_dedup.against_indexes`` names, checked against this run's settings."""
+    meta = index_meta(cfg, *lsh_shape(cfg))
+    return [load_index(p, meta) for p in cfg.against_indexes]
+
+
+def index_key_offsets(indexes: list[NearDedupIndex]) -> list[int]:
+    """The first key of each index: index documents get negative keys, so they sort before (and
+    are kept over) this run's documents, whose keys are ``shard << 32 | row``."""
+    total = sum(len(ix.ids) for ix in indexes)
+    offsets, start = [], -total
+    for ix in indexes:
+        offsets.append(start)
+        start += len(ix.ids)
+    return offsets
+
+
+def index_row(offsets: list[int], key: int) -> tuple[int, int]:
+    """(which index, which row of it) holds the document with negative ``key``."""
+    j = max(j for j, o in enumerate(offsets) if o <= key)
+    return j, int(key - offsets[j])

@@ -14,16 +14,18 @@ from data_pipeline.shard_io import read_marker, write_json
 
 STATS_FILE = "stats.json"
 _COUNTS = ("docs_in", "docs_out", "bytes_in", "bytes_out")
+_MEASURED = ("seconds", "peak_rss_mb")  # what the runner adds to every marker: not a step's details
 
 
 def _stage_stats(steps: list[Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {"seconds": 0.0, "units": 0}
+    out: dict[str, Any] = {"seconds": 0.0, "units": 0, "peak_rss_mb": 0.0}
     removed: Counter[str] = Counter()
     details: dict[str, Any] = {}
     for p in steps:
         markers = [read_marker(p.context.step_dir, u) for u in range(p.num_units)]
         out["seconds"] += sum(m["seconds"] for m in markers)
         out["units"] += len(markers)
+        out["peak_rss_mb"] = max([out["peak_rss_mb"], *(m.get("peak_rss_mb", 0.0) for m in markers)])
         if p.step.writes_documents:
             for key in _COUNTS:
                 out[key] = sum(m[key] for m in markers)
@@ -32,7 +34,7 @@ def _stage_stats(steps: list[Any]) -> dict[str, Any]:
             if "blank_lines" in markers[0]:
                 out["blank_lines_skipped"] = sum(m["blank_lines"] for m in markers)
         elif p.num_units == 1:
-            details[p.step.name] = {k: v for k, v in markers[0].items() if k != "seconds"}
+            details[p.step.name] = {k: v for k, v in markers[0].items() if k not in _MEASURED}
     out["seconds"] = round(out["seconds"], 3)
     if removed or any(p.step.writes_documents for p in steps):
         out["removed"] = dict(sorted(removed.items()))

@@ -4,7 +4,8 @@ Why units with markers and no scheduler of our own: every step is a list of unit
 shard, an LSH band, a hash partition, or one global unit) whose outputs and completion marker
 depend only on the inputs and the config. A rerun skips units with a marker, so a killed run
 resumes where it stopped, and any scheduler can run the units of one step as an array of tasks
-(``step=<name> task_index=i task_count=n``): see data_pipeline/README.md.
+(``step=<name> task_index=i task_count=n``): see data_pipeline/README.md. Within one invocation an
+executor (``data_pipeline.executors``: local processes, or Ray tasks) runs a step's missing units.
 """
 
 from __future__ import annotations
@@ -12,18 +13,19 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import multiprocessing
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import datasets
 
+from data_pipeline import peak_memory
 from data_pipeline.config import PipelineConfig
-from data_pipeline.ingest import input_listing, plan_units
-from data_pipeline.output_dir import claim_output_dir
+from data_pipeline.executors import Executor, make_executor
+from data_pipeline.ingest import InputFiles, file_identities, find_inputs, input_listing, plan_units
+from data_pipeline.input_splits import CACHE_FILE
+from data_pipeline.output_dir import MARKER, claim_output_dir
 from data_pipeline.shard_io import marker_path, write_json
 from data_pipeline.stage import Step
 from dsl_lit.config.errors import ConfigError
@@ -59,11 +61,14 @@ class Planned:
     num_units: int
 
 
-def plan(cfg: PipelineConfig) -> list[Planned]:
+def plan(cfg: PipelineConfig, inputs: InputFiles | None = None) -> list[Planned]:
     """Every step of the run with its directory ``work/<NN>-<name>-<fingerprint>`` and unit count."""
     output_dir = Path(cfg.output_dir)
-    units = plan_units(cfg.input)
-    listing = input_listing(cfg.input, units)
+    inputs = find_inputs(cfg.input) if inputs is None else inputs
+    identities = file_identities(cfg.input, inputs)
+    owned = (output_dir / MARKER).is_file()  # only then may planning keep its input scans there
+    units = plan_units(cfg.input, inputs, identities, output_dir / CACHE_FILE if owned else None)
+    listing = input_listing(identities, units)
     corpus = {"path": str(Path(cfg.input.path).resolve()), "fingerprint": listing_digest(listing)}
     fingerprint = hashlib.sha256(
         json.dumps([PIPELINE_VERSION, asdict(cfg.input), listing], sort_keys=True).encode()
@@ -103,9 +108,11 @@ def plan(cfg: PipelineConfig) -> list[Planned]:
 def run_unit(step: Step, ctx: Context, unit: int) -> dict[str, Any]:
     """Run one unit and write its marker last (module level: worker processes import it)."""
     datasets.disable_progress_bars()  # one bar per shard and step would bury the log
+    peak_memory.reset_peak()
     start = time.perf_counter()
     stats = step.run_unit(ctx, unit) or {}
     stats["seconds"] = round(time.perf_counter() - start, 3)
+    stats["peak_rss_mb"] = peak_memory.peak_mb()
     write_json(stats, marker_path(ctx.step_dir, unit))
     return stats
 
@@ -114,34 +121,36 @@ def missing_units(p: Planned) -> list[int]:
     return [u for u in range(p.num_units) if not marker_path(p.context.step_dir, u).is_file()]
 
 
-def _run_step(p: Planned, cfg: PipelineConfig, pool: ProcessPoolExecutor | None) -> None:
+def _run_step(p: Planned, cfg: PipelineConfig, executor: Executor) -> None:
     todo = [u for u in missing_units(p) if u % cfg.task_count == cfg.task_index]
     if not todo:
         return
     log.info("%s: %d of %d units to run", p.step.name, len(todo), p.num_units)
     p.context.step_dir.mkdir(parents=True, exist_ok=True)
-    if pool is None or len(todo) == 1:
-        for unit in todo:
-            run_unit(p.step, p.context, unit)
-        return
-    for future in [pool.submit(run_unit, p.step, p.context, u) for u in todo]:
-        future.result()
+    executor.run(run_unit, p.step, p.context, todo)
 
 
-def run(cfg: PipelineConfig) -> dict[str, Any] | None:
-    """Run the selected steps; returns the stats (also in output_dir/stats.json) once all are done."""
-    planned = plan(cfg)
-    names = [p.step.name for p in planned]
+def claim_and_plan(cfg: PipelineConfig) -> list[Planned]:
+    """Check ``step`` and the input, claim ``output_dir`` (refusing one that is not the pipeline's),
+    then plan: the claimed directory keeps the input's line scans for every later invocation."""
+    names = [step.name for stage in cfg.stage_objects() for step in stage.steps()]
     if cfg.step is not None and cfg.step not in names:
         raise ConfigError(f"step={cfg.step!r} is not a step of this run; its steps are {names}")
-    units = planned[0].context.input_units
-    input_root = None if Path(cfg.input.path).is_file() else Path(units[0]["root"])
-    claim_output_dir(cfg.output_dir, input_root)
-    # spawn, not fork: a forked child inherits thread pools (tokenizers, BLAS) mid-state
-    pool = None
-    if cfg.num_proc > 1:
-        pool = ProcessPoolExecutor(cfg.num_proc, mp_context=multiprocessing.get_context("spawn"))
+    inputs = find_inputs(cfg.input)
+    claim_output_dir(cfg.output_dir, None if Path(cfg.input.path).is_file() else inputs.root)
+    return plan(cfg, inputs)
+
+
+def run(cfg: PipelineConfig, executor: Executor | None = None) -> dict[str, Any] | None:
+    """Run the selected steps; returns the stats (also in output_dir/stats.json) once all are done.
+
+    ``executor``: one the caller opened and closes (default: ``cfg.executor``'s, opened and closed
+    here, before anything is written: a cluster that cannot be reached leaves no output_dir behind).
+    """
+    own = executor is None
+    executor = make_executor(cfg) if executor is None else executor
     try:
+        planned = claim_and_plan(cfg)
         for i, p in enumerate(planned):
             if cfg.step is not None and p.step.name != cfg.step:
                 continue
@@ -150,10 +159,10 @@ def run(cfg: PipelineConfig) -> dict[str, Any] | None:
                 raise RuntimeError(
                     f"step {p.step.name} needs {blocked[0]} complete first: run step={blocked[0]}"
                 )
-            _run_step(p, cfg, pool)
+            _run_step(p, cfg, executor)
     finally:
-        if pool is not None:
-            pool.shutdown(cancel_futures=True)
+        if own:
+            executor.close()
     if any(missing_units(p) for p in planned):
         return None
     from data_pipeline.report import write_stats

@@ -13,7 +13,9 @@ import pytest
 from data_pipeline.config import load_config
 from data_pipeline.lsh_bands import candidate_probability, choose_bands
 from data_pipeline.minhash import MinHasher, jaccard_of_signatures, shingle_hashes, words
-from data_pipeline.runner import run
+from data_pipeline.near_dedup_cluster import components, partition_of
+from data_pipeline.runner import plan, run
+from data_pipeline.shard_io import read_marker
 from data_pipeline.synthetic import jaccard, planted_corpus
 from data_pipeline.union_find import connected_components
 
@@ -96,6 +98,25 @@ def test_union_find_labels_components_by_their_minimum() -> None:
     assert labels.tolist() == [0, 1, 1, 3, 3, 3, 6, 7, 8, 3]
 
 
+def test_partition_forests_merge_into_the_components_of_all_edges() -> None:
+    """The cluster/merge scheme on random graphs: union-find per partition of the smaller node,
+    each partition's forest (node -> its component's minimum), union-find over the forests."""
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        edges = np.sort(rng.integers(-30, 400, size=(int(rng.integers(1, 300)), 2)), axis=1)
+        edges = edges[edges[:, 0] != edges[:, 1]]
+        nodes, roots = components(edges)
+        part = partition_of(edges[:, 0], 1 + trial % 7)
+        forests = []
+        for p in np.unique(part):
+            n, r = components(edges[part == p])
+            forests.append(np.stack([n, r], axis=1)[n != r])
+        merged_nodes, merged_roots = components(np.concatenate(forests))
+        assert merged_nodes.tolist() == nodes.tolist() and merged_roots.tolist() == roots.tolist()
+        duplicates = set(nodes[nodes != roots].tolist())  # what merge holds: duplicates only
+        assert {int(n) for f in forests for n in f[:, 0]} <= duplicates
+
+
 def test_near_dedup_recall_precision_and_floor(corpus, dedup_run: Path) -> None:
     removed = {r["id"]: r for r in removed_rows(dedup_run)}
     ids = corpus.ids
@@ -111,6 +132,43 @@ def test_near_dedup_recall_precision_and_floor(corpus, dedup_run: Path) -> None:
     assert np.mean(true_pos) >= 0.99  # precision with exact verification
     assert {r["reason"] for r in removed.values()} == {"near_duplicate"}
     assert sorted(kept_ids(dedup_run) + list(removed)) == sorted(ids)
+
+
+def test_any_number_of_cluster_partitions_removes_the_same_documents(
+    corpus, dedup_run: Path, tmp_path: Path
+) -> None:
+    """dedup_run clusters in 8 partitions (the default); one partition is the unpartitioned
+    clustering. Same removals (with the same duplicate_of), kept documents and index; no
+    partition held all the candidate pairs."""
+    root = dedup_run.parent
+    one = pipeline(
+        root / "in",
+        tmp_path / "one",
+        ["near_dedup"],
+        near_dedup={"save_index": True, "cluster_partitions": 1},
+    )
+    eight = json.loads((dedup_run / "stats.json").read_text())
+    for sub in ("kept", "removed", "near_dedup_index"):
+        files = sorted(p.relative_to(dedup_run) for p in (dedup_run / sub).rglob("*") if p.is_file())
+        assert files == sorted(
+            p.relative_to(tmp_path / "one") for p in (tmp_path / "one" / sub).rglob("*") if p.is_file()
+        )
+        assert all((dedup_run / f).read_bytes() == (tmp_path / "one" / f).read_bytes() for f in files), sub
+    details = one["stages"]["near_dedup"]["details"]["near_dedup.merge"]
+    assert details == {
+        **eight["stages"]["near_dedup"]["details"]["near_dedup.merge"],
+        "cluster_partitions": 1,
+    }
+    assert details["duplicates"] > 250
+    values = {
+        "input": {"path": str(root / "in")},
+        "output_dir": str(dedup_run),
+        "stages": ["near_dedup"],
+        "near_dedup": {"save_index": True},
+    }
+    cluster = next(p for p in plan(load_config(values)) if p.step.name == "near_dedup.cluster")
+    held = [read_marker(cluster.context.step_dir, u)["candidate_pairs"] for u in range(cluster.num_units)]
+    assert len(held) == 8 and sum(held) == details["candidate_pairs"] and max(held) < sum(held) / 4
 
 
 def test_cross_run_dedup_against_the_persistent_index(corpus, dedup_run: Path, tmp_path: Path) -> None:
