@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from dsl_lit.checkpoint.integrity import file_checksum
 from dsl_lit.checkpoint.sharded import read_full_tensors
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.models import ModelConfig, build_model
@@ -169,5 +170,8 @@ def test_unknown_family_is_a_config_error(checkpoint: Path, tmp_path: Path) -> N
     config = yaml.safe_load((copy / "config.yaml").read_text())
     config["model"]["family"] = "mamba"
     (copy / "config.yaml").write_text(yaml.safe_dump(config))
+    meta = json.loads((copy / "meta.json").read_text())  # an intended edit: record its checksum
+    meta["checksums"]["config.yaml"] = file_checksum(copy / "config.yaml")
+    (copy / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ConfigError, match="model.family='mamba' is unknown"):
         export_hf.export(copy, tmp_path / "out")

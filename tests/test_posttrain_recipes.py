@@ -175,7 +175,7 @@ def test_grpo_cold_start_then_rl_from_a_random_model(tmp_path):
     """recipes/grpo.py with no init_from: R1's cold-start SFT runs first as its own run, then GRPO
     starts from its last checkpoint."""
     run_dir = tmp_path / "grpo"
-    run("grpo", run_dir, "+model.n_layers=1", "grpo.cold_start_steps=3", *GRPO, "trainer.max_steps=1")
+    run("grpo", run_dir, "model.n_layers=1", "grpo.cold_start_steps=3", *GRPO, "trainer.max_steps=1")
     cold = run_dir / "cold_start"
     assert sorted(rows(cold)) == [0, 1, 2] and (cold / "checkpoints" / "step-3" / "meta.json").is_file()
     assert f"init_from: {cold}" in (run_dir / "resolved_config.yaml").read_text()
