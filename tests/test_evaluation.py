@@ -267,11 +267,8 @@ def test_evaluate_recipe_matches_lm_evals_hf_backend(tmp_path: Path, tokenizer_d
         short = harness.evaluate(DslLitLM(load_eval_model(run).model, tokenizer, batch_size=3, max_length=48))
     _compare_samples(ours, reference, tasks)
     _compare_samples(short, short_reference, short_tasks)
-    # the export itself as the source: its own tokenizer is needed, then the same numbers
+    # the export itself as the source (it carries the run's tokenizer files): the same numbers
     hf_dir = EvaluateConfig(checkpoint=str(export), tasks=["dsl_devil_perplexity"], limit=16, bootstrap_iters=0)
-    with pytest.raises(ConfigError, match="no tokenizer for .*set tokenizer_dir="):
-        evaluate_checkpoint(hf_dir, tmp_path / "hf_eval")
-    hf_dir.tokenizer_dir = str(tokenizer_dir)
     from_export = evaluate_checkpoint(hf_dir, tmp_path / "hf_eval")["results"]["dsl_devil_perplexity"]
     assert from_export["bits_per_byte,none"] == pytest.approx(ours["results"]["dsl_devil_perplexity"]["bits_per_byte,none"],
                                                               rel=1e-6)
