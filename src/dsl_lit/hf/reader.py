@@ -164,6 +164,8 @@ class HFCheckpoint:
         cfg.attn_backend = attn_backend  # type: ignore[assignment]
         cfg.validate()
         self.config: ModelConfig = cfg
+        self.bytes_read = 0
+        """Bytes of tensor data :meth:`fill` has read so far (as stored: FP8 values and their scales)."""
 
     @property
     def weight_names(self) -> list[str]:
@@ -256,13 +258,17 @@ class HFCheckpoint:
             scale = hf_name + SCALE_SUFFIX
 
             def read_weight(region: Region) -> torch.Tensor:
-                return files.get(path).get_slice(hf_name)[region]
+                return self._counted(files.get(path).get_slice(hf_name)[region])
 
             def read_scale(region: Region) -> torch.Tensor:
-                return files.get(self.files[scale]).get_slice(scale)[region]
+                return self._counted(files.get(self.files[scale]).get_slice(scale)[region])
 
             return self.fp8.read_region(read_weight, read_scale, shape, offsets, size)
         handle = files.get(path)
         if tuple(size) == tuple(shape):
-            return handle.get_tensor(hf_name)
-        return handle.get_slice(hf_name)[tuple(slice(o, o + s) for o, s in zip(offsets, size))]
+            return self._counted(handle.get_tensor(hf_name))
+        return self._counted(handle.get_slice(hf_name)[tuple(slice(o, o + s) for o, s in zip(offsets, size))])
+
+    def _counted(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
