@@ -64,7 +64,12 @@ elif layout == "ep":
     apply_expert_parallel(model, init_device_mesh("cpu", (world,), mesh_dim_names=("ep",)))
 before = peak_rss_bytes()
 start = time.perf_counter()
-weights.load(model, "cpu", dtype)
+if layout == "whole_twice":  # what every rank did before: the whole checkpoint read into a model,
+    loaded = weights.whole_model("cpu", dtype)  # the whole model built with its random init, loaded
+    model = build_model(weights.config).to(dtype)  # (then rank 0 broadcast, then the layout pruned)
+    model.load_state_dict(loaded.state_dict())
+else:
+    weights.load(model, "cpu", dtype)
 seconds = time.perf_counter() - start
 held = sum(local_target(t)[0].numel() * local_target(t)[0].element_size()
            for t in {id(t): t for t in model.state_dict().values()}.values())
@@ -75,6 +80,8 @@ if world > 1:
 """
 
 LAYOUTS = (("one process", "single", 1), ("pp=2", "pp", 2), ("ep=2", "ep", 2))
+BEFORE = ("before (any)", "whole_twice", 1)
+"""Per rank, whatever the layout, before meta-device loading (``--before``)."""
 GIB = 2**30
 
 
@@ -106,6 +113,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/dsl_lit_v2_lite_shaped"))
+    parser.add_argument("--before", action="store_true", help="also measure the path every rank took before")
     args = parser.parse_args()
     path = args.dir / f"{args.layers}_layers"
     if not (path / "config.json").is_file():
@@ -115,7 +123,7 @@ def main() -> None:
     header = f"{'layout':<13}{'rank':>5}{'holds GiB':>11}{'read GiB':>10}{'before GiB':>12}{'peak GiB':>10}{'load s':>8}"
     print(header)
     print("-" * len(header))
-    for name, layout, world in LAYOUTS:
+    for name, layout, world in (BEFORE, *LAYOUTS) if args.before else LAYOUTS:
         for r in _run(path, layout, world, args.dtype):
             print(f"{name:<13}{r['rank']:>5}{r['held'] / GIB:>11.2f}{r['read'] / GIB:>10.2f}{r['before'] / GIB:>12.2f}"
                   f"{r['peak'] / GIB:>10.2f}{r['seconds']:>8.1f}")

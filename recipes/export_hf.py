@@ -3,6 +3,7 @@
     python recipes/export_hf.py checkpoint=outputs/pretrain/<run>/checkpoints/step-<N> output=hf/<name>
     python recipes/export_hf.py checkpoint=outputs/pretrain/<run> output=hf/<name> dtype=bf16  # latest step
     python recipes/export_hf.py checkpoint=... output=... weights=ema   # the run's EMA (memory.ema_decay > 0)
+    python recipes/export_hf.py checkpoint=... output=... dtype=bf16 fp8=true  # DeepSeek-V3's FP8 release format
 
 The output (config.json, generation_config.json, safetensors weights) loads with
 ``transformers.AutoModelForCausalLM.from_pretrained(output)`` without ``trust_remote_code``: DeepSeek LLM
@@ -45,6 +46,7 @@ def export(
     weights: str = "model",
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
+    fp8: bool = False,
 ) -> Path:
     """Write ``checkpoint`` as a Hugging Face model directory at ``output``; returns it.
 
@@ -68,7 +70,7 @@ def export(
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        save_pretrained(model, tmp, dtype=dtype, max_shard_size=max_shard_size)
+        save_pretrained(model, tmp, dtype=dtype, max_shard_size=max_shard_size, fp8=fp8)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> Path:
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return export(str(cfg.checkpoint), str(cfg.output), dtype=cfg.dtype, weights=cfg.weights,
-                      max_shard_size=cfg.max_shard_size, overwrite=bool(cfg.overwrite))
+                      max_shard_size=cfg.max_shard_size, overwrite=bool(cfg.overwrite), fp8=bool(cfg.fp8))
     except (ConfigError, OSError) as error:  # a clear one-line error, not a traceback
         raise SystemExit(f"export_hf: error: {error}") from error
 

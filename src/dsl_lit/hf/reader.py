@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.hf.fp8_blocks import SCALE_SUFFIX, BlockFP8, Region
+from dsl_lit.hf.safetensors_file import SafetensorsFile
 from dsl_lit.models import ModelConfig
 from dsl_lit.models.common.hf_adapter import HFAdapter, few
 from dsl_lit.models.registry import hf_reader
@@ -35,12 +35,6 @@ CONFIG_NAME = "config.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_INDEX_NAME = "model.safetensors.index.json"
 _PICKLE_PATTERNS = ("pytorch_model*.bin", "*.bin", "*.pt", "*.pth", "*.ckpt")
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}  # fmt: skip
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 Target = tuple[torch.Tensor, tuple[int, ...]]
@@ -60,8 +54,9 @@ def weight_map(directory: Path) -> dict[str, Path]:
     single = directory / SAFE_WEIGHTS_NAME
     index = directory / SAFE_INDEX_NAME
     if single.is_file():
-        with safe_open(str(single), framework="pt") as f:
-            return {name: single for name in f.keys()}
+        file = SafetensorsFile(single)
+        file.close()
+        return dict.fromkeys(file.entries, single)
     if index.is_file():
         mapping = read_json(index).get("weight_map")
         if not isinstance(mapping, dict) or not mapping:
@@ -107,42 +102,34 @@ def _headers(files: Mapping[str, Path]) -> dict[str, tuple[tuple[int, ...], torc
         by_file.setdefault(path, []).append(name)
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for path, names in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
-            present = set(f.keys())
-            lost = [n for n in names if n not in present]
-            if lost:
-                raise ConfigError(f"{path.name} lacks tensor(s) its index assigns to it: {few(lost)}")
-            for name in names:
-                view = f.get_slice(name)
-                stored = view.get_dtype()
-                if stored not in _DTYPES:
-                    raise ConfigError(f"{path.name}: tensor {name!r} has dtype {stored}, which dsl_lit cannot read")
-                out[name] = (tuple(view.get_shape()), _DTYPES[stored])
+        file = SafetensorsFile(path)
+        file.close()
+        lost = [n for n in names if n not in file.entries]
+        if lost:
+            raise ConfigError(f"{path.name} lacks tensor(s) its index assigns to it: {few(lost)}")
+        out.update({name: file.entries[name][:2] for name in names})
     return out
 
 
 class _OpenFiles:
-    """safe_open handles, at most ``keep`` at a time: the pages of a file that were read stay
-    mapped (and count in the process's RSS) until its handle is closed."""
+    """The files being read, at most ``keep`` open at a time."""
 
-    def __init__(self, keep: int = 2) -> None:
+    def __init__(self, keep: int = 8) -> None:
         self.keep = keep
-        self._open: OrderedDict[Path, Any] = OrderedDict()
+        self._open: OrderedDict[Path, SafetensorsFile] = OrderedDict()
 
-    def get(self, path: Path) -> Any:
+    def get(self, path: Path) -> SafetensorsFile:
         if path in self._open:
             self._open.move_to_end(path)
             return self._open[path]
         while len(self._open) >= self.keep:
-            _, old = self._open.popitem(last=False)
-            old.__exit__(None, None, None)
-        handle = safe_open(str(path), framework="pt").__enter__()
-        self._open[path] = handle
-        return handle
+            self._open.popitem(last=False)[1].close()
+        self._open[path] = SafetensorsFile(path)
+        return self._open[path]
 
     def close(self) -> None:
         while self._open:
-            self._open.popitem()[1].__exit__(None, None, None)
+            self._open.popitem()[1].close()
 
 
 class HFCheckpoint:
@@ -258,17 +245,16 @@ class HFCheckpoint:
             scale = hf_name + SCALE_SUFFIX
 
             def read_weight(region: Region) -> torch.Tensor:
-                return self._counted(files.get(path).get_slice(hf_name)[region])
+                return self._counted(files.get(path).read(hf_name, region))
 
             def read_scale(region: Region) -> torch.Tensor:
-                return self._counted(files.get(self.files[scale]).get_slice(scale)[region])
+                return self._counted(files.get(self.files[scale]).read(scale, region))
 
             return self.fp8.read_region(read_weight, read_scale, shape, offsets, size)
-        handle = files.get(path)
-        if tuple(size) == tuple(shape):
-            return self._counted(handle.get_tensor(hf_name))
-        return self._counted(handle.get_slice(hf_name)[tuple(slice(o, o + s) for o, s in zip(offsets, size))])
+        whole = tuple(size) == tuple(shape)
+        region = None if whole else tuple(slice(o, o + s) for o, s in zip(offsets, size))
+        return self._counted(files.get(path).read(hf_name, region))
 
     def _counted(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.bytes_read += tensor.numel() * tensor.element_size()
+        self.bytes_read += tensor.untyped_storage().nbytes()  # the whole read, before any slicing
         return tensor

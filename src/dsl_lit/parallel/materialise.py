@@ -62,15 +62,16 @@ def local_target(tensor: torch.Tensor) -> Target:
 
 def _cast_on_meta(model: nn.Module, dtype_of: Callable[[str], torch.dtype | None]) -> None:
     """Give each meta state-dict tensor the dtype ``dtype_of(name)`` asks (None: as built), before
-    any memory exists. Parameters keep their identity (tied weights stay tied)."""
+    any memory exists: new Parameters (a DTensor's ``.data`` cannot change dtype), so tied ones
+    must be tied again afterwards."""
     persistent = set(model.state_dict(keep_vars=True))
     for prefix, module in model.named_modules():
         dot = f"{prefix}." if prefix else ""
-        for name, param in module.named_parameters(recurse=False):
+        for name, param in list(module.named_parameters(recurse=False)):
             want = dtype_of(dot + name)
             if want is not None and param.dtype != want:
-                param.data = param.data.to(want)
-        for name, buffer in module.named_buffers(recurse=False):
+                module.register_parameter(name, nn.Parameter(param.detach().to(want), param.requires_grad))
+        for name, buffer in list(module.named_buffers(recurse=False)):
             want = dtype_of(dot + name) if dot + name in persistent else None
             if want is not None and buffer.dtype != want:
                 module.register_buffer(name, buffer.to(want))
@@ -112,9 +113,9 @@ def materialise(
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    tied = tied_groups(model)
     if dtype_of is not None:
         _cast_on_meta(model, dtype_of)
-    tied = tied_groups(model)
     model.to_empty(device=device)
     retie(model, tied)
     recompute_buffers(model)
