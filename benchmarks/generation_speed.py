@@ -13,8 +13,8 @@ import time
 
 import torch
 
+from dsl_lit.inference.generation import generate
 from dsl_lit.models import ModelConfig, build_model
-from dsl_lit.posttrain.generation import generate
 
 
 def tokens_per_s(model: torch.nn.Module, prompts: list[list[int]], new: int, use_cache: bool, repeats: int) -> tuple[float, torch.Tensor]:

@@ -17,7 +17,7 @@ import platform
 import torch
 
 from benchmarks.timing import interleaved_medians
-from dsl_lit.posttrain.generation import generate
+from dsl_lit.inference.generation import generate
 from tests.test_speculative import _trained_on_a_cycle
 
 

@@ -5,6 +5,9 @@ the token lists in document order, so the shards are byte-identical for the same
 ``num_proc`` is. Why per kept shard and then a merge: tokenizing is the expensive part and
 parallelises over the kept shards (each packed on its own, resumable); the merge only links the
 shard files into one packed dataset, renumbered in shard order, with one meta.json written last.
+The tokenizer is the run's own (``train_tokenizer``) or a ready one (``tokenizer.path``: a model's
+release, read by ``dsl_lit.data.tokenizer_dir``), which the merge copies to ``output_dir/tokenizer``
+with a meta.json, so the output has the layout the data module reads either way.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -24,6 +28,7 @@ import datasets
 import numpy as np
 from tokenizers import Tokenizer
 
+from data_pipeline.fim import encode_documents, fim_token_ids, plan_document
 from data_pipeline.packed_writer import PackedShardWriter
 from data_pipeline.shard_io import building_dir, link_or_copy, read_documents, shard_file
 from data_pipeline.stage import Stage, Step
@@ -37,6 +42,7 @@ from dsl_lit.data.format import (
     index_name,
     shard_name,
 )
+from dsl_lit.data.tokenizer_dir import TOKENIZER_FILES, read_tokenizer_meta
 
 log = logging.getLogger(__name__)
 
@@ -44,24 +50,38 @@ log = logging.getLogger(__name__)
 class _Encode:
     """Picklable batch tokenizer for ``datasets.map`` workers; loads the tokenizer once per process."""
 
-    def __init__(self, tokenizer_file: str, text_field: str, single_threaded: bool) -> None:
+    def __init__(self, tokenizer_file: str, text_field: str, single_threaded: bool, fim: FIMSettings | None = None,
+                 shard: int = 0) -> None:
         self.tokenizer_file = tokenizer_file
         self.text_field = text_field
         self.single_threaded = single_threaded
+        self.fim, self.shard = fim, shard
         self._tokenizer: Tokenizer | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_tokenizer": None}
 
-    def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[list[int]]]:
+    def __call__(self, batch: dict[str, list[Any]], rows: list[int]) -> dict[str, list[list[int]]]:
         if self._tokenizer is None:
             if self.single_threaded:  # in a worker process: never start a Rust thread pool there
                 os.environ["TOKENIZERS_PARALLELISM"] = "false"
             self._tokenizer = Tokenizer.from_file(self.tokenizer_file)
-        texts = batch[self.text_field]
+        texts = [t or "" for t in batch[self.text_field]]
         # add_special_tokens=False: packing adds EOS itself; no BOS is prepended in pretraining.
-        encodings = self._tokenizer.encode_batch([t or "" for t in texts], add_special_tokens=False)
-        return {"input_ids": [e.ids for e in encodings]}
+        fim = self.fim
+        if fim is None or fim.rate <= 0:
+            return {"input_ids": [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]}
+        plans = [plan_document(t, fim.rate, fim.spm_rate, fim.seed, self.shard, r) for t, r in zip(texts, rows)]
+        return {"input_ids": encode_documents(self._tokenizer, texts, plans, fim_token_ids(self._tokenizer))}
+
+
+@dataclass(frozen=True)
+class FIMSettings:
+    """``pack.fim_rate`` / ``fim_spm_rate`` / ``fim_seed`` (:mod:`data_pipeline.fim`)."""
+
+    rate: float = 0.0
+    spm_rate: float = 0.0
+    seed: int = 0
 
 
 @contextlib.contextmanager
@@ -82,18 +102,20 @@ def _tokenizers_parallelism(enabled: bool) -> Iterator[None]:
 
 
 def _tokenize(
-    dataset: datasets.Dataset, tokenizer_file: str, sha: str, text_field: str, num_proc: int, batch_size: int
+    dataset: datasets.Dataset, tokenizer_file: str, sha: str, text_field: str, num_proc: int, batch_size: int,
+    fim: FIMSettings | None = None, shard: int = 0,
 ) -> datasets.Dataset:
     return dataset.map(
-        _Encode(tokenizer_file, text_field, single_threaded=num_proc > 1),
+        _Encode(tokenizer_file, text_field, single_threaded=num_proc > 1, fim=fim, shard=shard),
         batched=True,
+        with_indices=True,
         batch_size=batch_size,
         num_proc=num_proc if num_proc > 1 else None,
         remove_columns=dataset.column_names,
         # The function pickles to file paths, which say nothing about the tokenizer's contents:
         # fingerprint on what determines the output instead (num_proc does not).
         new_fingerprint=hashlib.sha256(
-            f"{dataset._fingerprint}|{sha}|{text_field}|tokenize_pack-v1".encode()
+            f"{dataset._fingerprint}|{sha}|{text_field}|{fim}|{shard}|tokenize_pack-v1".encode()
         ).hexdigest()[:32],
         desc="tokenize",
     )
@@ -107,21 +129,26 @@ def tokenize_pack(
     shard_tokens: int = 2**24,
     num_proc: int = 1,
     batch_size: int = 1000,
+    fim: FIMSettings | None = None,
+    shard: int = 0,
 ) -> Path:
     """Tokenize ``dataset[text_field]`` and write packed shards (EOS after each document) to ``output_dir``.
 
-    Empty documents are skipped and counted in meta.json as ``num_empty_skipped``. Returns ``output_dir``.
+    Empty documents are skipped and counted in meta.json as ``num_empty_skipped``. ``fim`` rearranges
+    a share of the documents for fill-in-the-middle, drawn per (seed, ``shard``, row). Returns ``output_dir``.
     """
     tokenizer_dir = Path(tokenizer_dir)
     tokenizer_file = tokenizer_dir / TOKENIZER_FILE
-    tok_meta = json.loads((tokenizer_dir / META_FILE).read_text(encoding="utf-8"))
+    tok_meta = read_tokenizer_meta(tokenizer_dir)
     sha = file_sha256(tokenizer_file)
     if text_field not in dataset.column_names:
         raise ValueError(f"text_field {text_field!r} not in dataset columns {dataset.column_names}")
 
     start = time.perf_counter()
     with _tokenizers_parallelism(num_proc <= 1):
-        tokenized = _tokenize(dataset, str(tokenizer_file), sha, text_field, num_proc, batch_size)
+        if fim is not None and fim.rate > 0:
+            fim_token_ids(Tokenizer.from_file(str(tokenizer_file)))  # fail before any work without them
+        tokenized = _tokenize(dataset, str(tokenizer_file), sha, text_field, num_proc, batch_size, fim, shard)
     tokenized = tokenized.with_format("numpy")
     with PackedShardWriter(
         output_dir,
@@ -134,7 +161,7 @@ def tokenize_pack(
         for i in range(0, len(tokenized), batch_size):
             for ids in tokenized[i : i + batch_size]["input_ids"]:
                 writer.add_document(ids)
-        writer.close({"text_field": text_field})
+        writer.close({"text_field": text_field, "fim": asdict(fim or FIMSettings())})
     log.info(
         "packed %d documents, %d tokens (%d empty skipped) into %s in %.1fs",
         writer.num_documents,
@@ -150,17 +177,36 @@ def tokenize_pack(
 class PackConfig:
     shard_tokens: int = 2**24
     batch_size: int = 1000
+    fim_rate: float = 0.0
+    """Share of documents packed as fill-in-the-middle (DeepSeek-V3: 0.1); needs the FIM tokens."""
+    fim_spm_rate: float = 0.0
+    """Share of those in the Suffix-Prefix-Middle order (the rest Prefix-Suffix-Middle)."""
+    fim_seed: int = 0
 
     def validate(self) -> PackConfig:
         if self.shard_tokens <= 0 or self.batch_size <= 0:
             raise ConfigError("pack.shard_tokens and pack.batch_size must be positive")
+        for name in ("fim_rate", "fim_spm_rate"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"pack.{name}={getattr(self, name)} must lie in [0, 1]")
         return self
+
+    @property
+    def fim(self) -> FIMSettings:
+        return FIMSettings(self.fim_rate, self.fim_spm_rate, self.fim_seed)
+
+
+def given_tokenizer(ctx: Any) -> Path | None:
+    """``tokenizer.path`` (a ready tokenizer), or None when the run trains its own."""
+    path = ctx.cfg.sections["tokenizer"].path
+    return None if path is None else Path(path)
 
 
 def pack_unit(ctx: Any, unit: int) -> dict[str, Any]:
-    tokenizer_dir = ctx.output_dir / TOKENIZER_DIR
-    if not (tokenizer_dir / META_FILE).is_file():
-        raise FileNotFoundError(f"{tokenizer_dir} missing: run the train_tokenizer stage first")
+    tokenizer_dir = given_tokenizer(ctx) or ctx.output_dir / TOKENIZER_DIR
+    if not (tokenizer_dir / TOKENIZER_FILE).is_file():
+        raise FileNotFoundError(f"{tokenizer_dir} missing: run the train_tokenizer stage first, or set "
+                                "tokenizer.path to a ready tokenizer")
     docs = read_documents(ctx.output_dir / "kept" / shard_file(unit), columns=["text"])
     start = time.perf_counter()
     out = tokenize_pack(
@@ -169,6 +215,8 @@ def pack_unit(ctx: Any, unit: int) -> dict[str, Any]:
         ctx.step_dir / f"part-{unit:05d}",
         shard_tokens=ctx.config.shard_tokens,
         batch_size=ctx.config.batch_size,
+        fim=ctx.config.fim,
+        shard=unit,
     )
     seconds = time.perf_counter() - start
     meta = json.loads((out / META_FILE).read_text())
@@ -181,9 +229,25 @@ def pack_unit(ctx: Any, unit: int) -> dict[str, Any]:
     }
 
 
+def copy_tokenizer(source: Path, target: Path) -> dict[str, Any]:
+    """Publish ``source``'s tokenizer files at ``target`` with a meta.json (written last); returns it."""
+    meta = {**read_tokenizer_meta(source), "source": str(source.resolve()),
+            "source_tokenizer_sha256": file_sha256(source / TOKENIZER_FILE)}
+    with building_dir(target) as tmp:
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copyfile(source / name, tmp / name)
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    return meta
+
+
 def merge_unit(ctx: Any, unit: int) -> dict[str, Any]:
-    """Link every part's shard files into ``output_dir/shards`` as one packed dataset."""
+    """Link every part's shard files into ``output_dir/shards`` as one packed dataset (after copying
+    a given tokenizer to ``output_dir/tokenizer``)."""
     part_dir = ctx.dirs["tokenize_pack"]
+    source = given_tokenizer(ctx)
+    if source is not None:
+        copy_tokenizer(source, ctx.output_dir / TOKENIZER_DIR)
     with building_dir(ctx.output_dir / SHARDS_DIR) as tmp:
         merged: dict[str, Any] | None = None
         shards: list[dict[str, Any]] = []
@@ -208,7 +272,8 @@ def merge_unit(ctx: Any, unit: int) -> dict[str, Any]:
 
 
 class TokenizePack(Stage):
-    """Runs after finalize (and after ``train_tokenizer``): packs ``kept/`` into ``output_dir/shards``."""
+    """Runs after finalize (and after ``train_tokenizer``, or with ``tokenizer.path``): packs ``kept/``
+    into ``output_dir/shards``."""
 
     name = "tokenize_pack"
     Config = PackConfig
@@ -217,8 +282,13 @@ class TokenizePack(Stage):
     comes_after = ("train_tokenizer",)
 
     def settings(self) -> dict[str, Any]:
-        """The packing and the tokenizer's settings: another tokenizer means other tokens."""
-        return {"pack": asdict(self.config), "tokenizer": asdict(self.pipeline.sections["tokenizer"])}
+        """The packing and the tokenizer's settings (and a given tokenizer's content): another
+        tokenizer means other tokens."""
+        tokenizer = self.pipeline.sections["tokenizer"]
+        settings = {"pack": asdict(self.config), "tokenizer": asdict(tokenizer)}
+        if tokenizer.path is not None:
+            settings["tokenizer_sha256"] = file_sha256(Path(tokenizer.path) / TOKENIZER_FILE)
+        return settings
 
     def steps(self) -> list[Step]:
         return [self.step(pack_unit), self.step(merge_unit, "merge", units=1)]

@@ -1,12 +1,14 @@
-"""Train a DeepSeek-style byte-level BPE tokenizer with Hugging Face ``tokenizers``.
+"""Train a DeepSeek byte-level BPE tokenizer with Hugging Face ``tokenizers``.
 
-Why this shape: DeepSeek LLM's released tokenizer pre-splits newlines, letter runs (with one leading
-space), punctuation runs, trailing whitespace, CJK/Hangul runs and single digits, then runs
-byte-level BPE, so any byte sequence round-trips and numbers never merge into multi-digit tokens.
-The output directory loads with ``transformers.AutoTokenizer.from_pretrained`` (no transformers
-import is needed here) and carries ``meta.json`` with the ids and the padded embedding size the
-model needs. Stage ``train_tokenizer`` (settings: the ``tokenizer`` section) trains it on a run's
-``kept/`` documents into ``output_dir/tokenizer``.
+Why specs: a tokenizer meant to stand in for DeepSeek's must pre-tokenize, decode and place its
+added tokens exactly as the release does; only the vocabulary and merges are learned from the
+corpus. ``tokenizer.spec`` picks the released DeepSeek LLM or DeepSeek-V3 spec
+(``data_pipeline/tokenizer_spec.py``), or ``bundled``: the demo's own pre-tokenizer (below) and 15
+special tokens at ids 0..14. The output directory loads with
+``transformers.AutoTokenizer.from_pretrained`` (no transformers import is needed here) and carries
+``meta.json`` with the ids and the padded embedding size the model needs. Stage
+``train_tokenizer`` (settings: the ``tokenizer`` section) trains it on a run's ``kept/`` documents
+into ``output_dir/tokenizer``; ``tokenizer.path`` names a ready tokenizer instead (no training).
 """
 
 from __future__ import annotations
@@ -22,15 +24,32 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, pre_tokenizers, trainers
 
 from data_pipeline.shard_io import building_dir, shard_file
 from data_pipeline.stage import Stage, Step
+from data_pipeline.tokenizer_spec import (
+    BUNDLED,
+    SPEC_NAMES,
+    TokenizerSpec,
+    bundled_spec,
+    finish,
+    load_spec,
+    untrained_tokenizer,
+)
 from dsl_lit.config.errors import ConfigError
-from dsl_lit.data.format import DEEPSEEK_SPECIAL_TOKENS, META_FILE, TOKENIZER_DIR, TOKENIZER_FILE
+from dsl_lit.data.format import META_FILE, TOKENIZER_DIR, TOKENIZER_FILE
+from dsl_lit.data.tokenizer_dir import (
+    SPECIAL_TOKENS_MAP,
+    TOKENIZER_CONFIG,
+    check_tokenizer_dir,
+    padded_vocab_size,
+    token_string,
+)
 
 log = logging.getLogger(__name__)
 
+# The bundled demo tokenizer's pre-tokenizer (the released specs carry their own).
 # Horizontal whitespace: a leading space may join a word, but a newline never does.
 _HSPACE = r"[^\S\r\n]"
 _CJK = r"\p{Han}\p{Hangul}\p{Hiragana}\p{Katakana}"
@@ -46,11 +65,9 @@ PRETOKENIZE_PATTERN = "|".join(
     ]
 )
 
-EMBEDDING_MULTIPLE = 128
-
 
 def build_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
-    """Regex split, then single digits, then bytes mapped to printable characters."""
+    """The bundled spec's: regex split, then single digits, then bytes mapped to printable characters."""
     return pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
@@ -60,12 +77,11 @@ def build_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
     )
 
 
-def padded_vocab_size(vocab_size: int, multiple: int = EMBEDDING_MULTIPLE) -> int:
-    """Embedding rows: the vocab rounded up to a multiple of 128 so matmuls and TP shards stay aligned.
-
-    (DeepSeek LLM padded its 100015 tokens further, to 102400; a preset can still ask for that.)
-    """
-    return -(-vocab_size // multiple) * multiple
+def tokenizer_spec(name: str, special_tokens: list[str] | None = None) -> TokenizerSpec:
+    """The spec ``tokenizer.spec`` names (``special_tokens`` replaces the bundled spec's 15)."""
+    if name == BUNDLED:
+        return bundled_spec(json.loads(build_pre_tokenizer().__getstate__()), special_tokens)
+    return load_spec(name)
 
 
 def sample_texts(texts: Iterable[str], max_bytes: int | None) -> Iterator[str]:
@@ -99,81 +115,70 @@ def sample_texts(texts: Iterable[str], max_bytes: int | None) -> Iterator[str]:
         yield text
 
 
-def _hf_configs(special_tokens: list[str]) -> tuple[dict, dict]:
-    """tokenizer_config.json and special_tokens_map.json for transformers (4.x and 5.x)."""
-    named = {"bos_token": special_tokens[0], "eos_token": special_tokens[1], "pad_token": special_tokens[2]}
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        **named,
-        "add_bos_token": False,
-        "add_eos_token": False,
-        # Spaces are data in byte-level BPE: never "clean" them, or decode(encode(x)) != x.
-        "clean_up_tokenization_spaces": False,
-        "additional_special_tokens": special_tokens[3:],
-    }
-    return config, {**named, "additional_special_tokens": special_tokens[3:]}
-
-
 def train_tokenizer(
     texts: Iterable[str],
     vocab_size: int,
     output_dir: Path,
-    special_tokens: list[str] = DEEPSEEK_SPECIAL_TOKENS,
+    spec: TokenizerSpec | None = None,
     max_bytes: int | None = None,
     embedding_size: int | None = None,
 ) -> Path:
     """Train BBPE on ``texts`` and write a loadable tokenizer directory; returns ``output_dir``.
 
-    ``vocab_size`` includes the special tokens (the first three are used as bos, eos and pad).
-    ``embedding_size`` is the model's embedding rows written to meta.json as ``padded_vocab_size``
-    (DeepSeek LLM: 102400 for 100015 tokens); ``None`` rounds the vocab up to a multiple of 128. The
-    directory appears atomically: it is built under a temporary name and renamed when complete.
+    ``spec``: what is not learned (default: the bundled one). ``vocab_size`` is the BPE vocabulary
+    to learn, including the spec's added tokens that sit inside it (the bundled 15; V3's bos, eos,
+    pad); a released spec's other added tokens follow at their released ids. ``embedding_size`` is
+    the model's embedding rows written to meta.json as ``padded_vocab_size`` (DeepSeek LLM: 102400
+    for 100015 tokens); ``None`` rounds the vocab up to a multiple of 128. The directory appears
+    atomically: it is built under a temporary name and renamed when complete.
     """
-    if len(special_tokens) < 3:
-        raise ValueError("special_tokens must start with bos, eos and pad")
-    if embedding_size is not None and embedding_size < vocab_size:
-        raise ValueError(f"embedding_size={embedding_size} is below vocab_size={vocab_size}")
-    min_vocab = 256 + len(special_tokens)
+    spec = spec or tokenizer_spec(BUNDLED)
+    specials = spec.in_vocab_tokens
+    min_vocab = 256 + len(specials)
     if vocab_size < min_vocab:
         raise ValueError(f"vocab_size={vocab_size} is below the byte alphabet + specials ({min_vocab})")
+    if spec.bpe_vocab_size is not None and vocab_size > spec.bpe_vocab_size:
+        raise ValueError(f"vocab_size={vocab_size} is above {spec.name}'s BPE vocabulary ({spec.bpe_vocab_size}), "
+                         "where its added tokens start")
     output_dir = Path(output_dir)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = build_pre_tokenizer()
-    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer = untrained_tokenizer(spec)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(special_tokens),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=specials,
+        initial_alphabet=spec.byte_alphabet,
         show_progress=False,
     )
     tokenizer.train_from_iterator(sample_texts(texts, max_bytes), trainer=trainer)
+    learned = tokenizer.get_vocab_size()
+    if learned < vocab_size:
+        log.warning("corpus too small: trained %d of %d requested tokens", learned, vocab_size)
+    tokenizer = finish(tokenizer, spec)
+    if embedding_size is not None and embedding_size < tokenizer.get_vocab_size():
+        raise ValueError(f"embedding_size={embedding_size} is below the {tokenizer.get_vocab_size()} tokens")
 
-    ids = [tokenizer.token_to_id(t) for t in special_tokens[:3]]
+    names = {key: token_string(spec.tokenizer_config.get(key)) for key in ("bos_token", "eos_token", "pad_token")}
     meta = {
         "vocab_size": tokenizer.get_vocab_size(),
         "padded_vocab_size": embedding_size or padded_vocab_size(tokenizer.get_vocab_size()),
-        "bos_id": ids[0],
-        "eos_id": ids[1],
-        "pad_id": ids[2],
+        "bos_id": tokenizer.token_to_id(names["bos_token"]),
+        "eos_id": tokenizer.token_to_id(names["eos_token"]),
+        "pad_id": tokenizer.token_to_id(names["pad_token"]),
         "requested_vocab_size": vocab_size,
         "max_bytes": max_bytes,
+        "spec": spec.name,
+        "learned_vocab_size": learned,
     }
-    if meta["vocab_size"] < vocab_size:
-        log.warning("corpus too small: trained %d of %d requested tokens", meta["vocab_size"], vocab_size)
-    config, special_map = _hf_configs(list(special_tokens))
+    files: list[tuple[str, dict[str, Any]]] = [(TOKENIZER_CONFIG, spec.tokenizer_config)]
+    if spec.special_tokens_map is not None:
+        files.append((SPECIAL_TOKENS_MAP, spec.special_tokens_map))
+    files.append((META_FILE, meta))  # last: its presence marks a complete directory
 
     with building_dir(output_dir) as tmp_dir:
         tokenizer.save(str(tmp_dir / TOKENIZER_FILE))
-        for name, obj in (
-            ("tokenizer_config.json", config),
-            ("special_tokens_map.json", special_map),
-            (META_FILE, meta),  # last: its presence marks a complete directory
-        ):
-            (tmp_dir / name).write_text(
-                json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
-            )
+        for name, obj in files:
+            (tmp_dir / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     log.info(
         "tokenizer: %d tokens (embedding %d) -> %s", meta["vocab_size"], meta["padded_vocab_size"], output_dir
     )
@@ -182,27 +187,47 @@ def train_tokenizer(
 
 @dataclass
 class TokenizerConfig:
-    vocab_size: int = 100_015  # including the special tokens (DeepSeek LLM: 100000 + 15)
+    spec: str = BUNDLED  # bundled | deepseek_llm | deepseek_v3 (conf/data_pipeline/tokenizer/<preset>.yaml)
+    vocab_size: int = 100_015  # BPE tokens to learn, including the spec's in-vocabulary added tokens
     padded_vocab_size: int | None = 102_400  # embedding rows; null: rounded up to a multiple of 128
-    special_tokens: list[str] | None = None  # null: DeepSeek LLM's 15 (bos, eos, pad first)
+    special_tokens: list[str] | None = None  # spec=bundled only; null: DeepSeek's 15 (bos, eos, pad first)
     max_bytes: int | None = 1_000_000_000  # training sample (memory grows with distinct pre-tokens)
+    path: str | None = None
+    """A ready tokenizer directory (a model's release, or an earlier run's ``tokenizer/``): packing
+    uses it as it is and copies it to ``output_dir/tokenizer``; nothing is trained."""
 
     def validate(self) -> TokenizerConfig:
-        specials = 15 if self.special_tokens is None else len(self.special_tokens)
+        if self.spec not in SPEC_NAMES:
+            raise ConfigError(f"tokenizer.spec={self.spec!r} is not one of {list(SPEC_NAMES)}")
+        if self.special_tokens is not None and self.spec != BUNDLED:
+            raise ConfigError(f"tokenizer.special_tokens applies to tokenizer.spec=bundled only: {self.spec} "
+                              "carries the released added tokens; set tokenizer.special_tokens=null")
         if self.special_tokens is not None and len(self.special_tokens) < 3:
             raise ConfigError("tokenizer.special_tokens must start with bos, eos and pad (at least 3)")
+        spec = tokenizer_spec(self.spec, self.special_tokens)
+        specials = len(spec.in_vocab_tokens)
         if self.vocab_size < 256 + specials:
             raise ConfigError(
                 f"tokenizer.vocab_size={self.vocab_size} must be at least 256 bytes + {specials} specials"
             )
-        if self.padded_vocab_size is not None and self.padded_vocab_size < self.vocab_size:
+        if spec.bpe_vocab_size is not None and self.vocab_size > spec.bpe_vocab_size:
+            raise ConfigError(f"tokenizer.vocab_size={self.vocab_size} is above {spec.name}'s BPE vocabulary "
+                              f"({spec.bpe_vocab_size}), where its added tokens take their released ids")
+        total = max(self.vocab_size, spec.bpe_vocab_size or 0, *(t["id"] + 1 for t in spec.added_tokens))
+        if self.padded_vocab_size is not None and self.padded_vocab_size < total:
             raise ConfigError(
-                f"tokenizer.padded_vocab_size={self.padded_vocab_size} is below tokenizer.vocab_size={self.vocab_size}"
+                f"tokenizer.padded_vocab_size={self.padded_vocab_size} is below the {total} tokens of "
+                f"tokenizer.spec={self.spec} with tokenizer.vocab_size={self.vocab_size}"
             )
         if self.max_bytes is not None and self.max_bytes <= 0:
             raise ConfigError(
                 f"tokenizer.max_bytes={self.max_bytes} must be positive, or null for everything"
             )
+        if self.path is not None:
+            try:
+                check_tokenizer_dir(self.path, "tokenizer.path")
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
         return self
 
 
@@ -222,7 +247,7 @@ def train_unit(ctx: Any, unit: int) -> dict[str, Any]:
         _kept_texts(ctx.output_dir / "kept", ctx.num_shards, counter),
         cfg.vocab_size,
         ctx.output_dir / TOKENIZER_DIR,
-        special_tokens=cfg.special_tokens or DEEPSEEK_SPECIAL_TOKENS,
+        spec=tokenizer_spec(cfg.spec, cfg.special_tokens),
         max_bytes=cfg.max_bytes,
         embedding_size=cfg.padded_vocab_size,
     )
@@ -244,4 +269,7 @@ class TrainTokenizer(Stage):
     after_finalize = True
 
     def steps(self) -> list[Step]:
+        if self.config.path is not None:
+            raise ConfigError(f"tokenizer.path={self.config.path} is a ready tokenizer: drop train_tokenizer "
+                              "from stages (tokenize_pack packs with it as it is)")
         return [self.step(train_unit, units=1)]

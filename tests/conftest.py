@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,12 @@ CONF = ROOT / "conf"
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Every recipe the tests run (subprocesses inherit this) builds its tokenizer and shards afresh in a
+# session cache, so a regression in tokenizer training or packing cannot hide behind the
+# repository's warm .cache/ (set DSL_LIT_CACHE_ROOT yourself to reuse one between sessions).
+if "DSL_LIT_CACHE_ROOT" not in os.environ:
+    os.environ["DSL_LIT_CACHE_ROOT"] = tempfile.mkdtemp(prefix="dsl_lit_test_cache_")
+    atexit.register(shutil.rmtree, os.environ["DSL_LIT_CACHE_ROOT"], ignore_errors=True)
 
 
 def compose_config(name: str = "pretrain", overrides: list[str] | None = None) -> DictConfig:

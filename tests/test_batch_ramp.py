@@ -5,10 +5,13 @@ from __future__ import annotations
 import math
 
 import pytest
+from tokenizers import Tokenizer
 
 from dsl_lit.config.data import BatchRampConfig, BatchSchedule
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.optim import ScheduleConfig
+from dsl_lit.data.format import FIM_BEGIN_TOKEN
+from dsl_lit.data.packed import PackedTokens
 from dsl_lit.data.sampler import GlobalBatchSampler
 from dsl_lit.optim.schedules import schedule_multiplier
 from tests.test_pretrain_e2e import losses, metric, run_recipe
@@ -73,21 +76,31 @@ def test_deepseek_v3_lr_schedule_in_tokens():
             assert lr(step) == 0.03
 
 
-RUN = ["logger=csv", "trainer.accelerator=cpu", "checkpoint.every_minutes=0", "checkpoint.async_save=false",
+RUN = ["logger=csv", "trainer.accelerator=cpu", "data.fim_rate=0.5", "data.fim_spm_rate=0.5", "checkpoint.every_minutes=0", "checkpoint.async_save=false",
        "data.global_batch_size=16", "data.micro_batch_size=2", "data.batch_ramp.start=4", "data.batch_ramp.increment=4",
        "data.batch_ramp.tokens=2560", "schedule=deepseek_v3_tokens", "schedule.stable_tokens=5000",
        "schedule.decay_tokens=3000", "schedule.tail_tokens=1000", "schedule.warmup_steps=2"]
 
 
 @pytest.mark.slow
-def test_ramp_resumes_mid_ramp_under_another_layout_with_the_uninterrupted_losses(tmp_path):
+def test_ramp_fim_and_v3_schedule_resume_mid_ramp_under_another_layout_exactly(tmp_path):
+    """A tiny V3 pretraining with DeepSeek-V3's recipe: batch ramp, FIM (half the documents, in
+    their own data cache), the token-counted lr schedule; stopped inside the ramp and resumed on
+    two processes with the uninterrupted run's losses."""
+    cache = f"data.cache_dir={tmp_path / 'fim_cache'}"
     full = tmp_path / "full"
-    run_recipe(full, *RUN, "trainer.max_steps=8", "checkpoint.every_n_steps=100")
+    run_recipe(full, *RUN, cache, "trainer.max_steps=8", "checkpoint.every_n_steps=100")
+    shards = PackedTokens(tmp_path / "fim_cache" / "shards")
+    assert shards.meta["fim"] == {"rate": 0.5, "spm_rate": 0.5, "seed": 1234}
+    fim_begin = Tokenizer.from_file(str(tmp_path / "fim_cache" / "tokenizer" / "tokenizer.json")).token_to_id(
+        FIM_BEGIN_TOKEN)
+    share = int((shards.window(0, len(shards)) == fim_begin).sum()) / shards.num_documents
+    assert 0.45 < share < 0.55, share  # 1,625+ documents at rate 0.5
     sizes = {step: float(v) for step, v in metric(full, "train/global_batch_size").items()}
     assert [sizes[s] for s in range(8)] == [4, 4, 4, 8, 12, 16, 16, 16]  # 40 ramp samples, 4 stages
     split = tmp_path / "split"
-    run_recipe(split, *RUN, "trainer.max_steps=3", "checkpoint.every_n_steps=3")  # stops inside the ramp
-    run_recipe(split, *RUN, "trainer.max_steps=8", "checkpoint.every_n_steps=100", "trainer.devices=2")
+    run_recipe(split, *RUN, cache, "trainer.max_steps=3", "checkpoint.every_n_steps=3")  # stops inside the ramp
+    run_recipe(split, *RUN, cache, "trainer.max_steps=8", "checkpoint.every_n_steps=100", "trainer.devices=2")
     resumed, uninterrupted = losses(split), losses(full)
     for step in range(3):
         assert resumed[step] == uninterrupted[step]

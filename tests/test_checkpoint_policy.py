@@ -36,10 +36,10 @@ from tests.conftest import compose_config
 FILES = ("shards", "trainer_state.pt", "config.yaml", "meta.json")
 
 
-def _module(steps: int) -> PretrainModule:
+def _module(steps: int, optim: OptimConfig | None = None, schedule: ScheduleConfig | None = None) -> PretrainModule:
     cfg = ModelConfig.from_name("deepseek_llm_tiny", vocab_size=128, n_layers=2, d_model=64, n_heads=4,
                                 n_kv_heads=2, ffn_hidden=96)
-    return PretrainModule(cfg, OptimConfig(lr=1e-2), ScheduleConfig(name="constant", warmup_steps=0),
+    return PretrainModule(cfg, optim or OptimConfig(lr=1e-2), schedule or ScheduleConfig(name="constant", warmup_steps=0),
                           micro_batch_size=8, total_steps=steps)
 
 

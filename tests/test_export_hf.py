@@ -17,7 +17,8 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dsl_lit.checkpoint.sharded import read_full_tensors
 from dsl_lit.config.errors import ConfigError
@@ -103,6 +104,12 @@ def test_export_loads_in_transformers_with_our_logits(checkpoint: Path, tmp_path
     else:
         assert config["architectures"] == ["LlamaForCausalLM"]
     assert not list(tmp_path.glob(".tmp-*"))  # written beside the output, then renamed into place
+    # the run's tokenizer travels with the weights: AutoTokenizer gives the ids we trained on
+    text = "And God said, Let there be light: and there was light. 1234"
+    cache = yaml.safe_load((checkpoint / "config.yaml").read_text())["data"]["cache_dir"]
+    ours_tok = Tokenizer.from_file(str(Path(cache) / "tokenizer" / "tokenizer.json"))
+    assert AutoTokenizer.from_pretrained(out)(text, add_special_tokens=False)["input_ids"] == ours_tok.encode(
+        text, add_special_tokens=False).ids
 
 
 def test_export_ema_weights(checkpoint: Path, tmp_path: Path) -> None:

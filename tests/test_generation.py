@@ -7,10 +7,8 @@ import functools
 import pytest
 import torch
 
-import dsl_lit.posttrain.generation as generation
-from dsl_lit.models import ModelConfig, build_model
-from dsl_lit.models.common.kv_cache import KVCache
-from dsl_lit.posttrain.generation import (
+import dsl_lit.inference.generation as generation
+from dsl_lit.inference.generation import (
     filter_logits,
     generate,
     positions_from_mask,
@@ -18,6 +16,8 @@ from dsl_lit.posttrain.generation import (
     top_k_mask,
     top_p_mask,
 )
+from dsl_lit.models import ModelConfig, build_model
+from dsl_lit.models.common.kv_cache import KVCache
 
 PRESETS = ["deepseek_llm_tiny", "deepseek_v3_tiny"]
 VOCAB = 512

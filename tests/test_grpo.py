@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsl_lit.inference.generation import generate, positions_from_mask
 from dsl_lit.models import ModelConfig, build_model
-from dsl_lit.posttrain.generation import generate, positions_from_mask
 from dsl_lit.posttrain.logps import token_logps
 from dsl_lit.posttrain.module import shifted_completion
 

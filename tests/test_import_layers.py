@@ -59,3 +59,16 @@ def test_models_import_no_upper_layer():
     for path in (SRC / "models").rglob("*.py"):
         bad = sorted(m for m in _imports(path) if m.startswith(upper))
         assert not bad, f"{path.relative_to(SRC)} imports {bad}"
+
+
+def test_inference_and_training_import_no_upper_layer():
+    """Generation serves post-training, evaluation and the training loop: it imports only the
+    models; training (and evaluation) never import post-training."""
+    for path in (SRC / "inference").rglob("*.py"):
+        bad = sorted(m for m in _imports(path) if m.startswith("dsl_lit") and not m.startswith(
+            ("dsl_lit.inference", "dsl_lit.models", "dsl_lit.config")))
+        assert not bad, f"{path.relative_to(SRC)} imports {bad}"
+    for package in ("training", "evaluation"):
+        for path in (SRC / package).rglob("*.py"):
+            bad = sorted(m for m in _imports(path) if m.startswith(("dsl_lit.posttrain", "dsl_lit.evaluation.cli")))
+            assert not bad, f"{path.relative_to(SRC)} imports {bad}"

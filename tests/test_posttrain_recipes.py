@@ -147,3 +147,36 @@ def test_distill_samples_on_two_processes_what_one_draws(sft_run, tmp_path):
     student = rows(run_dir)
     assert sorted(student) == [0, 1, 2] and student[2]["train/loss"] < student[0]["train/loss"]
     assert "n_layers: 1" in (run_dir / "resolved_config.yaml").read_text()  # the student's architecture
+
+
+@pytest.mark.slow
+def test_rejection_sample_recipe_from_a_hugging_face_directory(sft_run, tmp_path):
+    """recipes/rejection_sample.py with init_from=<an HF export of the SFT run>: the samples it
+    keeps are exactly what the library draws from the same weights."""
+    from dsl_lit.hf.export import export
+
+    hf_dir = export(sft_run, tmp_path / "hf")
+    run_dir = tmp_path / "rejection"
+    run("rejection_sample", run_dir, f"init_from={hf_dir}", "rejection.num_prompts=16", "rejection.batch_prompts=8",
+        "rejection.min_reward=0.5", "rejection.keep_per_prompt=2")
+    raw = yaml.safe_load((run_dir / "resolved_config.yaml").read_text())
+    post = PostTrainConfig.from_raw(raw)
+    teacher, _ = load_pretrained(hf_dir)
+    train, _ = arithmetic.split(post.task)
+    expected, stats = rejection_sample(teacher.eval(), ChatTokenizer.from_dir(post.tokenizer_dir),
+                                       train[: post.rejection.num_prompts], arithmetic.prompt, post.rejection,
+                                       seed=raw["trainer"]["seed"])
+    written = [json.loads(line) for line in (run_dir / post.rejection.output).read_text().splitlines()]
+    assert written == expected and stats.kept == len(written)
+
+
+@pytest.mark.slow
+def test_grpo_cold_start_then_rl_from_a_random_model(tmp_path):
+    """recipes/grpo.py with no init_from: R1's cold-start SFT runs first as its own run, then GRPO
+    starts from its last checkpoint."""
+    run_dir = tmp_path / "grpo"
+    run("grpo", run_dir, "+model.n_layers=1", "grpo.cold_start_steps=3", *GRPO, "trainer.max_steps=1")
+    cold = run_dir / "cold_start"
+    assert sorted(rows(cold)) == [0, 1, 2] and (cold / "checkpoints" / "step-3" / "meta.json").is_file()
+    assert f"init_from: {cold}" in (run_dir / "resolved_config.yaml").read_text()
+    assert sorted(rows(run_dir)) == [0]

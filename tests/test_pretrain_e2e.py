@@ -22,13 +22,14 @@ SMALL = [
 ]
 
 
-def run_recipe(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+def run_recipe(run_dir: Path, *overrides: str, succeed: bool = True) -> subprocess.CompletedProcess:
+    """The pretrain recipe in a subprocess; asserts it exits 0 (``succeed=False``: that it does not)."""
     result = subprocess.run(
         [sys.executable, str(ROOT / "recipes" / "pretrain.py"), *SMALL, f"hydra.run.dir={run_dir}", *overrides],
         capture_output=True, text=True, cwd=ROOT, timeout=600,
         env={**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"},
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert (result.returncode == 0) == succeed, result.stderr[-3000:]
     return result
 
 

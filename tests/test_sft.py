@@ -4,9 +4,20 @@ starts DPO in tests/test_dpo.py's style)."""
 
 from __future__ import annotations
 
+import csv
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+from data_pipeline.sources import load_documents
+from data_pipeline.train_tokenizer import tokenizer_spec, train_tokenizer
 from dsl_lit.config import TrainConfig
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.config.posttrain import TaskConfig
@@ -14,16 +25,17 @@ from dsl_lit.data.arithmetic import problems
 from dsl_lit.data.chat import ChatTokenizer
 from dsl_lit.data.conversations import task_conversations
 from dsl_lit.data.datamodule import PretrainDataModule
+from dsl_lit.data.format import ASSISTANT_TOKEN, USER_TOKEN
 from dsl_lit.data.sft import IGNORE, document, packed_rows, padded_rows, sft_rows
 from dsl_lit.models import ModelConfig
 from dsl_lit.ops import cross_entropy
 from dsl_lit.posttrain import SFTModule
-from tests.conftest import compose_config
+from tests.conftest import ROOT, compose_config
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> ChatTokenizer:
-    """The bundled corpus's tokenizer (the recipes' default), built into .cache/ on first use."""
+    """The bundled corpus's tokenizer (the recipes' default), built in the session's data cache on first use."""
     datamodule = PretrainDataModule(TrainConfig.from_hydra(compose_config()).data)
     datamodule.prepare_data()
     return ChatTokenizer.from_dir(datamodule.tokenizer_dir)
@@ -39,10 +51,15 @@ CONVERSATION = [
 
 
 def test_chat_template_and_prompt_masking(tokenizer):
+    """The bundled tokenizer has no template of its own: DeepSeek's format, turn by turn."""
+    assert not tokenizer.has_own_template
     encoded = tokenizer.encode_conversation(CONVERSATION)
     ids, trained = encoded.ids, encoded.trained
-    assert ids[0] == tokenizer.bos_id and ids.count(tokenizer.user_id) == 2 and ids.count(tokenizer.assistant_id) == 2
-    assert ids.count(tokenizer.eos_id) == 2 and ids[-1] == tokenizer.eos_id
+    user, assistant = (tokenizer.tokenizer.token_to_id(t) for t in (USER_TOKEN, ASSISTANT_TOKEN))
+    text = tokenizer.encode_text
+    assert ids == ([tokenizer.bos_id] + text("You are terse.") + [user] + text("What is 2 + 3?") + [assistant]
+                   + text(CONVERSATION[2]["content"]) + [tokenizer.eos_id] + [user] + text("And times 2?")
+                   + [assistant] + text(CONVERSATION[4]["content"]) + [tokenizer.eos_id])
     # R1's tags are single special tokens
     think = tokenizer.tokenizer.token_to_id("<think>")
     assert ids.count(think) == 2 and think in tokenizer.encode_text("<think>")
@@ -54,11 +71,13 @@ def test_chat_template_and_prompt_masking(tokenizer):
     inputs, labels = document(encoded, seq_len=512)
     assert inputs == ids[:-1] and len(labels) == len(inputs)
     assert [t for t in labels if t != IGNORE] == [i for i, t in zip(ids[1:], trained[1:]) if t]
-    assert labels[ids.index(tokenizer.assistant_id) - 1] == IGNORE  # the user's turn is masked
+    assert labels[ids.index(assistant) - 1] == IGNORE  # the user's turn is masked
     prompt = tokenizer.encode_prompt(CONVERSATION[:2])
-    assert prompt[-1] == tokenizer.assistant_id and ids[: len(prompt)] == prompt
+    assert prompt[-1] == assistant and ids[: len(prompt)] == prompt
     with pytest.raises(ValueError, match="role"):
         tokenizer.encode_conversation([{"role": "robot", "content": "hi"}])
+    with pytest.raises(ValueError, match="message 1 has role system"):
+        tokenizer.encode_conversation([CONVERSATION[1], CONVERSATION[0]])
 
 
 def test_packing_layout():
@@ -112,3 +131,149 @@ def test_generated_task_is_deterministic_and_valid():
     for p in first:
         a, op, b = p["question"].split()
         assert int(p["answer"]) == (int(a) + int(b) if op == "+" else int(a) * int(b))
+
+
+# -- released tokenizers: their own chat template ---------------------------------------------------
+
+DEEPSEEK_LLM_CHAT = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+                     "{{ 'User: ' + message['content'] + '\n\n' }}{% elif message['role'] == 'assistant' %}"
+                     "{{ 'Assistant: ' + message['content'] + eos_token }}{% endif %}{% endfor %}"
+                     "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+"""A template whose generation prompt stops before the space the reply starts with (DeepSeek LLM
+chat's shape): the reply's first token straddles the boundary and is the assistant's."""
+
+DROPS_EARLIER_REASONING = ("{{ bos_token }}{% for message in messages %}{% set content = message['content'] %}"
+                           "{% if message['role'] == 'user' %}{{ '<｜User｜>' + content }}"
+                           "{% elif message['role'] == 'assistant' %}{% if not loop.last and '</think>' in content %}"
+                           "{% set content = content.split('</think>')[-1] %}{% endif %}"
+                           "{{ '<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>' }}{% endif %}{% endfor %}"
+                           "{% if add_generation_prompt %}{{ '<｜Assistant｜><think>\n' }}{% endif %}")
+"""R1's convention: the reasoning of earlier assistant turns is not shown to later ones."""
+
+MULTI_TURN = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "system", "content": "Answer in English."},
+    {"role": "user", "content": "What is 12 * 13?"},
+    {"role": "assistant", "content": "<think>12 * 13 = 156</think>It is 156."},
+    {"role": "user", "content": "Und auf Deutsch? 中文呢？"},
+    {"role": "assistant", "content": "<think>\nTranslate.\n</think>\n\nHundertsechsundfünfzig: 一百五十六。"},
+]
+
+
+@pytest.fixture(scope="module")
+def v3_dir(tmp_path_factory) -> Path:
+    """A tokenizer with DeepSeek-V3's released spec (600 learned tokens), shaped like a model
+    repository's: tokenizer.json and tokenizer_config.json with V3's chat template, no meta.json."""
+    texts = load_documents(sorted((ROOT / "data" / "corpus").glob("*.jsonl.gz")),
+                           cache_dir=tmp_path_factory.mktemp("hf"))["text"]
+    trained = train_tokenizer(texts, 600, tmp_path_factory.mktemp("v3") / "tok", spec=tokenizer_spec("deepseek_v3"),
+                              max_bytes=300_000)
+    release = tmp_path_factory.mktemp("release")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(trained / name, release / name)
+    return release
+
+
+def _with_template(v3_dir: Path, tmp_path: Path, template: str) -> Path:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(v3_dir / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    return tmp_path
+
+
+def _check_against_transformers(directory: Path, conversation: list[dict], trained_text: str) -> None:
+    """Our ids are transformers' apply_chat_template ids, and exactly ``trained_text`` is trained on."""
+    from transformers import AutoTokenizer
+
+    ours, theirs = ChatTokenizer.from_dir(directory), AutoTokenizer.from_pretrained(directory)
+    assert ours.has_own_template
+    encoded = ours.encode_conversation(conversation)
+    assert encoded.ids == list(theirs.apply_chat_template(conversation, tokenize=True, return_dict=False))
+    trained = [i for i, t in zip(encoded.ids, encoded.trained) if t]
+    assert ours.tokenizer.decode(trained, skip_special_tokens=False) == trained_text
+    prompt = conversation[: max(i for i, m in enumerate(conversation) if m["role"] == "user") + 1]
+    expected = theirs.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert ours.encode_prompt(prompt) == list(expected)
+
+
+def test_v3_chat_template_rows_equal_transformers(v3_dir):
+    eos = "<｜end▁of▁sentence｜>"
+    _check_against_transformers(v3_dir, MULTI_TURN, MULTI_TURN[3]["content"] + eos + MULTI_TURN[5]["content"] + eos)
+    single = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    _check_against_transformers(v3_dir, single, "Hello!" + eos)
+    tokenizer = ChatTokenizer.from_dir(v3_dir)
+    ids = tokenizer.encode_conversation(single).ids
+    assert ids[0] == 0 and ids[-1] == tokenizer.eos_id == tokenizer.pad_id == 1  # V3: pad is the eos
+    assert 128803 in ids and 128804 in ids  # <｜User｜>, <｜Assistant｜>: one id each
+    assert tokenizer.vocab_size == 128815
+    # the task's R1-format replies keep their reasoning under V3's template
+    rows = sft_rows([tokenizer.encode_conversation(c) for c in task_conversations(TaskConfig(num_problems=40))[:4]],
+                    seq_len=128, pad_id=tokenizer.pad_id, packing=True)
+    targets = rows["labels"][rows["labels"] != IGNORE].tolist()
+    assert "<think>" in tokenizer.tokenizer.decode(targets) and targets.count(1) == 4
+
+
+def test_template_that_drops_earlier_reasoning_trains_on_what_it_shows(v3_dir, tmp_path):
+    directory = _with_template(v3_dir, tmp_path, DROPS_EARLIER_REASONING)
+    eos = "<｜end▁of▁sentence｜>"
+    _check_against_transformers(directory, MULTI_TURN[2:], "It is 156." + eos + MULTI_TURN[5]["content"] + eos)
+
+
+def test_reply_token_straddling_the_generation_prompt_is_trained(v3_dir, tmp_path):
+    directory = _with_template(v3_dir, tmp_path, DEEPSEEK_LLM_CHAT)
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}]
+    _check_against_transformers(directory, conversation, " Hello there.<｜end▁of▁sentence｜>")
+
+
+def test_a_model_smaller_than_the_tokenizer_fails_naming_both(v3_dir, tmp_path):
+    from dsl_lit.config.errors import ConfigError
+    from dsl_lit.posttrain.run import setup_posttrain
+
+    cfg = compose_config("sft", [f"tokenizer_dir={v3_dir}", "+model.vocab_size=8192", "logger=csv"])
+    with pytest.raises(ConfigError, match=r"128815 token ids but model\.vocab_size=8192.*129280|128815.*8192"):
+        setup_posttrain(cfg, str(tmp_path / "run"))
+
+
+@pytest.mark.slow
+def test_sft_recipe_with_a_released_tokenizer_and_its_template(v3_dir, tmp_path):
+    """recipes/sft.py with tokenizer_dir=<a V3-style release>: rows through V3's chat template, the
+    model embedding its 129280 rows; the bundled data is never built for it."""
+    run_dir = tmp_path / "sft"
+    overrides = [f"hydra.run.dir={run_dir}", f"tokenizer_dir={v3_dir}", "+model.vocab_size=129280", "logger=csv",
+                 "trainer.max_steps=4", "trainer.log_every_n_steps=1", "trainer.progress_bar=false",
+                 "checkpoint.every_n_steps=0", "checkpoint.every_minutes=0", "task.num_problems=100",
+                 "data.seq_len=64", "data.global_batch_size=4", "data.micro_batch_size=2",
+                 f"data.cache_dir={tmp_path / 'never_built'}"]
+    result = subprocess.run([sys.executable, str(ROOT / "recipes" / "sft.py"), *overrides], capture_output=True,
+                            text=True, cwd=ROOT, timeout=600, env={**os.environ, "WANDB_MODE": "offline"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    with (run_dir / "metrics.csv").open() as f:
+        losses = [float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    assert not (tmp_path / "never_built").exists()
+
+
+def test_v3_tool_calls_are_the_assistants_and_tool_outputs_are_not(v3_dir):
+    """V3's template renders an assistant message without content as its tool calls. (transformers 5
+    drops None-valued keys before rendering, which V3's template cannot render, so the text is
+    checked against the template's literal output here.)"""
+    calls = [{"type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": c})}}
+             for c in ("Paris", "Rome")]
+    conversation = [{"role": "user", "content": "Weather in Paris and Rome?"},
+                    {"role": "assistant", "content": None, "tool_calls": calls},
+                    {"role": "tool", "content": "18C"}, {"role": "tool", "content": "24C"},
+                    {"role": "assistant", "content": "Paris 18C, Rome 24C."}]
+    tokenizer = ChatTokenizer.from_dir(v3_dir)
+    call = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{{\"city\": \"{}\"}}\n```<｜tool▁call▁end｜>"
+    replies = ["<｜tool▁calls▁begin｜>" + call.format("Paris") + "\n" + call.format("Rome")
+               + "<｜tool▁calls▁end｜><｜end▁of▁sentence｜>", "Paris 18C, Rome 24C.<｜end▁of▁sentence｜>"]
+    outputs = "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>18C<｜tool▁output▁end｜>\n<｜tool▁output▁begin｜>24C" \
+              "<｜tool▁output▁end｜><｜tool▁outputs▁end｜>"
+    text = tokenizer.template.render(conversation)
+    assert text == ("<｜begin▁of▁sentence｜><｜User｜>Weather in Paris and Rome?<｜Assistant｜>" + replies[0] + outputs
+                    + replies[1])
+    encoded = tokenizer.encode_conversation(conversation)
+    assert encoded.ids == tokenizer.encode_text(text)
+    trained = [i for i, t in zip(encoded.ids, encoded.trained) if t]
+    assert tokenizer.tokenizer.decode(trained, skip_special_tokens=False) == "".join(replies)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dsl_lit.inference.generation import generate
 from dsl_lit.models import ModelConfig, build_model
-from dsl_lit.posttrain.generation import generate
 
 CFG = dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
            qk_rope_head_dim=8, v_head_dim=16, ffn_hidden=128, n_routed_experts=4, n_activated_experts=2,

@@ -132,3 +132,27 @@ def test_training_is_deterministic_and_atomic(corpus_texts: list[str], tmp_path:
         "tokenizer.json",
         "tokenizer_config.json",
     ]
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"spec": "gpt2"}, r"tokenizer\.spec='gpt2' is not one of \['bundled', 'deepseek_llm', 'deepseek_v3'\]"),
+        ({"spec": "deepseek_v3", "vocab_size": 130_000}, r"tokenizer\.vocab_size=130000 is above deepseek_v3's"),
+        ({"spec": "deepseek_llm", "special_tokens": ["<a>", "<b>", "<c>"]}, r"tokenizer\.special_tokens applies"),
+        ({"spec": "deepseek_v3", "vocab_size": 128000, "padded_vocab_size": 128896}, None),
+        ({"spec": "deepseek_v3", "vocab_size": 128000, "padded_vocab_size": 128512}, r"below the 128815 tokens"),
+        ({"spec": "deepseek_llm", "vocab_size": 200}, r"tokenizer\.vocab_size=200 must be at least 256"),
+        ({"path": "/nonexistent/DeepSeek-V3"}, r"tokenizer\.path=/nonexistent/DeepSeek-V3 has no tokenizer\.json"),
+    ],
+)
+def test_tokenizer_settings_are_checked_naming_the_field(settings: dict, message: str | None) -> None:
+    from data_pipeline.train_tokenizer import TokenizerConfig
+    from dsl_lit.config.errors import ConfigError
+
+    config = TokenizerConfig(**{"padded_vocab_size": None, **settings})
+    if message is None:
+        config.validate()
+        return
+    with pytest.raises(ConfigError, match=message):
+        config.validate()

@@ -3,21 +3,28 @@ only read checkpoints, such as the HF export, start fast).
 
 ``step-<N>/``: ``shards/*.safetensors`` (every tensor, each rank's shards), ``trainer_state.pt``
 (the plain rest), ``config.yaml`` (the resolved run config) and ``meta.json`` (written last: the
-step, and every file with its size).
+step, and every file with its size and checksum, :mod:`dsl_lit.checkpoint.integrity`).
 """
 
 from __future__ import annotations
 
 import json
+import pickle
 import zipfile
 from pathlib import Path
+from typing import Any
 
+import torch
 from safetensors import safe_open
 
 SHARDS = "shards"
 STATE = "trainer_state.pt"
 CONFIG = "config.yaml"
 META = "meta.json"
+
+
+class CorruptCheckpoint(Exception):
+    """A checkpoint directory that cannot be resumed from; the message names the file and why."""
 
 
 def file_sizes(root: Path) -> dict[str, int]:
@@ -64,3 +71,18 @@ def checkpoint_problem(path: Path) -> str | None:
     return None
 
 
+def load_plain_state(checkpoint: Path) -> dict[str, Any]:
+    """``trainer_state.pt`` read with ``torch.load(weights_only=True)``, the only way we ever read it.
+
+    A corrupt file raises :class:`CorruptCheckpoint` with our own message: torch's for a failed
+    weights-only load suggests retrying with ``weights_only=False``, which would unpickle whatever
+    code the file holds, so it is never shown (nor chained)."""
+    path = checkpoint / STATE
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        reason = "it is corrupt, or holds objects other than tensors and plain values"
+    except Exception as err:  # torch raises RuntimeError, EOFError, ... for a broken zip
+        text = str(err).splitlines()[0] if str(err) else type(err).__name__
+        reason = "it is corrupt" if "weights_only" in text else f"it is corrupt ({text})"
+    raise CorruptCheckpoint(f"{STATE} does not load as a weights-only torch file: {reason}")

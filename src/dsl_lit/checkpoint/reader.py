@@ -15,7 +15,16 @@ from typing import Any
 import torch
 import yaml
 
-from dsl_lit.checkpoint.files import CONFIG, META, SHARDS, STATE, checkpoint_problem
+from dsl_lit.checkpoint.files import (
+    CONFIG,
+    META,
+    SHARDS,
+    STATE,
+    CorruptCheckpoint,
+    checkpoint_problem,
+    load_plain_state,
+)
+from dsl_lit.checkpoint.integrity import checksum_problem
 from dsl_lit.checkpoint.sharded import read_full_tensors
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.hf.io import adapter_for_family, load_into_meta_model, resolve_dtype, tied_groups
@@ -54,12 +63,15 @@ def find_checkpoint(path: str | Path) -> Path:
                 f"checkpoint={path} is not a complete checkpoint: {problem} (meta.json is written last, so "
                 "this save was interrupted or is still running); pick another step"
             )
+        problem = checksum_problem(directory)
+        if problem is not None:
+            raise FileNotFoundError(f"checkpoint={path} is corrupt: {problem}; pick another step")
         return directory
     # Imported here: it imports Lightning (seconds), which exporting one step directory does not need.
     from dsl_lit.checkpoint.directory import latest_checkpoint
 
     root = directory / "checkpoints" if (directory / "checkpoints").is_dir() else directory
-    latest = latest_checkpoint(root)
+    latest = latest_checkpoint(root, verify=True)
     if latest is None:
         raise FileNotFoundError(
             f"checkpoint={path} is not a checkpoint directory (checkpoints/step-<N>/ holding "
@@ -99,8 +111,10 @@ def read_model_weights(checkpoint: Path) -> StateDict:
 
 def read_ema(checkpoint: Path) -> tuple[StateDict, float]:
     """The EMA that ``dsl_lit.training.callbacks.ema.EMACallback`` saved, and its decay."""
-    path = checkpoint / STATE
-    state = torch.load(path, map_location="cpu", weights_only=True)  # weights_only: no code is unpickled
+    try:
+        state = load_plain_state(checkpoint)
+    except CorruptCheckpoint as err:
+        raise ConfigError(f"weights=ema: {checkpoint}: {err}") from None
     callbacks: dict[str, Any] = state.get("callbacks") or {}
     found = [(k, v) for k, v in callbacks.items() if "EMACallback" in str(k) and isinstance(v, dict)]
     ema = read_full_tensors(checkpoint / SHARDS, prefix=f"callbacks/{found[0][0]}/ema/") if found else {}

@@ -112,23 +112,26 @@ def saved_tensors(directory: Path) -> dict[str, TensorStorageMetadata]:
     return dict(metadata.state_dict_metadata)
 
 
+def missing_tensors(template: dict[str, torch.Tensor], directory: Path) -> list[str]:
+    """The keys of ``template`` that the checkpoint under ``directory`` lacks (read from the
+    safetensors headers only); ValueError for a tensor saved with another shape."""
+    saved = saved_tensors(directory)
+    for key, tensor in template.items():
+        if key in saved and tuple(tensor.shape) != tuple(saved[key].size):
+            raise ValueError(
+                f"{key} has shape {tuple(saved[key].size)} in the checkpoint but {tuple(tensor.shape)} in this run"
+            )
+    return [k for k in template if k not in saved]
+
+
 def load_shards(
     template: dict[str, torch.Tensor], directory: Path, process_group: dist.ProcessGroup | None = None,
-) -> list[str]:
-    """Fill the tensors of ``template`` in place (DTensors get just their shards) from ``directory``;
-    the template's keys that the checkpoint lacks are left alone and returned."""
-    saved = saved_tensors(directory)
-    missing = [k for k in template if k not in saved]
-    present = {k: v for k, v in template.items() if k in saved}
-    for key, tensor in present.items():
-        if tuple(tensor.shape) != tuple(saved[key].size):
-            raise ValueError(
-                f"{directory}: {key} has shape {tuple(saved[key].size)} in the checkpoint but "
-                f"{tuple(tensor.shape)} in this run; resume with the model config it was saved with"
-            )
-    dcp.load(present, storage_reader=HuggingFaceStorageReader(str(directory)), planner=DefaultLoadPlanner(),
+) -> None:
+    """Fill the tensors of ``template`` in place (DTensors get just their shards) from ``directory``,
+    which holds every one of them (:func:`missing_tensors` says which it lacks). A collective: an
+    error on any rank raises DCP's ``CheckpointException`` on every rank."""
+    dcp.load(template, storage_reader=HuggingFaceStorageReader(str(directory)), planner=DefaultLoadPlanner(),
              process_group=process_group, no_dist=_no_dist(process_group))
-    return missing
 
 
 def read_full_tensors(directory: Path, prefix: str = "") -> dict[str, torch.Tensor]:

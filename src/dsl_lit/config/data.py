@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,12 +104,20 @@ class DataConfig:
     cache_dir: str  # the tokenizer and the packed shards are built here, once per corpus content
     tokenizer_vocab_size: int = 8192
     tokenizer_max_bytes: int | None = None
+    tokenizer_dir: str | None = None
+    """A ready tokenizer directory (a model's release: tokenizer.json + tokenizer_config.json) the
+    corpus is packed with instead of training one (``tokenizer_vocab_size``/``max_bytes`` unused)."""
     seq_len: int = 256
     global_batch_size: int = 32
     micro_batch_size: int = 8
     num_workers: int = 0
     seed: int = 1234
     batch_ramp: BatchRampConfig = field(default_factory=BatchRampConfig)
+    fim_rate: float = 0.0
+    """Share of documents packed as fill-in-the-middle (DeepSeek-V3: 0.1), Prefix-Suffix-Middle with
+    the tokenizer's FIM tokens, drawn per document from ``seed`` when the shards are built."""
+    fim_spm_rate: float = 0.0
+    """Share of the FIM documents in the Suffix-Prefix-Middle order instead."""
     val_windows: int = 0
     """Windows at the end of the packed stream held out for validation (never trained on),
     validated in whole global batches (``val_windows // global_batch_size`` of them)."""
@@ -161,8 +170,25 @@ class DataConfig:
             )
         if not self.cache_dir:
             raise ConfigError("data.cache_dir is empty: give a directory for the tokenizer and shards")
+        if self.tokenizer_dir and not (Path(self.tokenizer_dir) / "tokenizer.json").is_file():
+            raise ConfigError(f"data.tokenizer_dir={self.tokenizer_dir} has no tokenizer.json: point it at a "
+                              "tokenizer directory (a model's Hugging Face directory), or null to train one")
         self.batch_schedule.validate(step)
+        for name in ("fim_rate", "fim_spm_rate"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"data.{name}={getattr(self, name)} must lie in [0, 1]")
+        if self.fim_rate and self.tokenizer_dir:
+            self._check_fim_tokens(Path(self.tokenizer_dir) / "tokenizer.json")
         return self
+
+    def _check_fim_tokens(self, tokenizer_json: Path) -> None:
+        """The tokenizer's added tokens hold DeepSeek's three fill-in-the-middle tokens."""
+        added = {t.get("content") for t in json.loads(tokenizer_json.read_text(encoding="utf-8")).get("added_tokens", [])}
+        missing = [t for t in ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>") if t not in added]
+        if missing:
+            raise ConfigError(f"data.fim_rate={self.fim_rate} needs fill-in-the-middle tokens, but the tokenizer in "
+                              f"data.tokenizer_dir={self.tokenizer_dir} lacks {missing}; use one with them or set "
+                              "data.fim_rate=0")
 
     @property
     def batch_schedule(self) -> BatchSchedule:

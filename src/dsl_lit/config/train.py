@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dsl_lit.config.data import DataConfig
 from dsl_lit.config.errors import ConfigError
+from dsl_lit.config.eval import EvalConfig
 from dsl_lit.config.memory import MemoryConfig
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.config.objective import ObjectiveConfig
@@ -23,6 +24,7 @@ from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.config.parallel import ParallelConfig, ParallelLayout
 from dsl_lit.config.posttrain import PostTrainConfig
 from dsl_lit.config.precision import PrecisionConfig
+from dsl_lit.config.profiler import ProfilerConfig
 from dsl_lit.config.schema import dataclass_from_dict
 
 
@@ -127,6 +129,8 @@ class TrainConfig:
     trainer: TrainerConfig
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     init_from: str | None = None
     """Starting weights only (fresh optimizer, schedule and data position): one of our checkpoints
     (a step-<N> or run directory) or a Hugging Face directory; its architecture replaces ``model``."""
@@ -157,7 +161,8 @@ class TrainConfig:
         for name, schema in (("data", DataConfig), ("optim", OptimConfig), ("schedule", ScheduleConfig),
                              ("precision", PrecisionConfig), ("parallel", ParallelConfig),
                              ("checkpoint", CheckpointConfig), ("trainer", TrainerConfig),
-                             ("objective", ObjectiveConfig), ("memory", MemoryConfig)):
+                             ("objective", ObjectiveConfig), ("memory", MemoryConfig), ("eval", EvalConfig),
+                             ("profiler", ProfilerConfig)):
             groups[name] = dataclass_from_dict(schema, dict(raw.get(name) or {}), name)
         post = PostTrainConfig.from_raw(raw) if post_training else None
         config = cls(model=model, logger=logger, run_dir=run_dir, raw=raw, post=post,
@@ -193,6 +198,11 @@ class TrainConfig:
             raise ConfigError(
                 f"trainer.val_every_n_steps={self.trainer.val_every_n_steps} needs held-out data: set data.val_windows "
                 f"to at least data.global_batch_size={self.data.global_batch_size} (now {self.data.val_windows})"
+            )
+        if self.profiler.enabled and self.profiler.steps_per_cycle > self.trainer.max_steps:
+            raise ConfigError(
+                f"profiler.wait+warmup+active={self.profiler.steps_per_cycle} exceeds trainer.max_steps="
+                f"{self.trainer.max_steps}: no trace would be written; lower profiler.wait or profiler.warmup"
             )
         if self.data.tokenizer_vocab_size > self.model.vocab_size:
             raise ConfigError(

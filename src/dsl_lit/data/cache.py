@@ -3,8 +3,9 @@
 Why a separate program: the trainer and ``data_pipeline`` share only the packed-shard format
 (``dsl_lit.data.format``). When ``data.cache_dir`` holds no current tokenizer and shards, the data
 module runs ``python -m data_pipeline`` (the command ``make demo`` runs, with the tokenizer
-stages only) and then reads back its shards; a pipeline output made by hand with more stages
-(dedup, filters) is used as it is when it matches the config.
+stages only: training the bundled tokenizer, or none with ``data.tokenizer_dir``, a released
+tokenizer the corpus is packed with) and then reads back its shards; a pipeline output made by hand
+with more stages (dedup, filters) is used as it is when it matches the config.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from dsl_lit.data.format import META_FILE, SHARDS_DIR, TOKENIZER_DIR, TOKENIZER_
 log = logging.getLogger(__name__)
 
 CONFIG_ERROR_EXIT = 2  # python -m data_pipeline's exit status for a refused config
-OWN_STAGES = ["train_tokenizer", "tokenize_pack"]  # what the data module runs; other runs are the user's
+# What the data module runs (training the tokenizer, or packing with data.tokenizer_dir); other runs are the user's.
+OWN_STAGES = (["train_tokenizer", "tokenize_pack"], ["tokenize_pack"])
 
 
 def _read_meta(directory: Path) -> dict[str, Any] | None:
@@ -46,11 +48,20 @@ def stale_reason(cfg: DataConfig) -> str | None:
     shards = _read_meta(cache / SHARDS_DIR)
     if tokenizer is None or shards is None:
         return "no tokenizer and shards there yet"
-    trained = (tokenizer.get("requested_vocab_size"), tokenizer.get("max_bytes"))
-    if trained != (cfg.tokenizer_vocab_size, cfg.tokenizer_max_bytes):
-        return f"its tokenizer was trained with (vocab_size, max_bytes) = {trained}"
+    if cfg.tokenizer_dir:
+        if tokenizer.get("source_tokenizer_sha256") != file_sha256(Path(cfg.tokenizer_dir) / TOKENIZER_FILE):
+            return f"its tokenizer is not the one in data.tokenizer_dir={cfg.tokenizer_dir}"
+    elif tokenizer.get("source"):
+        return f"its tokenizer is a copy of {tokenizer['source']}: set data.tokenizer_dir to use it"
+    else:
+        trained = (tokenizer.get("requested_vocab_size"), tokenizer.get("max_bytes"))
+        if trained != (cfg.tokenizer_vocab_size, cfg.tokenizer_max_bytes):
+            return f"its tokenizer was trained with (vocab_size, max_bytes) = {trained}"
     if shards.get("tokenizer_sha256") != file_sha256(cache / TOKENIZER_DIR / TOKENIZER_FILE):
         return "its shards were encoded with another tokenizer"
+    fim, packed = {"rate": cfg.fim_rate, "spm_rate": cfg.fim_spm_rate, "seed": cfg.seed}, shards.get("fim") or {}
+    if (cfg.fim_rate or packed.get("rate")) and packed != fim:  # (without FIM the seed does not matter)
+        return f"its shards were packed with fill-in-the-middle settings {packed or None}, not {fim}"
     if shards.get("corpus") != corpus_record(cfg.corpus_dir):
         built_from = (shards.get("corpus") or {}).get("path", "an unrecorded corpus")
         return f"it was built from {built_from} as it was then, not from data.corpus_dir as it is now"
@@ -73,18 +84,24 @@ def _override(key: str, value: object) -> str:
 
 def pipeline_command(cfg: DataConfig) -> list[str]:
     """``python -m data_pipeline`` over ``data.corpus_dir`` into ``data.cache_dir``: tokenizer and shards."""
-    max_bytes = "null" if cfg.tokenizer_max_bytes is None else cfg.tokenizer_max_bytes
-    return [
+    command = [
         sys.executable,
         "-m",
         "data_pipeline",
         _override("input.path", Path(cfg.corpus_dir).resolve()),
         _override("output_dir", Path(cfg.cache_dir).resolve()),
+    ]
+    command += [f"pack.fim_rate={cfg.fim_rate}", f"pack.fim_spm_rate={cfg.fim_spm_rate}", f"pack.fim_seed={cfg.seed}"]
+    if cfg.tokenizer_dir:
+        return [*command, "stages=[tokenize_pack]", _override("tokenizer.path", Path(cfg.tokenizer_dir).resolve())]
+    max_bytes = "null" if cfg.tokenizer_max_bytes is None else cfg.tokenizer_max_bytes
+    return [
+        *command,
         "stages=[train_tokenizer,tokenize_pack]",
+        "tokenizer=bundled",
         f"tokenizer.vocab_size={cfg.tokenizer_vocab_size}",
         f"tokenizer.max_bytes={max_bytes}",
         "tokenizer.padded_vocab_size=null",  # the vocab rounded up to a multiple of 128
-        "tokenizer.special_tokens=null",
     ]
 
 
@@ -142,8 +159,8 @@ def prepare_cache(cfg: DataConfig) -> None:
         reason = stale_reason(cfg)
         if reason is None:
             return
-        stages = (_read_meta(cache / SHARDS_DIR) or {}).get("stages", OWN_STAGES)
-        if stages != OWN_STAGES:  # a pipeline run made by hand (dedup, filters): never redo it ours
+        stages = (_read_meta(cache / SHARDS_DIR) or {}).get("stages", OWN_STAGES[0])
+        if stages not in OWN_STAGES:  # a pipeline run made by hand (dedup, filters): never redo it ours
             raise ConfigError(
                 f"data.cache_dir={cache} holds a data-pipeline run with stages={stages} that does not "
                 f"match the data config: {reason}. Rerun that pipeline (input.path=<data.corpus_dir> "

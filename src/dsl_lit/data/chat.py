@@ -1,11 +1,15 @@
-"""DeepSeek's chat template, tokenized turn by turn so that we know which tokens are the model's.
+"""Conversations -> token ids and the loss mask, through the tokenizer's own chat template.
+
+A released tokenizer carries the template its model was trained with (``chat_template`` in
+tokenizer_config.json, or chat_template.jinja): the conversation is rendered with it exactly as
+``transformers``' ``apply_chat_template`` renders it, and encoded as a whole, so the ids equal
+``apply_chat_template(messages, tokenize=True)``. Tokens are trained on where they overlap what the
+assistant wrote (``dsl_lit.data.chat_template``): its replies as the template shows them (R1's
+template drops the ``<think>`` reasoning of assistant turns; V3's keeps it) and the
+end-of-sentence token after each. A tokenizer without a template (the bundled demo tokenizer) gets
+DeepSeek's format, written here:
 
     <｜begin▁of▁sentence｜>{system}<｜User｜>{user}<｜Assistant｜>{reply}<｜end▁of▁sentence｜><｜User｜>...
-
-Every turn is tokenized on its own and joined with the special-token ids, so a role tag can never
-merge with neighbouring text and the loss mask (the assistant's replies and their end-of-sentence
-token) follows turn boundaries exactly. R1's ``<think>``/``<answer>`` tags inside a reply are
-special tokens of our tokenizer (``dsl_lit.data.format.DEEPSEEK_SPECIAL_TOKENS``), so they encode to one id each.
 """
 
 from __future__ import annotations
@@ -17,10 +21,24 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from dsl_lit.data.format import ASSISTANT_TOKEN, BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, TOKENIZER_FILE, USER_TOKEN
+from dsl_lit.data.chat_template import ChatTemplate, Span
+from dsl_lit.data.format import ASSISTANT_TOKEN, TOKENIZER_FILE, USER_TOKEN
+from dsl_lit.data.tokenizer_dir import chat_template, check_tokenizer_dir, read_tokenizer_meta, special_tokens
 
-ROLES = ("system", "user", "assistant")
-Message = Mapping[str, str]
+Message = Mapping[str, Any]
+
+DEEPSEEK_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and loop.first %}{{ message['content'] }}"
+    f"{{% elif message['role'] == 'user' %}}{{{{ '{USER_TOKEN}' + message['content'] + '{ASSISTANT_TOKEN}' }}}}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
+    "{% else %}{{ raise_exception('message ' ~ loop.index0 ~ ' has role ' ~ message['role'] ~ '; expected an "
+    "optional first system message, then user/assistant turns') }}"
+    "{% endif %}{% endfor %}"
+)
+"""The format of the bundled tokenizer (no template of its own): DeepSeek-V3's without tools. The
+user turn ends in ``<｜Assistant｜>``, so a prompt is the same with or without a generation prompt."""
 
 
 @dataclass
@@ -31,31 +49,41 @@ class EncodedConversation:
     """Per token: is it a target of the loss (assistant reply tokens and their end-of-sentence)."""
 
 
-class ChatTokenizer:
-    """A ``tokenizers.Tokenizer`` plus the ids of the template's special tokens."""
+def _overlaps(offsets: Sequence[tuple[int, int]], spans: Sequence[Span]) -> list[bool]:
+    """Per token: does its character range overlap a span (a token the template split across a span
+    boundary, like ``" Hello"`` after ``"Assistant:"``, is the assistant's)."""
+    flags, s = [], 0
+    for start, end in offsets:
+        while s < len(spans) and spans[s][1] <= start:
+            s += 1
+        flags.append(s < len(spans) and spans[s][0] < max(end, start + 1))
+    return flags
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+
+class ChatTokenizer:
+    """A ``tokenizers.Tokenizer``, its ids, and the chat template its conversations are rendered with."""
+
+    def __init__(self, tokenizer: Tokenizer, meta: Mapping[str, Any], tokens: Mapping[str, str | None],
+                 template: str | None = None) -> None:
         self.tokenizer = tokenizer
-        ids = {name: tokenizer.token_to_id(token) for name, token in (
-            ("bos", BOS_TOKEN), ("eos", EOS_TOKEN), ("pad", PAD_TOKEN), ("user", USER_TOKEN),
-            ("assistant", ASSISTANT_TOKEN))}
-        missing = [name for name, i in ids.items() if i is None]
-        if missing:
-            raise ValueError(f"the tokenizer has no special token(s) for {missing}; train it with "
-                             "data_pipeline.train_tokenizer (DeepSeek's 15 special tokens)")
-        self.bos_id, self.eos_id, self.pad_id = ids["bos"], ids["eos"], ids["pad"]
-        self.user_id, self.assistant_id = ids["user"], ids["assistant"]
+        self.meta = dict(meta)
+        self.bos_id, self.eos_id, self.pad_id = meta.get("bos_id"), int(meta["eos_id"]), int(meta["pad_id"])
+        self.has_own_template = template is not None
+        if template is None and tokens.get("bos_token") is None:
+            raise ValueError("the tokenizer has neither a chat template nor a bos token for DeepSeek's format")
+        self.template = ChatTemplate(template or DEEPSEEK_TEMPLATE, tokens)
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> ChatTokenizer:
-        path = Path(directory) / TOKENIZER_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} missing: point tokenizer_dir at a directory with tokenizer.json")
-        return cls(Tokenizer.from_file(str(path)))
+        """Our pipeline's tokenizer/ or a released one (tokenizer.json + tokenizer_config.json)."""
+        directory = check_tokenizer_dir(directory, "tokenizer_dir")
+        return cls(Tokenizer.from_file(str(directory / TOKENIZER_FILE)), read_tokenizer_meta(directory),
+                   special_tokens(directory), chat_template(directory))
 
     @property
     def vocab_size(self) -> int:
-        return self.tokenizer.get_vocab_size()
+        """Ids the model must embed (the largest id + 1)."""
+        return int(self.meta["vocab_size"])
 
     def encode_text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids if text else []
@@ -66,32 +94,18 @@ class ChatTokenizer:
         return self.tokenizer.decode(kept, skip_special_tokens=False)
 
     def encode_conversation(self, messages: Sequence[Message]) -> EncodedConversation:
-        """The template over ``messages`` (an optional leading system message, then user and
-        assistant turns alternating); assistant turns are trained on."""
-        ids, trained = [self.bos_id], [False]
-        for i, message in enumerate(messages):
-            role, content = message.get("role"), message.get("content", "")
-            if role not in ROLES or (role == "system" and i):
-                raise ValueError(f"message {i} has role {role!r}; expected an optional first system "
-                                 "message, then user/assistant turns")
-            if role == "assistant":
-                reply = self.encode_text(content) + [self.eos_id]
-                ids += reply
-                trained += [True] * len(reply)
-                continue
-            turn = ([self.user_id] if role == "user" else []) + self.encode_text(content)
-            if role == "user":
-                turn.append(self.assistant_id)
-            ids += turn
-            trained += [False] * len(turn)
-        return EncodedConversation(ids, trained)
+        """The template over ``messages``; the assistant's tokens are trained on."""
+        text = self.template.render(messages)
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        trained = _overlaps(encoding.offsets, self.template.assistant_spans(messages, text))
+        return EncodedConversation(list(encoding.ids), trained)
 
     def encode_prompt(self, messages: Sequence[Message]) -> list[int]:
-        """Ids of a conversation ending in a user turn, up to and including ``<｜Assistant｜>``:
-        what generation continues from."""
-        if not messages or messages[-1].get("role") != "user":
+        """Ids of a conversation not ending in an assistant turn, with the template's generation
+        prompt (``<｜Assistant｜>``): what generation continues from."""
+        if not messages or messages[-1].get("role") == "assistant":
             raise ValueError("a prompt must end with a user message")
-        return self.encode_conversation(messages).ids
+        return self.encode_text(self.template.render(messages, add_generation_prompt=True))
 
 
 def prompt_and_reply(prompt: Sequence[Message], reply: str) -> list[dict[str, Any]]:

@@ -36,20 +36,26 @@ TOKENIZER_DIR = "tokenizer"
 TOKENIZER_FILE = "tokenizer.json"
 SHARDS_DIR = "shards"
 
-# The special tokens DeepSeek LLM ships, in id order 0..14: bos/eos/pad, fill-in-the-middle, chat
-# roles, R1's reasoning tags, and place holders reserved for later use.
+# The bundled demo tokenizer's special tokens, in id order 0..14: DeepSeek's names for bos/eos/pad,
+# fill-in-the-middle and the chat roles, R1's reasoning tags, and place holders. This set is ours;
+# the released tokenizers' added tokens (ids, special flags) are in data_pipeline/tokenizer_specs/.
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 EOS_TOKEN = "<｜end▁of▁sentence｜>"
 PAD_TOKEN = "<｜▁pad▁｜>"
 USER_TOKEN = "<｜User｜>"
 ASSISTANT_TOKEN = "<｜Assistant｜>"
+FIM_BEGIN_TOKEN = "<｜fim▁begin｜>"
+FIM_HOLE_TOKEN = "<｜fim▁hole｜>"
+FIM_END_TOKEN = "<｜fim▁end｜>"
+FIM_TOKENS = (FIM_BEGIN_TOKEN, FIM_HOLE_TOKEN, FIM_END_TOKEN)
+"""Fill-in-the-middle (DeepSeek-V3 section 4.1): ``begin prefix hole suffix end middle``."""
 DEEPSEEK_SPECIAL_TOKENS: list[str] = [
     BOS_TOKEN,
     EOS_TOKEN,
     PAD_TOKEN,
-    "<｜fim▁hole｜>",
-    "<｜fim▁begin｜>",
-    "<｜fim▁end｜>",
+    FIM_HOLE_TOKEN,
+    FIM_BEGIN_TOKEN,
+    FIM_END_TOKEN,
     USER_TOKEN,
     ASSISTANT_TOKEN,
     "<think>",

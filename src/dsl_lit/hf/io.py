@@ -44,6 +44,7 @@ from dsl_lit.parallel.materialise import (
     retie,
     tied_groups,
 )
+from dsl_lit.utils.fs import follow_umask
 
 GENERATION_CONFIG_NAME = "generation_config.json"
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
@@ -290,13 +291,18 @@ def save_pretrained(
             old.unlink()
 
     metadata = {"format": "pt"}  # transformers checks this key
+
+    def write(names: list[str], fname: str) -> None:
+        save_file(_prepare_shard(hf_state, names, dtype_of, blocks), str(directory / fname), metadata)
+        follow_umask(directory / fname)  # save_file makes it -rw------- whatever the umask
+
     if len(shards) == 1:
-        save_file(_prepare_shard(hf_state, shards[0], dtype_of, blocks), str(directory / SAFE_WEIGHTS_NAME), metadata)
+        write(shards[0], SAFE_WEIGHTS_NAME)
     else:
         mapping: dict[str, str] = {}
         for i, names in enumerate(shards, start=1):
             fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(_prepare_shard(hf_state, names, dtype_of, blocks), str(directory / fname), metadata)
+            write(names, fname)
             mapping.update(dict.fromkeys(names, fname))
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": mapping}
         _write_json(directory / SAFE_INDEX_NAME, index)

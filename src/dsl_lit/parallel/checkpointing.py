@@ -18,6 +18,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from dsl_lit.checkpoint.directory import DirectoryCheckpointIO
+from dsl_lit.checkpoint.hyperparameters import use_current_hyperparameters
 from dsl_lit.parallel.optimizer_state import (
     load_named_optimizer_state,
     named_optimizer_state,
@@ -70,10 +71,15 @@ class ShardedCheckpointing:
         io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """The checkpoint, with this run's optimizer and schedule hyperparameters in place of the
+        saved ones (a resume with changed settings trains with them from the resumed step)."""
         io = self._sharded_io()
         if io is None:
-            return super().load_checkpoint(checkpoint_path, weights_only)
-        return io.load_checkpoint(checkpoint_path, template=self.checkpoint_template())
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        else:
+            checkpoint = io.load_checkpoint(checkpoint_path, template=self.checkpoint_template())
+        use_current_hyperparameters(checkpoint, self.optimizers, self.lr_scheduler_configs)
+        return checkpoint
 
 
 class OneDeviceStrategy(ShardedCheckpointing, SingleDeviceStrategy):

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from dsl_lit.data.sft import document_mask
+from dsl_lit.inference.generation import positions_from_mask
 from dsl_lit.models import build_model
-from dsl_lit.posttrain.generation import positions_from_mask
 from dsl_lit.posttrain.logps import token_logps
 from dsl_lit.training.causal_lm import Batch, CausalLMModule
 

@@ -24,7 +24,7 @@ from dsl_lit.training.build import (  # also registers ${project_root:}
 )
 from dsl_lit.training.build import fit as fit_run
 from dsl_lit.training.pretrained import StartingWeights
-from dsl_lit.training.runs import check_vocab, save_resolved_config
+from dsl_lit.training.runs import check_vocab, require_vocab, save_resolved_config
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +45,14 @@ def setup_posttrain(hydra_cfg: DictConfig, run_dir: str, init_from: str | None =
     post = cfg.post
     initial_state = starting_weights(cfg, init_from or cfg.init_from)
     save_resolved_config(cfg)
-    check_vocab(cfg, PretrainDataModule(cfg.data))  # builds the bundled tokenizer on first use
-    tokenizer = ChatTokenizer.from_dir(post.tokenizer_dir)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"the tokenizer in tokenizer_dir={post.tokenizer_dir} has {tokenizer.vocab_size} tokens, "
-                          f"more than the model's vocab_size={cfg.model.vocab_size}; use the model's own tokenizer")
+    datamodule = PretrainDataModule(cfg.data)
+    if Path(post.tokenizer_dir).resolve() == datamodule.tokenizer_dir.resolve():
+        check_vocab(cfg, datamodule)  # the data's tokenizer (the default): built on first use
+    try:
+        tokenizer = ChatTokenizer.from_dir(post.tokenizer_dir)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    require_vocab(tokenizer.meta, cfg.model.vocab_size, f"tokenizer_dir={post.tokenizer_dir}")
     return PostTrainSetup(cfg, post, tokenizer, initial_state)
 
 

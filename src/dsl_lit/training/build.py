@@ -19,16 +19,19 @@ from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import OmegaConf
 
-from dsl_lit.checkpoint.directory import DirectoryCheckpointIO, StepCheckpoint, latest_checkpoint
+from dsl_lit.checkpoint.directory import DirectoryCheckpointIO, StepCheckpoint
+from dsl_lit.checkpoint.resume import resume_checkpoint
 from dsl_lit.config import ModelConfig, TrainConfig
 from dsl_lit.flops import training_flops_per_token
 from dsl_lit.models import build_model
 from dsl_lit.parallel.checkpointing import OneDeviceStrategy
 from dsl_lit.parallel.strategy import DeepSeekStrategy
 from dsl_lit.precision.plugin import AutocastPrecision
+from dsl_lit.training.callbacks.downstream_eval import DownstreamEvaluation
 from dsl_lit.training.callbacks.ema import EMACallback
 from dsl_lit.training.callbacks.expert_load import ExpertLoadMonitor
 from dsl_lit.training.callbacks.preemption import PreemptionHandler
+from dsl_lit.training.callbacks.profiler import TraceProfiler
 from dsl_lit.training.callbacks.rank_failure import RankFailureReporter
 from dsl_lit.training.callbacks.rng_state import RNGStateCallback
 from dsl_lit.training.callbacks.throughput import ThroughputMonitor
@@ -98,11 +101,7 @@ def checkpoint_dir(cfg: TrainConfig) -> Path:
 
 def resume_path(cfg: TrainConfig) -> str | None:
     """``checkpoint.resume_from`` if set, else the latest complete checkpoint of this run dir."""
-    if cfg.checkpoint.resume_from:
-        return cfg.checkpoint.resume_from
-    if not cfg.checkpoint.resume:
-        return None
-    latest = latest_checkpoint(checkpoint_dir(cfg))
+    latest = resume_checkpoint(cfg.checkpoint, checkpoint_dir(cfg))
     if latest is not None:
         log.info("resuming from %s", latest)
     return str(latest) if latest else None
@@ -125,6 +124,10 @@ def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = N
     ]
     if cfg.model.is_moe:
         callbacks.append(ExpertLoadMonitor(cfg.logger.expert_load_every_n_steps))
+    if cfg.eval.every_n_steps:
+        callbacks.append(DownstreamEvaluation(cfg.eval, cfg.run_dir, cfg.precision.name))
+    if cfg.profiler.enabled:
+        callbacks.append(TraceProfiler(cfg.profiler, cfg.run_dir))
     if cfg.memory.ema_decay:
         callbacks.append(EMACallback(cfg.memory.ema_decay, cfg.memory.ema_every_n_steps, cfg.memory.validate_with_ema))
     if cfg.trainer.progress_bar:
@@ -162,7 +165,8 @@ def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = N
         inference_mode=False,  # no_grad, not inference tensors: pipeline buffers outlive validation
         use_distributed_sampler=False,  # our sampler shards by data-parallel rank, deterministically
         plugins=[
-            DirectoryCheckpointIO(cfg.raw, async_save=ckpt.async_save, keep_last=ckpt.keep_last),
+            DirectoryCheckpointIO(cfg.raw, async_save=ckpt.async_save, keep_last=ckpt.keep_last,
+                                  fall_back=not ckpt.resume_from),  # a named checkpoint does not fall back
             AutocastPrecision(cfg.precision.name, _device_type(cfg)),
         ],
         default_root_dir=cfg.run_dir,

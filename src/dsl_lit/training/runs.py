@@ -12,8 +12,10 @@ from typing import Any, TypeVar
 import lightning as L
 import yaml
 
+from dsl_lit.checkpoint.resume import check_resume
 from dsl_lit.config import TrainConfig
 from dsl_lit.config.errors import ConfigError
+from dsl_lit.data.tokenizer_dir import read_tokenizer_meta
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -56,7 +58,10 @@ def is_launcher_process() -> bool:
 
 
 def save_resolved_config(cfg: TrainConfig) -> Path:
-    """Write the fully resolved config beside Hydra's ``.hydra/`` (which keeps the unresolved one)."""
+    """Write the fully resolved config beside Hydra's ``.hydra/`` (which keeps the unresolved one),
+    once it is known to suit the checkpoint the run resumes (``check_resume``: every recipe calls
+    this first, before any data or model)."""
+    check_resume(cfg)
     path = Path(cfg.run_dir) / "resolved_config.yaml"
     if is_launcher_process():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -64,17 +69,28 @@ def save_resolved_config(cfg: TrainConfig) -> Path:
     return path
 
 
+def require_vocab(meta: dict[str, Any], model_vocab_size: int, tokenizer: str) -> None:
+    """``ConfigError`` naming both sizes unless the model embeds every id of the tokenizer (``meta``:
+    its meta.json, ``tokenizer``: where it comes from)."""
+    vocab, padded = int(meta["vocab_size"]), int(meta["padded_vocab_size"])
+    if vocab > model_vocab_size:
+        raise ConfigError(
+            f"the tokenizer ({tokenizer}) has {vocab} token ids but model.vocab_size={model_vocab_size}: set "
+            f"+model.vocab_size={padded} (its padded vocabulary) or use the model's own tokenizer"
+        )
+
+
 def check_vocab(cfg: TrainConfig, datamodule: Any) -> None:
-    """Prepare the data once in the launching process, then check the model can embed every token id."""
+    """Prepare the data once in the launching process, then check the model can embed every token id
+    (a given ``data.tokenizer_dir`` is checked first, before any corpus is packed with it)."""
     if not is_launcher_process():
         return
+    if cfg.data.tokenizer_dir:
+        require_vocab(read_tokenizer_meta(cfg.data.tokenizer_dir), cfg.model.vocab_size,
+                      f"data.tokenizer_dir={cfg.data.tokenizer_dir}")
     datamodule.prepare_data()
-    padded = int(datamodule.tokenizer_meta["padded_vocab_size"])
-    if padded > cfg.model.vocab_size:
-        raise ConfigError(
-            f"the tokenizer's padded vocabulary ({padded}) exceeds model.vocab_size={cfg.model.vocab_size}; "
-            f"set +model.vocab_size={padded} or a smaller data.tokenizer_vocab_size"
-        )
+    require_vocab(datamodule.tokenizer_meta, cfg.model.vocab_size, f"{datamodule.tokenizer_dir}, "
+                  f"data.tokenizer_vocab_size={cfg.data.tokenizer_vocab_size}")
 
 
 def finish_run(trainer: L.Trainer) -> None:

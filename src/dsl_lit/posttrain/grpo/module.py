@@ -28,7 +28,7 @@ import torch
 
 from dsl_lit.config.posttrain import GRPOConfig, SamplingConfig
 from dsl_lit.data.chat import ChatTokenizer
-from dsl_lit.posttrain.generation import generate
+from dsl_lit.inference.generation import generate
 from dsl_lit.posttrain.grpo.data import prompts_of
 from dsl_lit.posttrain.grpo.loss import group_advantages, grpo_loss
 from dsl_lit.posttrain.logps import token_logps

@@ -13,39 +13,67 @@ from dsl_lit.parallel.step_runner import step_runner_of
 
 log = logging.getLogger(__name__)
 
-# Dense peak TFLOP/s per GPU (no sparsity) for bf16 and fp32 (TF32 tensor cores) training.
+# Dense peak TFLOP/s per GPU (no sparsity) of the GEMMs training runs: bf16 and fp16 tensor cores
+# (autocast), TF32 tensor cores (fp32 matmuls while TF32 is allowed) and plain fp32 (CUDA cores,
+# torch.set_float32_matmul_precision("highest")). SXM parts. FP8 recipes count against the bf16 peak
+# (attention and the GEMMs they leave out run bf16), the conservative choice.
 _GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "H100": {"bf16": 989.0, "fp32": 494.0},
-    "H800": {"bf16": 989.0, "fp32": 494.0},
-    "H200": {"bf16": 989.0, "fp32": 494.0},
-    "A100": {"bf16": 312.0, "fp32": 156.0},
-    "A800": {"bf16": 312.0, "fp32": 156.0},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},
+    "H800": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},
+    "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "A800": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
 }
+_GEMM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "tf32": torch.float32, "fp32": torch.float32}
 
 
-def measure_matmul_tflops(dtype: torch.dtype, size: int = 2048, repeats: int = 3) -> float:
-    """Peak for devices without a table entry (CPUs): time a square GEMM in the training dtype."""
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
+def gemm_precision(precision: str, device: torch.device) -> str:
+    """The precision the step's matmuls actually run in: bf16/fp16 under autocast; fp32 training
+    runs TF32 on CUDA when ``torch.get_float32_matmul_precision()`` allows it, else true fp32."""
+    if precision in ("bf16", "fp16"):
+        return precision
+    if device.type == "cuda" and torch.get_float32_matmul_precision() != "highest":
+        return "tf32"
+    return "fp32"
+
+
+def spec_sheet_peak(device_name: str, kind: str) -> float | None:
+    """Dense peak TFLOP/s of ``kind`` (:func:`gemm_precision`) for a GPU the table knows, else None."""
+    for key, table in _GPU_PEAK_TFLOPS.items():
+        if key in device_name:
+            return table[kind]
+    return None
+
+
+def measure_matmul_tflops(dtype: torch.dtype, device: torch.device | str = "cpu", size: int = 2048,
+                          repeats: int = 3) -> float:
+    """Peak for devices without a table entry (CPUs, other GPUs): time a square GEMM in the
+    training dtype on the training device."""
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    synchronize = torch.cuda.synchronize if a.is_cuda else (lambda: None)
     a @ b  # warm up the kernel selection
+    synchronize()
     start = time.perf_counter()
     for _ in range(repeats):
         a @ b
+    synchronize()
     seconds = time.perf_counter() - start
     return 2 * size**3 * repeats / seconds / 1e12
 
 
 def peak_tflops(device: torch.device, precision: str) -> float:
-    """Per-device peak TFLOP/s: the spec sheet on known GPUs, else a measured GEMM (logged)."""
-    kind = "bf16" if precision == "bf16" else "fp32"
+    """Per-device peak TFLOP/s of the precision the matmuls run in (:func:`gemm_precision`): the
+    spec sheet on known GPUs, else a GEMM measured on ``device`` in that dtype (logged)."""
+    kind = gemm_precision(precision, device)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, table in _GPU_PEAK_TFLOPS.items():
-            if key in name:
-                return table[kind]
+        value = spec_sheet_peak(name, kind)
+        if value is not None:
+            log.info("MFU denominator: %s peak of %s, %.1f TFLOP/s", kind, name, value)
+            return value
         log.warning("no peak FLOP/s on file for %s; MFU uses a measured GEMM peak instead", name)
-    dtype = torch.bfloat16 if kind == "bf16" else torch.float32
-    value = measure_matmul_tflops(dtype)
+    value = measure_matmul_tflops(_GEMM_DTYPES[kind], device)
     log.info("MFU denominator: measured %.3f TFLOP/s for a %s GEMM on %s", value, kind, device.type)
     return value
 

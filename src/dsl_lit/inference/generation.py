@@ -21,15 +21,15 @@ the same log-probs with gradients.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsl_lit.inference.speculative import DraftStats, decode_with_mtp_drafts
 from dsl_lit.models.common.kv_cache import KVCache
-from dsl_lit.posttrain.speculative import DraftStats, decode_with_mtp_drafts
 
 
 @dataclass
@@ -187,15 +187,19 @@ def generate(
     use_cache: bool = True,
     output_logits: bool = False,
     mtp_speculative: bool = False,
+    stop: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> GenerationOutput:
     """Generate up to ``max_new_tokens`` tokens after each prompt, in one left-padded batch.
 
     ``temperature=0`` is greedy; otherwise tokens are sampled after temperature, ``top_k`` and
     ``top_p`` filtering, from ``generator`` (which must live on the model's device). Generation
-    stops early once every sequence has emitted one of ``eos_token_id``. ``use_cache=False``
+    stops early once every sequence has emitted one of ``eos_token_id`` or been stopped by ``stop``:
+    called after every step with the completions so far of the sequences still running
+    ([running, steps] token ids), it returns which of them are done (True), e.g. because their
+    text now holds a stop string (lm-eval's ``until``). ``use_cache=False``
     recomputes the whole sequence every step (the reference for tests). ``mtp_speculative=True``
     (greedy only) drafts each next-but-one token with the model's MTP module and verifies it in the
-    main model's next forward (:mod:`dsl_lit.posttrain.speculative`): the same tokens, fewer
+    main model's next forward (:mod:`dsl_lit.inference.speculative`): the same tokens, fewer
     forwards; :attr:`GenerationOutput.draft_stats` counts them. Runs in eval mode under
     ``torch.inference_mode`` and restores the model's training mode afterwards.
     """
@@ -226,7 +230,7 @@ def generate(
         with torch.inference_mode():
             sequences, completion_mask, logprobs, logits, stats = _decode(
                 model, prompt_tokens, prompt_valid, max_new_tokens, temperature, top_k, top_p,
-                eos_ids, pad_token_id, generator, use_cache, output_logits, mtp_speculative,
+                eos_ids, pad_token_id, generator, use_cache, output_logits, mtp_speculative, stop,
             )
     finally:
         model.train(was_training)
@@ -264,6 +268,7 @@ def _decode(
     use_cache: bool,
     output_logits: bool,
     mtp_speculative: bool = False,
+    stop: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, DraftStats | None]:
     """The decoding loop; returns (sequences, completion_mask, logprobs, logits or None, draft stats)."""
     batch, prompt_length = prompt_tokens.shape
@@ -297,8 +302,11 @@ def _decode(
         done = step + 1
         if eos_ids is not None:
             finished.logical_or_(active & torch.isin(next_tokens, eos_ids))
-            return bool(finished.all())
-        return False
+        if stop is not None:
+            running = (~finished).nonzero().squeeze(-1)
+            if running.numel():
+                finished[running] = stop(tokens[running, prompt_length : prompt_length + step + 1]).to(device)
+        return (eos_ids is not None or stop is not None) and bool(finished.all())
 
     if mtp_speculative:
         stats = decode_with_mtp_drafts(model, tokens, valid, positions, prompt_length, max_new_tokens, emit)

@@ -1,0 +1,37 @@
+"""Figures of a training run from its metrics.csv, for runs that never synced W&B.
+
+    python recipes/report.py run=outputs/pretrain/<run>           # PNGs in outputs/pretrain/<run>/report/
+    python recipes/report.py run=outputs/pretrain/<run> output=figures/
+
+Draws loss and validation loss, learning rate, gradient norm, tokens/s and MFU, the MTP and
+balance losses, a heatmap of expert load (max/mean per MoE layer) over time, and the downstream
+evaluation metrics (eval/<task>/<metric>); each only when the run logged it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.report.figures import draw_report
+from dsl_lit.report.metrics import METRICS_FILE
+from dsl_lit.training.runs import exits_on_config_error
+
+
+@hydra.main(config_path="../conf", config_name="report", version_base="1.3")
+@exits_on_config_error
+def main(cfg: DictConfig) -> list[Path]:
+    run = Path(str(cfg.run))
+    if not (run / METRICS_FILE).is_file():
+        raise ConfigError(f"run={cfg.run} holds no {METRICS_FILE}; point it at a run directory (logger.csv=true)")
+    paths = draw_report(run, cfg.output)
+    for path in paths:
+        print(path)
+    return paths
+
+
+if __name__ == "__main__":
+    main()

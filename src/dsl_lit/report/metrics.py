@@ -1,0 +1,53 @@
+"""A run's ``metrics.csv`` as one series per column.
+
+The file is sparse: each row holds what was logged at one step (training scalars every
+``log_every_n_steps``, validation and downstream evaluation when they ran), so a column's series
+is its non-empty cells. A step logged twice (a resumed run re-logs the steps after its last
+checkpoint, and the CSV logger keeps the newer rows) keeps the last value.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+METRICS_FILE = "metrics.csv"
+
+
+@dataclass
+class Series:
+    steps: np.ndarray
+    values: np.ndarray
+
+
+def read_metrics(path: str | Path) -> dict[str, Series]:
+    """Column -> its (step, value) pairs in step order; non-numeric cells are skipped."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} missing: a run directory holds metrics.csv when logger.csv=true")
+    points: dict[str, dict[int, float]] = {}
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            step = row.get("step")
+            if not step:
+                continue
+            for key, cell in row.items():
+                if key in ("step", "epoch") or key is None or cell in (None, ""):
+                    continue
+                try:
+                    value = float(cell)
+                except ValueError:
+                    continue
+                if math.isfinite(value):
+                    points.setdefault(key, {})[int(float(step))] = value
+    return {key: Series(np.array(sorted(p)), np.array([p[s] for s in sorted(p)])) for key, p in points.items()}
+
+
+def columns_with_prefix(series: dict[str, Series], prefix: str) -> list[str]:
+    return sorted(key for key in series if key.startswith(prefix))
