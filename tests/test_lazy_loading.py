@@ -161,25 +161,62 @@ def test_each_rank_reads_its_slice(tmp_path: Path) -> None:
 
 RUN = ["logger=csv", "trainer.accelerator=cpu", "checkpoint.every_minutes=0", "checkpoint.async_save=false",
        "trainer.max_steps=1", "checkpoint.every_n_steps=1"]
+LAYOUTS = {"single": [], "pp2": ["trainer.devices=2", "parallel=pp_1f1b"], "ep2": ["trainer.devices=2", "parallel=ep"]}
+
+
+@pytest.fixture(scope="module")
+def hf_runs(tmp_path_factory) -> Path:
+    """One step of the pretrain recipe from an HF directory, on one process, pp=2 and ep=2."""
+    root = tmp_path_factory.mktemp("init_from_hf")
+    cfg = ModelConfig.from_name("deepseek_v3_tiny", n_layers=2)
+    save_pretrained(_random(cfg), root / "hf")
+    for name, layout in LAYOUTS.items():
+        run_recipe(root / name, *RUN, f"init_from={root / 'hf'}", *layout)
+    return root
 
 
 @pytest.mark.slow
-def test_init_from_hf_under_pp2_and_ep2_matches_one_process(tmp_path: Path) -> None:
-    """The pretrain recipe from an HF directory: pipeline and expert parallel ranks read only
-    their parts (the log says what each holds) and score the first batch as one process does."""
-    cfg = ModelConfig.from_name("deepseek_v3_tiny", n_layers=2)
-    source = tmp_path / "hf"
-    save_pretrained(_random(cfg), source)
-    runs = {}
+def test_init_from_hf_under_pp2_and_ep2_matches_one_process(hf_runs: Path) -> None:
+    """Pipeline and expert parallel ranks read only their parts (each rank's log says what it
+    holds) and score the first batch as one process does."""
+    runs = {name: float(losses(hf_runs / name)[0]) for name in LAYOUTS}
     held = {}
-    for name, layout in (("single", []), ("pp2", ["trainer.devices=2", "parallel=pp_1f1b"]),
-                         ("ep2", ["trainer.devices=2", "parallel=ep"])):
-        run_recipe(tmp_path / name, *RUN, f"init_from={source}", *layout)
-        runs[name] = float(losses(tmp_path / name)[0])
-        log = "".join(p.read_text() for p in (tmp_path / name).glob("*.log"))  # one file per rank
+    for name in LAYOUTS:
+        log = "".join(p.read_text() for p in (hf_runs / name).glob("*.log"))  # one file per rank
         held[name] = sorted(float(g) for g in re.findall(r"this process holds ([\d.]+) MiB", log))
     assert runs["pp2"] == pytest.approx(runs["single"], rel=1e-5)
     assert runs["ep2"] == pytest.approx(runs["single"], rel=1e-5)
     (whole,) = held["single"]
     assert len(held["pp2"]) == 2 and sum(held["pp2"]) == pytest.approx(whole, abs=0.2)  # 0.1 MiB rounding
     assert len(held["ep2"]) == 2 and max(held["ep2"]) < whole
+
+
+def _checkpoint_worker(rank: int, init_file: str, step: str) -> None:
+    """Our checkpoint as the source: each rank's DCP read gives its stage's tensors / its experts."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        torch.set_num_threads(1)
+        weights = StartingWeights.open(step)
+        full = weights.whole_model().state_dict()
+        for layout in ("pp", "ep"):
+            with torch.device("meta"):
+                model = build_model(weights.config)
+            if layout == "pp":
+                prune_to_stages(model, split_layers(weights.config, 2), [rank])
+            else:
+                apply_expert_parallel(model, init_device_mesh("cpu", (2,), mesh_dim_names=("ep",)))
+            weights.load(model, "cpu")
+            for name, tensor in model.state_dict().items():
+                local, offsets = local_target(tensor)
+                if layout == "ep" and "feed_forward.experts.w" in name:  # half the routed experts
+                    assert local.shape[0] * 2 == full[name].shape[0], name
+                region = tuple(slice(o, o + n) for o, n in zip(offsets, local.shape))
+                assert torch.equal(local, full[name][region]), (layout, rank, name)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_our_checkpoint_is_read_per_rank(hf_runs: Path, tmp_path: Path) -> None:
+    step = hf_runs / "single" / "checkpoints" / "step-1"
+    mp.spawn(_checkpoint_worker, args=(str(tmp_path / "init"), str(step)), nprocs=2, join=True)
