@@ -10,11 +10,38 @@ torch included: the "before" column is the peak before reading any weight).
 The checkpoint is written once (``--dir``): a DeepSeek-V2-Lite-shaped model (d_model 2048, 64
 experts of 1408 + 2 shared, vocab 102400) with ``--layers`` layers, bf16, 2 GB shards.
 
-    .venv/bin/python -m benchmarks.load_memory [--layers 4] [--dtype bfloat16] [--dir /tmp/v2_lite_4l]
+    .venv/bin/python -m benchmarks.load_memory [--layers 4] [--dtype bfloat16] [--dir DIR] [--before]
 
-Measured 2026-11-23 on the 2-core, 23 GiB CPU machine (4 layers: 2.26 B parameters, 4.2 GiB in bf16):
+Measured 2026-11-23 on the 2-core, 23 GiB CPU machine (GiB; "holds": the rank's tensors after
+loading, "read": bytes read from the files, "before": peak RSS before reading any weight):
 
-    see the table printed by this script in the README (Big-model loading)
+    4 layers (2.25 B parameters, 4.20 GiB in bf16), loaded in bf16
+    layout        rank  holds GiB  read GiB  before GiB  peak GiB  load s
+    one process      0       4.20      4.20        0.43      5.06    13.0
+    pp=2             0       2.72      2.72        0.44      3.19     8.2
+    pp=2             1       1.48      1.48        0.44      2.33     3.8
+    ep=2             0       2.65      2.65        0.44      3.51    16.5
+    ep=2             1       2.65      2.65        0.44      3.51    17.1
+
+    the same, loaded in fp32 (the training dtype)
+    one process      0       8.40      4.20        0.43      9.26    23.3
+    pp=2             0       5.44      2.72        0.44      5.90    18.5
+    pp=2             1       2.96      1.48        0.44      3.81     9.8
+    ep=2             0       5.31      2.65        0.44      6.16    33.2
+    ep=2             1       5.31      2.65        0.44      6.19    31.5
+
+    2 layers (1.09 B parameters), fp32, with --before (each rank before this loader, whatever the
+    layout: the whole checkpoint read, the whole model built and loaded, then pruned)
+    before (any)     0       4.04      2.02        0.43      8.53    16.6
+    one process      0       4.04      2.02        0.43      4.89     3.9
+    pp=2             0       1.08      0.54        0.44      1.61     2.6
+    pp=2             1       2.96      1.48        0.43      3.81     5.4
+    ep=2             0       3.01      1.51        0.44      3.88     5.2
+    ep=2             1       3.01      1.51        0.44      3.88     4.9
+
+The peak is what a rank holds plus ~0.45 GiB of Python and torch plus the largest tensor read
+(the 102400 x 2048 embedding); the stages of pp=2 are split by compute (rank 0: the embedding
+and 2-3 layers), so they do not hold equal shares.
 """
 
 from __future__ import annotations

@@ -81,9 +81,12 @@ class StartingWeights:
     def load(self, model: nn.Module, device: torch.device | str, dtype: torch.dtype | None = None) -> None:
         """Allocate ``model`` (built from :attr:`config` on the meta device, possibly pruned to
         pipeline stages and sharded since) on ``device`` and read into each tensor exactly the part
-        this process holds. ``dtype`` None keeps the dtypes the model was built with."""
+        this process holds. ``dtype`` None keeps the dtypes the model was built with; a dtype
+        applies to the parameters (buffers such as the router's bias stay fp32, as the HF layouts
+        keep them)."""
         if self.hf is None:
-            materialise(model, device)
+            params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+            materialise(model, device, (lambda name: dtype if name in params else None) if dtype else None)
             template = {STATE_PREFIX + name: t for name, t in model.state_dict().items()}
             # each process reads its own pieces (no collective): DTensors take their local shards
             with warnings.catch_warnings():  # DCP warns that no_dist means one process: here, one per rank
