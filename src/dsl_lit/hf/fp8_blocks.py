@@ -11,8 +11,8 @@ the dtype asked for. Which weights a layout quantises is the family adapter's
 
 Reading works on regions: a process holding a tensor shard dequantises only the blocks that cover
 it (:meth:`BlockFP8.read_region`). Writing quantises each block with amax scaling
-(:func:`dsl_lit.precision.fp8.quantize_fp8`: scale = amax / 448, so the block's largest value is
-representable).
+(:func:`dsl_lit.precision.fp8.quantize_fp8`: ``scale_inv`` = 1 / fp32(448 / amax), about
+amax / 448, so the block's largest value maps to 448).
 """
 
 from __future__ import annotations
