@@ -3,6 +3,7 @@
     python recipes/export_hf.py checkpoint=outputs/pretrain/<run>/checkpoints/step-<N> output=hf/<name>
     python recipes/export_hf.py checkpoint=outputs/pretrain/<run> output=hf/<name> dtype=bf16  # latest step
     python recipes/export_hf.py checkpoint=... output=... weights=ema   # the run's EMA (memory.ema_decay > 0)
+    python recipes/export_hf.py checkpoint=... output=... dtype=bf16 fp8=true  # DeepSeek-V3's FP8 release format
 
 The output (config.json, generation_config.json, safetensors weights, the run's tokenizer files)
 loads with ``transformers.AutoModelForCausalLM.from_pretrained(output)`` and ``AutoTokenizer``, without
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> Path:
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return export(str(cfg.checkpoint), str(cfg.output), dtype=cfg.dtype, weights=cfg.weights,
-                      max_shard_size=cfg.max_shard_size, overwrite=bool(cfg.overwrite))
+                      max_shard_size=cfg.max_shard_size, overwrite=bool(cfg.overwrite), fp8=bool(cfg.fp8))
     except (ConfigError, OSError) as error:  # a clear one-line error, not a traceback
         raise SystemExit(f"export_hf: error: {error}") from error
 

@@ -55,11 +55,13 @@ def export(
     weights: str = "model",
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
+    fp8: bool = False,
 ) -> Path:
     """Write ``checkpoint`` as a Hugging Face model directory at ``output``; returns it.
 
     The directory is written beside ``output`` and renamed into place once complete. An existing
-    non-empty ``output`` is replaced only with ``overwrite``.
+    non-empty ``output`` is replaced only with ``overwrite``. ``fp8``: DeepSeek-V3's block-FP8
+    release format (``save_pretrained(..., fp8=True)``).
     """
     out = Path(output)
     if out.exists() and not out.is_dir():
@@ -79,7 +81,7 @@ def export(
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        save_pretrained(model, tmp, dtype=dtype, max_shard_size=max_shard_size)
+        save_pretrained(model, tmp, dtype=dtype, max_shard_size=max_shard_size, fp8=fp8)
         if tokenizer is not None:
             copy_tokenizer_files(tokenizer, tmp)
         else:

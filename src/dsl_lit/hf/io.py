@@ -5,36 +5,49 @@ Family-agnostic: everything model-specific goes through an
 Weights are only ever read from safetensors (never unpickled), and ``trust_remote_code`` is never
 needed: what we write loads with plain ``transformers.AutoModelForCausalLM.from_pretrained``.
 
-Loading builds the model on the meta device and hands the loaded tensors to
-``load_state_dict(assign=True)``, so the weights are allocated once, in the requested dtype and on
-the requested device; only the non-persistent buffers (RoPE tables) are then materialised.
+Loading builds the model on the meta device, checks the checkpoint's names and shapes from the
+safetensors headers, then allocates each tensor once, in the requested dtype and on the requested
+device, and reads it straight into place (:class:`~dsl_lit.hf.reader.HFCheckpoint`: file by file,
+one tensor at a time, so the checkpoint is never in memory as a whole; DeepSeek-V3's block-FP8
+release is dequantised block by block on the way). ``save_pretrained(..., fp8=True)`` writes that
+FP8 format back.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from dsl_lit.config.errors import ConfigError
+from dsl_lit.hf.fp8_blocks import SCALE_SUFFIX, BlockFP8
+from dsl_lit.hf.reader import (
+    CONFIG_NAME,
+    SAFE_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    HFCheckpoint,
+    check_state_dict,
+)
 from dsl_lit.models import ModelConfig, Transformer, build_model, family_spec
-from dsl_lit.models.common.hf_adapter import TOKEN_ID_KEYS, HFAdapter, StateDict, few
+from dsl_lit.models.common.hf_adapter import TOKEN_ID_KEYS, HFAdapter, StateDict
 from dsl_lit.models.registry import hf_reader
+from dsl_lit.parallel.materialise import (
+    check_materialised,
+    materialise,
+    recompute_buffers,
+    retie,
+    tied_groups,
+)
 from dsl_lit.utils.fs import follow_umask
 
-CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
-SAFE_WEIGHTS_NAME = "model.safetensors"
-SAFE_INDEX_NAME = "model.safetensors.index.json"
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-_PICKLE_PATTERNS = ("pytorch_model*.bin", "*.bin", "*.pt", "*.pth", "*.ckpt")
 
 DTypeLike = torch.dtype | str | None
 
@@ -91,131 +104,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    with path.open(encoding="utf-8") as f:
-        data = json.load(f)
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a JSON object")
-    return data
-
-
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-# -- reading weights -------------------------------------------------------------------------------
-
-
-def weight_map(directory: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file holding it, from a single file or a sharded index."""
-    single = directory / SAFE_WEIGHTS_NAME
-    index = directory / SAFE_INDEX_NAME
-    if single.is_file():
-        with safe_open(str(single), framework="pt") as f:
-            return {name: single for name in f.keys()}
-    if index.is_file():
-        mapping = _read_json(index).get("weight_map")
-        if not isinstance(mapping, dict) or not mapping:
-            raise ConfigError(f"{index} has no 'weight_map'")
-        files = {name: directory / fname for name, fname in mapping.items()}
-        absent = sorted({str(p.name) for p in files.values() if not p.is_file()})
-        if absent:
-            raise FileNotFoundError(f"{index} names shard(s) that are not in {directory}: {few(absent)}")
-        return files
-    pickles = sorted({p.name for pattern in _PICKLE_PATTERNS for p in directory.glob(pattern)})
-    if pickles:
-        raise ConfigError(
-            f"{directory} has only pickled weights ({few(pickles)}); dsl_lit reads safetensors only and "
-            "never unpickles checkpoints. Convert them to safetensors with a tool you trust first"
-        )
-    raise FileNotFoundError(f"{directory} has neither {SAFE_WEIGHTS_NAME} nor {SAFE_INDEX_NAME}")
-
-
-def read_safetensors(
-    files: dict[str, Path],
-    dtype: torch.dtype | None = None,
-    device: torch.device | str = "cpu",
-    keep_fp32: Callable[[str], bool] | None = None,
-) -> StateDict:
-    """Load the named tensors, casting floating ones to ``dtype`` one at a time (bounded peak memory);
-    names for which ``keep_fp32`` is true are read as fp32 whatever ``dtype`` is."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    by_file: dict[Path, list[str]] = {}
-    for name, path in files.items():
-        by_file.setdefault(path, []).append(name)
-    out: StateDict = {}
-    for path, names in by_file.items():
-        with safe_open(str(path), framework="pt", device=str(device)) as f:
-            present = set(f.keys())
-            lost = [n for n in names if n not in present]
-            if lost:
-                raise ConfigError(f"{path.name} lacks tensor(s) its index assigns to it: {few(lost)}")
-            for name in names:
-                tensor = f.get_tensor(name)
-                want = torch.float32 if keep_fp32 is not None and keep_fp32(name) else dtype
-                if want is not None and tensor.is_floating_point() and tensor.dtype != want:
-                    tensor = tensor.to(want)
-                out[name] = tensor
-    return out
-
-
 # -- loading into our model ------------------------------------------------------------------------
-
-
-def tied_groups(model: nn.Module) -> list[list[str]]:
-    """Names of parameters that are one shared tensor (e.g. a tied output head and embedding)."""
-    by_id: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(param), []).append(name)
-    return [names for names in by_id.values() if len(names) > 1]
-
-
-def _retie(model: nn.Module, groups: Iterable[list[str]]) -> None:
-    """``load_state_dict(assign=True)`` gives each name its own Parameter; share them again."""
-    for names in groups:
-        shared = model.get_parameter(names[0])
-        for name in names[1:]:
-            owner, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(owner), attr, shared)
-
-
-def _materialise_buffers(model: nn.Module, device: torch.device) -> None:
-    """Allocate buffers still on meta (non-persistent, so not in any checkpoint) and recompute them."""
-    for name, module in model.named_modules():
-        if not any(b.is_meta for b in module.buffers(recurse=False)):
-            continue
-        if any(True for _ in module.parameters(recurse=False)) or not hasattr(module, "reset_parameters"):
-            raise RuntimeError(
-                f"module {name or type(module).__name__!r} has meta buffers that cannot be recomputed "
-                "in isolation (it owns parameters or has no reset_parameters)"
-            )
-        module.to_empty(device=device, recurse=False)
-        module.reset_parameters()
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left:
-        raise RuntimeError(f"tensors left on the meta device after loading: {few(left)}")
-
-
-def check_state_dict(state: StateDict, expected: dict[str, torch.Tensor], what: str) -> None:
-    """ConfigError listing missing / unexpected names and shape mismatches against ``expected``."""
-    missing = set(expected) - set(state)
-    unexpected = set(state) - set(expected)
-    problems = []
-    if missing:
-        problems.append(f"missing {len(missing)} weight(s): {few(missing)}")
-    if unexpected:
-        problems.append(f"unexpected {len(unexpected)} weight(s): {few(unexpected)}")
-    wrong = [
-        f"{n} {tuple(state[n].shape)} != {tuple(expected[n].shape)}"
-        for n in sorted(set(state) & set(expected))
-        if state[n].shape != expected[n].shape
-    ]
-    if wrong:
-        problems.append(f"{len(wrong)} shape mismatch(es) (got != expected): {', '.join(wrong[:5])}")
-    if problems:
-        raise ConfigError(f"{what}: " + "; ".join(problems))
 
 
 def from_pretrained(
@@ -226,34 +119,23 @@ def from_pretrained(
 ) -> tuple[Transformer, ModelConfig]:
     """Load a Hugging Face checkpoint directory into our model; returns ``(model, config)``.
 
-    ``dtype`` None keeps the checkpoint's (``dtype``/``torch_dtype`` in config.json, else as stored).
-    RoPE tables stay fp32 whatever ``dtype`` is, as transformers computes them, and so do the
-    tensors the adapter keeps in fp32 (e.g. DeepSeek-V3's expert bias).
+    ``dtype`` None keeps the checkpoint's (``dtype``/``torch_dtype`` in config.json, else as stored;
+    a block-FP8 weight dequantises to fp32 unless config.json names a dtype, bf16 in DeepSeek-V3's
+    release). RoPE tables stay fp32 whatever ``dtype`` is, as transformers computes them, and so do
+    the tensors the adapter keeps in fp32 (e.g. DeepSeek-V3's expert bias).
     """
-    directory = Path(path)
-    if not (directory / CONFIG_NAME).is_file():
-        raise FileNotFoundError(f"{directory} is not a Hugging Face checkpoint directory (no {CONFIG_NAME})")
-    hf_config = _read_json(directory / CONFIG_NAME)
-    adapter = adapter_for_model_type(hf_config.get("model_type"))
-    files = weight_map(directory)
-    cfg = adapter.config_for_checkpoint(adapter.config_from_hf(hf_config), files.keys())
-    cfg.name = directory.resolve().name
-    cfg.attn_backend = attn_backend  # type: ignore[assignment]
-    cfg.validate()
-
+    checkpoint = HFCheckpoint(path, attn_backend)
     target_dtype = resolve_dtype(dtype)
     if target_dtype is None:
-        stored = hf_config.get("dtype") or hf_config.get("torch_dtype")
+        stored = checkpoint.hf_config.get("dtype") or checkpoint.hf_config.get("torch_dtype")
         if isinstance(stored, str) and stored != "auto":
             target_dtype = resolve_dtype(stored, what="config.json dtype")
-
     with torch.device("meta"):
-        model = build_model(cfg)
-    hf_state = read_safetensors(files, dtype=target_dtype, device=device, keep_fp32=adapter.keeps_fp32)
-    state = adapter.from_hf(hf_state, cfg)
-    del hf_state
-    load_into_meta_model(model, state, torch.device(device), what=f"loading {directory}")
-    return model, cfg
+        model = build_model(checkpoint.config)
+    checkpoint.check(model.state_dict())
+    targets = materialise(model, device, lambda name: checkpoint.dtype_for(name, target_dtype))
+    checkpoint.fill(targets)
+    return model, checkpoint.config
 
 
 def load_into_meta_model(model: nn.Module, state: StateDict, device: torch.device, what: str) -> None:
@@ -262,8 +144,9 @@ def load_into_meta_model(model: nn.Module, state: StateDict, device: torch.devic
     check_state_dict(state, model.state_dict(), what=what)
     tied = tied_groups(model)
     model.load_state_dict(state, strict=True, assign=True)
-    _retie(model, tied)
-    _materialise_buffers(model, device)
+    retie(model, tied)
+    recompute_buffers(model, device)
+    check_materialised(model)
 
 
 # -- writing ---------------------------------------------------------------------------------------
@@ -280,11 +163,12 @@ def _plain_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _shard(names: list[str], sizes: dict[str, int], limit: int) -> list[list[str]]:
-    """Greedy, in order: start a new shard when the next tensor would push this one past ``limit``."""
+    """Greedy, in order: start a new shard when the next tensor would push this one past ``limit``
+    (an FP8 weight's block scales stay in its weight's shard)."""
     shards: list[list[str]] = [[]]
     used = 0
     for name in names:
-        if shards[-1] and used + sizes[name] > limit:
+        if shards[-1] and used + sizes[name] > limit and not name.endswith(SCALE_SUFFIX):
             shards.append([])
             used = 0
         shards[-1].append(name)
@@ -303,18 +187,31 @@ def _prepare(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def _prepare_shard(
-    hf_state: StateDict, names: list[str], dtype_of: Callable[[str], torch.dtype | None]
+    hf_state: StateDict,
+    names: list[str],
+    dtype_of: Callable[[str], torch.dtype | None],
+    fp8: BlockFP8 | None = None,
 ) -> StateDict:
     """:func:`_prepare` each tensor; a tensor stored under several names (e.g. DeepSeek-V3's MTP
-    layer repeating the shared embedding) is copied, since one file may not hold shared storage."""
+    layer repeating the shared embedding) is copied, since one file may not hold shared storage.
+    With ``fp8``, the names it is given as quantised are written as FP8 blocks plus their scales
+    (in the same file, as the release does)."""
     out: StateDict = {}
     seen: set[int] = set()
+    scaled = {name.removesuffix(SCALE_SUFFIX) for name in names if fp8 is not None and name.endswith(SCALE_SUFFIX)}
     for name in names:
-        tensor = _prepare(hf_state[name], dtype_of(name))
-        if tensor.untyped_storage().data_ptr() in seen:
-            tensor = tensor.clone()
-        seen.add(tensor.untyped_storage().data_ptr())
-        out[name] = tensor
+        if fp8 is not None and name.endswith(SCALE_SUFFIX):
+            continue  # written with its weight
+        if fp8 is not None and name in scaled:
+            values, scales = fp8.quantize(hf_state[name].detach().float())
+            tensors = {name: _prepare(values, None), name + SCALE_SUFFIX: _prepare(scales, None)}
+        else:
+            tensors = {name: _prepare(hf_state[name], dtype_of(name))}
+        for key, tensor in tensors.items():
+            if tensor.untyped_storage().data_ptr() in seen:
+                tensor = tensor.clone()
+            seen.add(tensor.untyped_storage().data_ptr())
+            out[key] = tensor
     return out
 
 
@@ -323,12 +220,16 @@ def save_pretrained(
     path: str | Path,
     dtype: DTypeLike = None,
     max_shard_size: int | str = "5GB",
+    fp8: bool = False,
 ) -> Path:
     """Write ``model`` as a Hugging Face checkpoint directory that ``AutoModelForCausalLM`` loads.
 
     ``dtype`` None keeps the model's dtype. Above ``max_shard_size`` the weights are split into
     ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``. Weight files from an
     earlier save into the same directory are removed so that no stale shard is picked up.
+    ``fp8``: DeepSeek-V3's release format: the weights the family's layout quantises in FP8
+    (attention and MLP / expert projections) as 128x128 blocks with amax scaling, each with its
+    ``weight_scale_inv``, and ``quantization_config`` in config.json; the rest in ``dtype``.
     Returns the directory.
     """
     model = getattr(model, "_orig_mod", model)  # torch.compile wrapper
@@ -346,10 +247,27 @@ def save_pretrained(
         reference = build_model(cfg).state_dict()
     check_state_dict(state, reference, what="saving (the model must hold every layer, unsharded)")
     hf_state = adapter.to_hf(state, cfg)
+    blocks = BlockFP8() if fp8 else None
+    if blocks is not None:
+        if adapter.fp8_weights is None:
+            raise ConfigError(
+                f"fp8=True: the {cfg.family} family's Hugging Face layout ({adapter.model_type}) has no FP8 "
+                "form; save it in bf16 (dtype='bfloat16')"
+            )
+        with_scales: StateDict = {}
+        for name, tensor in hf_state.items():  # each scale right after its weight: one file holds both
+            with_scales[name] = tensor
+            if adapter.quantizes_fp8(name):
+                with_scales[name + SCALE_SUFFIX] = torch.empty(blocks.scale_shape(tensor.shape), device="meta")
+        hf_state = with_scales
 
     # Tensors the adapter keeps in fp32 (as transformers does) are written fp32 whatever the dtype.
-    fp32 = {name for name in hf_state if adapter.keeps_fp32(name)}
-    floating = [t.dtype for name, t in hf_state.items() if t.is_floating_point() and name not in fp32]
+    # So are FP8 block scales; FP8 weights are one byte each.
+    scales = {name for name in hf_state if blocks is not None and name.endswith(SCALE_SUFFIX)}
+    fp8_names = {name.removesuffix(SCALE_SUFFIX) for name in scales}
+    fp32 = {name for name in hf_state if adapter.keeps_fp32(name)} | scales
+    floating = [t.dtype for name, t in hf_state.items()
+                if t.is_floating_point() and name not in fp32 and name not in fp8_names]
     written_dtype = target_dtype or (floating[0] if floating else torch.float32)
     if target_dtype is None and len(set(floating)) > 1:
         raise ConfigError(f"model mixes dtypes {sorted(map(str, set(floating)))}; pass dtype= to save in one")
@@ -358,6 +276,8 @@ def save_pretrained(
         return torch.float32 if name in fp32 else target_dtype
 
     def nbytes(name: str, t: torch.Tensor) -> int:
+        if name in fp8_names:
+            return t.numel()  # one byte per FP8 value
         size = (dtype_of(name) or t.dtype).itemsize if t.is_floating_point() else t.element_size()
         return t.numel() * size
 
@@ -373,7 +293,7 @@ def save_pretrained(
     metadata = {"format": "pt"}  # transformers checks this key
 
     def write(names: list[str], fname: str) -> None:
-        save_file(_prepare_shard(hf_state, names, dtype_of), str(directory / fname), metadata)
+        save_file(_prepare_shard(hf_state, names, dtype_of, blocks), str(directory / fname), metadata)
         follow_umask(directory / fname)  # save_file makes it -rw------- whatever the umask
 
     if len(shards) == 1:
@@ -390,6 +310,8 @@ def save_pretrained(
     hf_config = adapter.config_to_hf(cfg)
     hf_config["dtype"] = dtype_name(written_dtype)  # transformers >= 4.56
     hf_config["torch_dtype"] = dtype_name(written_dtype)  # older transformers
+    if blocks is not None:
+        hf_config["quantization_config"] = blocks.hf_config()
     _write_json(directory / CONFIG_NAME, hf_config)
     generation = {"_from_model_config": True}
     generation.update({k: hf_config[k] for k in TOKEN_ID_KEYS if hf_config.get(k) is not None})

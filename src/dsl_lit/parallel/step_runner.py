@@ -74,6 +74,10 @@ class StepModule(Protocol):
     def manual_backward(self, loss: torch.Tensor) -> None:
         """Lightning's backward (precision plugin hooks included)."""
 
+    def load_initial_weights(self, device: torch.device) -> None:
+        """Read the starting weights into the model it left on the meta device (the strategy calls
+        it after pruning and sharding the model, so each rank reads only its own tensors)."""
+
 
 class LocalStepRunner:
     """The step on a strategy without a device mesh: micro-batches in a loop, autograd accumulating

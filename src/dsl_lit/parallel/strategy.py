@@ -45,10 +45,11 @@ from dsl_lit.parallel.checkpointing import ShardedCheckpointing
 from dsl_lit.parallel.expert_parallel import apply_expert_parallel, expert_parameters
 from dsl_lit.parallel.full_state import full_state_dict
 from dsl_lit.parallel.grad_sync import OverlappedGradientReducer
+from dsl_lit.parallel.materialise import has_meta_tensors
 from dsl_lit.parallel.mesh import build_device_mesh
 from dsl_lit.parallel.pipeline import PipelineRunner
 from dsl_lit.parallel.step_runner import MeshStepRunner, PipelineStepRunner
-from dsl_lit.parallel.tensor_parallel import apply_tensor_parallel
+from dsl_lit.parallel.tensor_parallel import apply_tensor_parallel, place_gradients_like_parameters
 from dsl_lit.parallel.zero1 import ZeRO1AdamW
 
 
@@ -106,23 +107,38 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
         return self.reduce(tensor, group=self.dp_group, reduce_op=reduce_op)
 
     # -- no DDP wrapper; tensor parallelism applied here -------------------------------------------
+    def model_to_device(self) -> None:
+        """A model still on the meta device (starting weights not read yet) is allocated on this
+        rank's device by :meth:`configure_ddp`, once it holds only this rank's part."""
+        if not has_meta_tensors(self.model):
+            super().model_to_device()
+
     def configure_ddp(self) -> None:
-        """Keep the module unwrapped; start every rank from rank 0's weights and buffers; then
-        shard the model over the tp mesh dimension with its family's plan."""
-        if dist.is_available() and dist.is_initialized():
+        """Keep the module unwrapped; prune the model to this rank's pipeline stages, shard it over
+        the tp and ep mesh dimensions. A randomly initialised model starts from rank 0's weights
+        and buffers (broadcast first). A model the module left on the meta device (starting weights
+        from files) is cut down first and then allocated, each rank reading only its own tensors
+        (``module.load_initial_weights``): no rank ever holds the whole model."""
+        module = self.lightning_module
+        deferred = has_meta_tensors(module.model)
+        if not deferred and dist.is_available() and dist.is_initialized():
             with torch.no_grad():
                 for tensor in [*self.model.parameters(), *self.model.buffers()]:
                     dist.broadcast(tensor, src=0)
-        module = self.lightning_module
         if self.pp > 1:  # drop what this rank's stages do not hold, before sharding the rest
             self._pipeline = PipelineRunner(
                 module.model, module.model_config, self.pp_group, self.pp_schedule,
                 self.pp_virtual_stages, self.root_device, with_mtp=module.trains_mtp,
             )
         if self.tp > 1:
-            apply_tensor_parallel(module.model, module.model_config, self.mesh["tp"], self.sequence_parallel)
+            apply_tensor_parallel(module.model, module.model_config, self.mesh["tp"], self.sequence_parallel,
+                                  hook_gradients=not deferred)
         if self.ep > 1:
             apply_expert_parallel(module.model, self.mesh["ep"])
+        if deferred:
+            module.load_initial_weights(self.root_device)
+            if self.tp > 1:
+                place_gradients_like_parameters(module.model)
 
     # -- how the module's step runs on this layout ------------------------------------------------
     @property

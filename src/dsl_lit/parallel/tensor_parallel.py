@@ -214,14 +214,29 @@ def _placed_like(grad: torch.Tensor, placements: Sequence[Placement]) -> torch.T
     return grad
 
 
+def place_gradients_like_parameters(model: nn.Module) -> None:
+    """Make every DTensor parameter's gradient arrive in its parameter's placements.
+
+    Partial sums are all-reduced, and a Replicate gradient of a Shard parameter (the
+    vocab-parallel embedding's backward gives one) is sliced, so ``.grad.to_local()`` lines up with
+    the parameter's shard for the DP reducer and ZeRO-1 buckets. Hooks hang on the tensors: a
+    model sharded on the meta device gets them once its tensors are allocated."""
+    for param in model.parameters():
+        if isinstance(param, DTensor) and param.requires_grad:
+            param.register_hook(lambda grad, placements=param.placements: _placed_like(grad, placements))
+
+
 def apply_tensor_parallel(
-    model: nn.Module, cfg: ModelConfig, tp_mesh: DeviceMesh, sequence_parallel: bool = False
+    model: nn.Module, cfg: ModelConfig, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
+    hook_gradients: bool = True,
 ) -> nn.Module:
     """Shard ``model`` in place over ``tp_mesh`` (modules a pipeline stage dropped are skipped).
 
     With ``sequence_parallel`` the activations between blocks are sequence shards: the input
     length must be divisible by tp, and ``hidden_states`` returns a ``Shard(1)`` DTensor (which
     ``head`` and ``mtp_logits`` accept). Logits are vocab-sharded DTensors either way.
+    ``hook_gradients=False`` leaves :func:`place_gradients_like_parameters` to the caller (a model
+    on the meta device, allocated later).
     """
     modules = dict(model.named_modules())
     declared = {name: style for name, style in declared_plan(cfg, tp_mesh.size(), sequence_parallel).items()
@@ -231,13 +246,8 @@ def apply_tensor_parallel(
     embedding, output = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
     if cfg.tie_embeddings and embedding is not None and output is not None:
         output.weight = embedding.weight  # both vocab-sharded Shard(0): re-tie the two DTensors
-    for param in model.parameters():
-        # Every gradient in its parameter's placements before it accumulates: Partial sums are
-        # all-reduced, and a Replicate gradient of a Shard parameter (the vocab-parallel embedding's
-        # backward gives one) is sliced, so .grad.to_local() lines up with the parameter's shard
-        # for the DP reducer and ZeRO-1 buckets.
-        if isinstance(param, DTensor) and param.requires_grad:
-            param.register_hook(lambda grad, placements=param.placements: _placed_like(grad, placements))
+    if hook_gradients:
+        place_gradients_like_parameters(model)
     group = tp_mesh.get_group()
     for name, style in declared.items():
         if style == styles.SHARED_ROPE_KEY:  # the last rope_dim features are the shared rotary key

@@ -23,6 +23,7 @@ from dsl_lit.training.build import (  # also registers ${project_root:}
     starting_weights,
 )
 from dsl_lit.training.build import fit as fit_run
+from dsl_lit.training.pretrained import StartingWeights
 from dsl_lit.training.runs import check_vocab, require_vocab, save_resolved_config
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,8 @@ class PostTrainSetup:
     cfg: TrainConfig
     post: PostTrainConfig
     tokenizer: ChatTokenizer
-    initial_state: dict[str, torch.Tensor] | None
-    """The starting weights (None: random init of ``cfg.model``)."""
+    initial_state: StartingWeights | None
+    """The starting weights, opened but not read (None: random init of ``cfg.model``)."""
 
 
 def setup_posttrain(hydra_cfg: DictConfig, run_dir: str, init_from: str | None = None) -> PostTrainSetup:

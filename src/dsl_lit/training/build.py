@@ -23,6 +23,7 @@ from dsl_lit.checkpoint.directory import DirectoryCheckpointIO, StepCheckpoint
 from dsl_lit.checkpoint.resume import resume_checkpoint
 from dsl_lit.config import ModelConfig, TrainConfig
 from dsl_lit.flops import training_flops_per_token
+from dsl_lit.models import build_model
 from dsl_lit.parallel.checkpointing import OneDeviceStrategy
 from dsl_lit.parallel.strategy import DeepSeekStrategy
 from dsl_lit.precision.plugin import AutocastPrecision
@@ -35,7 +36,7 @@ from dsl_lit.training.callbacks.rank_failure import RankFailureReporter
 from dsl_lit.training.callbacks.rng_state import RNGStateCallback
 from dsl_lit.training.callbacks.throughput import ThroughputMonitor
 from dsl_lit.training.loggers import RunCSVLogger
-from dsl_lit.training.pretrained import load_pretrained
+from dsl_lit.training.pretrained import StartingWeights
 from dsl_lit.training.runs import finish_run
 
 log = logging.getLogger(__name__)
@@ -59,18 +60,21 @@ def module_arguments(cfg: TrainConfig) -> dict[str, Any]:
     )
 
 
-def starting_weights(cfg: TrainConfig, source: str | None) -> dict[str, torch.Tensor] | None:
-    """The state dict ``init_from`` names (None without one). Its architecture replaces
-    ``cfg.model`` (re-validated with the layout), so the run's checkpoints rebuild the right model."""
+def starting_weights(cfg: TrainConfig, source: str | None) -> StartingWeights | None:
+    """The weights ``init_from`` names (None without one), opened and checked but not read: each
+    rank reads its part when the model is set up. Their architecture replaces ``cfg.model``
+    (re-validated with the layout), so the run's checkpoints rebuild the right model."""
     if not source:
         return None
-    model, group = load_pretrained(source)
-    values = dict(group)
+    weights = StartingWeights.open(source)
+    values = dict(weights.group)
     cfg.model = ModelConfig.from_name(values.pop("name"), **values)
-    cfg.raw["model"], cfg.raw["init_from"], cfg.init_from = group, str(source), str(source)
+    cfg.raw["model"], cfg.raw["init_from"], cfg.init_from = weights.group, str(source), str(source)
     cfg.validate()
-    log.info("starting from %s (%s, %.1fM parameters)", source, cfg.model.name, model.num_params() / 1e6)
-    return model.state_dict()
+    with torch.device("meta"):
+        params = build_model(cfg.model).num_params()
+    log.info("starting from %s (%s, %.1fM parameters)", source, cfg.model.name, params / 1e6)
+    return weights
 
 
 def build_loggers(cfg: TrainConfig) -> list[Logger]:

@@ -13,6 +13,7 @@ each router's expert bias.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import lightning as L
@@ -32,6 +33,7 @@ from dsl_lit.parallel.step_runner import LocalStepRunner, step_runner_of
 from dsl_lit.precision.fp8 import apply_fp8
 from dsl_lit.precision.loss_scaler import DynamicLossScaler
 from dsl_lit.precision.plugin import AutocastPrecision
+from dsl_lit.training.pretrained import StartingWeights
 
 Batch = dict[str, torch.Tensor]
 Metrics = dict[str, torch.Tensor]
@@ -49,7 +51,7 @@ class CausalLMModule(L.LightningModule):
         precision: PrecisionConfig | None = None,
         memory: MemoryConfig | None = None,
         max_bad_steps: int = 10,
-        initial_state: dict[str, torch.Tensor] | None = None,
+        initial_state: dict[str, torch.Tensor] | StartingWeights | None = None,
         batch_schedule: BatchSchedule | None = None,
     ) -> None:
         super().__init__()
@@ -64,10 +66,11 @@ class CausalLMModule(L.LightningModule):
         self.memory = (memory or MemoryConfig()).validate()
         self.max_bad_steps = max_bad_steps
         self.initial_state = initial_state
+        """Starting weights (``init_from``): a state dict, or weights read where the model is set up
+        (:class:`StartingWeights`); None: the model's random init. A resumed run's checkpoint
+        overwrites them."""
         self.batch_schedule = batch_schedule
         """The run's global batch per step (a batch ramp): schedules counted in tokens follow it."""
-        """Starting weights (``init_from``); None: the model's random init. A resumed run's checkpoint
-        overwrites them."""
         self.bad_steps_in_a_row = 0
         self.loss_scaler = DynamicLossScaler(
             enabled=self.precision.name == "fp16",
@@ -81,17 +84,40 @@ class CausalLMModule(L.LightningModule):
 
     # -- model construction -------------------------------------------------------------------------
     def configure_model(self) -> None:
-        """Build the model here, not in ``__init__``, so a strategy can build it on the meta device
-        and shard it before weights are materialised. Idempotent, as Lightning requires."""
-        if self.model is None:
+        """Build the model here, not in ``__init__``, so that starting weights read from files
+        (:class:`StartingWeights`) need no full copy anywhere: the model is built on the meta device
+        and, when the layout splits it, left there for the strategy to prune and shard before each
+        rank reads its own part (:meth:`load_initial_weights`). A random init is built as always (the
+        same RNG draws in every layout). Idempotent, as Lightning requires."""
+        if self.model is not None:
+            return
+        lazy = isinstance(self.initial_state, StartingWeights)
+        with torch.device("meta") if lazy else contextlib.nullcontext():
             self.model = build_model(self.model_config)
-            if self.precision.fp8:
-                apply_fp8(self.model, self.precision.fp8)
-            apply_recompute(self.model, self.memory.recompute, self.memory.recompute_blocks)
+        if self.precision.fp8:
+            apply_fp8(self.model, self.precision.fp8)
+        apply_recompute(self.model, self.memory.recompute, self.memory.recompute_blocks)
+        if not lazy:
             if self.initial_state is not None:
                 self.model.load_state_dict(self.initial_state, strict=True)
                 self.initial_state = None
             self.on_initial_weights()
+        elif self.whole_model_at_start or not self.runner.shards_model:
+            self.load_initial_weights(torch.get_default_device())  # where the strategy builds models
+
+    def load_initial_weights(self, device: torch.device) -> None:
+        """Read the starting weights into the model left on the meta device, on ``device``: the
+        whole model, or (called by the strategy once it has pruned and sharded it) only the
+        tensors, shards and experts this rank holds."""
+        self.initial_state.load(self.model, device)
+        self.initial_state = None
+        self.on_initial_weights()
+
+    @property
+    def whole_model_at_start(self) -> bool:
+        """Whether :meth:`on_initial_weights` needs the whole model (a frozen reference copy of it):
+        starting weights are then read whole on every rank, before the layout splits the model."""
+        return False
 
     def on_initial_weights(self) -> None:
         """Hook: the model holds its starting weights (DPO caches reference log-probs here)."""

@@ -1,22 +1,43 @@
-"""Starting weights of a post-training run: one of our training checkpoints or a Hugging Face
-directory, loaded into our Transformer together with the model config that rebuilds it.
+"""Starting weights (``init_from``) of a pretraining or post-training run: one of our training
+checkpoints or a Hugging Face directory, opened without reading its weights.
 
-Our checkpoints are read by ``dsl_lit.checkpoint.reader`` (the one reader of training checkpoints:
-safetensors shards, any layout that wrote them); HF directories by ``dsl_lit.hf.from_pretrained``
-(safetensors only, no remote code).
+Why lazily: a released model (DeepSeek-V2-Lite, V3) does not fit in one process. :class:`StartingWeights`
+knows the model config and has checked every name and shape against it (from the safetensors
+headers alone); the weights are read later, where the model is: the whole model on one process,
+or, once the strategy has pruned and sharded a model built on the meta device, only the tensors
+of this rank's pipeline stages, tensor shards and experts (:meth:`StartingWeights.load`).
+
+Our checkpoints are read through DCP (the reader of ``dsl_lit.checkpoint``: safetensors shards, any
+layout that wrote them, each rank reading the pieces its tensors need); HF directories through
+:class:`~dsl_lit.hf.reader.HFCheckpoint` (safetensors only, no remote code, block-FP8 dequantised).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed.checkpoint as dcp
 import yaml
+from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-from dsl_lit.checkpoint.reader import find_checkpoint, load_checkpoint_model
-from dsl_lit.hf import from_pretrained
-from dsl_lit.models import ModelConfig, Transformer, spec_of
+from dsl_lit.checkpoint.files import SHARDS
+from dsl_lit.checkpoint.reader import PREFIX, find_checkpoint, model_config
+from dsl_lit.checkpoint.sharded import saved_tensors
+from dsl_lit.hf.reader import CONFIG_NAME, HFCheckpoint, check_state_dict
+from dsl_lit.memory.host import peak_rss_bytes
+from dsl_lit.models import ModelConfig, Transformer, build_model, spec_of
+from dsl_lit.parallel.materialise import local_target, materialise
+
+log = logging.getLogger(__name__)
+
+STATE_PREFIX = "state_dict/" + PREFIX
+"""Keys of the model's tensors in our checkpoints' shards."""
 
 
 def model_group(cfg: ModelConfig) -> dict[str, Any]:
@@ -27,14 +48,72 @@ def model_group(cfg: ModelConfig) -> dict[str, Any]:
     return {"name": spec_of(cfg).base_preset, **values}
 
 
+@dataclasses.dataclass
+class StartingWeights:
+    """Weights to start from, checked against their model config but not read yet."""
+
+    path: Path
+    """An HF directory, or our ``step-<N>`` checkpoint."""
+    config: ModelConfig
+    group: dict[str, Any]
+    """The ``model`` config group that rebuilds :attr:`config` (it replaces the run's)."""
+    hf: HFCheckpoint | None
+    """The opened HF directory (None: our checkpoint)."""
+
+    @classmethod
+    def open(cls, path: str | Path) -> StartingWeights:
+        """An HF directory (config.json), or our ``step-<N>`` checkpoint / run directory (its latest
+        complete step); ConfigError if its tensors do not match its model config."""
+        directory = Path(path)
+        with torch.device("meta"):
+            if (directory / CONFIG_NAME).is_file():
+                hf = HFCheckpoint(directory)
+                hf.check(build_model(hf.config).state_dict())
+                return cls(directory, hf.config, model_group(hf.config), hf)
+            step = find_checkpoint(directory)
+            cfg = model_config(step)
+            saved = {key.removeprefix(STATE_PREFIX): torch.empty(meta.size)
+                     for key, meta in saved_tensors(step / SHARDS).items() if key.startswith(STATE_PREFIX)}
+            check_state_dict(saved, build_model(cfg).state_dict(), what=f"init_from={path} ({step / SHARDS})")
+        raw = yaml.safe_load((step / "config.yaml").read_text())
+        return cls(step, cfg, dict(raw["model"]), None)
+
+    def load(self, model: nn.Module, device: torch.device | str, dtype: torch.dtype | None = None) -> None:
+        """Allocate ``model`` (built from :attr:`config` on the meta device, possibly pruned to
+        pipeline stages and sharded since) on ``device`` and read into each tensor exactly the part
+        this process holds. ``dtype`` None keeps the dtypes the model was built with; a dtype
+        applies to the parameters (buffers such as the router's bias stay fp32, as the HF layouts
+        keep them)."""
+        if self.hf is None:
+            params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+            materialise(model, device, (lambda name: dtype if name in params else None) if dtype else None)
+            template = {STATE_PREFIX + name: t for name, t in model.state_dict().items()}
+            # each process reads its own pieces (no collective): DTensors take their local shards
+            with warnings.catch_warnings():  # DCP warns that no_dist means one process: here, one per rank
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(template, storage_reader=HuggingFaceStorageReader(str(self.path / SHARDS)), no_dist=True)
+            read = ""
+        else:
+            hf = self.hf
+            targets = materialise(model, device, (lambda name: hf.dtype_for(name, dtype)) if dtype else None)
+            before = hf.bytes_read
+            hf.fill(targets)
+            read = f", read {(hf.bytes_read - before) / 2**20:.1f} MiB"
+        locals_ = [local_target(t)[0] for t in {id(t): t for t in model.state_dict().values()}.values()]
+        held = sum(t.numel() * t.element_size() for t in locals_)
+        log.info("starting weights from %s: this process holds %.1f MiB%s; peak RSS %.1f MiB", self.path,
+                 held / 2**20, read, peak_rss_bytes() / 2**20)
+
+    def whole_model(self, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> Transformer:
+        """The whole model with these weights (fp32 unless ``dtype``), on ``device``."""
+        with torch.device("meta"):
+            model = build_model(self.config)
+        self.load(model, device, dtype)
+        return model
+
+
 def load_pretrained(path: str | Path) -> tuple[Transformer, dict[str, Any]]:
-    """(model with the weights, its ``model`` config group) from ``path``: an HF directory
+    """(fp32 model with the weights, its ``model`` config group) from ``path``: an HF directory
     (config.json), or our ``step-<N>`` checkpoint / run directory (its latest complete step)."""
-    directory = Path(path)
-    if (directory / "config.json").is_file():
-        model, cfg = from_pretrained(directory, dtype="fp32")
-        return model, model_group(cfg)
-    step = find_checkpoint(directory)
-    model, _ = load_checkpoint_model(step)
-    raw = yaml.safe_load((step / "config.yaml").read_text())
-    return model.float(), dict(raw["model"])
+    weights = StartingWeights.open(path)
+    return weights.whole_model(), weights.group

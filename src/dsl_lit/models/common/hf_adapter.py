@@ -8,14 +8,18 @@ family folder holds its adapter(s) and names them in its ``FamilySpec`` (``hf_re
 
 State dicts are translated whole (not name by name) because some families need more than renames,
 e.g. stacking per-expert HF weights into one grouped tensor. Renames keep the same tensor objects,
-so a rename costs no memory.
+so a rename costs no memory. A process that holds only part of a big model (a pipeline stage, its
+experts, tensor shards) reads its tensors one by one instead: :meth:`HFAdapter.hf_sources` says, for
+each of our names, which HF tensors make it, without reading any.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -36,6 +40,16 @@ def few(names: Iterable[str], limit: int = 5) -> str:
     return shown + (f" ... (and {len(names) - limit} more)" if len(names) > limit else "")
 
 
+@dataclass(frozen=True)
+class HFSource:
+    """The HF tensors one of our tensors is made of: a single tensor (renamed), one per routed
+    expert stacked along a new first dim (``stacked``), or none (a tensor HF does not store, which
+    loads as zeros: DeepSeek-V2's missing balancing bias)."""
+
+    names: tuple[str, ...]
+    stacked: bool = False
+
+
 class HFAdapter(ABC):
     """Config and state-dict translation for one model family; see the module docstring."""
 
@@ -48,6 +62,9 @@ class HFAdapter(ABC):
     fp32_suffixes: ClassVar[tuple[str, ...]] = ()
     """HF names ending with one of these are read and written in fp32 whatever dtype is asked for
     (transformers' ``_keep_in_fp32_modules_strict``), e.g. a router's score-correction bias."""
+    fp8_weights: ClassVar[re.Pattern[str] | None] = None
+    """HF names of the weights a block-FP8 checkpoint of this layout stores in FP8 (DeepSeek-V3's
+    release: the attention and MLP / expert projections); None: the layout has no FP8 form."""
 
     @abstractmethod
     def config_from_hf(self, hf: Mapping[str, Any]) -> ModelConfig:
@@ -61,6 +78,10 @@ class HFAdapter(ABC):
     def keeps_fp32(self, hf_name: str) -> bool:
         return hf_name.endswith(self.fp32_suffixes) if self.fp32_suffixes else False
 
+    def quantizes_fp8(self, hf_name: str) -> bool:
+        """Whether a block-FP8 checkpoint stores ``hf_name`` in FP8 (with a ``_scale_inv`` tensor)."""
+        return bool(self.fp8_weights is not None and self.fp8_weights.fullmatch(hf_name))
+
     @abstractmethod
     def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
         """The architecture part of ``config.json`` (io adds dtype and bookkeeping keys)."""
@@ -72,6 +93,11 @@ class HFAdapter(ABC):
     @abstractmethod
     def to_hf(self, state: StateDict, cfg: ModelConfig) -> StateDict:
         """Our names -> HF's, leaving out tensors HF does not store (e.g. a tied output head)."""
+
+    @abstractmethod
+    def hf_sources(self, names: Iterable[str], cfg: ModelConfig) -> dict[str, HFSource]:
+        """For each of our tensor ``names``, the HF tensors :meth:`from_hf` would make it from,
+        without reading any (a tied head names the embedding). ConfigError lists unknown names."""
 
 
 def require(hf: Mapping[str, Any], key: str) -> Any:
@@ -194,6 +220,24 @@ def renamed_from_hf(
         )
     if cfg.tie_embeddings and "tok_embeddings.weight" in out:
         out["output.weight"] = out["tok_embeddings.weight"]
+    return out
+
+
+def renamed_sources(
+    names: Iterable[str], cfg: ModelConfig, rename: Callable[[str], str | None]
+) -> dict[str, HFSource]:
+    """:meth:`HFAdapter.hf_sources` of renamed tensors: each from the HF tensor ``rename`` names;
+    a tied output head from the embedding HF stores. ConfigError lists every unknown name."""
+    out: dict[str, HFSource] = {}
+    unknown: list[str] = []
+    for name in names:
+        hf_name = rename("tok_embeddings.weight" if cfg.tie_embeddings and name == "output.weight" else name)
+        if hf_name is None:
+            unknown.append(name)
+        else:
+            out[name] = HFSource((hf_name,))
+    if unknown:
+        raise ConfigError(f"model has parameter(s) with no Hugging Face name: {few(unknown)}")
     return out
 
 

@@ -5,7 +5,7 @@ Names and config only; ``dsl_lit.hf.io`` does the file I/O.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from dsl_lit.config.errors import ConfigError
@@ -15,11 +15,13 @@ from dsl_lit.models.common.hf_adapter import (
     SWIGLU_NAMES,
     TOP_NAMES,
     HFAdapter,
+    HFSource,
     StateDict,
     check_rope_theta_writable,
     hf_rope,
     reject_unsupported_common,
     renamed_from_hf,
+    renamed_sources,
     renamed_to_hf,
     require,
     supported_rope,
@@ -122,6 +124,9 @@ class DeepSeekLLMAdapter(HFAdapter):
 
     def to_hf(self, state: StateDict, cfg: ModelConfig) -> StateDict:
         return renamed_to_hf(state, cfg, self._ours_to_hf)
+
+    def hf_sources(self, names: Iterable[str], cfg: ModelConfig) -> dict[str, HFSource]:
+        return renamed_sources(names, cfg, self._ours_to_hf)
 
     def _hf_to_ours(self, hf_name: str) -> str | None:
         if hf_name in self._TOP_INV:

@@ -15,6 +15,11 @@ family registry (``dsl_lit.models.registry``).
 * multi-token-prediction module k is the extra decoder layer ``n_layers + k`` with ``enorm``,
   ``hnorm``, ``eh_proj`` and ``shared_head.norm`` next to the usual block weights, plus copies of the
   shared embedding (``embed_tokens``) and head (``shared_head.head``) that we write and drop on load.
+* the FP8 release (``quantization_config`` quant_method fp8, read and written by ``dsl_lit.hf``)
+  stores the attention projections and every MLP / expert projection in FP8, each with a
+  ``weight_scale_inv``; the embedding, norms, router, MTP ``eh_proj`` and heads stay bf16
+  (:data:`FP8_WEIGHTS`, the set of ``nn.Linear`` modules transformers quantises in this model,
+  whose ``lm_head`` it keeps in full precision and whose router is not an ``nn.Linear``).
 
 Routing decides the model type written. transformers' DeepSeek-V3 router is sigmoid only, so a
 softmax-routed ``deepseek_v3``-family model (the DeepSeek-V2-Lite preset) is written as
@@ -28,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -40,12 +45,14 @@ from dsl_lit.models.common.hf_adapter import (
     SWIGLU_NAMES,
     TOP_NAMES,
     HFAdapter,
+    HFSource,
     StateDict,
     check_rope_theta_writable,
     few,
     hf_rope,
     reject_unsupported_common,
     renamed_from_hf,
+    renamed_sources,
     renamed_to_hf,
     require,
     supported_rope,
@@ -97,6 +104,11 @@ _OUR_MTP = re.compile(r"mtp\.(\d+)\.(.+)")
 _OUR_EXPERT = re.compile(r"feed_forward\.experts\.(\d+)\.(w[123]\.weight)")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _HF_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+FP8_WEIGHTS = re.compile(
+    r"model\.layers\.\d+\.(?:self_attn\.(?:q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)"
+    r"|mlp\.(?:(?:shared_experts|experts\.\d+)\.)?(?:gate_proj|up_proj|down_proj))\.weight"
+)
+"""HF names of the weights DeepSeek-V3's FP8 release stores in FP8 (main and MTP layers alike)."""
 
 _HF_YARN_KEYS = {  # HF rope_parameters key -> our rope_scaling key
     "factor": "factor",
@@ -115,6 +127,7 @@ class DeepSeekV3Adapter(HFAdapter):
     model_type = "deepseek_v3"
     architecture = "DeepseekV3ForCausalLM"
     fp32_suffixes = (".e_score_correction_bias",)
+    fp8_weights = FP8_WEIGHTS
 
     score_func: ClassVar[str] = "sigmoid"
     """The router scoring this model type has (config.json ``scoring_func``)."""
@@ -217,13 +230,6 @@ class DeepSeekV3Adapter(HFAdapter):
             raise ConfigError(
                 f"{where} num_key_value_heads={kv_heads!r} differs from num_attention_heads="
                 f"{hf.get('num_attention_heads')!r}; Multi-head Latent Attention has one key per head"
-            )
-        if hf.get("quantization_config"):
-            method = (hf["quantization_config"] or {}).get("quant_method")
-            raise ConfigError(
-                f"{where} quantization_config (quant_method={method!r}) is not supported: quantised weights "
-                "(e.g. DeepSeek-V3's FP8 release, with weight_scale_inv tensors) must be dequantised to "
-                "bf16 first"
             )
         if hf.get("use_mla") is False:
             raise ConfigError(f"{where} use_mla=false is not supported: the {self.family} family is MLA only")
@@ -409,6 +415,21 @@ class DeepSeekV3Adapter(HFAdapter):
             for hf_name, ours in _MTP_SHARED.items():
                 out[f"model.layers.{cfg.n_layers + k}.{hf_name}"] = state[ours]
         return out
+
+    def hf_sources(self, names: Iterable[str], cfg: ModelConfig) -> dict[str, HFSource]:
+        out: dict[str, HFSource] = {}
+        renamed: list[str] = []
+        for name in names:
+            block = _OUR_BLOCK.fullmatch(name)
+            if block and block[3] in _STACKS:  # one [out, in] HF tensor per expert
+                prefix = name.removesuffix(block[3])
+                experts = (f"{prefix}feed_forward.experts.{e}.{_STACKS[block[3]]}" for e in range(cfg.n_routed_experts))
+                out[name] = HFSource(tuple(self._ours_to_hf(n, cfg) or n for n in experts), stacked=True)
+            elif block and block[3] == _BIAS and self.legacy_v2:
+                out[name] = HFSource(())  # DeepSeek-V2 has no balancing bias: zeros (see from_hf)
+            else:
+                renamed.append(name)
+        return out | renamed_sources(renamed, cfg, lambda n: self._ours_to_hf(n, cfg))
 
     def _ours_to_hf(self, name: str, cfg: ModelConfig) -> str | None:
         if name in TOP_NAMES:

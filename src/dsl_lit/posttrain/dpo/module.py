@@ -36,6 +36,10 @@ class DPOModule(PostTrainModule):
         """Each row's log-prob of its reply under ``model`` (default: the policy)."""
         return sequence_logps(self.logits(batch, model), batch["labels"], self.average_logps)
 
+    @property
+    def whole_model_at_start(self) -> bool:
+        return True  # the reference (a copy, or log-probs) is of the whole starting model
+
     def on_initial_weights(self) -> None:
         if self.dpo.reference == "model":
             self.make_reference()

@@ -50,6 +50,10 @@ class GRPOModule(PostTrainModule):
         self.reward_history: list[float] = []
         self.rollout_tokens = 0
 
+    @property
+    def whole_model_at_start(self) -> bool:
+        return bool(self.grpo.beta)  # the KL reference is a copy of the whole starting model
+
     def on_initial_weights(self) -> None:
         if self.grpo.beta:
             self.make_reference()

@@ -21,13 +21,14 @@ from dsl_lit.config.posttrain import RejectionConfig
 from dsl_lit.data.chat import ChatTokenizer
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.posttrain.rejection.data import RejectionSampler, RejectionStats, batch_generator
+from dsl_lit.training.pretrained import StartingWeights
 
 
 class RejectionSamplingModule(L.LightningModule):
     def __init__(
         self,
         model_config: ModelConfig,
-        initial_state: dict[str, torch.Tensor] | None,
+        initial_state: StartingWeights | None,
         tokenizer: ChatTokenizer,
         problems: Sequence[dict[str, Any]],
         prompt_of: Callable[[dict[str, Any]], list[dict[str, str]]],
@@ -48,10 +49,11 @@ class RejectionSamplingModule(L.LightningModule):
 
     def configure_model(self) -> None:
         if self.model is None:
-            torch.manual_seed(self.seed)  # a random start is the same model in every process
-            self.model = build_model(self.model_config)
-            if self.initial_state is not None:
-                self.model.load_state_dict(self.initial_state)
+            if self.initial_state is None:
+                torch.manual_seed(self.seed)  # a random start is the same model in every process
+                self.model = build_model(self.model_config)
+            else:  # every process samples with the whole model
+                self.model = self.initial_state.whole_model(torch.get_default_device())
                 self.initial_state = None
             self.model.eval().requires_grad_(False)
 

@@ -1,0 +1,260 @@
+"""An HF checkpoint directory opened for reading by name and region, without loading it.
+
+Opening reads ``config.json`` (our ``ModelConfig`` through the family adapter), the weight map
+(``model.safetensors`` or ``model.safetensors.index.json``) and every tensor's shape and dtype from
+the safetensors headers; no weight is read. :meth:`HFCheckpoint.check` then validates names and
+shapes against a model (on the meta device) with the adapter's own translation, so a wrong
+checkpoint fails before any memory is spent, with the messages a full load gives.
+
+:meth:`HFCheckpoint.fill` reads exactly the regions a process holds: each of our tensors from the HF
+tensors :meth:`~dsl_lit.models.common.hf_adapter.HFAdapter.hf_sources` names (experts stacked from
+their per-expert tensors, only this rank's experts), sliced to this rank's shard, dequantised
+block by block when the checkpoint is block FP8 (:mod:`dsl_lit.hf.fp8_blocks`), converted to the
+target's dtype, one tensor at a time, shard file by shard file. Weights are only ever read from
+safetensors (never unpickled).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.hf.fp8_blocks import SCALE_SUFFIX, BlockFP8, Region
+from dsl_lit.hf.safetensors_file import SafetensorsFile
+from dsl_lit.models import ModelConfig
+from dsl_lit.models.common.hf_adapter import HFAdapter, few
+from dsl_lit.models.registry import hf_reader
+
+CONFIG_NAME = "config.json"
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_INDEX_NAME = "model.safetensors.index.json"
+_PICKLE_PATTERNS = ("pytorch_model*.bin", "*.bin", "*.pt", "*.pth", "*.ckpt")
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+Target = tuple[torch.Tensor, tuple[int, ...]]
+"""A tensor to fill (this process's part of one of our tensors) and its offset in the full tensor."""
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    with path.open(encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a JSON object")
+    return data
+
+
+def weight_map(directory: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file holding it, from a single file or a sharded index."""
+    single = directory / SAFE_WEIGHTS_NAME
+    index = directory / SAFE_INDEX_NAME
+    if single.is_file():
+        file = SafetensorsFile(single)
+        file.close()
+        return dict.fromkeys(file.entries, single)
+    if index.is_file():
+        mapping = read_json(index).get("weight_map")
+        if not isinstance(mapping, dict) or not mapping:
+            raise ConfigError(f"{index} has no 'weight_map'")
+        files = {name: directory / fname for name, fname in mapping.items()}
+        absent = sorted({str(p.name) for p in files.values() if not p.is_file()})
+        if absent:
+            raise FileNotFoundError(f"{index} names shard(s) that are not in {directory}: {few(absent)}")
+        return files
+    pickles = sorted({p.name for pattern in _PICKLE_PATTERNS for p in directory.glob(pattern)})
+    if pickles:
+        raise ConfigError(
+            f"{directory} has only pickled weights ({few(pickles)}); dsl_lit reads safetensors only and "
+            "never unpickles checkpoints. Convert them to safetensors with a tool you trust first"
+        )
+    raise FileNotFoundError(f"{directory} has neither {SAFE_WEIGHTS_NAME} nor {SAFE_INDEX_NAME}")
+
+
+def check_state_dict(state: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], what: str) -> None:
+    """ConfigError listing missing / unexpected names and shape mismatches against ``expected``."""
+    missing = set(expected) - set(state)
+    unexpected = set(state) - set(expected)
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)} weight(s): {few(missing)}")
+    if unexpected:
+        problems.append(f"unexpected {len(unexpected)} weight(s): {few(unexpected)}")
+    wrong = [
+        f"{n} {tuple(state[n].shape)} != {tuple(expected[n].shape)}"
+        for n in sorted(set(state) & set(expected))
+        if state[n].shape != expected[n].shape
+    ]
+    if wrong:
+        problems.append(f"{len(wrong)} shape mismatch(es) (got != expected): {', '.join(wrong[:5])}")
+    if problems:
+        raise ConfigError(f"{what}: " + "; ".join(problems))
+
+
+def _headers(files: Mapping[str, Path]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of every tensor, from the safetensors headers (no tensor data is read)."""
+    by_file: dict[Path, list[str]] = {}
+    for name, path in files.items():
+        by_file.setdefault(path, []).append(name)
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for path, names in by_file.items():
+        file = SafetensorsFile(path)
+        file.close()
+        lost = [n for n in names if n not in file.entries]
+        if lost:
+            raise ConfigError(f"{path.name} lacks tensor(s) its index assigns to it: {few(lost)}")
+        out.update({name: file.entries[name][:2] for name in names})
+    return out
+
+
+class _OpenFiles:
+    """The files being read, at most ``keep`` open at a time."""
+
+    def __init__(self, keep: int = 8) -> None:
+        self.keep = keep
+        self._open: OrderedDict[Path, SafetensorsFile] = OrderedDict()
+
+    def get(self, path: Path) -> SafetensorsFile:
+        if path in self._open:
+            self._open.move_to_end(path)
+            return self._open[path]
+        while len(self._open) >= self.keep:
+            self._open.popitem(last=False)[1].close()
+        self._open[path] = SafetensorsFile(path)
+        return self._open[path]
+
+    def close(self) -> None:
+        while self._open:
+            self._open.popitem()[1].close()
+
+
+class HFCheckpoint:
+    """One HF checkpoint directory, opened (config, adapter, weight map, headers) but not read."""
+
+    def __init__(self, path: str | Path, attn_backend: str = "sdpa") -> None:
+        directory = Path(path)
+        if not (directory / CONFIG_NAME).is_file():
+            raise FileNotFoundError(f"{directory} is not a Hugging Face checkpoint directory (no {CONFIG_NAME})")
+        self.directory = directory
+        self.hf_config = read_json(directory / CONFIG_NAME)
+        self.adapter: HFAdapter = hf_reader(self.hf_config.get("model_type"))
+        self.fp8 = BlockFP8.from_hf_config(self.hf_config)
+        self.files = weight_map(directory)
+        self.headers = _headers(self.files)
+        self._check_fp8()
+        cfg = self.adapter.config_for_checkpoint(self.adapter.config_from_hf(self.hf_config), self.weight_names)
+        cfg.name = directory.resolve().name
+        cfg.attn_backend = attn_backend  # type: ignore[assignment]
+        cfg.validate()
+        self.config: ModelConfig = cfg
+        self.bytes_read = 0
+        """Bytes of tensor data :meth:`fill` has read so far (as stored: FP8 values and their scales)."""
+
+    @property
+    def weight_names(self) -> list[str]:
+        """Every stored tensor but the FP8 block scales."""
+        return [n for n in self.files if not self.is_scale(n)]
+
+    def is_scale(self, hf_name: str) -> bool:
+        return self.fp8 is not None and hf_name.endswith(SCALE_SUFFIX)
+
+    def is_fp8(self, hf_name: str) -> bool:
+        return self.fp8 is not None and hf_name + SCALE_SUFFIX in self.files
+
+    def _check_fp8(self) -> None:
+        """Every FP8 tensor has its block scales (of the right shape) and every scale its weight."""
+        where = f"{self.directory}"
+        for name, (shape, dtype) in self.headers.items():
+            if self.is_scale(name):
+                weight = name.removesuffix(SCALE_SUFFIX)
+                if weight not in self.headers:
+                    raise ConfigError(f"{where}: {name!r} scales a weight the checkpoint does not hold ({weight!r})")
+                w_shape, w_dtype = self.headers[weight]
+                if len(w_shape) != 2 or w_dtype not in _FP8:
+                    raise ConfigError(f"{where}: {weight!r} has block scales but is {w_dtype} of shape {w_shape}, "
+                                      "not a 2-D FP8 weight")
+                if shape != self.fp8.scale_shape(w_shape):
+                    raise ConfigError(
+                        f"{where}: {name!r} has shape {shape}; a {w_shape} weight in {list(self.fp8.block)} blocks "
+                        f"needs {self.fp8.scale_shape(w_shape)}"
+                    )
+            elif dtype in _FP8 and not self.is_fp8(name):
+                raise ConfigError(
+                    f"{where}: {name!r} is stored as {dtype} without {name + SCALE_SUFFIX!r}"
+                    + ("" if self.fp8 else " and config.json has no quantization_config")
+                )
+
+    def stored_dtype(self, hf_name: str) -> torch.dtype:
+        """What a tensor reads as without a dtype asked: as stored, fp32 for a dequantised FP8 weight."""
+        return torch.float32 if self.is_fp8(hf_name) else self.headers[hf_name][1]
+
+    def check(self, expected: Mapping[str, torch.Tensor]) -> None:
+        """ConfigError unless the checkpoint holds exactly ``expected``'s tensors (a model's whole
+        state dict, on the meta device): translated by the adapter from the headers alone."""
+        meta = {
+            name: torch.empty(self.headers[name][0], dtype=self.stored_dtype(name), device="meta")
+            for name in self.weight_names
+        }
+        state = self.adapter.from_hf(meta, self.config)
+        check_state_dict(state, expected, what=f"loading {self.directory}")
+
+    def dtype_for(self, name: str, dtype: torch.dtype | None) -> torch.dtype | None:
+        """The dtype our tensor ``name`` loads in when ``dtype`` is asked (None: as stored): fp32 for
+        what the adapter keeps in fp32; None (as built) for a tensor HF does not store."""
+        source = self.adapter.hf_sources([name], self.config)[name]
+        if not source.names:
+            return None
+        if self.adapter.keeps_fp32(source.names[0]):
+            return torch.float32
+        return dtype or self.stored_dtype(source.names[0])
+
+    @torch.no_grad()
+    def fill(self, targets: Mapping[str, Target]) -> None:
+        """Read each target's region of our tensor of that name, file by file."""
+        sources = self.adapter.hf_sources(targets, self.config)
+        absent = sorted({n for s in sources.values() for n in s.names if n not in self.files})
+        if absent:
+            raise ConfigError(f"{self.directory} lacks tensor(s) the model needs: {few(absent)}")
+        order = sorted(targets, key=lambda n: str(self.files[sources[n].names[0]]) if sources[n].names else "")
+        files = _OpenFiles()
+        try:
+            for name in order:
+                tensor, offsets = targets[name]
+                source = sources[name]
+                if not source.names:
+                    tensor.zero_()
+                elif source.stacked:  # dim 0 counts experts: read this rank's ones only
+                    for i in range(tensor.shape[0]):
+                        part = self._read(files, source.names[offsets[0] + i], offsets[1:], tensor.shape[1:])
+                        tensor[i].copy_(part)
+                else:
+                    tensor.copy_(self._read(files, source.names[0], offsets, tensor.shape))
+        finally:
+            files.close()
+
+    def _read(self, files: _OpenFiles, hf_name: str, offsets: tuple[int, ...], size: torch.Size) -> torch.Tensor:
+        shape = self.headers[hf_name][0]
+        if len(size) != len(shape) or any(o + s > n for o, s, n in zip(offsets, size, shape)):
+            raise ConfigError(f"{hf_name} has shape {shape}; the model reads {tuple(size)} at offset {offsets}")
+        path = self.files[hf_name]
+        if self.is_fp8(hf_name):
+            scale = hf_name + SCALE_SUFFIX
+
+            def read_weight(region: Region) -> torch.Tensor:
+                return self._counted(files.get(path).read(hf_name, region))
+
+            def read_scale(region: Region) -> torch.Tensor:
+                return self._counted(files.get(self.files[scale]).read(scale, region))
+
+            return self.fp8.read_region(read_weight, read_scale, shape, offsets, size)
+        whole = tuple(size) == tuple(shape)
+        region = None if whole else tuple(slice(o, o + s) for o, s in zip(offsets, size))
+        return self._counted(files.get(path).read(hf_name, region))
+
+    def _counted(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.bytes_read += tensor.untyped_storage().nbytes()  # the whole read, before any slicing
+        return tensor
