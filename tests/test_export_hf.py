@@ -172,6 +172,7 @@ def test_unknown_family_is_a_config_error(checkpoint: Path, tmp_path: Path) -> N
     (copy / "config.yaml").write_text(yaml.safe_dump(config))
     meta = json.loads((copy / "meta.json").read_text())  # an intended edit: record its checksum
     meta["checksums"]["config.yaml"] = file_checksum(copy / "config.yaml")
+    meta["files"]["config.yaml"] = (copy / "config.yaml").stat().st_size
     (copy / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ConfigError, match="model.family='mamba' is unknown"):
         export_hf.export(copy, tmp_path / "out")
