@@ -214,7 +214,7 @@ class PipelineStepRunner(MeshStepRunner):
     def _sum_over_stages(self, totals: Metrics, kind: str) -> Metrics:
         group = self.strategy.pp_group
         if kind not in self._metric_names:  # which metrics exist is agreed once per kind
-            names: list[Any] = [None] * self.strategy.pp
+            names: list[Any] = [None] * self.strategy.layout.pp
             dist.all_gather_object(names, sorted(totals), group=group)
             self._metric_names[kind] = sorted(set().union(*names))
         zero = torch.zeros((), device=self.strategy.root_device)

@@ -59,9 +59,6 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
     def __init__(self, layout: ParallelLayout, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.layout = layout
-        self.tp, self.pp, self.ep, self.zero1 = layout.tp, layout.pp, layout.ep, layout.zero1
-        self.sequence_parallel = layout.sequence_parallel
-        self.pp_schedule, self.pp_virtual_stages = layout.pp_schedule, layout.pp_virtual_stages
         self.mesh: DeviceMesh | None = None
         self._reducers: list[OverlappedGradientReducer] | None = None
         self._pipeline: PipelineRunner | None = None
@@ -89,7 +86,7 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
 
     @property
     def pp_group(self) -> dist.ProcessGroup | None:
-        return self.mesh["pp"].get_group() if self.mesh is not None and self.pp > 1 else None
+        return self.mesh["pp"].get_group() if self.mesh is not None and self.layout.pp > 1 else None
 
     @property
     def shards_model(self) -> bool:
@@ -125,19 +122,19 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
             with torch.no_grad():
                 for tensor in [*self.model.parameters(), *self.model.buffers()]:
                     dist.broadcast(tensor, src=0)
-        if self.pp > 1:  # drop what this rank's stages do not hold, before sharding the rest
+        if self.layout.pp > 1:  # drop what this rank's stages do not hold, before sharding the rest
             self._pipeline = PipelineRunner(
-                module.model, module.model_config, self.pp_group, self.pp_schedule,
-                self.pp_virtual_stages, self.root_device, with_mtp=module.trains_mtp,
+                module.model, module.model_config, self.pp_group, self.layout.pp_schedule,
+                self.layout.pp_virtual_stages, self.root_device, with_mtp=module.trains_mtp,
             )
-        if self.tp > 1:
-            apply_tensor_parallel(module.model, module.model_config, self.mesh["tp"], self.sequence_parallel,
+        if self.layout.tp > 1:
+            apply_tensor_parallel(module.model, module.model_config, self.mesh["tp"], self.layout.sequence_parallel,
                                   hook_gradients=not deferred)
-        if self.ep > 1:
+        if self.layout.ep > 1:
             apply_expert_parallel(module.model, self.mesh["ep"])
         if deferred:
             module.load_initial_weights(self.root_device)
-            if self.tp > 1:
+            if self.layout.tp > 1:
                 place_gradients_like_parameters(module.model)
 
     # -- how the module's step runs on this layout ------------------------------------------------
@@ -145,7 +142,7 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
     def step_runner(self) -> MeshStepRunner:
         """What the LightningModule runs its step through (:mod:`dsl_lit.parallel.step_runner`)."""
         if self._runner is None:
-            self._runner = PipelineStepRunner(self) if self.pp > 1 else MeshStepRunner(self)
+            self._runner = PipelineStepRunner(self) if self.layout.pp > 1 else MeshStepRunner(self)
         return self._runner
 
     @property
@@ -157,7 +154,7 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
 
     def build_optimizer(self, model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
         """AdamW, or with ``parallel.zero1`` its dp-sharded form (same hyperparameters)."""
-        if not (self.zero1 and self.dp_size > 1):
+        if not (self.layout.zero1 and self.dp_size > 1):
             return build_optimizer(model, cfg)
         return ZeRO1AdamW(
             param_groups(model, cfg.weight_decay), group=self.dp_group, norm_group=self.pp_group,
@@ -166,14 +163,14 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Around a step's forwards and backwards: vocab-parallel cross-entropy under tp."""
-        return loss_parallel() if self.tp > 1 else contextlib.nullcontext()
+        return loss_parallel() if self.layout.tp > 1 else contextlib.nullcontext()
 
     def _gradient_reducers(self, model: nn.Module) -> list[OverlappedGradientReducer]:
         """Plain DP: one all-reduce over dp. With expert parallelism the routed experts (each
         rank's own) reduce over the ranks holding the same experts, divided by the full dp size:
         their local gradient already sums the tokens of the whole ep group."""
         if self._reducers is None:
-            experts = expert_parameters(model) if self.ep > 1 else []
+            experts = expert_parameters(model) if self.layout.ep > 1 else []
             expert_ids = {id(p) for p in experts}
             dense = [p for p in model.parameters() if p.requires_grad and id(p) not in expert_ids]
             self._reducers = [OverlappedGradientReducer(dense, self.dp_group)]
