@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 
@@ -11,6 +10,7 @@ import pytest
 from dsl_lit.config import TrainConfig
 from dsl_lit.config.errors import ConfigError
 from tests.conftest import CONF, ROOT, compose_config
+from tests.forked_python import run_python
 
 
 def test_default_config_is_the_cpu_demo():
@@ -82,10 +82,8 @@ def test_bad_values_fail_naming_the_field(override, field):
 
 def test_recipe_rejects_negative_lr_at_once(tmp_path):
     start = time.perf_counter()
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / "pretrain.py"), "optim.lr=-1", f"hydra.run.dir={tmp_path}"],
-        capture_output=True, text=True, cwd=ROOT, timeout=120,
-    )
+    result = run_python([sys.executable, str(ROOT / "recipes" / "pretrain.py"), "optim.lr=-1", f"hydra.run.dir={tmp_path}"],
+                        cwd=ROOT, timeout=120)
     elapsed = time.perf_counter() - start
     assert result.returncode != 0
     assert "optim.lr=-1" in result.stderr
@@ -95,7 +93,6 @@ def test_recipe_rejects_negative_lr_at_once(tmp_path):
 
 def test_a_bad_config_prints_one_line_and_exits_2():
     """No Hydra traceback before the message (HYDRA_FULL_ERROR=1 keeps it)."""
-    import subprocess
     import sys
 
     from tests.conftest import ROOT
@@ -108,8 +105,8 @@ def test_a_bad_config_prints_one_line_and_exits_2():
 
             if torch.cuda.is_available():
                 continue
-        result = subprocess.run([sys.executable, str(ROOT / "recipes" / "pretrain.py"), override],
-                                capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+        result = run_python([sys.executable, str(ROOT / "recipes" / "pretrain.py"), override], cwd=ROOT, env=env,
+                            timeout=120)
         assert result.returncode == 2, result.stderr[-2000:]
         assert result.stderr.strip().splitlines() == [result.stderr.strip().splitlines()[0]]
         assert result.stderr.startswith(message), result.stderr

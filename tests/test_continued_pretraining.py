@@ -4,13 +4,12 @@ HF export of them, with a fresh optimizer, schedule and data position, under any
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
+from tests.forked_python import run_python
 from tests.test_pretrain_e2e import ROOT, losses, run_recipe
 
 RUN = ["logger=csv", "trainer.accelerator=cpu", "checkpoint.every_minutes=0", "checkpoint.async_save=false",
@@ -23,8 +22,8 @@ def test_init_from_a_checkpoint_or_its_hf_export_under_any_layout(tmp_path):
     run_recipe(base, *RUN, "trainer.max_steps=6", "checkpoint.every_n_steps=6")
     step = base / "checkpoints" / "step-6"
     export = tmp_path / "hf"
-    subprocess.run([sys.executable, str(ROOT / "recipes" / "export_hf.py"), f"checkpoint={step}", f"output={export}"],
-                   check=True, cwd=ROOT, capture_output=True, env={**os.environ})
+    run_python([sys.executable, str(ROOT / "recipes" / "export_hf.py"), f"checkpoint={step}", f"output={export}"],
+               cwd=ROOT).check_returncode()
 
     fresh = losses(base)
     runs = {}

@@ -26,6 +26,7 @@ from data_pipeline.runner import plan, run
 from data_pipeline.shard_io import read_documents, shard_file
 from data_pipeline.stage import Stage, Step
 from dsl_lit.config.errors import ConfigError
+from tests.forked_python import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ["normalize", "exact_dedup", "near_dedup", "quality_filter"]
@@ -234,14 +235,9 @@ def test_command_line(messy_input: Path, tmp_path: Path) -> None:
         f"input.path={messy_input}",
         f"output_dir={tmp_path / 'cli'}",
     ]
-    bad = subprocess.run([*cmd, "near_dedup.verify=maybe"], capture_output=True, text=True, cwd=ROOT)
+    bad = run_python([*cmd, "near_dedup.verify=maybe"], cwd=ROOT)
     assert bad.returncode == 2 and "near_dedup.verify" in bad.stderr + bad.stdout
-    ok = subprocess.run(
-        [*cmd, "stages=[normalize,exact_dedup,language_filter]", "quality_filter=bundled"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
+    ok = run_python([*cmd, "stages=[normalize,exact_dedup,language_filter]", "quality_filter=bundled"], cwd=ROOT)
     assert ok.returncode == 0, ok.stderr
     stats = json.loads((tmp_path / "cli" / "stats.json").read_text())
     assert set(stats["stages"]) == {"ingest", "normalize", "exact_dedup", "language_filter", "finalize"}
@@ -396,12 +392,7 @@ def test_an_unrelated_output_dir_is_refused_and_left_as_it_was(messy_input: Path
     ):
         run_pipeline(messy_input, out)
     assert _files(out) == mine
-    cli = subprocess.run(
-        [sys.executable, "-m", "data_pipeline", f"input.path={messy_input}", f"output_dir={out}"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
+    cli = run_python([sys.executable, "-m", "data_pipeline", f"input.path={messy_input}", f"output_dir={out}"], cwd=ROOT)
     assert cli.returncode == 2 and "output_dir=" in cli.stdout + cli.stderr
     assert {k: v for k, v in _files(out).items() if not k.startswith("logs/")} == mine  # Hydra's log only
 

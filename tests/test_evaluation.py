@@ -38,6 +38,7 @@ from dsl_lit.evaluation.tokenizer import EvalTokenizer
 from dsl_lit.inference.generation import generate
 from dsl_lit.models import ModelConfig, build_model
 from tests.conftest import ROOT, compose_config
+from tests.forked_python import run_python
 
 TINY = dict(n_layers=1, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=256, init_std=0.1)
 """A random model with peaked predictions (init_std 0.1): greedy choices are not near-ties, so
@@ -199,9 +200,8 @@ def test_config_errors_name_the_field() -> None:
 def _run(script: str, *overrides: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """A recipe in a subprocess, started from ``cwd`` (this checkout's code whatever the directory)."""
     path = os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])
-    result = subprocess.run([sys.executable, str(ROOT / "recipes" / script), *overrides], capture_output=True,
-                            text=True, cwd=cwd, timeout=900,
-                            env={**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": path})
+    result = run_python([sys.executable, str(ROOT / "recipes" / script), *overrides], cwd=cwd, timeout=900,
+                        env={**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": path})
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from dsl_lit.checkpoint.sharded import read_full_tensors
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.models import ModelConfig, build_model
 from tests.conftest import ROOT
+from tests.forked_python import run_python
 from tests.numerics import assert_close_fp32
 from tests.test_pretrain_e2e import run_recipe
 
@@ -49,10 +49,7 @@ export_hf = _load_recipe()
 
 
 def run_export(*overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / "export_hf.py"), *overrides],
-        capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ},
-    )
+    return run_python([sys.executable, str(ROOT / "recipes" / "export_hf.py"), *overrides], cwd=ROOT, timeout=300)
 
 
 @pytest.fixture(scope="module", params=list(RUNS))

@@ -20,7 +20,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from dsl_lit.data.chat import ChatTokenizer
 from dsl_lit.posttrain.rejection.data import rejection_sample
 from dsl_lit.training.pretrained import load_pretrained
 from tests.conftest import ROOT
+from tests.forked_python import run_python
 
 SFT_STEPS = 30
 COMMON = ["trainer.progress_bar=false", "trainer.log_every_n_steps=1", "checkpoint.every_minutes=0", "logger=csv",
@@ -49,10 +49,9 @@ DISTILL = ["rejection.num_prompts=32", "rejection.batch_prompts=8", "rejection.m
 
 
 def run(recipe: str, run_dir: Path, *overrides: str) -> None:
-    result = subprocess.run(
+    result = run_python(
         [sys.executable, str(ROOT / "recipes" / f"{recipe}.py"), f"hydra.run.dir={run_dir}", *COMMON, *overrides],
-        capture_output=True, text=True, cwd=ROOT, timeout=600,
-        env={**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"},
+        cwd=ROOT, timeout=600, env={**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
 

@@ -15,6 +15,7 @@ import torch
 
 from dsl_lit.checkpoint.sharded import read_full_tensors
 from tests.conftest import ROOT
+from tests.forked_python import run_python
 
 SMALL = [
     "+model.n_layers=2", "data.seq_len=64", "data.global_batch_size=8", "data.micro_batch_size=4",
@@ -24,10 +25,9 @@ SMALL = [
 
 def run_recipe(run_dir: Path, *overrides: str, succeed: bool = True) -> subprocess.CompletedProcess:
     """The pretrain recipe in a subprocess; asserts it exits 0 (``succeed=False``: that it does not)."""
-    result = subprocess.run(
+    result = run_python(
         [sys.executable, str(ROOT / "recipes" / "pretrain.py"), *SMALL, f"hydra.run.dir={run_dir}", *overrides],
-        capture_output=True, text=True, cwd=ROOT, timeout=600,
-        env={**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"},
+        cwd=ROOT, timeout=600, env={**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"},
     )
     assert (result.returncode == 0) == succeed, result.stderr[-3000:]
     return result

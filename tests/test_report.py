@@ -8,7 +8,6 @@ real image; a directory without metrics.csv is a one-line error.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from dsl_lit.report.figures import LOAD_PREFIX, draw_report, natural_key
 from dsl_lit.report.metrics import read_metrics
 from dsl_lit.training.loggers import RunCSVLogger
 from tests.conftest import ROOT
+from tests.forked_python import run_python
 from tests.test_pretrain_e2e import run_recipe
 
 
@@ -49,8 +49,7 @@ def test_report_of_a_real_run(tmp_path: Path) -> None:
     run_recipe(run, "model=deepseek_v3_tiny", "trainer.max_steps=2", "logger=csv", "checkpoint.every_n_steps=0",
                "checkpoint.every_minutes=0", "data.val_windows=8", "trainer.val_every_n_steps=1",
                "eval.tasks=[dsl_kjv_next_sentence]", "eval.every_n_steps=2", "eval.limit=4")
-    result = subprocess.run([sys.executable, str(ROOT / "recipes" / "report.py"), f"run={run}"], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=300)
+    result = run_python([sys.executable, str(ROOT / "recipes" / "report.py"), f"run={run}"], cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     names = ["loss", "lr", "grad_norm", "throughput", "aux_losses", "expert_load", "eval"]
     assert result.stdout.split() == [str(run / "report" / f"{n}.png") for n in names]
@@ -58,6 +57,5 @@ def test_report_of_a_real_run(tmp_path: Path) -> None:
     for name in names:
         pixels = np.asarray(Image.open(run / "report" / f"{name}.png").convert("L"), dtype=float)
         assert pixels.shape[0] > 200 and pixels.std() > 10, name  # drawn, not blank
-    bad = subprocess.run([sys.executable, str(ROOT / "recipes" / "report.py"), f"run={tmp_path}"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300)
+    bad = run_python([sys.executable, str(ROOT / "recipes" / "report.py"), f"run={tmp_path}"], cwd=tmp_path, timeout=300)
     assert bad.returncode == 2 and "holds no metrics.csv" in bad.stderr

@@ -9,7 +9,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from dsl_lit.models import ModelConfig
 from dsl_lit.ops import cross_entropy
 from dsl_lit.posttrain import SFTModule
 from tests.conftest import ROOT, compose_config
+from tests.forked_python import run_python
 from tests.numerics import assert_close_fp32
 
 
@@ -247,8 +247,8 @@ def test_sft_recipe_with_a_released_tokenizer_and_its_template(v3_dir, tmp_path)
                  "checkpoint.every_n_steps=0", "checkpoint.every_minutes=0", "task.num_problems=100",
                  "data.seq_len=64", "data.global_batch_size=4", "data.micro_batch_size=2",
                  f"data.cache_dir={tmp_path / 'never_built'}"]
-    result = subprocess.run([sys.executable, str(ROOT / "recipes" / "sft.py"), *overrides], capture_output=True,
-                            text=True, cwd=ROOT, timeout=600, env={**os.environ, "WANDB_MODE": "offline"})
+    result = run_python([sys.executable, str(ROOT / "recipes" / "sft.py"), *overrides], cwd=ROOT, timeout=600,
+                        env={**os.environ, "WANDB_MODE": "offline"})
     assert result.returncode == 0, result.stderr[-3000:]
     with (run_dir / "metrics.csv").open() as f:
         losses = [float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")]
