@@ -38,9 +38,14 @@ def _child(request: dict) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        if request.get("new_session"):
+            os.setsid()  # its own process group, as Popen(start_new_session=True): killpg reaches its ranks
+        opened: dict[str, int] = {}
         for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(target, fd)
+            if path not in opened:
+                opened[path] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(opened[path], fd)
+        for target in opened.values():
             os.close(target)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)

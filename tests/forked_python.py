@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -26,7 +27,8 @@ from pathlib import Path
 
 ZYGOTE = Path(__file__).with_name("_zygote.py")
 # Read when a run calls them, never when their library is imported: a request may change these.
-PER_RUN_VARIABLES = ("WANDB_MODE", "WANDB_SILENT", "HYDRA_FULL_ERROR", "PYTHONPATH", "PYTEST_CURRENT_TEST")
+PER_RUN_VARIABLES = ("WANDB_MODE", "WANDB_SILENT", "HYDRA_FULL_ERROR", "PYTHONPATH", "PYTEST_CURRENT_TEST",
+                     "SLOW_DISK_S")  # the last: tests/test_fault_tolerance.py's slow-disk launcher
 
 _lock = threading.Lock()
 _zygote: subprocess.Popen | None = None
@@ -48,14 +50,6 @@ def _start_zygote() -> subprocess.Popen | None:
     return _zygote
 
 
-def stop_zygote() -> None:
-    global _zygote
-    if _zygote is not None and _zygote.poll() is None:
-        _zygote.stdin.close()
-        _zygote.wait(30)
-    _zygote = None
-
-
 def _forkable(args: list[str]) -> bool:
     if os.environ.get("DSL_LIT_TESTS_NO_FORK") == "1" or not hasattr(os, "fork"):
         return False
@@ -68,38 +62,79 @@ def _same_imports(env: dict[str, str]) -> bool:
     return all(env.get(k) == _zygote_env.get(k) for k in keys if k not in PER_RUN_VARIABLES)
 
 
+class ForkedProcess:
+    """The part of ``subprocess.Popen`` the tests use (pid, poll, wait, send_signal, returncode),
+    for one child of the zygote; the zygote serves nobody else until this child has exited."""
+
+    def __init__(self, zygote: subprocess.Popen, request: dict) -> None:
+        self.args = request["argv"]
+        zygote.stdin.write(json.dumps(request) + "\n")
+        self.pid = int(json.loads(zygote.stdout.readline())["pid"])
+        self.returncode: int | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._reap, args=(zygote,), daemon=True).start()
+
+    def _reap(self, zygote: subprocess.Popen) -> None:
+        try:
+            reply = zygote.stdout.readline()
+            self.returncode = int(json.loads(reply)["returncode"]) if reply else -1
+        finally:
+            self._done.set()
+            _lock.release()
+
+    def poll(self) -> int | None:
+        return self.returncode if self._done.is_set() else None
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._done.wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if not self._done.is_set():
+            os.kill(self.pid, sig)
+
+
+def start_python(args: list[str], *, cwd: Path | str, env: dict[str, str] | None = None, stdout: Path | str,
+                 new_session: bool = False) -> ForkedProcess | subprocess.Popen:
+    """``subprocess.Popen(args, cwd=cwd, env=env, stdout=<stdout file>, stderr=STDOUT,
+    start_new_session=new_session)``, forked from the zygote when it is free."""
+    args = [str(a) for a in args]
+    env = dict(os.environ if env is None else env)
+    if _forkable(args) and _lock.acquire(blocking=False):
+        zygote = _start_zygote()
+        if zygote is not None and _same_imports(env):  # the lock is released when the child exits
+            Path(stdout).write_text("")  # there before this returns, as with Popen
+            return ForkedProcess(zygote, {"argv": args[1:], "cwd": str(cwd), "env": env, "stdout": str(stdout),
+                                          "stderr": str(stdout), "new_session": new_session})
+        _lock.release()
+    with open(stdout, "w") as log:
+        return subprocess.Popen(args, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=new_session)
+
+
 def run_python(args: list[str], *, cwd: Path | str, env: dict[str, str] | None = None,
                timeout: float | None = None) -> subprocess.CompletedProcess:
     """``subprocess.run(args, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)``
-    for ``args = [sys.executable, script.py | -m module, ...]``, forked from the zygote."""
+    for ``args = [sys.executable, script.py | -m module, ...]``, forked from the zygote when it is free."""
     args = [str(a) for a in args]
     env = dict(os.environ if env is None else env)
-    with _lock:
-        zygote = _start_zygote() if _forkable(args) else None
-        if zygote is None or not _same_imports(env):
-            return subprocess.run(args, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
-        with tempfile.TemporaryDirectory(prefix="forked_python_") as logs:
-            out, err = Path(logs) / "stdout", Path(logs) / "stderr"
-            request = {"argv": args[1:], "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err)}
-            zygote.stdin.write(json.dumps(request) + "\n")
-            pid = int(json.loads(zygote.stdout.readline())["pid"])
-            expired = threading.Event()
-
-            def _kill() -> None:
-                expired.set()
-                os.kill(pid, 9)
-
-            timer = threading.Timer(timeout, _kill) if timeout else None
-            if timer:
-                timer.start()
-            try:
-                reply = zygote.stdout.readline()
-            finally:
-                if timer:
-                    timer.cancel()
-            if not reply:
-                raise RuntimeError("the test zygote died")
-            stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
-            if expired.is_set():
-                raise subprocess.TimeoutExpired(args, timeout, stdout, stderr)
-            return subprocess.CompletedProcess(args, int(json.loads(reply)["returncode"]), stdout, stderr)
+    if not (_forkable(args) and _lock.acquire(blocking=False)):
+        return subprocess.run(args, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
+    zygote = _start_zygote()
+    if zygote is None or not _same_imports(env):
+        _lock.release()
+        return subprocess.run(args, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
+    with tempfile.TemporaryDirectory(prefix="forked_python_") as logs:
+        out, err = Path(logs) / "stdout", Path(logs) / "stderr"
+        process = ForkedProcess(zygote, {"argv": args[1:], "cwd": str(cwd), "env": env, "stdout": str(out),
+                                         "stderr": str(err), "new_session": False})
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+            raise subprocess.TimeoutExpired(args, timeout, out.read_text(errors="replace"),
+                                            err.read_text(errors="replace")) from None
+        return subprocess.CompletedProcess(args, process.returncode, out.read_text(errors="replace"),
+                                           err.read_text(errors="replace"))

@@ -47,6 +47,10 @@ class KillOnceConfig:
     """Absent: unit ``victim`` creates it (with its pid) and SIGKILLs its own process, once."""
     victim: int = 1
     always_fail: str = ""  # a file: every attempt of unit ``victim`` appends a line, then raises OSError
+    meet: str = ""
+    """A directory: units 0 and 2 each wait there until the other has started, so they run at the
+    same time, which on nodes of 1 CPU means on both nodes (the scheduler may otherwise, legitimately,
+    put every unit on one node, e.g. while the victim's node restarts its worker)."""
 
     def validate(self) -> KillOnceConfig:
         return self
@@ -62,6 +66,13 @@ def _kill_once(ctx, unit: int) -> dict:
     if unit == cfg.victim and not flag.exists():
         flag.write_text(str(os.getpid()))
         os.kill(os.getpid(), signal.SIGKILL)  # mid-step: other units of this step run on
+    if cfg.meet and unit in (0, 2):
+        Path(cfg.meet, f"started-{unit}").write_text(str(os.getpid()))
+        deadline = time.monotonic() + 120
+        while not Path(cfg.meet, f"started-{2 - unit}").exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"unit {2 - unit} never ran beside unit {unit}")  # not retried
+            time.sleep(0.05)
     docs = read_documents(ctx.docs_dir / shard_file(unit))
     stats = write_split(ctx, unit, docs, Verdicts([None] * docs.num_rows))
     on_ray = ray.is_initialized()
@@ -162,12 +173,12 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _values(corpus: Path, out: Path, flag: Path, **overrides) -> dict:
+def _values(corpus: Path, out: Path, flag: Path, meet: Path | None = None, **overrides) -> dict:
     return {
         "input": {"path": str(corpus), "rows_per_shard": 100},
         "output_dir": str(out),
         "stages": STAGES,
-        "kill_once": {"flag": str(flag)},
+        "kill_once": {"flag": str(flag), "meet": str(meet or "")},
         "near_dedup": {"cluster_partitions": 3},
         "tokenizer": {"vocab_size": 300, "padded_vocab_size": None, "max_bytes": None},
         **overrides,
@@ -191,11 +202,17 @@ def test_ray_cluster_survives_a_killed_worker_and_writes_the_local_bytes(
     monkeypatch.setitem(registry.STAGES, "kill_once", KillOnce)
     flag = tmp_path / "killed"
     flag.write_text("not on the local run")
-    local = run(load_config(_values(corpus, tmp_path / "local", flag)))
+    meet = tmp_path / "meet"  # the same setting on both runs: a step's directory names its settings' hash
+    meet.mkdir()
+    for unit in (0, 2):  # the local run runs units one after the other: they must not wait
+        (meet / f"started-{unit}").write_text("local")
+    local = run(load_config(_values(corpus, tmp_path / "local", flag, meet)))
     assert local is not None and local["stages"]["near_dedup"]["removed"]["near_duplicate"] > 100
 
     flag.unlink()
-    on_ray = _values(corpus, tmp_path / "ray", flag, executor={"kind": "ray", "address": cluster})
+    for started in meet.iterdir():
+        started.unlink()
+    on_ray = _values(corpus, tmp_path / "ray", flag, meet, executor={"kind": "ray", "address": cluster})
     stats = run(load_config(on_ray))
     assert stats is not None and not ray.is_initialized()  # the run closed its connection
     killed_pid = int(flag.read_text())

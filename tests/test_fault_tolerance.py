@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.forked_python import start_python
 from tests.test_pretrain_e2e import ROOT, SMALL, losses, run_recipe
 
 # DeepSeek-V3 (MLA, MoE with its balancing bias, MTP): the most state a resume has to restore exactly
@@ -24,11 +25,10 @@ RUN = ["logger=csv", "trainer.accelerator=cpu", "trainer.max_steps=8", "checkpoi
 def _start(run_dir: Path, *overrides: str, launcher: Path | None = None, **env: str) -> subprocess.Popen:
     """The recipe in the background (through ``launcher`` if given); its output goes to
     ``<run_dir>.log`` (a pipe could fill up)."""
-    process = subprocess.Popen(
+    process = start_python(
         [sys.executable, *([str(launcher)] if launcher else []), str(ROOT / "recipes" / "pretrain.py"), *SMALL, *RUN,
          f"hydra.run.dir={run_dir}", *overrides],
-        cwd=ROOT, stdout=open(f"{run_dir}.log", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
-        env={**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", **env},
+        cwd=ROOT, stdout=f"{run_dir}.log", env={**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", **env},
     )
     process.log = Path(f"{run_dir}.log")
     return process

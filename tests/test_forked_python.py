@@ -4,13 +4,15 @@ status, output, working directory, environment, argv, ``-m`` modules, timeouts."
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.forked_python import run_python
+from tests.forked_python import ForkedProcess, run_python, start_python
 
 SCRIPT = """
 import os, sys
@@ -50,3 +52,19 @@ def test_a_module_an_exception_and_a_timeout(script: Path, tmp_path: Path) -> No
     with pytest.raises(subprocess.TimeoutExpired):
         run_python([sys.executable, str(script), "sleep"], cwd=tmp_path, timeout=2)
     assert run_python([sys.executable, str(script), "5"], cwd=tmp_path).returncode == 5  # still serving
+
+
+def test_a_background_run_in_its_own_session_takes_signals(script: Path, tmp_path: Path) -> None:
+    log = tmp_path / "log"
+    process = start_python([sys.executable, str(script), "sleep"], cwd=tmp_path, stdout=log, new_session=True)
+    assert isinstance(process, ForkedProcess)
+    deadline = time.monotonic() + 30
+    while "out|" not in log.read_text():
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    assert os.getpgid(process.pid) == process.pid  # os.killpg(process.pid) reaches what it started
+    # while it runs, the zygote is busy: other runs fall back to plain subprocesses
+    assert run_python([sys.executable, str(script), "4"], cwd=tmp_path).returncode == 4
+    os.killpg(process.pid, signal.SIGTERM)
+    assert process.wait(timeout=30) == -signal.SIGTERM
+    assert log.read_text().startswith("out|") and "err|__main__" in log.read_text()  # both streams

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.forked_python import start_python
 from tests.test_pretrain_e2e import ROOT, SMALL, losses, run_recipe
 
 TWO = ["logger=csv", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=10",
@@ -27,10 +28,9 @@ EXIT_WITHIN_S = 60  # after the signal: the step in flight, one save, teardown (
 
 def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
     """The recipe in its own session, so ``os.killpg`` reaches every rank Lightning starts."""
-    log = open(f"{run_dir}.log", "w")  # noqa: SIM115
-    process = subprocess.Popen(
+    process = start_python(
         [sys.executable, str(ROOT / "recipes" / "pretrain.py"), *SMALL, *overrides, f"hydra.run.dir={run_dir}"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        cwd=ROOT, stdout=f"{run_dir}.log", new_session=True,
         env={**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"},
     )
     process.log = Path(f"{run_dir}.log")
