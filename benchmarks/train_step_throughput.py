@@ -20,7 +20,7 @@ from dsl_lit.flops import training_flops_per_token
 from dsl_lit.hf import save_pretrained
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.ops import cross_entropy
-from dsl_lit.training.callbacks.throughput import measure_matmul_tflops
+from dsl_lit.precision.gemm_speed import measure_matmul_tflops
 
 
 def step_seconds(model: torch.nn.Module, tokens: torch.Tensor, bf16: bool, steps: int, hf: bool) -> float:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsl_lit.training.callbacks.throughput import gemm_precision, measure_matmul_tflops, spec_sheet_peak
+from dsl_lit.precision.gemm_speed import measure_matmul_tflops
+from dsl_lit.training.callbacks.throughput import gemm_precision, spec_sheet_peak
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from dsl_lit.config.errors import ConfigError
 
-NAMES = ("fp32", "bf16", "fp16")
+NAMES = ("fp32", "bf16", "fp16", "auto")
 FP8_RECIPES = ("fp8_tensorwise", "fp8_rowwise", "fp8_blockwise")
 
 
@@ -18,7 +18,9 @@ class PrecisionConfig:
     - ``bf16``: bf16 compute (autocast), fp32 master weights and fp32 gradient accumulation across
       micro-batches, as DeepSeek LLM trains;
     - ``fp16``: fp16 compute with dynamic loss scaling (overflowing steps are skipped, the scale is
-      logged as ``train/loss_scale``).
+      logged as ``train/loss_scale``);
+    - ``auto``: bf16 where a start-up GEMM measurement shows this machine runs bf16 faster, else
+      fp32 (:mod:`dsl_lit.precision.auto`; the decision and the measured ratio are logged).
 
     The router, norms, embeddings and the loss stay fp32 under autocast (the models keep them so).
     ``fp8`` additionally runs the eligible linear layers' GEMMs in FP8 (on top of bf16).
@@ -38,6 +40,8 @@ class PrecisionConfig:
             raise ConfigError(f"precision.loss_scale_growth_interval={self.loss_scale_growth_interval} must be >= 1")
         if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
             raise ConfigError(f"precision.fp8={self.fp8!r} is unknown; choose one of {list(FP8_RECIPES)} or null")
+        if self.fp8 is not None and self.name == "auto":
+            raise ConfigError(f"precision.fp8={self.fp8} needs bf16 on every machine; set precision.name=bf16, not auto")
         if self.fp8 is not None and self.name == "fp32":
             raise ConfigError(
                 f"precision.fp8={self.fp8} runs FP8 GEMMs inside bf16 training (DeepSeek-V3); set precision.name=bf16"

@@ -51,6 +51,7 @@ from dsl_lit.parallel.pipeline import PipelineRunner
 from dsl_lit.parallel.step_runner import MeshStepRunner, PipelineStepRunner
 from dsl_lit.parallel.tensor_parallel import apply_tensor_parallel, place_gradients_like_parameters
 from dsl_lit.parallel.zero1 import ZeRO1AdamW
+from dsl_lit.precision.auto import check_ranks_agree
 
 
 class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
@@ -70,6 +71,7 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
             raise RuntimeError(f"the layout was validated for {self.layout.world_size} processes, "
                                f"Lightning started {self.world_size}")
         self.mesh = build_device_mesh(self.layout, self.root_device.type)
+        check_ranks_agree()
 
     # -- data-parallel coordinates (the data module shards batches by these) ------------------------
     @property

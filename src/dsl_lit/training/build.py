@@ -22,10 +22,12 @@ from omegaconf import OmegaConf
 from dsl_lit.checkpoint.directory import DirectoryCheckpointIO, StepCheckpoint
 from dsl_lit.checkpoint.resume import resume_checkpoint
 from dsl_lit.config import ModelConfig, TrainConfig
+from dsl_lit.config.precision import PrecisionConfig
 from dsl_lit.flops import training_flops_per_token
 from dsl_lit.models import build_model
 from dsl_lit.parallel.checkpointing import OneDeviceStrategy
 from dsl_lit.parallel.strategy import DeepSeekStrategy
+from dsl_lit.precision.auto import resolve_precision
 from dsl_lit.precision.plugin import AutocastPrecision
 from dsl_lit.training.callbacks.downstream_eval import DownstreamEvaluation
 from dsl_lit.training.callbacks.ema import EMACallback
@@ -55,7 +57,7 @@ def module_arguments(cfg: TrainConfig) -> dict[str, Any]:
     return dict(
         model_config=cfg.model, optim=cfg.optim, schedule=cfg.schedule, micro_batch_size=cfg.data.micro_batch_size,
         total_steps=cfg.schedule.total_steps or cfg.trainer.max_steps, objective=cfg.objective,
-        precision=cfg.precision, memory=cfg.memory, max_bad_steps=cfg.trainer.max_bad_steps,
+        precision=run_precision(cfg), memory=cfg.memory, max_bad_steps=cfg.trainer.max_bad_steps,
         batch_schedule=cfg.data.batch_schedule,
     )
 
@@ -107,6 +109,11 @@ def resume_path(cfg: TrainConfig) -> str | None:
     return str(latest) if latest else None
 
 
+def run_precision(cfg: TrainConfig) -> PrecisionConfig:
+    """``cfg.precision`` with ``auto`` replaced by what this machine runs faster (measured once)."""
+    return resolve_precision(cfg.precision, _device_type(cfg))
+
+
 def _device_type(cfg: TrainConfig) -> str:
     """Where autocast applies: ``cuda`` when the run uses GPUs, else ``cpu``."""
     accelerator = cfg.trainer.accelerator
@@ -118,14 +125,14 @@ def _device_type(cfg: TrainConfig) -> str:
 def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = None) -> L.Trainer:
     callbacks: list[L.Callback] = [
         ThroughputMonitor(
-            training_flops_per_token(cfg.model, cfg.data.seq_len), cfg.precision.name, cfg.trainer.peak_tflops
+            training_flops_per_token(cfg.model, cfg.data.seq_len), run_precision(cfg).name, cfg.trainer.peak_tflops
         ),
         *(extra_callbacks or []),
     ]
     if cfg.model.is_moe:
         callbacks.append(ExpertLoadMonitor(cfg.logger.expert_load_every_n_steps))
     if cfg.eval.every_n_steps:
-        callbacks.append(DownstreamEvaluation(cfg.eval, cfg.run_dir, cfg.precision.name))
+        callbacks.append(DownstreamEvaluation(cfg.eval, cfg.run_dir, run_precision(cfg).name))
     if cfg.profiler.enabled:
         callbacks.append(TraceProfiler(cfg.profiler, cfg.run_dir))
     if cfg.memory.ema_decay:
@@ -167,7 +174,7 @@ def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = N
         plugins=[
             DirectoryCheckpointIO(cfg.raw, async_save=ckpt.async_save, keep_last=ckpt.keep_last,
                                   fall_back=not ckpt.resume_from),  # a named checkpoint does not fall back
-            AutocastPrecision(cfg.precision.name, _device_type(cfg)),
+            AutocastPrecision(run_precision(cfg).name, _device_type(cfg)),
         ],
         default_root_dir=cfg.run_dir,
     )

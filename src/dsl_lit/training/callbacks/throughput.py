@@ -10,6 +10,7 @@ import lightning as L
 import torch
 
 from dsl_lit.parallel.step_runner import step_runner_of
+from dsl_lit.precision.gemm_speed import measure_matmul_tflops
 
 log = logging.getLogger(__name__)
 
@@ -43,23 +44,6 @@ def spec_sheet_peak(device_name: str, kind: str) -> float | None:
         if key in device_name:
             return table[kind]
     return None
-
-
-def measure_matmul_tflops(dtype: torch.dtype, device: torch.device | str = "cpu", size: int = 2048,
-                          repeats: int = 3) -> float:
-    """Peak for devices without a table entry (CPUs, other GPUs): time a square GEMM in the
-    training dtype on the training device."""
-    a = torch.randn(size, size, dtype=dtype, device=device)
-    b = torch.randn(size, size, dtype=dtype, device=device)
-    synchronize = torch.cuda.synchronize if a.is_cuda else (lambda: None)
-    a @ b  # warm up the kernel selection
-    synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    synchronize()
-    seconds = time.perf_counter() - start
-    return 2 * size**3 * repeats / seconds / 1e12
 
 
 def peak_tflops(device: torch.device, precision: str) -> float:
