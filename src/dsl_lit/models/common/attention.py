@@ -35,20 +35,35 @@ def flash_attn_available(device: torch.device) -> bool:
 
 
 def attention_mask(
-    seq_q: int, seq_k: int, key_valid: torch.Tensor | None, device: torch.device
+    seq_q: int,
+    seq_k: int,
+    key_valid: torch.Tensor | None,
+    device: torch.device,
+    query_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Boolean mask [batch or 1, 1, seq_q, seq_k]: the queries are the last ``seq_q`` positions,
-    each sees earlier keys that are valid (not padding), and always itself, so that a padding
-    query never has an empty softmax row (which would put NaN into later layers).
+    """Boolean mask [batch or 1, 1, seq_q, seq_k]: the keys are positions ``0 .. seq_k - 1``, the
+    queries the last ``seq_q`` of them (or ``query_positions`` [seq_q], e.g. the two chunks a
+    context-parallel rank holds); each query sees keys at or before its position that are valid (not
+    padding), and always itself, so that a padding query never has an empty softmax row (which would
+    put NaN into later layers).
 
     ``key_valid`` is [batch, seq_k] (padding), or [batch, seq_q, seq_k] per query (packed
     documents: True where query and key belong to the same document)."""
-    causal = torch.ones(seq_q, seq_k, dtype=torch.bool, device=device).tril(diagonal=seq_k - seq_q)
+    if query_positions is None:
+        query_positions = torch.arange(seq_k - seq_q, seq_k, device=device)
+    key_positions = torch.arange(seq_k, device=device)
+    causal = key_positions[None, :] <= query_positions[:, None]
     if key_valid is None:
         return causal[None, None]
-    itself = torch.eye(seq_q, seq_k, dtype=torch.bool, device=device).roll(seq_k - seq_q, dims=1)
+    itself = key_positions[None, :] == query_positions[:, None]
     allowed = key_valid[:, None] if key_valid.dim() == 3 else key_valid[:, None, None, :]
     return (causal & allowed) | itself
+
+
+def query_positions(cache: KVCache | None) -> torch.Tensor | None:
+    """Where the queries sit among the keys ``cache.update`` returned: None means the last positions
+    (decoding); a context-parallel key source knows its rank's chunks."""
+    return getattr(cache, "query_positions", None)
 
 
 def causal_attention(
@@ -58,15 +73,17 @@ def causal_attention(
     backend: str,
     scale: float | None = None,
     key_valid: torch.Tensor | None = None,
+    query_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention over [batch, seq, heads, head_dim] tensors; k/v may have fewer heads (GQA)
-    and more positions than q (cached decoding: q holds the last positions). ``key_valid``
-    [batch, seq_k] marks real tokens in left-padded batches.
+    and more positions than q (cached decoding: q holds the last positions; context parallelism:
+    q holds the positions ``query_positions``). ``key_valid`` [batch, seq_k] marks real tokens in
+    left-padded batches.
 
     Returns [batch, seq_q, heads, v_head_dim].
     """
     seq_q, seq_k = q.shape[1], k.shape[1]
-    plain_causal = key_valid is None and seq_q == seq_k
+    plain_causal = key_valid is None and query_positions is None and seq_q == seq_k
     if backend == "flash_attn":
         if flash_attn_available(q.device) and q.dtype in (torch.float16, torch.bfloat16) and plain_causal:
             from flash_attn import flash_attn_func
@@ -82,7 +99,7 @@ def causal_attention(
         )
         backend = "sdpa"
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    mask = None if plain_causal else attention_mask(seq_q, seq_k, key_valid, q.device)
+    mask = None if plain_causal else attention_mask(seq_q, seq_k, key_valid, q.device, query_positions)
     if backend == "sdpa":
         v_dim = v.shape[-1]
         if v_dim != q.shape[-1]:
@@ -158,5 +175,5 @@ class GroupedQueryAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_id, k, v)
-        out = causal_attention(q, k, v, self.backend, key_valid=key_valid)
+        out = causal_attention(q, k, v, self.backend, key_valid=key_valid, query_positions=query_positions(cache))
         return self.wo(out.reshape(batch, seq, -1))

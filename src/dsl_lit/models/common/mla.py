@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dsl_lit.config.model import ModelConfig
-from dsl_lit.models.common.attention import causal_attention
+from dsl_lit.models.common.attention import causal_attention, query_positions
 from dsl_lit.models.common.kv_cache import KVCache
 from dsl_lit.models.common.layers import RMSNorm, apply_rope, yarn_softmax_scale
 
@@ -104,5 +104,6 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
-        out = causal_attention(q, k, v, self.backend, scale=self.softmax_scale, key_valid=key_valid)
+        out = causal_attention(q, k, v, self.backend, scale=self.softmax_scale, key_valid=key_valid,
+                               query_positions=query_positions(cache))
         return self.wo(out.reshape(batch, seq, -1))

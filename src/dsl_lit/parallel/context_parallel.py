@@ -1,0 +1,83 @@
+"""Context parallelism: the sequence dimension sharded over the ``cp`` ranks of a group.
+
+Every layer but attention works per position, so a rank runs the model on its share of the
+positions and only attention needs the others: each attention layer all-gathers what it builds
+its keys and values from, which for Multi-head Latent Attention is the compressed latent and the
+shared rotary key (kv_lora_rank + qk_rope_head_dim = 576 numbers per token in V3, against
+2 x 128 heads x 128 dims = 32768 for its full keys and values) and for grouped-query attention the
+rotated keys and the values of the kv heads.
+
+Load balance: under a causal mask the last positions attend to the most keys, so contiguous
+shards would leave rank 0 idle; the sequence is cut into ``2 cp`` chunks and rank ``r`` holds
+chunks ``r`` and ``2 cp - 1 - r`` (every rank gets the same attention work), as in Llama 3's and
+torchtitan's context parallelism.
+
+The model is not changed for this: :class:`ContextParallelKeys` stands where a :class:`KVCache`
+would (``cache.update`` returns the keys' sources for all positions, ``query_positions`` tells the
+attention mask where this rank's queries sit), and the caller passes the rank's global positions
+to the model for RoPE. Gradients flow back through the gather: each rank receives the sum, over
+the ranks whose queries used them, of the gradients of its own positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def rank_positions(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Global positions [seq_len / cp] rank ``rank`` of ``cp`` holds: chunks ``rank`` and
+    ``2 cp - 1 - rank`` of ``2 cp`` equal chunks."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"sequence length {seq_len} must be a multiple of 2 x cp = {2 * cp}")
+    chunk = seq_len // (2 * cp)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    second = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
+    return torch.cat([first, second])
+
+
+def gather_order(seq_len: int, cp: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Indices that put the rank-major concatenation of every rank's positions into sequence order."""
+    held = torch.cat([rank_positions(seq_len, cp, r, device) for r in range(cp)])
+    return torch.argsort(held)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along dim 1 in sequence order; backward returns each rank's positions' summed
+    gradient (an all-reduce, then this rank's slice: gloo has no reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group: dist.ProcessGroup, positions: torch.Tensor,
+                order: torch.Tensor) -> torch.Tensor:
+        ctx.group, ctx.positions = group, positions
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        return torch.cat(parts, dim=1)[:, order]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[:, ctx.positions], None, None, None
+
+
+class ContextParallelKeys:
+    """The key source of one forward under context parallelism (stands in for a ``KVCache``)."""
+
+    def __init__(self, seq_len: int, group: dist.ProcessGroup, device: torch.device | str = "cpu") -> None:
+        self.group = group
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.query_positions = rank_positions(seq_len, cp, rank, device)
+        """This rank's global positions [seq_len / cp]: its queries, and what RoPE rotates by."""
+        self._order = gather_order(seq_len, cp, device)
+        self.length = 0  # a cache's fill level: RoPE offsets are given as positions instead
+
+    def shard(self, sequence: torch.Tensor) -> torch.Tensor:
+        """This rank's positions of a [batch, seq_len, ...] tensor (tokens, labels, masks)."""
+        return sequence[:, self.query_positions]
+
+    def update(self, layer_id: int, *local: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(_GatherSequence.apply(t, self.group, self.query_positions, self._order) for t in local)
+
+    def advance(self, seq: int) -> None:
+        """Nothing is kept between forwards."""
