@@ -14,6 +14,7 @@ import torch
 
 from dsl_lit.inference.generation import generate, positions_from_mask
 from dsl_lit.models import ModelConfig, build_model
+from dsl_lit.posttrain.grpo.rollout import rollout_sequences
 from dsl_lit.posttrain.logps import token_logps
 from dsl_lit.posttrain.module import shifted_completion
 from tests.numerics import assert_close_fp32
@@ -27,6 +28,11 @@ def test_rollout_rows_score_the_sampled_tokens(family):
     out = generate(model, prompts, 12, temperature=1.0, eos_token_id=2, pad_token_id=0,
                    generator=torch.Generator().manual_seed(3))
     rows = shifted_completion(out.sequences, out.attention_mask, out.prompt_length)
+    # the rows GRPO trains on are rebuilt from the completion lists (so groups of several generate
+    # calls can be joined): they are the sampler's own sequences
+    sequences, valid, prompt_length = rollout_sequences(prompts, out.completions, 0)
+    assert torch.equal(sequences, out.sequences) and torch.equal(valid, out.attention_mask)
+    assert prompt_length == out.prompt_length
     completion = out.completion_mask
     labels = rows["labels"][:, -completion.shape[1]:]
     assert torch.equal(labels != -100, completion)  # exactly the sampled tokens are targets

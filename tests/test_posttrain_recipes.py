@@ -42,6 +42,9 @@ DPO = ["dpo.reference=model", "dpo.num_pairs=64", "data.global_batch_size=16", "
        "optim.lr=2e-3", "schedule.total_steps=8"]
 GRPO = ["data.global_batch_size=4", "data.micro_batch_size=2", "grpo.group_size=4", "grpo.sampling.max_new_tokens=16",
         "grpo.iterations=2", "grpo.eval_every_n_steps=0", "checkpoint.every_n_steps=2"]
+DAPO = ["grpo=dapo", "data.global_batch_size=2", "data.micro_batch_size=2", "grpo.group_size=4",
+        "grpo.sampling.max_new_tokens=16", "grpo.dynamic_sampling.max_draws=2", "grpo.eval_every_n_steps=0",
+        "task.eval_problems=8", "checkpoint.every_n_steps=0"]
 PIPELINE = ["trainer.devices=2", "parallel=pp_1f1b"]
 DISTILL = ["rejection.num_prompts=32", "rejection.batch_prompts=8", "rejection.min_reward=0.5",
            "rejection.keep_per_prompt=4", "data.global_batch_size=4", "data.micro_batch_size=2", "trainer.max_steps=3",
@@ -127,6 +130,27 @@ def test_grpo_recipe_under_tensor_then_pipeline_parallel_with_resume(sft_run, tm
     keys = ["reward/mean", "reward/std", "completion/length", "train/loss", "train/kl", "train/grad_norm",
             "train/clip_fraction"]
     assert_same_steps(rows(sharded), expected, keys, rel=2e-3, abs_=1e-5)
+
+
+@pytest.mark.slow
+def test_grpo_dapo_preset(sft_run, tmp_path):
+    """recipes/grpo.py grpo=dapo from the SFT run: no reference model (no KL), each step's batch of
+    2 groups refilled by dynamic sampling (at most 2 draws), the soft length penalty and the masked
+    truncated completions logged."""
+    run_dir = tmp_path / "dapo"
+    run("grpo", run_dir, f"init_from={sft_run}", *DAPO, "trainer.max_steps=2")
+    steps = rows(run_dir, "grpo/draws")
+    assert sorted(steps) == [0, 1]
+    for r in steps.values():
+        kept = 2 * r["grpo/draws"] - r["grpo/dropped_groups"]  # informative groups sampled
+        assert r["grpo/draws"] in (1, 2)  # 2: grpo.dynamic_sampling.max_draws
+        # a full batch of informative groups, or the cap reached and dropped groups filling the rest
+        assert (r["grpo/filled_groups"] == 0 and kept >= 2) or (r["grpo/draws"] == 2 and r["grpo/filled_groups"] == 2 - kept)
+        assert -1 <= r["reward/overlong"] <= 0 and 0 <= r["grpo/masked_completions"] <= 8
+        assert "train/kl" not in r and "train/loss" in r
+    assert sum(r["grpo/dropped_groups"] for r in steps.values()) > 0  # few sampled replies earn the format reward yet
+    resolved = yaml.safe_load((run_dir / "resolved_config.yaml").read_text())["grpo"]
+    assert (resolved["loss_type"], resolved["eps_high"], resolved["beta"]) == ("dapo", 0.28, 0.0)
 
 
 @pytest.mark.slow

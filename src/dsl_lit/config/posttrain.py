@@ -116,6 +116,46 @@ class SamplingConfig:
 
 
 @dataclass
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling: a prompt group whose completions all earn the same reward has zero
+    advantage, so it only dilutes the batch. Such groups are dropped and more prompts are drawn
+    until the batch holds ``data.global_batch_size`` informative groups again."""
+
+    enabled: bool = False
+    max_draws: int = 4
+    """Prompt batches sampled per step at most, the data's own batch included; when the cap is
+    reached short of a full batch, dropped groups fill the rest (logged as grpo/filled_groups)."""
+
+    def validate(self) -> DynamicSamplingConfig:
+        if self.max_draws < 1:
+            raise ConfigError(f"grpo.dynamic_sampling.max_draws={self.max_draws} must be >= 1 "
+                              "(prompt batches sampled per step, the first included)")
+        return self
+
+
+@dataclass
+class OverlongConfig:
+    """DAPO's handling of completions that hit the length budget."""
+
+    filter: bool = False
+    """Mask the loss of truncated completions (no end-of-sequence token within
+    ``grpo.sampling.max_new_tokens``): a cut reasoning is not penalised for being cut."""
+    penalty_cache: int = 0
+    """L_cache of the soft overlong punishment: a completion longer than ``max_length - penalty_cache``
+    tokens gets a reward penalty growing linearly to -1 at ``max_length`` (and -1 beyond); 0: off."""
+    max_length: int | None = None
+    """L_max; null: ``grpo.sampling.max_new_tokens``."""
+
+    def validate(self) -> OverlongConfig:
+        if self.penalty_cache < 0:
+            raise ConfigError(f"grpo.overlong.penalty_cache={self.penalty_cache} must be >= 0 (0: no length penalty)")
+        if self.max_length is not None and self.max_length < 1:
+            raise ConfigError(f"grpo.overlong.max_length={self.max_length} must be >= 1 "
+                              "or null (grpo.sampling.max_new_tokens)")
+        return self
+
+
+@dataclass
 class GRPOConfig:
     group_size: int = 8
     """G: completions sampled per prompt (R1-Zero: 16)."""
@@ -137,6 +177,13 @@ class GRPOConfig:
     cold_start_lr: float = 3e-3
     eval_every_n_steps: int = 0
     """Greedy accuracy on the held-out problems every N steps (0: only at the start and the end)."""
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+
+    @property
+    def overlong_max_length(self) -> int:
+        """L_max of the soft overlong punishment."""
+        return self.overlong.max_length or self.sampling.max_new_tokens
 
     def validate(self) -> GRPOConfig:
         if self.group_size < 2:
@@ -160,6 +207,13 @@ class GRPOConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"grpo.{name}={getattr(self, name)} must be >= 0")
         self.sampling.validate("grpo.sampling")
+        self.dynamic_sampling.validate()
+        self.overlong.validate()
+        if self.overlong.penalty_cache > self.overlong_max_length:
+            source = "grpo.overlong.max_length" if self.overlong.max_length else "grpo.sampling.max_new_tokens"
+            raise ConfigError(f"grpo.overlong.penalty_cache={self.overlong.penalty_cache} must be <= L_max = "
+                              f"{source}={self.overlong_max_length}: the penalty ramps over the last "
+                              "penalty_cache tokens before L_max")
         return self
 
 

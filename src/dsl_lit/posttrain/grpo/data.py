@@ -14,8 +14,13 @@ from dsl_lit.data.chat import ChatTokenizer
 from dsl_lit.data.rows import Rows
 
 
+def encode_prompts(problems: Sequence[dict[str, Any]], tokenizer: ChatTokenizer) -> list[list[int]]:
+    """The chat-formatted prompt tokens of each problem."""
+    return [tokenizer.encode_prompt(arithmetic.prompt(p)) for p in problems]
+
+
 def prompt_rows(problems: Sequence[dict[str, Any]], tokenizer: ChatTokenizer) -> Rows:
-    ids = [tokenizer.encode_prompt(arithmetic.prompt(p)) for p in problems]
+    ids = encode_prompts(problems, tokenizer)
     width = max(map(len, ids))
     prompt_ids = torch.full((len(ids), width), tokenizer.pad_id, dtype=torch.long)
     for i, row in enumerate(ids):

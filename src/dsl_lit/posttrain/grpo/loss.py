@@ -17,6 +17,20 @@ How token losses become one number (``loss_type``; the four TRL offers):
 
 The keyword normalisers let a caller that splits a step into micro-batches (or data-parallel ranks)
 pass the counts of the whole step, so that summing the micro-batch losses gives the step's loss.
+
+Against TRL's ``GRPOTrainer`` (trl 1.16, ``tests/test_grpo_trl_reference.py``: the same rollouts,
+rewards and old/reference log-probs through TRL's own scoring and ``_compute_loss``): per-token
+losses, advantages (the same ``1e-4`` added to the std; ``dr_grpo`` divides by the configured
+maximum completion length, ``grpo.sampling.max_new_tokens`` = TRL's ``max_completion_length``, not
+the batch's width) and the loss of every type agree exactly; parameter gradients to ~3e-7 of their
+largest entry (TRL's chunked LM head sums in another order). Deliberate differences:
+
+- ``bnpo`` divides by the completion tokens of this replica's whole step; TRL divides each
+  gradient-accumulation micro-batch by its own tokens and averages the micro-batches. They agree
+  with one micro-batch per step; ours does not change when a memory setting (the micro-batch size)
+  does.
+- The KL term is DeepSeek-R1's k3. TRL 1.x by default (``use_bias_correction_kl=True``) multiplies
+  it by the ratio (DeepSeek-V3.2's correction), which differs once the policy moves off the sampler.
 """
 
 from __future__ import annotations
@@ -60,6 +74,8 @@ def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
 class GRPOOutput:
     loss: torch.Tensor
     """Scalar loss to backpropagate."""
+    per_token: torch.Tensor
+    """[batch, T] each token's loss (clipped surrogate + beta x k3), before the mask and the normaliser."""
     kl: torch.Tensor | None
     """[batch, T] per-token k3 KL (detached, 0 outside the mask), None when ``beta == 0``."""
     low_clipped: torch.Tensor
@@ -121,4 +137,4 @@ def grpo_loss(
         active = completion_mask.bool()
         low = (ratio < 1 - eps_low) & (adv < 0) & active
         high = (ratio > 1 + eps_high) & (adv > 0) & active
-    return GRPOOutput(loss, kl, low, high)
+    return GRPOOutput(loss, per_token, kl, low, high)

@@ -3,17 +3,23 @@
 One training step takes a batch of prompts and
 
 1. samples G completions per prompt with the KV-cache generator (the policy in eval mode);
-2. scores them with the weighted rule rewards and turns the rewards into group advantages;
-3. computes the reference's log-probs (when beta > 0) and, for mu > 1, the sampling policy's;
-4. takes mu optimizer steps on that batch with the clipped objective + k3 KL
+2. scores them with the weighted rule rewards (plus DAPO's soft overlong penalty when
+   ``grpo.overlong.penalty_cache`` > 0); with ``grpo.dynamic_sampling`` it drops the groups whose
+   rule rewards are all equal and samples more prompts until the batch is full (:mod:`.dapo`);
+3. turns the rewards into group advantages (masking truncated completions with ``grpo.overlong.filter``);
+4. computes the reference's log-probs (when beta > 0) and, for mu > 1, the sampling policy's;
+5. takes mu optimizer steps on that batch with the clipped objective + k3 KL
    (``CausalLMModule.training_step``: micro-batches, gradient reduction, clipping, logging);
-5. replaces the reference by the current policy every ``ref_refresh_steps`` optimizer steps.
+6. replaces the reference by the current policy every ``ref_refresh_steps`` optimizer steps.
 
-Logged per step: reward mean and std and each reward component, KL, clip fractions, completion
-length, and the seconds spent generating vs training. Sampling is seeded by (seed, step, dp rank),
-so a resumed run draws the same completions. Each data-parallel rank samples its own prompts; under
-tensor, pipeline or expert parallelism the ranks of a replica sample the same completions with a
-whole copy of the current policy (:meth:`PostTrainModule.inference_model`), then train the
+Logged per step: reward mean and std and each reward component, completion length (all over every
+completion sampled in the step), KL, clip fractions, the seconds spent generating vs training, and
+with DAPO's options the draws, dropped and filled groups and masked completions (``grpo/*``).
+Sampling, and the extra prompts dynamic sampling draws from the training problems, are seeded by
+(seed, step, dp rank), so a resumed run draws the same completions. Each data-parallel rank samples
+its own prompts (and draws as often as it needs: the batch it trains on always has the same shape);
+under tensor, pipeline or expert parallelism the ranks of a replica sample the same completions with
+a whole copy of the current policy (:meth:`PostTrainModule.inference_model`), then train the
 sharded policy on them.
 """
 
@@ -29,10 +35,12 @@ import torch
 from dsl_lit.config.posttrain import GRPOConfig, SamplingConfig
 from dsl_lit.data.chat import ChatTokenizer
 from dsl_lit.inference.generation import generate
-from dsl_lit.posttrain.grpo.data import prompts_of
-from dsl_lit.posttrain.grpo.loss import group_advantages, grpo_loss
+from dsl_lit.posttrain.grpo.dapo import GroupSelection, overlong_penalty
+from dsl_lit.posttrain.grpo.data import encode_prompts, prompts_of
+from dsl_lit.posttrain.grpo.loss import grpo_loss
+from dsl_lit.posttrain.grpo.rollout import Rollouts, training_rows
 from dsl_lit.posttrain.logps import token_logps
-from dsl_lit.posttrain.module import PostTrainModule, shifted_completion
+from dsl_lit.posttrain.module import PostTrainModule
 from dsl_lit.posttrain.rewards import WeightedRewards, accuracy_reward
 from dsl_lit.training.causal_lm import Batch, Metrics
 
@@ -65,39 +73,73 @@ class GRPOModule(PostTrainModule):
     # -- sampling ------------------------------------------------------------------------------
     def _generator(self) -> torch.Generator:
         rank = self.runner.dp_rank
-        return torch.Generator(self.device).manual_seed(self.seed + 1_000_003 * self.trainer.global_step + 7919 * rank)
+        return torch.Generator(self.device).manual_seed(self.seed + 1_000_003 * self.global_step + 7919 * rank)
+
+    def sample(self, prompts: list[list[int]], problems: list[dict], generator: torch.Generator) -> Rollouts:
+        """G completions of each prompt, scored: the weighted rule rewards plus the soft overlong penalty."""
+        g, s = self.grpo.group_size, self.sampling
+        prompts = [p for p in prompts for _ in range(g)]
+        samples = [p for p in problems for _ in range(g)]
+        out = generate(self.inference_model(), prompts, s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                       top_k=s.top_k, eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id,
+                       generator=generator)
+        rewards, parts = self.rewards([self.tokenizer.decode(c) for c in out.completions], samples)
+        rollouts = Rollouts(prompts, out.completions, rewards, torch.zeros_like(rewards), parts, g)
+        if self.grpo.overlong.penalty_cache:
+            rollouts.penalty = overlong_penalty(rollouts.lengths(), self.grpo.overlong_max_length,
+                                                self.grpo.overlong.penalty_cache)
+            parts["overlong"] = rollouts.penalty
+        return rollouts
+
+    def sample_batch(self, batch: Batch) -> tuple[Rollouts, Rollouts, dict[str, float]]:
+        """(the groups to train on, every group sampled this step, counts). With dynamic sampling,
+        groups with all-equal rule rewards are dropped and batches of training problems drawn at random
+        are sampled until the batch is full or ``max_draws`` batches were sampled."""
+        generator = self._generator()
+        problems = [self.problems[i] for i in batch["index"].tolist()]
+        first = self.sample(prompts_of(batch), problems, generator)
+        dynamic = self.grpo.dynamic_sampling
+        if not dynamic.enabled:
+            return first, first, {}
+        selection = GroupSelection(len(problems))
+        selection.add(first)
+        sampled = [first]
+        while not selection.full and selection.draws < dynamic.max_draws:
+            index = torch.randperm(len(self.problems), generator=generator, device=generator.device)[: len(problems)]
+            drawn = [self.problems[i] for i in index.tolist()]
+            sampled.append(self.sample(encode_prompts(drawn, self.tokenizer), drawn, generator))
+            selection.add(sampled[-1])
+        chosen, counts = selection.batch()
+        return chosen, Rollouts.cat(sampled), counts
 
     def rollout(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """Sample, score and prepare the training rows of one batch of prompts."""
-        g = self.grpo.group_size
         start = time.perf_counter()
-        prompts = [p for p in prompts_of(batch) for _ in range(g)]
-        samples = [self.problems[i] for i in batch["index"].tolist() for _ in range(g)]
-        s = self.sampling
-        policy = self.inference_model()
-        out = generate(policy, prompts, s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                       eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id,
-                       generator=self._generator())
-        texts = [self.tokenizer.decode(c) for c in out.completions]
-        rewards, parts = self.rewards(texts, samples)
-        rollout = shifted_completion(out.sequences, out.attention_mask, out.prompt_length)
-        rollout["advantages"] = group_advantages(rewards, g, self.grpo.advantage_scale).to(self.device)
+        chosen, sampled, stats = self.sample_batch(batch)
+        rollout, truncated = training_rows(chosen, pad_id=self.tokenizer.pad_id, eos_id=self.tokenizer.eos_id,
+                                           advantage_scale=self.grpo.advantage_scale,
+                                           filter_overlong=self.grpo.overlong.filter)
+        rollout = {k: v.to(self.device) for k, v in rollout.items()}
+        if self.grpo.overlong.filter:
+            stats["grpo/masked_completions"] = float(truncated.sum())
         if self.grpo.beta:
             rollout["ref_logps"] = self.frozen_token_logps(rollout, self.reference, self.micro_batch_size, self.temperature)
         if self.grpo.iterations > 1:
-            rollout["old_logps"] = self.frozen_token_logps(rollout, policy, self.micro_batch_size, self.temperature)
-        lengths = out.completion_mask.sum(-1).float()
-        stats = {"reward/mean": rewards.mean().item(), "reward/std": rewards.std().item(),
-                 "completion/length": lengths.mean().item(),
-                 "completion/ended": sum(bool(c) and c[-1] == self.tokenizer.eos_id for c in out.completions) / len(texts),
-                 "perf/generation_s": time.perf_counter() - start}
-        stats.update({f"reward/{name}": value.mean().item() for name, value in parts.items()})
+            rollout["old_logps"] = self.frozen_token_logps(rollout, self.inference_model(), self.micro_batch_size,
+                                                           self.temperature)
+        rewards, ended = sampled.total, ~sampled.truncated(self.tokenizer.eos_id)
+        stats.update({"reward/mean": rewards.mean().item(), "reward/std": rewards.std().item(),
+                      "completion/length": sampled.lengths().mean().item(),
+                      "completion/ended": ended.sum().item() / len(ended),
+                      "perf/generation_s": time.perf_counter() - start})
+        stats.update({f"reward/{name}": value.mean().item() for name, value in sampled.parts.items()})
         return rollout, stats
 
     # -- the loss ------------------------------------------------------------------------------
     def loss_normalizers(self, batch: Batch) -> dict[str, torch.Tensor]:
         """``dapo`` divides by the completion tokens of the global batch (``targets``: all replicas);
-        ``bnpo`` by this replica's own (TRL's per-process batch)."""
+        ``bnpo`` by this replica's own, over all its micro-batches (TRL: each micro-batch's own, see
+        :mod:`.loss`)."""
         normalizers = super().loss_normalizers(batch)
         local = (batch["labels"] != -100).sum().clamp_min(1).float()
         normalizers["tokens"] = local if self.grpo.loss_type == "bnpo" else normalizers["targets"]
