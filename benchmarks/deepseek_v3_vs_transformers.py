@@ -21,6 +21,7 @@ import tempfile
 
 import torch
 
+from benchmarks.headline import headline
 from benchmarks.timing import interleaved_medians
 from dsl_lit.hf import save_pretrained
 from dsl_lit.models import ModelConfig, build_model
@@ -123,6 +124,8 @@ def main() -> None:
     for name, seconds in medians.items():
         print(f"{name:<26}{seconds * 1e3:>9.1f}{n_tokens / seconds:>11.0f}"
               f"{medians['transformers'] / seconds:>16.2f}x")
+    goal = ">= 1.5x" if dtype == torch.float32 else ">= 1.2x"
+    headline(f"V3 train step vs transformers, {args.dtype}", medians["transformers"] / medians["ours"], "x", goal)
 
     layers = {}
     for backend in ("grouped_mm", "split", "loop"):

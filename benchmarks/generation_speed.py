@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from benchmarks.headline import headline
 from dsl_lit.inference.generation import generate
 from dsl_lit.models import ModelConfig, build_model
 
@@ -49,6 +50,7 @@ def main() -> None:
         plain, seq_b = tokens_per_s(model, prompts, new, False, args.repeats)
         same = "" if torch.equal(seq_a, seq_b) else "  (outputs differ!)"
         print(f"{new:>10} | {cached:>14.0f} | {plain:>14.0f} | {cached / plain:>7.1f}x{same}")
+        headline(f"KV cache vs none, {new} new tokens", cached / plain, "x", "> 1x, same tokens" if not same else "DIFFERENT")
 
 
 if __name__ == "__main__":
