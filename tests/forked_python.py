@@ -10,8 +10,9 @@ module, so an import-order bug still shows), and the ranks Lightning launches re
 recipe from its path as they would from a shell.
 
 ``run_python`` has ``subprocess.run``'s shape. It falls back to a plain subprocess when forking
-cannot be trusted to mean the same thing: an environment that differs from the zygote's in a
-variable that libraries read at import time, or ``DSL_LIT_TESTS_NO_FORK=1``.
+is not possible: the zygote busy with a background run, or ``DSL_LIT_TESTS_NO_FORK=1``. A run
+whose environment differs from the zygote's in a variable libraries read at import time
+(``IMPORT_TIME_PREFIXES``) gets a new zygote started with that environment.
 """
 
 from __future__ import annotations
@@ -26,40 +27,54 @@ import threading
 from pathlib import Path
 
 ZYGOTE = Path(__file__).with_name("_zygote.py")
-# Read when a run calls them, never when their library is imported: a request may change these.
-PER_RUN_VARIABLES = ("WANDB_MODE", "WANDB_SILENT", "HYDRA_FULL_ERROR", "PYTHONPATH", "PYTEST_CURRENT_TEST",
-                     "SLOW_DISK_S")  # the last: tests/test_fault_tolerance.py's slow-disk launcher
+# Variables the preloaded libraries read when they are imported (thread pools, devices, caches,
+# backends): a run whose environment differs from the zygote's in one of these gets a fresh
+# interpreter. Everything else (WANDB_*, MASTER_ADDR, RANK, ... which tests and in-process
+# Trainers set) is read when a run calls for it, so the child's own environment is what counts.
+IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "OPENBLAS", "CUDA", "NVIDIA", "HF_",
+                        "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "DATASETS", "MPL", "MATPLOTLIB",
+                        "LD_", "PYTHONHASHSEED", "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE")
 
 _lock = threading.Lock()
+fallback_reason = ""
+"""Why the last run did not fork (for tests of this module)."""
 _zygote: subprocess.Popen | None = None
 _zygote_env: dict[str, str] = {}
 
 
-def _start_zygote() -> subprocess.Popen | None:
-    global _zygote, _zygote_env
-    if _zygote is not None and _zygote.poll() is None:
+def _import_time_difference(env: dict[str, str]) -> list[str]:
+    """The variables read at import (``IMPORT_TIME_PREFIXES``) in which ``env`` and the zygote's differ."""
+    keys = set(env) | set(_zygote_env)
+    return sorted(k for k in keys if k.startswith(IMPORT_TIME_PREFIXES) and env.get(k) != _zygote_env.get(k))
+
+
+def _zygote_for(env: dict[str, str]) -> subprocess.Popen | None:
+    """A zygote whose imports saw ``env``: the running one, or a new one (an import-time variable
+    changed, e.g. a library set KMP_DUPLICATE_LIB_OK in this process). None if none can serve."""
+    global _zygote, _zygote_env, fallback_reason
+    if _zygote is not None and _zygote.poll() is None and not _import_time_difference(env):
         return _zygote
-    _zygote_env = dict(os.environ)
+    if _zygote is not None and _zygote.poll() is None:
+        _zygote.stdin.close()
+        _zygote.wait(30)
+    _zygote_env = dict(env)
     _zygote = subprocess.Popen([sys.executable, str(ZYGOTE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                text=True, bufsize=1, env=_zygote_env)
     ready = _zygote.stdout.readline()
     if ready.strip() != "ready":  # e.g. a library started a thread at import: fork would be unsafe
         _zygote.kill()
         _zygote = None
-        sys.stderr.write(f"[forked_python] zygote unavailable ({ready.strip()!r}); plain subprocesses\n")
+        fallback_reason = f"zygote unavailable: {ready.strip()!r}"
+        sys.stderr.write(f"[forked_python] {fallback_reason}; plain subprocesses\n")
     return _zygote
 
 
 def _forkable(args: list[str]) -> bool:
+    global fallback_reason
     if os.environ.get("DSL_LIT_TESTS_NO_FORK") == "1" or not hasattr(os, "fork"):
+        fallback_reason = "DSL_LIT_TESTS_NO_FORK=1 or no os.fork"
         return False
     return len(args) >= 2 and args[0] == sys.executable and args[1] != "-c"
-
-
-def _same_imports(env: dict[str, str]) -> bool:
-    """Whether ``env`` agrees with the zygote's in every variable a library may read at import."""
-    keys = set(env) | set(_zygote_env)
-    return all(env.get(k) == _zygote_env.get(k) for k in keys if k not in PER_RUN_VARIABLES)
 
 
 class ForkedProcess:
@@ -102,8 +117,8 @@ def start_python(args: list[str], *, cwd: Path | str, env: dict[str, str] | None
     args = [str(a) for a in args]
     env = dict(os.environ if env is None else env)
     if _forkable(args) and _lock.acquire(blocking=False):
-        zygote = _start_zygote()
-        if zygote is not None and _same_imports(env):  # the lock is released when the child exits
+        zygote = _zygote_for(env)
+        if zygote is not None:  # the lock is released when the child exits
             Path(stdout).write_text("")  # there before this returns, as with Popen
             return ForkedProcess(zygote, {"argv": args[1:], "cwd": str(cwd), "env": env, "stdout": str(stdout),
                                           "stderr": str(stdout), "new_session": new_session})
@@ -121,8 +136,8 @@ def run_python(args: list[str], *, cwd: Path | str, env: dict[str, str] | None =
     env = dict(os.environ if env is None else env)
     if not (_forkable(args) and _lock.acquire(blocking=False)):
         return subprocess.run(args, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
-    zygote = _start_zygote()
-    if zygote is None or not _same_imports(env):
+    zygote = _zygote_for(env)
+    if zygote is None:
         _lock.release()
         return subprocess.run(args, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
     with tempfile.TemporaryDirectory(prefix="forked_python_") as logs:

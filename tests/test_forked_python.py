@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from tests import forked_python
 from tests.forked_python import ForkedProcess, run_python, start_python
 
 SCRIPT = """
 import os, sys
 print("out", os.getcwd(), os.environ.get("WANDB_MODE"), *sys.argv, sep="|")
-print("err", __name__, "dsl_lit" in sys.modules, sep="|", file=sys.stderr)
+print("err", __name__, "dsl_lit" in sys.modules, "torch" in sys.modules, sep="|", file=sys.stderr)
 if sys.argv[1:] == ["sleep"]:
     import time; time.sleep(60)
 raise SystemExit(int(sys.argv[1]) if sys.argv[1:] and sys.argv[1].isdigit() else None)
@@ -34,13 +35,24 @@ def script(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("runner", [run_python, subprocess.run])
 def test_like_a_subprocess(script: Path, tmp_path: Path, runner) -> None:
     kwargs = {"capture_output": True, "text": True} if runner is subprocess.run else {}
-    env = {**os.environ, "WANDB_MODE": "disabled-for-this-run"}
+    # MASTER_ADDR: what in-process Trainers leave behind; read at run time, so the run still forks
+    env = {**os.environ, "WANDB_MODE": "disabled-for-this-run", "MASTER_ADDR": "127.0.0.2"}
     result = runner([sys.executable, str(script), "3"], cwd=tmp_path, env=env, **kwargs)
     assert result.returncode == 3
     assert result.stdout == f"out|{tmp_path}|disabled-for-this-run|{script}|3\n"
-    # the recipe runs as __main__, and nothing of ours is imported before it
-    assert result.stderr == "err|__main__|False\n"
+    # the recipe runs as __main__, nothing of ours is imported before it, torch only in a fork
+    assert result.stderr == f"err|__main__|False|{runner is run_python}\n", forked_python.fallback_reason
     assert runner([sys.executable, str(script)], cwd=tmp_path, **kwargs).returncode == 0
+
+
+def test_a_variable_read_at_import_reaches_the_imports(tmp_path: Path) -> None:
+    """OMP_NUM_THREADS sizes torch's thread pool when torch is imported: the run gets a zygote
+    that imported torch under it."""
+    (tmp_path / "threads.py").write_text("import torch\nprint(torch.get_num_threads())\n")
+    one = run_python([sys.executable, str(tmp_path / "threads.py")], cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert one.returncode == 0 and int(one.stdout) == 1, one.stderr
+    default = run_python([sys.executable, str(tmp_path / "threads.py")], cwd=tmp_path)
+    assert default.returncode == 0 and int(default.stdout) >= 1, default.stderr  # the zygote is back
 
 
 def test_a_module_an_exception_and_a_timeout(script: Path, tmp_path: Path) -> None:
@@ -57,7 +69,7 @@ def test_a_module_an_exception_and_a_timeout(script: Path, tmp_path: Path) -> No
 def test_a_background_run_in_its_own_session_takes_signals(script: Path, tmp_path: Path) -> None:
     log = tmp_path / "log"
     process = start_python([sys.executable, str(script), "sleep"], cwd=tmp_path, stdout=log, new_session=True)
-    assert isinstance(process, ForkedProcess)
+    assert isinstance(process, ForkedProcess), forked_python.fallback_reason
     deadline = time.monotonic() + 30
     while "out|" not in log.read_text():
         assert process.poll() is None and time.monotonic() < deadline
