@@ -16,7 +16,7 @@ demo: setup
 	$(PY) recipes/pretrain.py data.cache_dir=$(DEMO_DATA)
 
 test: setup
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=30
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
