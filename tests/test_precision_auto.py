@@ -3,6 +3,7 @@ when independently started ranks decide differently."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -43,8 +44,10 @@ def test_auto_measures_once_and_records_it(monkeypatch):
 
 
 def test_the_gemm_ratio_is_a_ratio_of_real_timings():
+    """Positive and finite; its size depends on the CPU (AMX: 5-120x at small sizes, no native
+    bf16: below 1), so only the decision's use of it is pinned (above)."""
     ratio = bf16_speedup("cpu", size=256, rounds=1)
-    assert 0.01 < ratio < 100 and ratio != 1.0
+    assert math.isfinite(ratio) and ratio > 0
 
 
 @pytest.mark.parametrize("recorded, dtype", [("bf16 4.000", torch.bfloat16), ("fp32 0.400", None)])
