@@ -29,12 +29,21 @@ def test_verdicts_equal_the_recorded_ones(corpus: str, config: str) -> None:
     assert got["texts_sha256"] == expected["texts_sha256"]
 
 
+@pytest.mark.parametrize("batch_size", [1, 7])
+def test_batching_changes_nothing(batch_size: int) -> None:
+    """One document at a time (``judge``) or in odd batches, the verdicts are the recorded ones."""
+    for config in ("default", "gopher_repetition_top", "gopher_quality_late"):
+        expected = RECORDED[f"messy/{config}"]
+        assert verdicts(CORPORA["messy"], configs()[config], batch_size) == expected, config
+
+
 def test_the_recorded_verdicts_cover_every_rule() -> None:
     """Each rule removed something somewhere, so none of them goes unchecked."""
     reasons = {r for entry in RECORDED.values() for r in entry["removed"]}
     expected = {
         "gopher_quality:" + r
-        for r in ("min_doc_words", "max_doc_words", "min_avg_word_length", "max_avg_word_length", "max_symbol_word_ratio", "max_bullet_lines_ratio",
+        for r in ("min_doc_words", "max_doc_words", "min_avg_word_length", "max_avg_word_length",
+                  "max_symbol_word_ratio", "max_bullet_lines_ratio",
                   "max_ellipsis_lines_ratio", "max_non_alpha_words_ratio", "min_stop_words")
     } | {
         "gopher_repetition:" + r

@@ -43,7 +43,7 @@ def c4(text: str, cfg: C4Config) -> tuple[str | None, str]:
             continue
         if cfg.min_words_per_line >= 0 and len(words) < cfg.min_words_per_line:
             continue
-        if cfg.max_word_length >= 0 and any(len(w) > cfg.max_word_length for w in words):
+        if 0 <= cfg.max_word_length < len(line) and max(map(len, words)) > cfg.max_word_length:
             continue
         if cfg.filter_javascript and "javascript" in lower:
             continue
