@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 
 _CITATION = re.compile(r"\[\d*\]|\[edit\]|\[citation needed\]")
-_POLICY = ("terms of use", "privacy policy", "cookie policy", "uses cookies", "use of cookies", "use cookies")
+_POLICY = re.compile("terms of use|privacy policy|cookie policy|uses cookies|use of cookies|use cookies")
 _END = (".", "!", "?", '"', "'")
 _SENTENCE_END = re.compile(r"[.!?]+(?:\s|$)")
 
@@ -47,7 +47,7 @@ def c4(text: str, cfg: C4Config) -> tuple[str | None, str]:
             continue
         if cfg.filter_javascript and "javascript" in lower:
             continue
-        if cfg.filter_policy and any(p in lower for p in _POLICY):
+        if cfg.filter_policy and _POLICY.search(lower):
             continue
         kept.append(line)
     result = "\n".join(kept)

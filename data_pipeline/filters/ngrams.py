@@ -49,25 +49,25 @@ def ngram_fractions(
 
 
 class _Groups:
-    """Positions grouped by key: ``order`` the positions sorted by (key, position), ``starts`` where
-    each group begins in it, ``ids`` each position's group (-1: not grouped)."""
+    """Candidate n-gram positions (ascending) grouped by key: ``ids`` each candidate's group (groups
+    numbered in key order, which is document order), and per group its ``counts`` and ``first``
+    position; ``repeated``: the positions whose n-gram occurred before."""
 
-    def __init__(self, keys: np.ndarray, positions: np.ndarray, size: int) -> None:
-        if keys.size and int(keys.max()) >= np.iinfo(np.int64).max // max(size, 1) - 1:
+    def __init__(self, keys: np.ndarray, positions: np.ndarray) -> None:
+        size = max(keys.size, 1)
+        if keys.size and int(keys.max()) >= np.iinfo(np.int64).max // size - 1:
             keys = np.unique(keys, return_inverse=True)[1].astype(np.int64)  # dense, order kept
-        packed = np.sort(keys * size + positions)
+        packed = np.sort(keys * size + np.arange(keys.size))  # by key, then position
         sorted_keys = packed // size
-        self.order = packed - sorted_keys * size
-        new = np.ones(packed.size, dtype=bool)
+        index = packed - sorted_keys * size
+        new = np.ones(keys.size, dtype=bool)
         new[1:] = sorted_keys[1:] != sorted_keys[:-1]
-        self.starts = np.flatnonzero(new)
-        self.counts = np.diff(np.append(self.starts, packed.size))
-        self.is_first = new
-        self.ids = np.full(size, -1, dtype=np.int64)
-        self.ids[self.order] = np.cumsum(new) - 1
-
-    def repeated_positions(self) -> np.ndarray:
-        return self.order[~self.is_first]
+        starts = np.flatnonzero(new)
+        self.counts = np.diff(np.append(starts, keys.size))
+        self.first = positions[index[starts]]
+        self.repeated = positions[index[~new]]
+        self.ids = np.empty(keys.size, dtype=np.int64)
+        self.ids[index] = np.cumsum(new) - 1
 
 
 def _chunk_fractions(
@@ -82,22 +82,21 @@ def _chunk_fractions(
     tops: dict[int, np.ndarray] = {}
     dups: dict[int, np.ndarray] = {}
     wanted = [int(n) for n in (*top, *dup) if int(n) >= 1]
-    unigram = previous = None
+    unigram = groups = None
     positions = np.arange(size, dtype=np.int64)
     for n in range(1, max(wanted, default=0) + 1):
         if n == 1:
             word_ids = words - (int(words.min()) if size else 0)
-            groups = unigram = _Groups(doc * (int(word_ids.max(initial=0)) + 1) + word_ids, positions, size)
+            groups = unigram = _Groups(doc * (int(word_ids.max(initial=0)) + 1) + word_ids, positions)
         else:
-            assert previous is not None and unigram is not None
-            repeats = previous.counts[previous.ids[positions]] >= 2
-            positions = positions[repeats & (positions + n <= end[positions])]
-            groups = _Groups(previous.ids[positions] * size + unigram.ids[positions + n - 1], positions, size)
+            assert groups is not None and unigram is not None
+            keep = (groups.counts[groups.ids] >= 2) & (positions + n <= end[positions])
+            positions = positions[keep]
+            groups = _Groups(groups.ids[keep] * size + unigram.ids[positions + n - 1], positions)
         if n in top:
             tops[n] = _top_fraction(groups, n, bounds, doc_len, doc, cum, chars)
         if n in dup:
-            dups[n] = _duplicated_fraction(groups, n, bounds, size, lengths, chars)
-        previous = groups
+            dups[n] = _duplicated_fraction(groups, n, doc, cum, chars)
     return ({n: tops.get(int(n), np.zeros(num_docs)) for n in top},
             {n: dups.get(int(n), np.zeros(num_docs)) for n in dup})
 
@@ -107,13 +106,12 @@ def _top_fraction(groups: _Groups, n: int, bounds: np.ndarray, doc_len: np.ndarr
     num_docs = len(bounds) - 1
     best = bounds[:-1].copy()  # without a repeated n-gram: the first one, once
     count = np.ones(num_docs, dtype=np.int64)
-    first = groups.order[groups.starts]  # groups are in document order (their keys begin with it)
-    group_doc = doc[first]
-    if first.size:
+    group_doc = doc[groups.first]  # in document order
+    if group_doc.size:
         seg = np.flatnonzero(np.diff(group_doc, prepend=-1))
         most = np.maximum.reduceat(groups.counts, seg)
-        tied = groups.counts == np.repeat(most, np.diff(np.append(seg, first.size)))
-        earliest = np.minimum.reduceat(np.where(tied, first, np.iinfo(np.int64).max), seg)
+        tied = groups.counts == np.repeat(most, np.diff(np.append(seg, group_doc.size)))
+        earliest = np.minimum.reduceat(np.where(tied, groups.first, np.iinfo(np.int64).max), seg)
         docs = group_doc[seg]
         repeated = most >= 2
         best[docs[repeated]], count[docs[repeated]] = earliest[repeated], most[repeated]
@@ -124,12 +122,17 @@ def _top_fraction(groups: _Groups, n: int, bounds: np.ndarray, doc_len: np.ndarr
     return out
 
 
-def _duplicated_fraction(groups: _Groups, n: int, bounds: np.ndarray, size: int, lengths: np.ndarray,
-                         chars: np.ndarray) -> np.ndarray:
-    starts = groups.repeated_positions()
-    depth = np.cumsum(np.bincount(starts, minlength=size + 1) - np.bincount(starts + n, minlength=size + 1))
-    covered = np.concatenate([[0], np.cumsum(np.where(depth[:size] > 0, lengths, 0), dtype=np.int64)])
-    out = np.zeros(len(bounds) - 1)
-    has = chars > 0
-    out[has] = (covered[bounds[1:]] - covered[bounds[:-1]])[has] / chars[has]
+def _duplicated_fraction(groups: _Groups, n: int, doc: np.ndarray, cum: np.ndarray, chars: np.ndarray
+                         ) -> np.ndarray:
+    """Words covered by [i, i + n) for every repeated i: the runs of overlapping spans (all n long,
+    so sorted by start they are sorted by end too), in characters."""
+    out = np.zeros(chars.size)
+    start = np.sort(groups.repeated)
+    if start.size:
+        new = np.ones(start.size, dtype=bool)
+        new[1:] = start[1:] >= start[:-1] + n  # touching spans stay apart: they may be of two documents
+        last = np.append(np.flatnonzero(new)[1:] - 1, start.size - 1)
+        run_start, run_end = start[new], start[last] + n
+        covered = np.bincount(doc[run_start], weights=cum[run_end] - cum[run_start], minlength=chars.size)
+        out[chars > 0] = covered[chars > 0] / chars[chars > 0]
     return out
