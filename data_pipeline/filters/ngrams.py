@@ -1,11 +1,11 @@
 """Word n-gram repetition of many documents at once: Gopher's top and duplicated n-gram fractions.
 
-Why no Counter of tuples: building a tuple per word per n costs ~10 microseconds a word for the
+Why no Counter of tuples: building a tuple per word per n costs ~3 microseconds a word over the
 nine n of the default rules. Here the n-grams of a whole batch are grouped exactly (no hashing,
 so no collisions) by sorting integer keys: an n-gram's group id is the pair (group of its first
 n-1 words, its last word), and only positions whose (n-1)-gram occurs twice in a document can
-start an n-gram that does, so each longer n sorts fewer positions (in prose, a few percent by
-n = 4). Per document and n, with ``chars`` the characters of all its words:
+start an n-gram that does, so each longer n sorts fewer positions (in web-like text, a few percent
+from n = 3). Per document and n, with ``chars`` the characters of all its words:
 
 - top: the most frequent n-gram (ties: the one that occurs first) times its count, in characters,
   over ``chars`` (0 for fewer than n words);
