@@ -70,18 +70,18 @@ def gopher_quality_batch(texts: Sequence[str], cfg: GopherQualityConfig, words: 
     count = words.doc_sums(length > 0)
     nonzero = np.maximum(count, 1)  # a text without words is judged as one of average length 0
     mean = words.doc_sums(length) / nonzero
-    rules = [  # in the order they are checked; the first failed one names the removal
-        ("min_doc_words", count < cfg.min_doc_words),
-        ("max_doc_words", count > cfg.max_doc_words),
-        ("min_avg_word_length", mean < cfg.min_avg_word_length),
-        ("max_avg_word_length", mean > cfg.max_avg_word_length),
-        ("lines", None),
-        ("max_non_alpha_words_ratio", words.doc_sums(alpha) / nonzero < cfg.max_non_alpha_words_ratio),
-        ("min_stop_words", words.doc_sums(stop_word) < cfg.min_stop_words),
-    ]
     reasons: list[str | None] = [None] * len(texts)
-    for rule, failed in rules:
-        for i in (np.flatnonzero(failed) if failed is not None else range(len(texts))):
-            if reasons[i] is None:
-                reasons[i] = rule if failed is not None else _line_rule(texts[i], cfg, int(nonzero[i]))
+
+    def fail(rule: str, failed: np.ndarray) -> None:  # rules are applied in their order: the first names it
+        for i in np.flatnonzero(failed).tolist():
+            reasons[i] = reasons[i] or rule
+
+    fail("min_doc_words", count < cfg.min_doc_words)
+    fail("max_doc_words", count > cfg.max_doc_words)
+    fail("min_avg_word_length", mean < cfg.min_avg_word_length)
+    fail("max_avg_word_length", mean > cfg.max_avg_word_length)
+    for i, text in enumerate(texts):
+        reasons[i] = reasons[i] or _line_rule(text, cfg, int(nonzero[i]))
+    fail("max_non_alpha_words_ratio", words.doc_sums(alpha) / nonzero < cfg.max_non_alpha_words_ratio)
+    fail("min_stop_words", words.doc_sums(stop_word) < cfg.min_stop_words)
     return [None if r is None else f"gopher_quality:{r}" for r in reasons]

@@ -38,10 +38,6 @@ class Words:
         ids = np.fromiter(map(index.__getitem__, words), dtype=np.int64, count=len(words))
         return cls(ids, np.concatenate([[0], np.cumsum(counts)]), vocab)
 
-    @property
-    def num_docs(self) -> int:
-        return len(self.bounds) - 1
-
     def per_word(self, prop: Callable[[str], Any], dtype: Any = np.int64) -> np.ndarray:
         """``prop(word)`` for every word, computed once per distinct word."""
         return np.fromiter(map(prop, self.vocab), dtype=dtype, count=len(self.vocab))[self.ids]
