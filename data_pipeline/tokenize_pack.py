@@ -1,10 +1,16 @@
 """Stage ``tokenize_pack``: tokenize documents and pack them into shards of ``dsl_lit.data.format``.
 
-Why two halves: ``datasets.map`` tokenizes (in parallel with ``num_proc``), then the writer streams
-the token lists in document order, so the shards are byte-identical for the same input whatever
-``num_proc`` is. Why per kept shard and then a merge: tokenizing is the expensive part and
-parallelises over the kept shards (each packed on its own, resumable); the merge only links the
-shard files into one packed dataset, renumbered in shard order, with one meta.json written last.
+Why batches of flat arrays: the Rust tokenizer encodes a batch of documents on its own threads
+(``encode_batch``, which releases the GIL) while this process turns the previous batch's token lists
+into one flat array with their lengths and the writer appends EOS and rolls shards with numpy, so
+the Rust threads rarely wait for Python and nothing is done per document beyond reading its ids.
+``num_proc > 1`` tokenizes in that many forked processes instead (``datasets.map``, one Rust thread
+each). Documents are written in order either way, so the shards are byte-identical for the same
+input whatever ``num_proc`` or ``batch_size`` is.
+
+Why per kept shard and then a merge: tokenizing is the expensive part and parallelises over the
+kept shards (each packed on its own, resumable); the merge only links the shard files into one
+packed dataset, renumbered in shard order, with one meta.json written last.
 The tokenizer is the run's own (``train_tokenizer``) or a ready one (``tokenizer.path``: a model's
 release, read by ``dsl_lit.data.tokenizer_dir``), which the merge copies to ``output_dir/tokenizer``
 with a meta.json, so the output has the layout the data module reads either way.
@@ -12,25 +18,29 @@ with a meta.json, so the output has the layout the data module reads either way.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
 import os
 import shutil
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import datasets
 import numpy as np
+import pyarrow.compute as pc
 from tokenizers import Tokenizer
 
 from data_pipeline.fim import encode_documents, fim_token_ids, plan_document
 from data_pipeline.packed_writer import PackedShardWriter
-from data_pipeline.shard_io import building_dir, link_or_copy, read_documents, shard_file
+from data_pipeline.shard_io import building_dir, link_or_copy, read_documents, shard_file, table_of
 from data_pipeline.stage import Stage, Step
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.data.format import (
@@ -62,17 +72,55 @@ class _Encode:
         return {**self.__dict__, "_tokenizer": None}
 
     def __call__(self, batch: dict[str, list[Any]], rows: list[int]) -> dict[str, list[list[int]]]:
+        return {"input_ids": self.encode(batch[self.text_field], rows)}
+
+    def encode(self, texts: list[str | None], rows: list[int] | range) -> list[list[int]]:
+        """Token ids of ``texts`` (dataset rows ``rows``: FIM draws per row)."""
         if self._tokenizer is None:
             if self.single_threaded:  # in a worker process: never start a Rust thread pool there
                 os.environ["TOKENIZERS_PARALLELISM"] = "false"
             self._tokenizer = Tokenizer.from_file(self.tokenizer_file)
-        texts = [t or "" for t in batch[self.text_field]]
+        texts = [t or "" for t in texts]
         # add_special_tokens=False: packing adds EOS itself; no BOS is prepended in pretraining.
         fim = self.fim
         if fim is None or fim.rate <= 0:
-            return {"input_ids": [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]}
+            return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
         plans = [plan_document(t, fim.rate, fim.spm_rate, fim.seed, self.shard, r) for t, r in zip(texts, rows)]
-        return {"input_ids": encode_documents(self._tokenizer, texts, plans, fim_token_ids(self._tokenizer))}
+        return encode_documents(self._tokenizer, texts, plans, fim_token_ids(self._tokenizer))
+
+
+def _flat(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(all token ids in one array, each document's length)."""
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    return np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum())), lengths
+
+
+def _threaded_batches(dataset: datasets.Dataset, encoder: _Encode, batch_size: int, in_flight: int = 2
+                      ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Flat token batches in document order. ``in_flight`` batches encode at once (the GIL released),
+    so the Rust threads have the next batch's documents to start on while the last documents of
+    one batch finish, and while the caller writes."""
+    column = table_of(dataset).column(encoder.text_field)
+
+    def encode(start: int) -> list[list[int]]:
+        texts = column.slice(start, batch_size).to_pylist()
+        return encoder.encode(texts, range(start, start + len(texts)))
+
+    with ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="tokenize") as pool:
+        pending = collections.deque(pool.submit(encode, s) for s in range(0, len(column), batch_size)[:in_flight])
+        following = iter(range(in_flight * batch_size, len(column), batch_size))
+        while pending:
+            ids = pending.popleft().result()
+            for s in itertools.islice(following, 1):
+                pending.append(pool.submit(encode, s))
+            yield _flat(ids)
+
+
+def _mapped_batches(tokenized: datasets.Dataset) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Flat token batches of a ``datasets.map`` result, read from its Arrow list column."""
+    for chunk in table_of(tokenized).column("input_ids").chunks:
+        lengths = pc.list_value_length(chunk).to_numpy(zero_copy_only=False).astype(np.int64)
+        yield chunk.flatten().to_numpy(zero_copy_only=False), lengths
 
 
 @dataclass(frozen=True)
@@ -145,11 +193,14 @@ def tokenize_pack(
         raise ValueError(f"text_field {text_field!r} not in dataset columns {dataset.column_names}")
 
     start = time.perf_counter()
-    with _tokenizers_parallelism(num_proc <= 1):
-        if fim is not None and fim.rate > 0:
-            fim_token_ids(Tokenizer.from_file(str(tokenizer_file)))  # fail before any work without them
-        tokenized = _tokenize(dataset, str(tokenizer_file), sha, text_field, num_proc, batch_size, fim, shard)
-    tokenized = tokenized.with_format("numpy")
+    if fim is not None and fim.rate > 0:
+        fim_token_ids(Tokenizer.from_file(str(tokenizer_file)))  # fail before any work without them
+    if num_proc > 1:
+        with _tokenizers_parallelism(False):
+            batches = _mapped_batches(_tokenize(dataset, str(tokenizer_file), sha, text_field, num_proc,
+                                                batch_size, fim, shard))
+    else:
+        batches = _threaded_batches(dataset, _Encode(str(tokenizer_file), text_field, False, fim, shard), batch_size)
     with PackedShardWriter(
         output_dir,
         eos_id=int(tok_meta["eos_id"]),
@@ -158,9 +209,8 @@ def tokenize_pack(
         shard_tokens=shard_tokens,
         tokenizer_sha256=sha,
     ) as writer:
-        for i in range(0, len(tokenized), batch_size):
-            for ids in tokenized[i : i + batch_size]["input_ids"]:
-                writer.add_document(ids)
+        for tokens, lengths in batches:
+            writer.add_documents(tokens, lengths)
         writer.close({"text_field": text_field, "fim": asdict(fim or FIMSettings())})
     log.info(
         "packed %d documents, %d tokens (%d empty skipped) into %s in %.1fs",

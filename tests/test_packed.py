@@ -128,6 +128,44 @@ def test_tokenize_pack_is_deterministic_across_num_proc(
         assert (one / name).read_bytes() == (two / name).read_bytes(), name
 
 
+def test_batched_writes_equal_document_by_document(tmp_path: Path) -> None:
+    """``add_documents`` (flat tokens and lengths: EOS and shard roll-over in numpy) writes the bytes
+    that ``add_document`` one at a time does, whatever the batches: empty documents, documents
+    longer than a shard, batches that end mid-shard."""
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(2, 512, size=n) for n in rng.choice([0, 1, 2, 5, 9, 17, 40], size=300)]
+    one = _write(tmp_path / "one", docs, shard_tokens=16)
+    cuts = np.sort(rng.choice(np.arange(1, len(docs)), size=20, replace=False))
+    with PackedShardWriter(tmp_path / "batched", eos_id=EOS, vocab_size=512, padded_vocab_size=512,
+                           shard_tokens=16) as writer:
+        for part in np.split(np.arange(len(docs)), cuts):
+            batch = [docs[i] for i in part]
+            writer.add_documents(np.concatenate(batch), np.array([len(d) for d in batch]))
+    files = sorted(p.name for p in one.iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "batched").iterdir()) and len(files) > 20
+    for name in files:
+        assert (one / name).read_bytes() == (tmp_path / "batched" / name).read_bytes(), name
+    with pytest.raises(ValueError, match="lengths"):
+        PackedShardWriter(tmp_path / "bad", eos_id=EOS, vocab_size=512, padded_vocab_size=512).add_documents(
+            np.arange(5), np.array([2, 2]))
+
+
+@pytest.mark.parametrize(("batch_size", "shard_tokens"), [(1000, 2**24), (37, 4096), (1, 512)])
+def test_tokenize_pack_is_the_tokenizers_own_encoding(
+    documents: datasets.Dataset, tokenizer_dir: Path, tmp_path: Path, batch_size: int, shard_tokens: int
+) -> None:
+    """The packed stream is ``Tokenizer.encode`` of each non-empty document followed by EOS, in
+    document order, for any batch size (batches encode on threads while earlier ones are written)."""
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    texts = [t for t in documents["text"] if t]
+    expected = np.concatenate([np.array([*tokenizer.encode(t, add_special_tokens=False).ids, EOS]) for t in texts])
+    packed = PackedTokens(tokenize_pack(documents, tokenizer_dir, tmp_path / "shards", shard_tokens=shard_tokens,
+                                        batch_size=batch_size))
+    assert packed.eos_id == EOS and packed.num_documents == len(texts)
+    assert np.array_equal(packed.window(0, len(packed)), expected)
+    assert all(s["num_tokens"] <= shard_tokens or s["num_documents"] == 1 for s in packed.meta["shards"])
+
+
 def test_load_documents_reads_jsonl_and_renames_fields(tmp_path: Path) -> None:
     path = tmp_path / "docs.jsonl"
     path.write_text('{"key": "a", "content": "first"}\n{"key": "b", "content": "second"}\n')

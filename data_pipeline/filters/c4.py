@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 
 _CITATION = re.compile(r"\[\d*\]|\[edit\]|\[citation needed\]")
-_POLICY = ("terms of use", "privacy policy", "cookie policy", "uses cookies", "use of cookies", "use cookies")
+_POLICY = re.compile("terms of use|privacy policy|cookie policy|uses cookies|use of cookies|use cookies")
 _END = (".", "!", "?", '"', "'")
 _SENTENCE_END = re.compile(r"[.!?]+(?:\s|$)")
 
@@ -43,11 +43,11 @@ def c4(text: str, cfg: C4Config) -> tuple[str | None, str]:
             continue
         if cfg.min_words_per_line >= 0 and len(words) < cfg.min_words_per_line:
             continue
-        if cfg.max_word_length >= 0 and any(len(w) > cfg.max_word_length for w in words):
+        if 0 <= cfg.max_word_length < len(line) and max(map(len, words)) > cfg.max_word_length:
             continue
         if cfg.filter_javascript and "javascript" in lower:
             continue
-        if cfg.filter_policy and any(p in lower for p in _POLICY):
+        if cfg.filter_policy and _POLICY.search(lower):
             continue
         kept.append(line)
     result = "\n".join(kept)

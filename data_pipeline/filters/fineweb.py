@@ -19,7 +19,7 @@ class FineWebConfig:
 
 
 def fineweb(text: str, cfg: FineWebConfig) -> tuple[str | None, str]:
-    lines = [ln.strip() for ln in text.split("\n") if ln.strip()]
+    lines = list(filter(None, map(str.strip, text.split("\n"))))
     if not lines:
         return "fineweb:empty", text
     ratio = sum(ln.endswith(TERMINAL_PUNCTUATION) for ln in lines) / len(lines)
