@@ -19,20 +19,22 @@ PP_SCHEDULES = ("1F1B", "Interleaved1F1B", "DualPipeV", "GPipe")
 
 @dataclass
 class ParallelConfig:
-    """``parallel`` group: the device-mesh layout. ``dp`` defaults to what tp and pp leave of the
-    world size (``trainer.devices x trainer.num_nodes``); ``ep`` shards experts over dp ranks."""
+    """``parallel`` group: the device-mesh layout. ``dp`` defaults to what tp, pp and cp leave of
+    the world size (``trainer.devices x trainer.num_nodes``); ``ep`` shards experts over dp ranks;
+    ``cp`` shards every sequence over that many ranks (context parallelism)."""
 
     dp: int | None = None
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1
     sequence_parallel: bool = False
     pp_schedule: str = "1F1B"
     pp_virtual_stages: int = 1
     zero1: bool = False
 
     def validate(self) -> ParallelConfig:
-        for name in ("tp", "pp", "ep", "pp_virtual_stages"):
+        for name in ("tp", "pp", "ep", "cp", "pp_virtual_stages"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallel.{name}={getattr(self, name)} must be >= 1")
         if self.dp is not None and self.dp < 1:
@@ -44,21 +46,23 @@ class ParallelConfig:
         return self
 
 
-MESH_DIM_NAMES = ("pp", "edp", "ep", "tp")
+MESH_DIM_NAMES = ("pp", "edp", "ep", "cp", "tp")
 """The device mesh's dimensions, outermost first: pipeline stages, then expert-data-parallel
-replicas, expert-parallel ranks and tensor-parallel ranks (adjacent: one node). ``dp`` is the
-flattened (edp, ep)."""
+replicas, expert-parallel ranks, context-parallel ranks and tensor-parallel ranks (adjacent: one
+node). ``dp`` is the flattened (edp, ep); cp ranks hold the same weights and different positions
+of the same rows, so gradients average over (edp, ep, cp)."""
 
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """A validated layout of ``world_size`` processes: pp x dp x tp with dp = edp x ep."""
+    """A validated layout of ``world_size`` processes: pp x dp x cp x tp with dp = edp x ep."""
 
     world_size: int
     dp: int
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1
     sequence_parallel: bool = False
     zero1: bool = False
     pp_schedule: str = "1F1B"
@@ -69,18 +73,19 @@ class ParallelLayout:
         """Validate ``parallel`` for ``model`` on ``world_size`` processes (ConfigError otherwise)."""
         parallel.validate()
         dp = validate_layout(parallel, model, world_size)
-        return cls(world_size=world_size, dp=dp, tp=parallel.tp, pp=parallel.pp, ep=parallel.ep,
+        return cls(world_size=world_size, dp=dp, tp=parallel.tp, pp=parallel.pp, ep=parallel.ep, cp=parallel.cp,
                    sequence_parallel=parallel.sequence_parallel, zero1=parallel.zero1,
                    pp_schedule=parallel.pp_schedule, pp_virtual_stages=parallel.pp_virtual_stages)
 
     @staticmethod
-    def derive_dp(world_size: int, tp: int = 1, pp: int = 1, world: str = "") -> int:
-        """Data-parallel replicas: what tp and pp leave of the world (the one place it is computed).
-        ``world`` names where the processes come from in the error message."""
-        if world_size % (tp * pp):
+    def derive_dp(world_size: int, tp: int = 1, pp: int = 1, world: str = "", cp: int = 1) -> int:
+        """Data-parallel replicas: what tp, pp and cp leave of the world (the one place it is
+        computed). ``world`` names where the processes come from in the error message."""
+        if world_size % (tp * pp * cp):
             world = world or f"the world size trainer.devices x trainer.num_nodes = {world_size}"
-            raise ConfigError(f"parallel.tp={tp} x parallel.pp={pp} = {tp * pp} does not divide {world}")
-        return world_size // (tp * pp)
+            degrees = f"parallel.tp={tp} x parallel.pp={pp}" + (f" x parallel.cp={cp}" if cp > 1 else "")
+            raise ConfigError(f"{degrees} = {tp * pp * cp} does not divide {world}")
+        return world_size // (tp * pp * cp)
 
     @property
     def edp(self) -> int:
@@ -88,9 +93,14 @@ class ParallelLayout:
         return self.dp // self.ep
 
     @property
-    def mesh_shape(self) -> tuple[int, int, int, int]:
+    def mesh_shape(self) -> tuple[int, int, int, int, int]:
         """Sizes of :data:`MESH_DIM_NAMES`."""
-        return (self.pp, self.edp, self.ep, self.tp)
+        return (self.pp, self.edp, self.ep, self.cp, self.tp)
+
+    @property
+    def replicas(self) -> int:
+        """Ranks whose gradients are averaged: data-parallel replicas times context-parallel ranks."""
+        return self.dp * self.cp
 
     @property
     def shards_model(self) -> bool:
@@ -133,15 +143,42 @@ def check_expert_parallel(cfg: ModelConfig, ep: int) -> None:
         )
 
 
+def check_context_parallel(parallel: ParallelConfig) -> None:
+    """The products with context parallelism that are not built (ConfigError naming the fix)."""
+    cp = parallel.cp
+    if parallel.pp > 1:
+        raise ConfigError(
+            f"parallel.cp={cp} with parallel.pp={parallel.pp} is not implemented yet: pipeline stages would pass "
+            "sequence shards (and MTP's shifted embeddings) between ranks; use cp with dp, tp and ep, or parallel.cp=1"
+        )
+    if parallel.sequence_parallel:
+        raise ConfigError(
+            f"parallel.cp={cp} with parallel.sequence_parallel=true is not implemented yet: both would shard the "
+            "sequence dimension; use one of them"
+        )
+
+
+def check_context_parallel_seq_len(cp: int, seq_len: int) -> None:
+    """Load-balanced chunking cuts every sequence into 2 x cp equal chunks (ConfigError otherwise)."""
+    if cp > 1 and seq_len % (2 * cp):
+        raise ConfigError(
+            f"data.seq_len={seq_len} must be a multiple of 2 x parallel.cp = {2 * cp}: each context-parallel rank "
+            f"holds two of 2 x cp equal chunks of every sequence; pick data.seq_len={seq_len - seq_len % (2 * cp)} "
+            "or another parallel.cp"
+        )
+
+
 def validate_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int) -> int:
     """Check the layout; return the data-parallel size."""
-    tp, pp, ep = parallel.tp, parallel.pp, parallel.ep
-    dp = parallel.dp or ParallelLayout.derive_dp(world_size, tp, pp)
-    if dp * tp * pp != world_size:
+    tp, pp, ep, cp = parallel.tp, parallel.pp, parallel.ep, parallel.cp
+    dp = parallel.dp or ParallelLayout.derive_dp(world_size, tp, pp, cp=cp)
+    if dp * tp * pp * cp != world_size:
         raise ConfigError(
-            f"parallel.dp={dp} x tp={tp} x pp={pp} must equal the world size trainer.devices x "
-            f"trainer.num_nodes = {world_size}; leave parallel.dp=null to use what tp and pp leave"
+            f"parallel.dp={dp} x tp={tp} x pp={pp}{f' x cp={cp}' if cp > 1 else ''} must equal the world size trainer.devices x "
+            f"trainer.num_nodes = {world_size}; leave parallel.dp=null to use what tp, pp and cp leave"
         )
+    if cp > 1:
+        check_context_parallel(parallel)
     if tp > 1:
         if model.n_heads % tp:
             raise ConfigError(f"parallel.tp={tp} does not divide model.n_heads={model.n_heads}; pick a divisor")

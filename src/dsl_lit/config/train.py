@@ -21,7 +21,7 @@ from dsl_lit.config.memory import MemoryConfig
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.config.objective import ObjectiveConfig
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
-from dsl_lit.config.parallel import ParallelConfig, ParallelLayout
+from dsl_lit.config.parallel import ParallelConfig, ParallelLayout, check_context_parallel_seq_len
 from dsl_lit.config.posttrain import PostTrainConfig
 from dsl_lit.config.precision import PrecisionConfig
 from dsl_lit.config.profiler import ProfilerConfig
@@ -192,6 +192,13 @@ class TrainConfig:
                 f"parallel.sequence_parallel=true shards data.seq_len={self.data.seq_len} over parallel.tp="
                 f"{self.parallel.tp} ranks; make data.seq_len a multiple of it"
             )
+        if self.parallel.cp > 1 and self.post is not None:
+            raise ConfigError(
+                f"parallel.cp={self.parallel.cp} is built for pretraining (recipes/pretrain.py); post-training rows "
+                "carry their own positions and attention masks, which context parallelism does not shard yet; "
+                "use parallel.cp=1"
+            )
+        check_context_parallel_seq_len(self.parallel.cp, self.data.seq_len)
         self.data.validate(dp_size=dp)
         self.layout.check_micro_batches(self.data.smallest_global_batch, self.data.micro_batch_size)
         if self.trainer.val_every_n_steps and self.data.val_windows < self.data.global_batch_size:

@@ -17,12 +17,23 @@ would (``cache.update`` returns the keys' sources for all positions, ``query_pos
 attention mask where this rank's queries sit), and the caller passes the rank's global positions
 to the model for RoPE. Gradients flow back through the gather: each rank receives the sum, over
 the ranks whose queries used them, of the gradients of its own positions.
+
+Two more things look at whole sequences, and :func:`apply_context_parallel` hands them the
+gather: DeepSeek-V3's sequence-wise balance loss (its routing statistics are means over a
+sequence) and, in the pretraining objective, MTP's shifted tokens and labels (taken from the
+whole row before sharding). Counts a loss divides by are summed over dp x cp ranks, and the
+gradients averaged over them, so one cp group computes one process's step.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
+from torch import nn
+
+from dsl_lit.models.common.moe import MoE
 
 
 def rank_positions(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -61,23 +72,50 @@ class _GatherSequence(torch.autograd.Function):
         return grad[:, ctx.positions], None, None, None
 
 
+@functools.lru_cache(maxsize=16)
+def _sequence_layout(seq_len: int, cp: int, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return rank_positions(seq_len, cp, rank, device), gather_order(seq_len, cp, device)
+
+
+def gather_sequence(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The whole sequence [batch, seq_len, ...] from every rank's positions [batch, seq_len / cp, ...]
+    (differentiable: each rank gets its positions' gradient summed over the ranks)."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    positions, order = _sequence_layout(local.shape[1] * cp, cp, rank, local.device)
+    return _GatherSequence.apply(local, group, positions, order)
+
+
+def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """Give the MoE layers the sequence gather for their sequence-wise routing statistics
+    (attention gets it per forward, from :class:`ContextParallelKeys`)."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.sequence_gather = functools.partial(gather_sequence, group=group)
+
+
 class ContextParallelKeys:
     """The key source of one forward under context parallelism (stands in for a ``KVCache``)."""
 
     def __init__(self, seq_len: int, group: dist.ProcessGroup, device: torch.device | str = "cpu") -> None:
         self.group = group
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        self.query_positions = rank_positions(seq_len, cp, rank, device)
+        self.query_positions = _sequence_layout(seq_len, cp, rank, torch.device(device))[0]
         """This rank's global positions [seq_len / cp]: its queries, and what RoPE rotates by."""
-        self._order = gather_order(seq_len, cp, device)
         self.length = 0  # a cache's fill level: RoPE offsets are given as positions instead
 
     def shard(self, sequence: torch.Tensor) -> torch.Tensor:
         """This rank's positions of a [batch, seq_len, ...] tensor (tokens, labels, masks)."""
         return sequence[:, self.query_positions]
 
+    def shift(self, sequence: torch.Tensor, k: int, fill: int) -> torch.Tensor:
+        """This rank's positions of ``sequence`` shifted left by ``k`` (position i holds i + k;
+        the last k hold ``fill``): MTP depth k's inputs and labels, taken from the whole row."""
+        shifted = torch.full_like(sequence, fill)
+        shifted[:, : sequence.shape[1] - k] = sequence[:, k:]
+        return self.shard(shifted)
+
     def update(self, layer_id: int, *local: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(_GatherSequence.apply(t, self.group, self.query_positions, self._order) for t in local)
+        return tuple(gather_sequence(t, self.group) for t in local)
 
     def advance(self, seq: int) -> None:
         """Nothing is kept between forwards."""

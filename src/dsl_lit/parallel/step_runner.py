@@ -7,8 +7,9 @@ protocols, so neither names the other:
   loss of a micro-batch (from the model's outputs, so a pipeline's last stage can call it too), the
   per-row inputs every pipeline stage needs, and the fp16 loss scale.
 - :class:`StepRunner` is what the module asks of the layout: run the step's forwards and
-  backwards, reduce counts over data-parallel replicas, finish (reduce + clip) the gradients, build
-  the optimizer, gather the whole model. :func:`step_runner_of` returns the Strategy's runner, or
+  backwards, reduce counts over the replicas that see different tokens (dp x cp), give this rank's
+  share of a sequence (context parallelism), finish (reduce + clip) the gradients, build the
+  optimizer, gather the whole model. :func:`step_runner_of` returns the Strategy's runner, or
   :class:`LocalStepRunner` for a strategy without one (one device, Lightning's own strategies).
 
 The Strategy's runners are :class:`MeshStepRunner` (micro-batches in a loop, gradients reduced once
@@ -28,6 +29,7 @@ from torch import nn
 from dsl_lit.config.optim import OptimConfig
 from dsl_lit.optim import build_optimizer
 from dsl_lit.optim.clip import clip_grad_norm_
+from dsl_lit.parallel.context_parallel import ContextParallelKeys
 
 if TYPE_CHECKING:
     from dsl_lit.parallel.strategy import DeepSeekStrategy
@@ -97,6 +99,15 @@ class LocalStepRunner:
     def dp_rank(self) -> int:
         return int(getattr(self.strategy, "global_rank", 0) or 0)
 
+    @property
+    def replicas(self) -> int:
+        """Ranks whose gradients are averaged (data-parallel replicas x context-parallel ranks)."""
+        return self.dp_size
+
+    def context_keys(self, seq_len: int, device: torch.device) -> ContextParallelKeys | None:
+        """This rank's share of a forward over ``seq_len`` positions; None: it runs them all."""
+        return None
+
     def loss_context(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
@@ -120,8 +131,9 @@ class LocalStepRunner:
                     totals[name] = totals.get(name, 0.0) + value
         return totals
 
-    def reduce_over_dp(self, tensor: torch.Tensor, reduce_op: str = "sum") -> torch.Tensor:
-        if self.dp_size == 1:
+    def reduce_over_replicas(self, tensor: torch.Tensor, reduce_op: str = "sum") -> torch.Tensor:
+        """Reduce a count over the ranks that see different tokens (see :attr:`replicas`)."""
+        if self.replicas == 1:
             return tensor
         return self.strategy.reduce(tensor, reduce_op=reduce_op)
 
@@ -158,14 +170,21 @@ class MeshStepRunner(LocalStepRunner):
     def dp_rank(self) -> int:
         return self.strategy.dp_rank
 
+    @property
+    def replicas(self) -> int:
+        return self.strategy.replicas
+
+    def context_keys(self, seq_len: int, device: torch.device) -> ContextParallelKeys | None:
+        return self.strategy.context_keys(seq_len, device)
+
     def loss_context(self) -> contextlib.AbstractContextManager:
         return self.strategy.loss_context()
 
     def before_last_backward(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.strategy.before_last_backward(model, optimizer)
 
-    def reduce_over_dp(self, tensor: torch.Tensor, reduce_op: str = "sum") -> torch.Tensor:
-        return self.strategy.reduce_over_dp(tensor, reduce_op)
+    def reduce_over_replicas(self, tensor: torch.Tensor, reduce_op: str = "sum") -> torch.Tensor:
+        return self.strategy.reduce_over_replicas(tensor, reduce_op)
 
     def build_optimizer(self, model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
         return self.strategy.build_optimizer(model, cfg)

@@ -1,13 +1,15 @@
 """The Lightning Strategy that runs our LightningModules on a device mesh.
 
-It runs a (pp, edp, ep, tp) device mesh (dp = edp x ep) over ``trainer.devices x
+It runs a (pp, edp, ep, cp, tp) device mesh (dp = edp x ep) over ``trainer.devices x
 trainer.num_nodes`` processes (gloo on CPU, NCCL on GPU); tp ranks are adjacent (one node), then
-ep, then the rest of dp, with pipeline stages outermost. What it applies, from outside the model:
+cp, then ep, then the rest of dp, with pipeline stages outermost. What it applies, from outside the model:
 
 - data parallelism, plain or with ZeRO-1 (:mod:`dsl_lit.parallel.zero1`);
 - tensor (+ sequence) parallelism with each family's plan (:mod:`dsl_lit.parallel.tensor_parallel`);
 - pipeline parallelism with a ``torch.distributed.pipelining`` schedule (:mod:`dsl_lit.parallel.pipeline`);
-- expert parallelism with all-to-all dispatch (:mod:`dsl_lit.parallel.expert_parallel`).
+- expert parallelism with all-to-all dispatch (:mod:`dsl_lit.parallel.expert_parallel`);
+- context parallelism: each cp rank runs its load-balanced share of every sequence's positions
+  (:mod:`dsl_lit.parallel.context_parallel`); cp ranks average gradients like dp replicas.
 
 The LightningModule never names this class: it runs its step through :attr:`step_runner`
 (:mod:`dsl_lit.parallel.step_runner`), a plain micro-batch loop or the pipeline schedule.
@@ -42,6 +44,7 @@ from dsl_lit.optim import build_optimizer, param_groups
 from dsl_lit.optim.adamw import MOMENT_DTYPES
 from dsl_lit.optim.clip import clip_grad_norm_
 from dsl_lit.parallel.checkpointing import ShardedCheckpointing
+from dsl_lit.parallel.context_parallel import ContextParallelKeys, apply_context_parallel
 from dsl_lit.parallel.expert_parallel import apply_expert_parallel, expert_parameters
 from dsl_lit.parallel.full_state import full_state_dict
 from dsl_lit.parallel.grad_sync import OverlappedGradientReducer
@@ -83,8 +86,24 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
         return self.layout.dp
 
     @property
-    def dp_group(self) -> dist.ProcessGroup | None:
-        return self.mesh["dp"].get_group() if self.mesh is not None else None
+    def replicas(self) -> int:
+        """Ranks whose gradients are averaged (dp x cp): they hold the same weights and other tokens."""
+        return self.layout.replicas
+
+    @property
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """The (edp, ep, cp) ranks: the non-expert gradient reduction and every count a step
+        normalises by (targets, expert loads) run over them."""
+        return self.mesh["dp_cp"].get_group() if self.mesh is not None else None
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh["cp"].get_group() if self.mesh is not None and self.layout.cp > 1 else None
+
+    def context_keys(self, seq_len: int, device: torch.device) -> ContextParallelKeys | None:
+        """This rank's share of a forward over ``seq_len`` positions (None without context parallelism)."""
+        group = self.cp_group
+        return ContextParallelKeys(seq_len, group, device) if group is not None else None
 
     @property
     def pp_group(self) -> dist.ProcessGroup | None:
@@ -99,11 +118,12 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
         """The single-device state dict of the sharded ``model``, on every rank (collective)."""
         return full_state_dict(model, self.pp_group)
 
-    def reduce_over_dp(self, tensor: torch.Tensor, reduce_op: str = "sum") -> torch.Tensor:
-        """Reduce across data-parallel replicas only (tp ranks of a replica hold the same value)."""
+    def reduce_over_replicas(self, tensor: torch.Tensor, reduce_op: str = "sum") -> torch.Tensor:
+        """Reduce across the dp x cp ranks that see different tokens (tp ranks of a replica hold
+        the same value)."""
         if self.world_size == 1:
             return tensor
-        return self.reduce(tensor, group=self.dp_group, reduce_op=reduce_op)
+        return self.reduce(tensor, group=self.replica_group, reduce_op=reduce_op)
 
     # -- no DDP wrapper; tensor parallelism applied here -------------------------------------------
     def model_to_device(self) -> None:
@@ -134,6 +154,8 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
                                   hook_gradients=not deferred)
         if self.layout.ep > 1:
             apply_expert_parallel(module.model, self.mesh["ep"])
+        if self.layout.cp > 1:
+            apply_context_parallel(module.model, self.cp_group)
         if deferred:
             module.load_initial_weights(self.root_device)
             if self.layout.tp > 1:
@@ -156,10 +178,10 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
 
     def build_optimizer(self, model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
         """AdamW, or with ``parallel.zero1`` its dp-sharded form (same hyperparameters)."""
-        if not (self.layout.zero1 and self.dp_size > 1):
+        if not (self.layout.zero1 and self.replicas > 1):
             return build_optimizer(model, cfg)
         return ZeRO1AdamW(
-            param_groups(model, cfg.weight_decay), group=self.dp_group, norm_group=self.pp_group,
+            param_groups(model, cfg.weight_decay), group=self.replica_group, norm_group=self.pp_group,
             lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, moments_dtype=MOMENT_DTYPES[cfg.moments_dtype],
         )
 
@@ -168,24 +190,24 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
         return loss_parallel() if self.layout.tp > 1 else contextlib.nullcontext()
 
     def _gradient_reducers(self, model: nn.Module) -> list[OverlappedGradientReducer]:
-        """Plain DP: one all-reduce over dp. With expert parallelism the routed experts (each
-        rank's own) reduce over the ranks holding the same experts, divided by the full dp size:
-        their local gradient already sums the tokens of the whole ep group."""
+        """Plain DP: one all-reduce over dp (x cp). With expert parallelism the routed experts (each
+        rank's own) reduce over the ranks holding the same experts, divided by the full dp x cp
+        size: their local gradient already sums the tokens of the whole ep group."""
         if self._reducers is None:
             experts = expert_parameters(model) if self.layout.ep > 1 else []
             expert_ids = {id(p) for p in experts}
             dense = [p for p in model.parameters() if p.requires_grad and id(p) not in expert_ids]
-            self._reducers = [OverlappedGradientReducer(dense, self.dp_group)]
-            if experts:  # (with ep = dp the edp group is this rank alone: only the division remains)
+            self._reducers = [OverlappedGradientReducer(dense, self.replica_group)]
+            if experts:  # (with ep = dp and cp = 1 that group is this rank alone: only the division remains)
                 self._reducers.append(
-                    OverlappedGradientReducer(experts, self.mesh["edp"].get_group(), divisor=self.dp_size)
+                    OverlappedGradientReducer(experts, self.mesh["edp_cp"].get_group(), divisor=self.replicas)
                 )
         return self._reducers
 
     def before_last_backward(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """The module is about to run the step's last backward: arm the overlapped reduction
         (all-reduce buckets for plain DP, reduce-scatter buckets for ZeRO-1)."""
-        if self.dp_size == 1:
+        if self.replicas == 1:
             return
         if isinstance(optimizer, ZeRO1AdamW):
             optimizer.arm()
@@ -201,7 +223,7 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
         fp16 gradients in the same pass)."""
         if isinstance(optimizer, ZeRO1AdamW):
             return optimizer.reduce_gradients(max_norm, loss_scale)
-        if self.dp_size > 1:
+        if self.replicas > 1:
             for reducer in self._gradient_reducers(model):
                 if not reducer.armed:  # no overlap was armed (pipeline): wait() reduces every bucket now
                     reducer.arm()

@@ -155,21 +155,31 @@ class CausalLMModule(L.LightningModule):
         replica has as many; the MoE balance loss is a mean over sequences)."""
         labels = batch["labels"]
         return {
-            "targets": self.replica_share((labels != -100).sum()),
+            "targets": self.replica_share((self.targets(labels) != -100).sum()),
             "sequences": torch.tensor(float(labels.shape[0]), device=labels.device),
         }
 
+    def targets(self, labels: torch.Tensor, k: int = 0) -> torch.Tensor:
+        """The labels this rank's outputs predict: the main head's (``k = 0``) or MTP depth k's
+        (``labels[:, k:]``); under context parallelism at this rank's positions of the rows."""
+        shard = self.runner.context_keys(labels.shape[1], labels.device)
+        if shard is None:
+            return labels[:, k:]
+        return shard.shift(labels, k, fill=-100) if k else shard.shard(labels)
+
     def replica_share(self, count: torch.Tensor) -> torch.Tensor:
-        """``count`` summed over data-parallel replicas, divided by their number (at least 1).
+        """``count`` summed over the replicas (data-parallel x context-parallel ranks), divided by
+        their number (at least 1).
 
         Why: gradients are averaged over replicas, so a replica that divides its loss sum by this
         contributes ``sum / global count``, and the step's loss is the mean over every target of
         the global batch, however unevenly padding or prompt masks spread targets over replicas
-        (SFT rows, completions). With one replica it is the count itself."""
+        (SFT rows, completions, a sequence's positions over cp ranks). With one replica it is the
+        count itself."""
         count = count.float()
         runner = self.runner
-        if runner.dp_size > 1:
-            return runner.reduce_over_dp(count.clone(), "sum").clamp_min(1) / runner.dp_size
+        if runner.replicas > 1:
+            return runner.reduce_over_replicas(count.clone(), "sum").clamp_min(1) / runner.replicas
         return count.clamp_min(1)
 
     def loss_from_outputs(
@@ -197,12 +207,18 @@ class CausalLMModule(L.LightningModule):
         return {}
 
     def model_outputs(self, input_ids: torch.Tensor, **inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(logits, logits of each MTP depth): what a pipeline's last stage also returns."""
-        hidden = self.model.hidden_states(input_ids, inputs.get("positions"), inputs.get("key_valid"))
+        """(logits, logits of each MTP depth): what a pipeline's last stage also returns. Under
+        context parallelism, at this rank's positions of the rows (see :meth:`targets`)."""
+        shard = self.runner.context_keys(input_ids.shape[1], input_ids.device)
+        if shard is None:
+            hidden = self.model.hidden_states(input_ids, inputs.get("positions"), inputs.get("key_valid"))
+        else:  # plain causal rows only (TrainConfig refuses parallel.cp for post-training's rows)
+            positions = shard.query_positions.expand(input_ids.shape[0], -1)
+            hidden = self.model.hidden_states(shard.shard(input_ids), positions, cache=shard)
         logits = self.model.head(hidden)
         if not (self.trains_mtp and len(self.model.mtp)):
             return (logits,)
-        return (logits, *self.model.mtp_logits(hidden, input_ids))
+        return (logits, *self.model.mtp_logits(hidden, input_ids, shard))
 
     def micro_batch_objective(self, micro_batch: Batch, normalizers: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
         """Run the model on one micro-batch and return ``loss_from_outputs`` (the same path a
@@ -300,7 +316,7 @@ class CausalLMModule(L.LightningModule):
         routers = [m for m in self.model.modules() if isinstance(m, TopKRouter)]
         if not routers:
             return
-        loads = self.runner.reduce_over_dp(torch.stack([router.load.counts for router in routers]), "sum")
+        loads = self.runner.reduce_over_replicas(torch.stack([router.load.counts for router in routers]), "sum")
         for router, load in zip(routers, loads):
             router.update_bias(load, rate)
             router.load.reset_parameters()

@@ -21,7 +21,7 @@ class PretrainModule(CausalLMModule):
         normalizers = super().loss_normalizers(batch)
         normalizers["sequences"] = torch.tensor(float(labels.shape[0]), device=labels.device)
         for k in range(1, self.mtp_depth + 1):
-            normalizers[f"mtp_{k}"] = self.replica_share((labels[:, k:] != -100).sum())
+            normalizers[f"mtp_{k}"] = self.replica_share((self.targets(labels, k) != -100).sum())
         return normalizers
 
     def loss_from_outputs(
@@ -29,11 +29,11 @@ class PretrainModule(CausalLMModule):
     ) -> tuple[torch.Tensor, Metrics]:
         labels = micro_batch["labels"]
         logits, *mtp_logits = outputs
-        loss = cross_entropy(logits, labels) / normalizers["targets"]
+        loss = cross_entropy(logits, self.targets(labels)) / normalizers["targets"]
         objective, metrics = loss, {"loss": loss.detach()}
         if mtp_logits:
             mtp_loss = sum(
-                cross_entropy(logits, labels[:, k:]) / normalizers[f"mtp_{k}"]
+                cross_entropy(logits, self.targets(labels, k)) / normalizers[f"mtp_{k}"]
                 for k, logits in enumerate(mtp_logits, start=1)
             ) / len(mtp_logits)
             objective = objective + self.objective.mtp_weight_at(self.progress) * mtp_loss

@@ -24,6 +24,7 @@ all tokens for every expert is kept only as a reference for tests and benchmarks
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -197,6 +198,9 @@ class MoE(nn.Module):
             SwiGLU(cfg.d_model, cfg.n_shared_experts * cfg.moe_ffn_hidden) if cfg.n_shared_experts else None
         )
         self.balance_loss: torch.Tensor | None = None
+        self.sequence_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """Set under context parallelism: [batch, local seq, E] -> [batch, seq, E], so that the
+        sequence-wise balance statistics cover whole sequences (None: this forward holds them)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
@@ -231,6 +235,8 @@ class MoE(nn.Module):
         E, k = self.n_experts, self.top_k
         probs = scores / scores.sum(dim=-1, keepdim=True)  # sigmoid scores normalised per token
         chosen = torch.zeros_like(probs).scatter_(1, indices, 1.0)
+        if self.sequence_gather is not None:  # every cp rank computes its rows' whole-sequence loss
+            probs, chosen = (self.sequence_gather(t.view(batch, -1, E)).flatten(0, 1) for t in (probs, chosen))
         loss = scores.new_zeros(())
         if self.seq_balance_alpha:
             per_seq_f = chosen.view(batch, -1, E).mean(dim=1) * E / k

@@ -15,6 +15,7 @@ from torch import nn
 
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.models.common.block import Composition, TransformerBlock
+from dsl_lit.models.common.kv_cache import KVCache
 from dsl_lit.models.common.layers import RMSNorm
 
 
@@ -28,8 +29,10 @@ class MTPModule(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
 
     def forward(
-        self, hidden: torch.Tensor, next_embeddings: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+        self, hidden: torch.Tensor, next_embeddings: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+        keys: KVCache | None = None,
     ) -> torch.Tensor:
-        """``hidden`` h^{k-1}[:, :T-k] and ``next_embeddings`` emb(t[:, k:]) -> h^k (un-normed)."""
+        """``hidden`` h^{k-1}[:, :T-k] and ``next_embeddings`` emb(t[:, k:]) -> h^k (un-normed).
+        ``keys``: where attention takes its keys from (context parallelism's whole rows)."""
         h = self.eh_proj(torch.cat([self.enorm(next_embeddings), self.hnorm(hidden)], dim=-1))
-        return self.block(h, rope)
+        return self.block(h, rope, keys)

@@ -12,6 +12,8 @@ what lets checkpoints reshard by name. Embedding, final norm and output head may
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
@@ -21,6 +23,28 @@ from dsl_lit.models.common.kv_cache import KVCache
 from dsl_lit.models.common.layers import RMSNorm, RotaryEmbedding
 from dsl_lit.models.common.moe import MoE, TopKRouter
 from dsl_lit.models.common.mtp import MTPModule
+
+
+class SequenceShard(Protocol):
+    """One forward's share of the positions of whole rows (context parallelism; implemented by
+    ``dsl_lit.parallel.context_parallel.ContextParallelKeys``). It stands where a :class:`KVCache`
+    would: ``update`` returns the keys' sources for every position of the rows."""
+
+    query_positions: torch.Tensor
+    """[local seq]: the positions of the rows this forward holds."""
+    length: int
+
+    def shard(self, sequence: torch.Tensor) -> torch.Tensor:
+        """This forward's positions of a whole-row tensor [batch, seq, ...]."""
+
+    def shift(self, sequence: torch.Tensor, k: int, fill: int) -> torch.Tensor:
+        """This forward's positions of ``sequence`` shifted left by ``k`` (``fill`` past the end)."""
+
+    def update(self, layer_id: int, *local: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The whole rows of what keys and values are built from, given this forward's positions."""
+
+    def advance(self, seq: int) -> None:
+        """Called after a forward, as on a cache."""
 
 
 class Transformer(nn.Module):
@@ -99,13 +123,27 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         return self.head(self.hidden_states(tokens, positions, key_valid, cache))
 
-    def mtp_logits(self, hidden: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
+    def mtp_logits(self, hidden: torch.Tensor, tokens: torch.Tensor, shard: SequenceShard | None = None) -> list[torch.Tensor]:
         """Logits of each MTP depth k = 1..D: [batch, seq - k, vocab], predicting labels[:, k:].
 
         ``hidden`` is the main model's un-normed output (:meth:`hidden_states`) for ``tokens``;
         ``tokens`` may also be their embeddings [batch, seq, d_model] (a pipeline's last stage
         receives those from the first, where the embedding lives).
+
+        With ``shard`` (context parallelism) ``hidden`` holds only the positions
+        ``shard.query_positions`` of the whole rows ``tokens``: every depth keeps all positions
+        (depth k at position i reads token i + k, taken from the whole row; the last k positions
+        predict nothing and their labels are ignored), so each rank keeps its positions and the
+        block's attention gathers keys through ``shard`` as the main layers do. Logits are then
+        [batch, local seq, vocab] at this rank's positions, for ``shard.shift(labels, k, -100)``.
         """
+        if shard is not None:
+            rope = self.rope(hidden.shape[1], 0, shard.query_positions.expand(hidden.shape[0], -1))
+            logits = []
+            for k, module in enumerate(self.mtp.values(), start=1):
+                hidden = module(hidden, self.tok_embeddings(shard.shift(tokens, k, fill=0)), rope, shard)
+                logits.append(self.output(module.norm(hidden)))
+            return logits
         embeddings = tokens if tokens.is_floating_point() else None
         logits = []
         for k, module in enumerate(self.mtp.values(), start=1):
