@@ -18,10 +18,10 @@ attention mask where this rank's queries sit), and the caller passes the rank's 
 to the model for RoPE. Gradients flow back through the gather: each rank receives the sum, over
 the ranks whose queries used them, of the gradients of its own positions.
 
-Two more things look at whole sequences, and :func:`apply_context_parallel` hands them the
-gather: DeepSeek-V3's sequence-wise balance loss (its routing statistics are means over a
-sequence) and, in the pretraining objective, MTP's shifted tokens and labels (taken from the
-whole row before sharding). Counts a loss divides by are summed over dp x cp ranks, and the
+Two more things look at whole sequences: DeepSeek-V3's MoE routing statistics (the
+sequence-wise balance loss is a mean over a sequence; :func:`apply_context_parallel` gives each
+MoE layer the gather) and MTP's shifted tokens and labels (taken from the whole row before
+sharding, :meth:`ContextParallelKeys.shift`). Counts a loss divides by are summed over dp x cp ranks, and the
 gradients averaged over them, so one cp group computes one process's step.
 """
 
@@ -31,9 +31,8 @@ import functools
 
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from dsl_lit.models.common.moe import MoE
+from dsl_lit.models.common.transformer import Transformer
 
 
 def rank_positions(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -85,12 +84,37 @@ def gather_sequence(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
     return _GatherSequence.apply(local, group, positions, order)
 
 
-def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
-    """Give the MoE layers the sequence gather for their sequence-wise routing statistics
-    (attention gets it per forward, from :class:`ContextParallelKeys`)."""
-    for module in model.modules():
+class MoESequenceView:
+    """An MoE layer's view of whole rows under context parallelism (``MoE.sequence``): its routing
+    statistics gathered over the cp ranks. MTP depth k runs every position but the last k predict
+    nothing (see ``Transformer.mtp_logits``): its layers leave those out of the balance statistics
+    and the expert loads, as one process, which runs only the first ``seq - k``."""
+
+    def __init__(self, group: dist.ProcessGroup, drop_last: int = 0) -> None:
+        self.group, self.drop_last = group, drop_last
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        whole = gather_sequence(local, self.group)
+        return whole[:, : whole.shape[1] - self.drop_last]
+
+    def counted(self, batch: int, local_seq: int, device: torch.device) -> torch.Tensor | None:
+        if not self.drop_last:
+            return None
+        cp, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        positions = _sequence_layout(local_seq * cp, cp, rank, device)[0]
+        return (positions < local_seq * cp - self.drop_last).expand(batch, -1).flatten()
+
+
+def apply_context_parallel(model: Transformer, group: dist.ProcessGroup) -> None:
+    """Give every MoE layer its view of whole rows (attention gets the cp ranks' keys per
+    forward, from :class:`ContextParallelKeys`)."""
+    for module in model.layers.modules():
         if isinstance(module, MoE):
-            module.sequence_gather = functools.partial(gather_sequence, group=group)
+            module.sequence = MoESequenceView(group)
+    for index, mtp in model.mtp.items():  # depth k = index + 1
+        for module in mtp.modules():
+            if isinstance(module, MoE):
+                module.sequence = MoESequenceView(group, drop_last=int(index) + 1)
 
 
 class ContextParallelKeys:

@@ -24,7 +24,7 @@ all tokens for every expert is kept only as a reference for tests and benchmarks
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -67,9 +67,10 @@ class TopKRouter(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
         self.load = ExpertLoad(cfg.n_routed_experts)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, counted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` [tokens, d_model] -> (scores [tokens, E] fp32, gate values [tokens, k] fp32,
-        expert ids [tokens, k])."""
+        expert ids [tokens, k]). ``counted`` [tokens] bool: the tokens the expert loads count
+        (None: all)."""
         with torch.autocast(x.device.type, enabled=False):  # bf16 autocast must not reach the gate
             logits = F.linear(x.float(), self.weight.float())
         scores = logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(dim=-1)
@@ -89,7 +90,8 @@ class TopKRouter(nn.Module):
         # count once per token: not again when activation recompute re-runs this forward in backward
         if self.training and torch._C._current_graph_task_id() == -1:
             with torch.no_grad():
-                self.load.counts += torch.bincount(indices.flatten(), minlength=self.n_experts).float()
+                chosen = indices if counted is None else indices[counted]
+                self.load.counts += torch.bincount(chosen.flatten(), minlength=self.n_experts).float()
         return scores, weights, indices
 
     @staticmethod
@@ -178,6 +180,17 @@ class GroupedExperts(nn.Module):
         return out
 
 
+class SequenceView(Protocol):
+    """What an MoE layer needs when a forward holds only some positions of its rows (context
+    parallelism; ``dsl_lit.parallel.context_parallel.MoESequenceView``)."""
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """[batch, local seq, ...] -> [batch, seq, ...]: the positions that count, of whole rows."""
+
+    def counted(self, batch: int, local_seq: int, device: torch.device) -> torch.Tensor | None:
+        """[batch * local seq] bool: this forward's tokens that count in expert loads (None: all)."""
+
+
 class MoE(nn.Module):
     """Shared experts (always on) plus routed experts; ``forward(x[batch, seq, d]) -> same shape``.
 
@@ -198,14 +211,15 @@ class MoE(nn.Module):
             SwiGLU(cfg.d_model, cfg.n_shared_experts * cfg.moe_ffn_hidden) if cfg.n_shared_experts else None
         )
         self.balance_loss: torch.Tensor | None = None
-        self.sequence_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
-        """Set under context parallelism: [batch, local seq, E] -> [batch, seq, E], so that the
-        sequence-wise balance statistics cover whole sequences (None: this forward holds them)."""
+        self.sequence: SequenceView | None = None
+        """Set under context parallelism: this layer's view of whole rows, so that routing
+        statistics cover whole sequences (None: every forward holds its whole rows)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
         flat = x.reshape(-1, dim)
-        scores, weights, indices = self.gate(flat)
+        counted = self.sequence.counted(batch, seq, x.device) if self.sequence is not None else None
+        scores, weights, indices = self.gate(flat, counted)
         if self.experts.backend == "loop":
             routed = self.experts.forward_reference(flat, weights, indices)
         else:
@@ -235,8 +249,8 @@ class MoE(nn.Module):
         E, k = self.n_experts, self.top_k
         probs = scores / scores.sum(dim=-1, keepdim=True)  # sigmoid scores normalised per token
         chosen = torch.zeros_like(probs).scatter_(1, indices, 1.0)
-        if self.sequence_gather is not None:  # every cp rank computes its rows' whole-sequence loss
-            probs, chosen = (self.sequence_gather(t.view(batch, -1, E)).flatten(0, 1) for t in (probs, chosen))
+        if self.sequence is not None:  # every cp rank computes its rows' whole-sequence loss
+            probs, chosen = (self.sequence.gather(t.view(batch, -1, E)).flatten(0, 1) for t in (probs, chosen))
         loss = scores.new_zeros(())
         if self.seq_balance_alpha:
             per_seq_f = chosen.view(batch, -1, E).mean(dim=1) * E / k
