@@ -29,6 +29,7 @@ LAYOUTS = {
     "pp2 1F1B": ["trainer.devices=2", "parallel=pp_1f1b"],
     "pp2 DualPipeV": ["trainer.devices=2", "parallel=pp_dualpipev"],
     "dp2 x ep2": ["trainer.devices=2", "parallel=ep"],
+    "cp2": ["trainer.devices=2", "parallel=cp2"],
     "tp2 x pp2": ["trainer.devices=4", "parallel.tp=2", "parallel=pp_1f1b"],
 }
 

@@ -14,7 +14,12 @@ from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.models.common.attention import attention_mask
 from dsl_lit.models.common.moe import TopKRouter
 from dsl_lit.ops import cross_entropy
-from dsl_lit.parallel.context_parallel import ContextParallelKeys, apply_context_parallel, gather_order, rank_positions
+from dsl_lit.parallel.context_parallel import (
+    ContextParallelKeys,
+    apply_context_parallel,
+    gather_order,
+    rank_positions,
+)
 from tests.numerics import assert_close_fp32
 
 SEQ, BATCH = 32, 2

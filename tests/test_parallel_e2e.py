@@ -32,9 +32,9 @@ LAYOUTS = {
     "dp2_ep2": ["trainer.devices=2", "parallel=ep"],
     # context parallel: each sequence's 4 load-balanced chunks over 2 ranks, with experts sharded
     # over the 2 data-parallel replicas (V3: MLA's latent gathered, MTP and the sequence-wise balance
-    # loss over whole rows), or with tensor parallelism (DeepSeek LLM: GQA's kv heads gathered)
+    # loss over whole rows), or with tensor parallelism and ZeRO-1 over the cp ranks (DeepSeek LLM: GQA kv heads)
     "dp2_cp2_ep2": ["trainer.devices=4", "parallel=cp2", "parallel.ep=2"],
-    "cp2_tp2": ["trainer.devices=4", "parallel=cp2", "parallel.tp=2"],
+    "cp2_tp2_zero1": ["trainer.devices=4", "parallel=cp2", "parallel.tp=2", "parallel.zero1=true"],
     "tp2_pp2": ["trainer.devices=4", "parallel.tp=2", "parallel=pp_1f1b", "data.micro_batch_size=1"],
     # Interleaved 1F1B (4 virtual stages) x expert parallel over the 2 data-parallel replicas
     "pp2_interleaved_ep2": ["trainer.devices=4", "parallel=pp_interleaved", "parallel.ep=2", "data.micro_batch_size=1"],
@@ -44,7 +44,7 @@ LAYOUTS = {
 # tests/test_zero1.py, the pipeline's gradients in tests/test_pipeline.py).
 LAYOUTS_PER_MODEL = {
     "deepseek_v3_tiny": ["dp2_tp2_sp_zero1", "pp2_dualpipev", "dp2_cp2_ep2", "pp2_interleaved_ep2"],
-    "deepseek_llm_tiny": ["cp2_tp2"],
+    "deepseek_llm_tiny": ["cp2_tp2_zero1"],
 }
 # Step 0 is the same computation in every layout: the per-token losses and gradients differ only by
 # fp32 rounding, and the step's loss and gradient norm by the order in which the 8 rows' (or
@@ -53,7 +53,7 @@ STEP0_REL = 8 * EPS32 * math.sqrt(8)
 # Checkpoints of those runs (step 2) resumed under another layout: (resumed layout, saved by)
 RESUMES_PER_MODEL = {
     "deepseek_v3_tiny": [("tp2_pp2", "single"), ("pp2_1f1b", "dp2_tp2_sp_zero1"), ("single", "dp2_cp2_ep2")],
-    "deepseek_llm_tiny": [("single", "cp2_tp2")],
+    "deepseek_llm_tiny": [("single", "cp2_tp2_zero1")],
 }
 # 4 layers (DualPipeV on 2 ranks needs 4 stages), validation every 2 steps on 16 held-out windows;
 # lr 1e-3: at 3e-3 the 4-layer MoE's gradient norm spikes to 12 at step 2 and near-tied top-k
@@ -124,7 +124,7 @@ def test_checkpoints_resume_under_another_layout(layout_runs):
             assert metric(run, "perf/tokens_seen")[step] == tokens[step], (run.name, step)  # no sample twice
         assert float(val[3]) == pytest.approx(float(reference_val[3]), rel=1e-3), run.name
         assert _consumed_samples(run / "checkpoints" / "step-4") == 4 * 8
-    # HF export assembles any layout's shards: 4 ranks of DP x TP with ZeRO-1 moments, of CP x TP
+    # HF export assembles any layout's shards: 4 ranks of DP x TP with ZeRO-1 moments, of CP x TP + ZeRO-1
     exported, _ = load_checkpoint_model(root / LAYOUTS_PER_MODEL[model][0] / "checkpoints" / "step-2")
     single = read_full_tensors(root / "single" / "checkpoints" / "step-2" / "shards", "state_dict/model.")
     assert exported.state_dict().keys() == single.keys()

@@ -35,6 +35,11 @@ V3 = ModelConfig.from_name("deepseek_v3_671b")  # 128 heads, 61 layers, 256 expe
         (dict(ep=2, zero1=True), V3, 2, "parallel.zero1=true with parallel.ep=2 is not implemented yet"),
         (dict(ep=3), ModelConfig.from_name("deepseek_v3_tiny", n_routed_experts=12), 3,
          "model.n_expert_groups=4 and parallel.ep=3"),
+        (dict(cp=2, pp=2), V3, 4, "parallel.cp=2 with parallel.pp=2 is not implemented yet"),
+        (dict(cp=2, tp=2, sequence_parallel=True), V3, 4, "parallel.cp=2 with parallel.sequence_parallel=true"),
+        (dict(cp=4, tp=2), V3, 4, "parallel.tp=2 x parallel.pp=1 x parallel.cp=4 = 8 does not divide the world size"),
+        (dict(dp=2, cp=2), V3, 8, "parallel.dp=2 x tp=1 x pp=1 x cp=2 must equal the world size"),
+        (dict(cp=0), V3, 1, "parallel.cp=0 must be >= 1"),
     ],
 )
 def test_bad_layouts_name_the_field(layout, model, world, message):
@@ -47,6 +52,9 @@ def test_dp_defaults_to_what_tp_and_pp_leave():
     assert ParallelLayout.create(ParallelConfig(dp=4).validate(), LLM, 4).dp == 4
     assert ParallelLayout.create(ParallelConfig(tp=4).validate(), ModelConfig.from_name("deepseek_llm_67b"), 8).dp == 2
     assert ParallelLayout.create(ParallelConfig(tp=8).validate(), V3, 16).dp == 2  # MLA: tp divides the 128 heads
+    # context-parallel ranks are not data-parallel replicas, but gradients average over both
+    layout = ParallelLayout.create(ParallelConfig(cp=2, tp=2, ep=2).validate(), V3, 16)
+    assert (layout.dp, layout.replicas, layout.mesh_shape) == (4, 8, (1, 2, 2, 2, 2))
     # DeepSeek LLM 67B has 8 kv heads: tp=16 replicates each on two ranks
     assert ParallelLayout.create(ParallelConfig(tp=16).validate(), ModelConfig.from_name("deepseek_llm_67b"), 32).dp == 2
 
@@ -63,6 +71,7 @@ def test_dp_defaults_to_what_tp_and_pp_leave():
         ("precision.fp8=fp8_blockwise", "runs FP8 GEMMs inside bf16 training"),
         ("precision=fp16 optim.fused=true optim.foreach=true", "optim.fused=true and optim.foreach=true exclude"),
         ("parallel.tp=0", "parallel.tp=0 must be >= 1"),
+        ("parallel=cp2 trainer.devices=2 data.seq_len=66", "data.seq_len=66 must be a multiple of 2 x parallel.cp = 4"),
     ],
 )
 def test_parallel_group_errors(override, message):
@@ -88,3 +97,12 @@ def test_pipeline_micro_batch_counts(overrides, message):
     base = ["trainer.devices=4", "data.global_batch_size=4", "data.micro_batch_size=2"]
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         TrainConfig.from_hydra(compose_config(overrides=[*base, *overrides]))
+
+
+def test_context_parallelism_is_for_pretraining():
+    """Post-training rows carry positions and masks the cp shard does not split: refused by name."""
+    for recipe in ("sft", "dpo", "grpo"):
+        composed = compose_config(recipe, overrides=["parallel=cp2", "trainer.devices=2"])
+        with pytest.raises(ConfigError, match="parallel.cp=2 is built for pretraining"):
+            TrainConfig.from_hydra(composed, post_training=True)
+    assert TrainConfig.from_hydra(compose_config(overrides=["parallel=cp2", "trainer.devices=2"])).layout.cp == 2

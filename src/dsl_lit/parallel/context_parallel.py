@@ -31,6 +31,7 @@ import functools
 
 import torch
 import torch.distributed as dist
+
 from dsl_lit.models.common.moe import MoE
 from dsl_lit.models.common.transformer import Transformer
 
