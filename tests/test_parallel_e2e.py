@@ -29,6 +29,9 @@ LAYOUTS = {
     "tp2_sp": ["trainer.devices=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
     "pp2_1f1b": ["trainer.devices=2", "parallel=pp_1f1b"],
     "pp2_dualpipev": ["trainer.devices=2", "parallel=pp_dualpipev", "data.micro_batch_size=1"],
+    # DualPipeV's V over 2 pp ranks, each stage on 2 cp ranks: sequence shards between stages, MTP
+    # on the last stage shifting gathered embeddings
+    "pp2_dualpipev_cp2": ["trainer.devices=4", "parallel=pp_dualpipev", "parallel.cp=2", "data.micro_batch_size=1"],
     "dp2_ep2": ["trainer.devices=2", "parallel=ep"],
     # context parallel: each sequence's 4 load-balanced chunks over 2 ranks, with experts sharded
     # over the 2 data-parallel replicas (V3: MLA's latent gathered, MTP and the sequence-wise balance
@@ -43,7 +46,7 @@ LAYOUTS = {
 # products of parallelisms. Not run end to end: ZeRO-1 x pp (ZeRO-1 is checked against AdamW in
 # tests/test_zero1.py, the pipeline's gradients in tests/test_pipeline.py).
 LAYOUTS_PER_MODEL = {
-    "deepseek_v3_tiny": ["dp2_tp2_sp_zero1", "pp2_dualpipev", "dp2_cp2_ep2", "pp2_interleaved_ep2"],
+    "deepseek_v3_tiny": ["dp2_tp2_sp_zero1", "pp2_dualpipev_cp2", "dp2_cp2_ep2", "pp2_interleaved_ep2"],
     "deepseek_llm_tiny": ["cp2_tp2_zero1"],
 }
 # Step 0 is the same computation in every layout: the per-token losses and gradients differ only by

@@ -35,7 +35,6 @@ V3 = ModelConfig.from_name("deepseek_v3_671b")  # 128 heads, 61 layers, 256 expe
         (dict(ep=2, zero1=True), V3, 2, "parallel.zero1=true with parallel.ep=2 is not implemented yet"),
         (dict(ep=3), ModelConfig.from_name("deepseek_v3_tiny", n_routed_experts=12), 3,
          "model.n_expert_groups=4 and parallel.ep=3"),
-        (dict(cp=2, pp=2), V3, 4, "parallel.cp=2 with parallel.pp=2 is not implemented yet"),
         (dict(cp=2, tp=2, sequence_parallel=True), V3, 4, "parallel.cp=2 with parallel.sequence_parallel=true"),
         (dict(cp=4, tp=2), V3, 4, "parallel.tp=2 x parallel.pp=1 x parallel.cp=4 = 8 does not divide the world size"),
         (dict(dp=2, cp=2), V3, 8, "parallel.dp=2 x tp=1 x pp=1 x cp=2 must equal the world size"),

@@ -146,11 +146,6 @@ def check_expert_parallel(cfg: ModelConfig, ep: int) -> None:
 def check_context_parallel(parallel: ParallelConfig) -> None:
     """The products with context parallelism that are not built (ConfigError naming the fix)."""
     cp = parallel.cp
-    if parallel.pp > 1:
-        raise ConfigError(
-            f"parallel.cp={cp} with parallel.pp={parallel.pp} is not implemented yet: pipeline stages would pass "
-            "sequence shards (and MTP's shifted embeddings) between ranks; use cp with dp, tp and ep, or parallel.cp=1"
-        )
     if parallel.sequence_parallel:
         raise ConfigError(
             f"parallel.cp={cp} with parallel.sequence_parallel=true is not implemented yet: both would shard the "

@@ -135,12 +135,15 @@ class ContextParallelKeys:
     def shift(self, sequence: torch.Tensor, k: int, fill: int) -> torch.Tensor:
         """This rank's positions of ``sequence`` shifted left by ``k`` (position i holds i + k;
         the last k hold ``fill``): MTP depth k's inputs and labels, taken from the whole row."""
-        shifted = torch.full_like(sequence, fill)
-        shifted[:, : sequence.shape[1] - k] = sequence[:, k:]
-        return self.shard(shifted)
+        tail = sequence.new_full((sequence.shape[0], k, *sequence.shape[2:]), fill)
+        return self.shard(torch.cat([sequence[:, k:], tail], dim=1))
+
+    def whole(self, local: torch.Tensor) -> torch.Tensor:
+        """The whole rows of a tensor given at this rank's positions (differentiable)."""
+        return gather_sequence(local, self.group)
 
     def update(self, layer_id: int, *local: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(gather_sequence(t, self.group) for t in local)
+        return tuple(self.whole(t) for t in local)
 
     def advance(self, seq: int) -> None:
         """Nothing is kept between forwards."""

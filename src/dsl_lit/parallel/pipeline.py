@@ -20,6 +20,10 @@ How a model becomes stages (the model code knows nothing of it):
 - Per-row inputs other than the tokens (per-document ``positions`` of packed rows, the attention
   mask ``key_valid`` of padded or packed rows) are not activations: every stage gets its
   micro-batch's slice as keyword arguments of the schedule's ``step``.
+- Under context parallelism (``cp_group``) every stage holds its cp rank's positions: the first
+  stage embeds them, each stage's attention gathers keys over the cp ranks of its pp rank, and the
+  hidden states (and embeddings) sent down the pipeline are [rows, seq / cp, d_model]; the last
+  stage's MTP gathers the embeddings to shift them along whole rows.
 - The sequence-wise balance loss of MoE layers is made where the layer is, not on the last stage:
   :class:`_AttachAuxLoss` hooks its gradient onto the stage's output (as DeepSeek-V2's reference
   code does), scaled by the micro-batch's share of the step's sequences.
@@ -51,6 +55,7 @@ from torch.distributed.pipelining import (
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.models import spec_of
 from dsl_lit.models.common.moe import MoE
+from dsl_lit.parallel.context_parallel import ContextParallelKeys
 
 SCHEDULES = {
     "GPipe": ScheduleGPipe,
@@ -148,9 +153,11 @@ class PipelineStageModule(nn.Module):
     """
 
     def __init__(self, model: nn.Module, layer_ids: list[int], is_first: bool, is_last: bool,
-                 with_mtp: bool = True) -> None:
+                 with_mtp: bool = True, cp_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.model = model  # shared by the rank's stages; parameters() below lists only ours
+        self.cp_group = cp_group
+        """Context parallelism: the stage runs its cp rank's positions (None: whole rows)."""
         self.layer_ids = layer_ids
         self.is_first, self.is_last = is_first, is_last
         # from the config: stages other than the last have no MTP modules after pruning
@@ -213,12 +220,18 @@ class PipelineStageModule(nn.Module):
         key_valid: torch.Tensor | None = None,
     ) -> Any:
         m = self.model
+        shard = None
+        if self.cp_group is not None:  # whole rows' length: the first stage's ids, or the shards' x cp
+            seq = x.shape[1] if self.is_first else x.shape[1] * dist.get_world_size(self.cp_group)
+            shard = ContextParallelKeys(seq, self.cp_group, x.device)
+            positions = shard.query_positions.expand(x.shape[0], -1)
+            x = shard.shard(x) if self.is_first else x
         if self.is_first:
             x = m.tok_embeddings(x)
             embeddings = x if self.carries_embeddings else None
         rope = m.rope(x.shape[1], 0, positions)
         for i in self.layer_ids:
-            x = m.layers[str(i)](x, rope, None, key_valid)
+            x = m.layers[str(i)](x, rope, shard, key_valid)
         if not self.is_last:
             x = self._attach_balance_losses(x)
             if not self.carries_embeddings:
@@ -226,7 +239,7 @@ class PipelineStageModule(nn.Module):
             # a stage's outputs must be its own tensors (the zero-bubble schedules detach_ them)
             return x, embeddings if self.is_first else embeddings.clone()
         logits = m.head(x)
-        mtp_logits = m.mtp_logits(x, embeddings) if len(m.mtp) and self.with_mtp else []
+        mtp_logits = m.mtp_logits(x, embeddings, shard) if len(m.mtp) and self.with_mtp else []
         logits = self._attach_balance_losses(logits)  # after the MTP blocks ran: theirs count too
         return (logits, *mtp_logits) if mtp_logits else logits
 
@@ -266,8 +279,10 @@ class PipelineRunner:
         virtual_stages: int,
         device: torch.device,
         with_mtp: bool = True,
+        cp_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.pp_group, self.schedule_name, self.device = pp_group, schedule, device
+        self.cp = dist.get_world_size(cp_group) if cp_group is not None else 1
         pp = dist.get_world_size(pp_group)
         virtual = 2 if schedule == "DualPipeV" else (virtual_stages if schedule in MULTI_STAGE else 1)
         self.n_stages = pp * virtual
@@ -275,7 +290,7 @@ class PipelineRunner:
         self.owned = stages_of_rank(dist.get_rank(pp_group), pp, virtual, schedule)
         prune_to_stages(model, self.stage_layers, self.owned)
         self.modules = [
-            PipelineStageModule(model, self.stage_layers[s], s == 0, s == self.n_stages - 1, with_mtp)
+            PipelineStageModule(model, self.stage_layers[s], s == 0, s == self.n_stages - 1, with_mtp, cp_group)
             for s in self.owned
         ]
         self.has_first = any(m.is_first for m in self.modules)
@@ -347,7 +362,8 @@ class PipelineRunner:
                 if owner[s] != pp_rank:
                     continue
                 if s > 0 and owner[s - 1] != pp_rank:  # receive the previous stage's outputs
-                    held = tuple(torch.empty(mb_tokens.shape[0], seq, d_model, device=self.device) for _ in range(carried))
+                    shape = (mb_tokens.shape[0], seq // self.cp, d_model)
+                    held = tuple(torch.empty(shape, device=self.device) for _ in range(carried))
                     for t in held:
                         dist.recv(t, group=self.pp_group, group_src=owner[s - 1])
                 stage_args = held if isinstance(held, tuple) else (held,)

@@ -147,7 +147,7 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
         if self.layout.pp > 1:  # drop what this rank's stages do not hold, before sharding the rest
             self._pipeline = PipelineRunner(
                 module.model, module.model_config, self.pp_group, self.layout.pp_schedule,
-                self.layout.pp_virtual_stages, self.root_device, with_mtp=module.trains_mtp,
+                self.layout.pp_virtual_stages, self.root_device, with_mtp=module.trains_mtp, cp_group=self.cp_group,
             )
         if self.layout.tp > 1:
             apply_tensor_parallel(module.model, module.model_config, self.mesh["tp"], self.layout.sequence_parallel,

@@ -40,6 +40,9 @@ class SequenceShard(Protocol):
     def shift(self, sequence: torch.Tensor, k: int, fill: int) -> torch.Tensor:
         """This forward's positions of ``sequence`` shifted left by ``k`` (``fill`` past the end)."""
 
+    def whole(self, local: torch.Tensor) -> torch.Tensor:
+        """The whole rows [batch, seq, ...] of a tensor given at this forward's positions."""
+
     def update(self, layer_id: int, *local: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The whole rows of what keys and values are built from, given this forward's positions."""
 
@@ -131,17 +134,24 @@ class Transformer(nn.Module):
         receives those from the first, where the embedding lives).
 
         With ``shard`` (context parallelism) ``hidden`` holds only the positions
-        ``shard.query_positions`` of the whole rows ``tokens``: every depth keeps all positions
-        (depth k at position i reads token i + k, taken from the whole row; the last k positions
-        predict nothing and their labels are ignored), so each rank keeps its positions and the
-        block's attention gathers keys through ``shard`` as the main layers do. Logits are then
-        [batch, local seq, vocab] at this rank's positions, for ``shard.shift(labels, k, -100)``.
+        ``shard.query_positions`` of the whole rows ``tokens`` (token ids [batch, seq], or the
+        embeddings of this forward's positions [batch, local seq, d_model] on a pipeline's last
+        stage): every depth keeps all positions (depth k at position i reads token i + k, taken
+        from the whole row; the last k positions predict nothing and their labels are ignored),
+        so each rank keeps its positions and the block's attention gathers keys through
+        ``shard`` as the main layers do. Logits are then [batch, local seq, vocab] at this
+        rank's positions, for ``shard.shift(labels, k, -100)``.
         """
         if shard is not None:
             rope = self.rope(hidden.shape[1], 0, shard.query_positions.expand(hidden.shape[0], -1))
+            whole = shard.whole(tokens) if tokens.is_floating_point() else None
             logits = []
             for k, module in enumerate(self.mtp.values(), start=1):
-                hidden = module(hidden, self.tok_embeddings(shard.shift(tokens, k, fill=0)), rope, shard)
+                if whole is not None:
+                    shifted = shard.shift(whole, k, fill=0)
+                else:
+                    shifted = self.tok_embeddings(shard.shift(tokens, k, fill=0))
+                hidden = module(hidden, shifted, rope, shard)
                 logits.append(self.output(module.norm(hidden)))
             return logits
         embeddings = tokens if tokens.is_floating_point() else None
