@@ -40,4 +40,4 @@ def test_readme_command_validates(overrides):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="pretrain", overrides=overrides)
     train = TrainConfig.from_hydra(cfg, run_dir="unused")
-    assert train.layout.dp * train.layout.tp * train.layout.pp == train.world_size
+    assert train.layout.dp * train.layout.cp * train.layout.tp * train.layout.pp == train.world_size

@@ -59,6 +59,9 @@ def plan_inputs(cfg: DictConfig) -> tuple[ModelConfig, PlanLayout, ClusterConfig
         model = dataclasses.replace(model, name=options.name)
     cluster = ClusterConfig.from_dict(dict(raw.get("cluster") or {})).validate()
     parallel: dict[str, Any] = dict(raw.get("parallel") or {})
+    if int(parallel.pop("cp", 1)) != 1:
+        raise ConfigError("parallel.cp > 1: the planner does not model context parallelism yet (its activation "
+                          "split and key gathers); plan with parallel.cp=1")
     unknown = sorted(set(parallel) - set(PARALLEL_KEYS))
     if unknown:
         raise ConfigError(f"parallel.{unknown[0]} is not a layout field; known: {list(PARALLEL_KEYS)}")
