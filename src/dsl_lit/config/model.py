@@ -23,6 +23,8 @@ AttentionBackend = Literal["sdpa", "flash_attn", "eager"]
 ATTENTION_BACKENDS = ("sdpa", "flash_attn", "eager")
 SCORE_FUNCS = ("sigmoid", "softmax")
 EXPERT_BACKENDS = ("grouped_mm", "split", "loop")
+CONTEXT_FIELDS = ("max_seq_len", "rope_scaling")
+"""Fields that shape no weight: a context-extension stage sets them on top of ``init_from``'s model."""
 YARN_KEYS = ("factor", "original_max_seq_len", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 

@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 from dsl_lit.checkpoint.directory import DirectoryCheckpointIO, StepCheckpoint
 from dsl_lit.checkpoint.resume import resume_checkpoint
 from dsl_lit.config import ModelConfig, TrainConfig
+from dsl_lit.config.model import CONTEXT_FIELDS
 from dsl_lit.config.precision import PrecisionConfig
 from dsl_lit.flops import training_flops_per_token
 from dsl_lit.models import build_model
@@ -69,9 +70,16 @@ def starting_weights(cfg: TrainConfig, source: str | None) -> StartingWeights | 
     if not source:
         return None
     weights = StartingWeights.open(source)
-    values = dict(weights.group)
+    group = dict(weights.group)
+    # A context-extension stage keeps the architecture but sets the positions it trains at: the
+    # run's own model.max_seq_len and model.rope_scaling (fields that shape no weight) win.
+    extension = {key: value for key, value in (cfg.raw.get("model") or {}).items() if key in CONTEXT_FIELDS}
+    if extension:
+        log.info("init_from=%s with this run's %s", source, ", ".join(f"model.{k}={v}" for k, v in extension.items()))
+    group.update(extension)
+    values = dict(group)
     cfg.model = ModelConfig.from_name(values.pop("name"), **values)
-    cfg.raw["model"], cfg.raw["init_from"], cfg.init_from = weights.group, str(source), str(source)
+    cfg.raw["model"], cfg.raw["init_from"], cfg.init_from = group, str(source), str(source)
     cfg.validate()
     with torch.device("meta"):
         params = build_model(cfg.model).num_params()

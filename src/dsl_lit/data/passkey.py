@@ -1,0 +1,110 @@
+"""Synthetic passkey retrieval (Mohtashami & Jaggi, 2023): a number hidden in repetitive filler,
+asked for at the end. What a context-extension stage must buy is the ability to fetch it from
+further back than the base model was trained to look.
+
+One text format serves both sides, so a model is asked exactly what it was trained on:
+- the training corpora (:func:`write_corpus`, shipped under ``data/passkey/``), documents of a
+  given length range with the key at a uniformly random depth;
+- the evaluation prompts (:func:`prompt_text`), padded with filler to a target length in tokens,
+  with the key at a chosen depth (``dsl_lit.evaluation.passkey`` scores them).
+
+Regenerate the shipped corpora with ``python -m dsl_lit.data.passkey``: the output is a function
+of the seed only (``tests/test_passkey.py`` checks the shipped files against it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+FILLER = (
+    "The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.",
+    "There and back again.", "The river runs to the sea.", "Birds sing in the morning.",
+    "The road is long.",
+)
+"""Sentences the needle hides among: drawn at random, so the filler itself cannot be memorised
+position by position, but cheap to predict once seen."""
+KEY_DIGITS = 5
+QUESTION = " What is the pass key? Pass key:"
+"""The answer follows a colon, which only the key sentence and the question contain: the copy
+that retrieval needs is keyed on one token (as a word that the filler also uses would not be)."""
+
+
+def key_sentence(key: str) -> str:
+    return f" Pass key: {key}. Remember it. Pass key: {key}."
+
+
+def random_key(rng: random.Random) -> str:
+    return "".join(rng.choice("0123456789") for _ in range(KEY_DIGITS))
+
+
+def filler(rng: random.Random, n: int) -> str:
+    return "".join(" " + rng.choice(FILLER) for _ in range(n))
+
+
+def document(rng: random.Random, n_filler: int) -> str:
+    """A training document: ``n_filler`` sentences with the key sentence at a random depth, then
+    the question and its answer."""
+    key, before = random_key(rng), rng.randint(0, n_filler)
+    return (filler(rng, before) + key_sentence(key) + filler(rng, n_filler - before)
+            + QUESTION + f" {key}.").lstrip()
+
+
+def prompt_text(rng: random.Random, n_before: int, n_after: int, key: str) -> str:
+    """An evaluation prompt (ends where the answer starts) with ``n_before`` filler sentences
+    before the key sentence and ``n_after`` after it."""
+    return (filler(rng, n_before) + key_sentence(key) + filler(rng, n_after) + QUESTION).lstrip()
+
+
+@dataclass(frozen=True)
+class PasskeyCorpus:
+    """One shipped corpus: ``documents`` documents of ``min_filler``..``max_filler`` sentences."""
+
+    name: str
+    documents: int
+    min_filler: int
+    max_filler: int
+    seed: int
+
+    def texts(self) -> list[str]:
+        rng = random.Random(self.seed)
+        return [document(rng, rng.randint(self.min_filler, self.max_filler)) for _ in range(self.documents)]
+
+
+SHIPPED_DIR = Path(__file__).resolve().parents[3] / "data" / "passkey"
+CORPORA = {
+    # ~6 filler tokens a sentence: 30-130 tokens, most documents within a 128-token window.
+    "short": PasskeyCorpus("short", documents=24_000, min_filler=2, max_filler=16, seed=0),
+    # 512-token stage: keys up to ~500 tokens back.
+    "medium": PasskeyCorpus("medium", documents=3_000, min_filler=16, max_filler=80, seed=1),
+    # 2048-token stage: keys up to ~2000 tokens back.
+    "long": PasskeyCorpus("long", documents=800, min_filler=64, max_filler=320, seed=2),
+}
+
+
+def write_corpus(corpus: PasskeyCorpus, directory: Path) -> Path:
+    """``<directory>/<name>/passkey.jsonl.gz`` (records ``{"id", "text", "source"}``, as the bundled
+    corpus); gzip's header carries no timestamp, so equal seeds give equal bytes."""
+    path = directory / corpus.name / "passkey.jsonl.gz"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as out:
+        for i, text in enumerate(corpus.texts()):
+            record = {"id": f"passkey/{corpus.name}/{i}", "text": text, "source": "passkey"}
+            out.write((json.dumps(record) + "\n").encode())
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=SHIPPED_DIR)
+    args = parser.parse_args()
+    for corpus in CORPORA.values():
+        print(write_corpus(corpus, args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Passkey retrieval accuracy of a model at given context lengths and key depths.
+
+A prompt of about ``length`` tokens hides a five-digit key at ``depth`` (0: the start, 1: just
+before the question); it is retrieved when greedy decoding writes all five digits. One forward
+pass decides it: with the answer appended, greedy decoding writes the answer exactly when the
+argmax at each answer position is the next answer token (teacher forcing is greedy decoding
+along the right path), so a prompt costs one forward, not five.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+from torch import nn
+
+from dsl_lit.models import Transformer, build_model
+from dsl_lit.data.passkey import filler, prompt_text, random_key
+
+
+@dataclass
+class PasskeyPrompt:
+    tokens: list[int]
+    """Prompt then answer (the key's digits)."""
+    answer_len: int
+    key_position: int
+    """Token index where the key sentence starts (its distance to the question is what is tested)."""
+
+
+def passkey_prompt(tokenizer: Tokenizer, rng: random.Random, length: int, depth: float) -> PasskeyPrompt:
+    """The longest prompt of at most ``length`` tokens (answer included) with the key sentence
+    after ``depth`` of its filler."""
+    key = random_key(rng)
+    answer = tokenizer.encode(" " + key, add_special_tokens=False).ids
+    sentences, best = 0, None
+    while True:  # grow the filler one sentence at a time until the next one would not fit
+        n_before, seed = round(depth * (sentences + 1)), rng.random()
+        ids = tokenizer.encode(prompt_text(random.Random(seed), n_before, sentences + 1 - n_before, key),
+                               add_special_tokens=False).ids
+        if len(ids) + len(answer) > length:
+            break
+        best, sentences = (ids, n_before, seed), sentences + 1
+    if best is None:
+        raise ValueError(f"length={length} tokens cannot hold a passkey prompt")
+    ids, n_before, seed = best
+    before = filler(random.Random(seed), n_before).lstrip()
+    position = len(tokenizer.encode(before, add_special_tokens=False).ids) if n_before else 0
+    return PasskeyPrompt(ids + answer, len(answer), position)
+
+
+@torch.no_grad()
+def retrieved(model: nn.Module, prompt: PasskeyPrompt, device: torch.device | str = "cpu") -> bool:
+    tokens = torch.tensor([prompt.tokens], device=device)
+    logits = model(tokens[:, :-1])
+    guess = logits[0, -prompt.answer_len:].argmax(-1)
+    return bool(torch.equal(guess, tokens[0, -prompt.answer_len:]))
+
+
+def passkey_accuracy(
+    model: nn.Module, tokenizer: Tokenizer, lengths: Sequence[int], depths: Sequence[float],
+    per_depth: int, seed: int = 0, device: torch.device | str = "cpu",
+) -> dict[int, dict[float, float]]:
+    """``{length: {depth: share of prompts retrieved}}``; the same prompts for the same seed."""
+    model.eval()
+    table: dict[int, dict[float, float]] = {}
+    for length in lengths:
+        table[length] = {}
+        for depth in depths:
+            rng = random.Random(f"{seed}/{length}/{depth}")
+            hits = sum(retrieved(model, passkey_prompt(tokenizer, rng, length, depth), device) for _ in range(per_depth))
+            table[length][depth] = hits / per_depth
+    return table
+
+
+def with_context(model: Transformer, max_seq_len: int, rope_scaling: dict[str, Any] | None = None) -> Transformer:
+    """The same weights with RoPE tables up to ``max_seq_len`` (plain extrapolation past the
+    trained length), under ``rope_scaling`` when given (YaRN applied without training: the tables
+    and MLA's softmax scale are derived from the config, not stored)."""
+    scaling = model.config.rope_scaling if rope_scaling is None else dict(rope_scaling)
+    cfg = dataclasses.replace(model.config, rope_scaling=scaling, max_seq_len=max_seq_len)
+    if cfg == model.config:
+        return model
+    scaled = build_model(cfg)
+    scaled.load_state_dict(model.state_dict())
+    return scaled.eval()
+
+
+def markdown_table(table: dict[int, dict[float, float]]) -> str:
+    """Rows: lengths; columns: depths, then the mean."""
+    depths = list(next(iter(table.values())))
+    lines = ["| tokens | " + " | ".join(f"depth {d:g}" for d in depths) + " | mean |",
+             "|---:|" + "---:|" * (len(depths) + 1)]
+    for length, row in table.items():
+        cells = [f"{100 * row[d]:.0f}%" for d in depths]
+        lines.append(f"| {length} | " + " | ".join(cells) + f" | {100 * sum(row.values()) / len(row):.0f}% |")
+    return "\n".join(lines)

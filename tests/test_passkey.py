@@ -1,0 +1,105 @@
+"""Passkey retrieval: the shipped corpora are what the generator writes, the prompts are as long
+and as deep as asked, and the score separates a model that retrieves from one that does not."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from torch import nn
+
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.config.passkey import PasskeyConfig
+from dsl_lit.data.passkey import CORPORA, KEY_DIGITS, SHIPPED_DIR, write_corpus
+from dsl_lit.evaluation.passkey import passkey_accuracy, passkey_prompt, with_context
+from dsl_lit.models import ModelConfig, build_model
+
+
+def word_tokenizer() -> Tokenizer:
+    """Every word, digit and punctuation mark of the passkey texts is one token."""
+    texts = [t for corpus in CORPORA.values() for t in corpus.texts()[:50]]
+    splitter = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Digits(individual_digits=True),
+                                        pre_tokenizers.Punctuation()])
+    words = sorted({w for text in texts for w, _ in splitter.pre_tokenize_str(text)})
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", *words])}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = splitter
+    return tokenizer
+
+
+class Retriever(nn.Module):
+    """Logits of a model that retrieves perfectly: after the question's colon it writes the digits
+    that follow the first colon (or, with ``wrong``, those digits shifted by one)."""
+
+    def __init__(self, tokenizer: Tokenizer, wrong: bool = False) -> None:
+        super().__init__()
+        self.colon, self.vocab, self.wrong = tokenizer.token_to_id(":"), tokenizer.get_vocab_size(), wrong
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = torch.zeros(*tokens.shape, self.vocab)
+        row = tokens[0].tolist()
+        first, last = row.index(self.colon), len(row) - 1 - row[::-1].index(self.colon)
+        for i in range(KEY_DIGITS):
+            if last + i < len(row):
+                logits[0, last + i, row[first + 1 + i] + (1 if self.wrong else 0)] = 1.0
+        return logits
+
+
+def test_shipped_corpora_are_what_the_generator_writes(tmp_path: Path) -> None:
+    for corpus in CORPORA.values():
+        shipped = SHIPPED_DIR / corpus.name / "passkey.jsonl.gz"
+        assert write_corpus(corpus, tmp_path).read_bytes() == shipped.read_bytes(), corpus.name
+
+
+@pytest.mark.parametrize("length", [64, 128, 512, 2048])
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_prompts_fill_the_length_with_the_key_at_the_depth(length: int, depth: float) -> None:
+    tokenizer = word_tokenizer()
+    prompt = passkey_prompt(tokenizer, random.Random(0), length, depth)
+    assert length - 16 < len(prompt.tokens) <= length  # within one filler sentence of the length
+    assert prompt.answer_len == KEY_DIGITS
+    text = tokenizer.decode(prompt.tokens[prompt.key_position:prompt.key_position + 3])
+    assert text.split()[:2] == ["Pass", "key"]
+    filler = len(prompt.tokens) - 40  # the key sentence and question take ~40 tokens
+    assert abs(prompt.key_position - depth * filler) <= 0.1 * length + 8
+
+
+def test_accuracy_separates_retrieval_from_a_near_miss() -> None:
+    tokenizer = word_tokenizer()
+    lengths, depths = [96, 400], [0.0, 0.5, 1.0]
+    perfect = passkey_accuracy(Retriever(tokenizer), tokenizer, lengths, depths, per_depth=4)
+    assert all(a == 1.0 for row in perfect.values() for a in row.values())
+    wrong = passkey_accuracy(Retriever(tokenizer, wrong=True), tokenizer, lengths, depths, per_depth=4)
+    assert all(a == 0.0 for row in wrong.values() for a in row.values())
+
+
+def test_with_context_extrapolates_or_applies_yarn_to_the_same_weights() -> None:
+    torch.manual_seed(0)
+    model = build_model(ModelConfig.from_name("deepseek_v3_tiny", max_seq_len=64, vocab_size=256)).eval()
+    tokens = torch.randint(0, 256, (1, 200))
+    longer = with_context(model, 256)
+    with torch.no_grad():
+        # the same tables where both have them: the first 64 positions give the same logits
+        torch.testing.assert_close(longer(tokens[:, :64]), model(tokens[:, :64]), rtol=0, atol=0)
+        longer(tokens)  # positions past the trained length now have tables
+        yarn = with_context(model, 256, {"factor": 4, "original_max_seq_len": 64, "mscale": 1.0, "mscale_all_dim": 1.0})
+        assert yarn.config.rope_scaling["factor"] == 4
+        # YaRN interpolates the low frequencies (the first dims keep theirs) and, with mscale ==
+        # mscale_all_dim, moves the attention temperature into MLA's softmax scale
+        assert torch.equal(yarn.rope.cos[:64, 0], longer.rope.cos[:64, 0])
+        assert not torch.allclose(yarn.rope.cos[:64, 7], longer.rope.cos[:64, 7])
+        attention = yarn.layers["0"].attention.softmax_scale / model.layers["0"].attention.softmax_scale
+        assert attention == pytest.approx((0.1 * math.log(4) + 1) ** 2)
+    assert with_context(model, 64) is model
+
+
+@pytest.mark.parametrize(("field", "values"), [
+    ("checkpoint", {"checkpoint": None}), ("lengths", {"lengths": [16]}), ("depths", {"depths": [1.5]}),
+    ("per_depth", {"per_depth": 0}), ("rope_scaling.scale", {"rope_scaling": {"scale": 4}}),
+])
+def test_bad_options_name_the_field(field: str, values: dict) -> None:
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        PasskeyConfig(**{"checkpoint": "x", **values}).validate()
