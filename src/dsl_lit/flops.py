@@ -3,7 +3,7 @@
 The counts are the family's own (``FamilySpec.flops``, derived from its composition in
 :mod:`dsl_lit.models.common.flops`); this module is the family-agnostic entry point the trainer,
 the planner and the scaling laws use. Counting from the config, not with a FLOP counter, because
-meta-device counters miscount routed experts and fused kernels (DESIGN.md section 5).
+meta-device counters miscount routed experts and fused kernels.
 """
 
 from __future__ import annotations

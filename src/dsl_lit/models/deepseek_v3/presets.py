@@ -1,4 +1,4 @@
-"""DeepSeek-V3 family presets: MLA + DeepSeekMoE (+ MTP), from the papers (DESIGN.md section 2)."""
+"""DeepSeek-V3 family presets: MLA + DeepSeekMoE (+ MTP), from the papers (arXiv 2405.04434, 2412.19437)."""
 
 from __future__ import annotations
 

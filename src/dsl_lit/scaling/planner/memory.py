@@ -12,7 +12,7 @@ autograd saves for each matmul, norm, activation and attention call) for each re
 (:mod:`dsl_lit.memory.recompute`): ``none`` keeps them all, ``selective`` keeps the outputs of
 matmuls and attention (norms, activations and rotary are recomputed), ``full`` keeps each block's
 input; the planner-only ``deepseek_v3`` is DeepSeek-V3's recipe (:func:`deepseek_v3_activations`).
-Times the micro-batches a pipeline schedule keeps in flight on a rank (DESIGN.md: 1F1B pp,
+Times the micro-batches a pipeline schedule keeps in flight on a rank (1F1B: pp,
 DualPipe pp + 1 stage-micro-batches), plus the output logits of one micro-batch on the last stage,
 one block's full working set for the backward in progress, and MoE dispatch/combine buffers.
 

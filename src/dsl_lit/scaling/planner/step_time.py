@@ -36,7 +36,7 @@ Communication beyond that:
   all-reduce. Routed experts' gradients reduce over dp / ep ranks;
 - the optimizer step itself: memory-bound over this rank's ZeRO shard.
 
-Pipeline bubbles (DESIGN.md, per-chunk F, B, W): GPipe and 1F1B (pp-1)(F+B); Interleaved1F1B
+Pipeline bubbles (DeepSeek-V3 report table 2 and the zero-bubble paper, per-chunk F, B, W): GPipe and 1F1B (pp-1)(F+B); Interleaved1F1B
 (pp-1)(F+B)/v; ZB1P (pp-1)(F+B-2W); DualPipe (pp/2-1)(F&B+B-3W) with F&B = F+B; DualPipeV the
 same with its 2 pp half-size stages.
 
