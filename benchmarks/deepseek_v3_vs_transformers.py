@@ -1,7 +1,7 @@
 """DeepSeek-V3: our training step and MoE layer against transformers' on the same config and weights.
 
 Prints two tables measured in one run, in one process, interleaving the candidates and taking
-medians (as torch.utils.benchmark would, without its warm-up heuristics):
+medians (so that load from other processes hits both sides alike):
 
 1. forward + backward of the whole model (hidden 256, 6 layers, 32 routed experts top-4, seq 256,
    batch 4 by default) for ours and `transformers`' DeepseekV3ForCausalLM loaded from our
