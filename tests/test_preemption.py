@@ -51,15 +51,17 @@ def _child_ranks(pid: int) -> list[int]:
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
-def _preempt(tmp_path: Path, name: str, who: str, *overrides: str) -> tuple[Path, int]:
+def _preempt(tmp_path: Path, name: str, who: str, *overrides: str, base: tuple[str, ...] = tuple(TWO)) -> tuple[Path, int]:
     run_dir = tmp_path / name
-    process = _start(run_dir, *TWO, *overrides)
+    process = _start(run_dir, *base, *overrides)
     _wait_for_step(run_dir, process, 2)
     signalled = time.monotonic()
     if who == "all_ranks":
         os.killpg(process.pid, signal.SIGTERM)
     elif who == "rank0_only":
         process.send_signal(signal.SIGTERM)  # the launching process
+    elif who == "last_rank":
+        os.kill(_child_ranks(process.pid)[-1], signal.SIGTERM)
     else:  # another rank only: Lightning's handler broadcast from it alone and hung
         os.kill(_child_ranks(process.pid)[0], signal.SIGTERM)
     try:
@@ -97,6 +99,20 @@ def test_sigterm_on_two_ranks_saves_once_exits_143_and_resumes_exactly(tmp_path,
 @pytest.mark.parametrize("who", ["rank0_only", "rank1_only"])
 def test_sigterm_under_pipeline_parallelism_saves_and_exits(tmp_path, who):
     _preempt(tmp_path, "pp", who, "parallel=pp_1f1b")
+
+
+@pytest.mark.slow
+def test_sigterm_on_four_ranks_under_tensor_and_expert_parallelism_resumes_exactly(tmp_path):
+    """4 processes, tp=2 x ep=2 (tiny V3): the signal reaches ranks inside tensor- and
+    expert-parallel collectives; the rerun gives the uninterrupted run's losses."""
+    four = [*TWO[:2], "trainer.devices=4", "trainer.max_steps=6", *TWO[4:], "parallel.tp=2", "parallel.ep=2"]
+    # only the last rank is signalled, as a node-local preemption notice would
+    preempted, step = _preempt(tmp_path, "four", "last_rank", base=tuple(four))
+    assert 2 <= step < 6
+    run_recipe(preempted, *four)
+    full = tmp_path / "full"
+    run_recipe(full, *four)
+    assert losses(preempted) == losses(full)
 
 
 def _lose_rank_one(tmp_path: Path, how: int, *overrides: str) -> tuple[subprocess.Popen, float, str]:

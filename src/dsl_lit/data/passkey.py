@@ -60,25 +60,36 @@ def prompt_text(rng: random.Random, n_before: int, n_after: int, key: str) -> st
     return (filler(rng, n_before) + key_sentence(key) + filler(rng, n_after) + QUESTION).lstrip()
 
 
+def copy_document(rng: random.Random, n_digits: int) -> str:
+    """A random number written twice: half of its digits can be predicted only by copying. A
+    small model learns to copy (an induction head) long before it would from passkey documents
+    alone, where a tenth of the tokens reward it."""
+    number = "".join(rng.choice("0123456789") for _ in range(n_digits))
+    return f"Number: {number}. Again: {number}."
+
+
 @dataclass(frozen=True)
 class PasskeyCorpus:
-    """One shipped corpus: ``documents`` documents of ``min_filler``..``max_filler`` sentences."""
+    """One shipped corpus: ``documents`` documents of ``min_filler``..``max_filler`` sentences, a
+    ``copy_share`` of them copy documents (:func:`copy_document`) instead."""
 
     name: str
     documents: int
     min_filler: int
     max_filler: int
     seed: int
+    copy_share: float = 0.0
 
     def texts(self) -> list[str]:
         rng = random.Random(self.seed)
-        return [document(rng, rng.randint(self.min_filler, self.max_filler)) for _ in range(self.documents)]
+        return [copy_document(rng, rng.randint(8, 32)) if rng.random() < self.copy_share
+                else document(rng, rng.randint(self.min_filler, self.max_filler)) for _ in range(self.documents)]
 
 
 SHIPPED_DIR = Path(__file__).resolve().parents[3] / "data" / "passkey"
 CORPORA = {
     # ~6 filler tokens a sentence: 30-130 tokens, most documents within a 128-token window.
-    "short": PasskeyCorpus("short", documents=24_000, min_filler=2, max_filler=16, seed=0),
+    "short": PasskeyCorpus("short", documents=24_000, min_filler=2, max_filler=16, seed=0, copy_share=0.5),
     # 512-token stage: keys up to ~500 tokens back.
     "medium": PasskeyCorpus("medium", documents=3_000, min_filler=16, max_filler=80, seed=1),
     # 2048-token stage: keys up to ~2000 tokens back.
