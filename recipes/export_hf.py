@@ -5,14 +5,14 @@
     python recipes/export_hf.py checkpoint=... output=... weights=ema   # the run's EMA (memory.ema_decay > 0)
     python recipes/export_hf.py checkpoint=... output=... dtype=bf16 fp8=true  # DeepSeek-V3's FP8 release format
 
-The output (config.json, generation_config.json, safetensors weights, the run's tokenizer files)
-loads with ``transformers.AutoModelForCausalLM.from_pretrained(output)`` and ``AutoTokenizer``, without
-``trust_remote_code``: DeepSeek LLM
-as ``LlamaForCausalLM``, DeepSeek-V3 as ``DeepseekV3ForCausalLM`` (with its MTP modules as the extra
-layers, as in the hub checkpoints) or, softmax-routed, ``DeepseekV2ForCausalLM``. The model is rebuilt
-from the checkpoint's ``config.yaml`` (``dsl_lit.hf.export``); ``trainer_state.pt`` is opened
-(``weights_only=True``) only for ``weights=ema``. Options and their defaults:
-``conf/export_hf.yaml`` (``key=value`` as with Hydra, but parsed by :func:`parse_args`).
+The output (config.json and generation_config.json with the tokenizer's bos/eos/pad ids, safetensors
+weights, the run's tokenizer files) loads with ``transformers.AutoModelForCausalLM.from_pretrained(output)``
+and ``AutoTokenizer``, without ``trust_remote_code``: DeepSeek LLM as ``LlamaForCausalLM``, DeepSeek-V3
+as ``DeepseekV3ForCausalLM`` (with its MTP modules as the extra layers, as in the hub checkpoints) or,
+softmax-routed, ``DeepseekV2ForCausalLM``. The model is rebuilt from the checkpoint's ``config.yaml``
+(``dsl_lit.hf.export``); ``trainer_state.pt`` is opened (``weights_only=True``) only for ``weights=ema``.
+Options and their defaults: ``conf/export_hf.yaml`` (``key=value`` as with Hydra, but parsed by
+:func:`parse_args`).
 """
 
 from __future__ import annotations

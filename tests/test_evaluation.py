@@ -232,13 +232,8 @@ def test_evaluate_recipe_matches_lm_evals_hf_backend(tmp_path: Path, tokenizer_d
     _run("pretrain.py", "model=deepseek_llm_tiny", "+model.n_layers=2", "++model.init_std=0.1", "data.seq_len=64",
          "data.global_batch_size=8", "data.micro_batch_size=8", "optim.lr=1e-4", "trainer.max_steps=2",
          "checkpoint.every_n_steps=2", "logger=csv", "trainer.progress_bar=false", f"hydra.run.dir={run}")
-    _run("export_hf.py", f"checkpoint={run}", f"output={export}")
-    # The run's config carries no token ids, so the export has none; transformers would fall back to
-    # Llama's defaults (eos 2): give the export the tokenizer's, as a tokenizer-aware export would.
+    _run("export_hf.py", f"checkpoint={run}", f"output={export}")  # with the tokenizer's bos/eos/pad ids
     tokenizer = EvalTokenizer.from_dir(tokenizer_dir)
-    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
-    for name in ("config.json", "generation_config.json"):
-        (export / name).write_text(json.dumps({**json.loads((export / name).read_text()), **ids}))
 
     tasks = list(bundled.BUNDLED_TASKS)  # multiple choice, rolling loglikelihood, generate_until
     out = tmp_path / "eval"

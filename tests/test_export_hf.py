@@ -1,7 +1,8 @@
 """recipes/export_hf.py end to end: a checkpoint written by the real pretrain recipe (2 steps of a
 2-layer tiny model) is exported, transformers loads the export with ``AutoModelForCausalLM`` (no
 remote code), and its logits equal those of our model built from the same checkpoint (fp32, 1e-5).
-Also: the EMA weights (``weights=ema``), a bf16 export, and the errors for bad inputs."""
+Also: the EMA weights (``weights=ema``), a bf16 export, the tokenizer's bos/eos/pad ids in
+config.json and generation_config.json (ours and DeepSeek's released ones), and the errors for bad inputs."""
 
 from __future__ import annotations
 
@@ -17,16 +18,20 @@ import torch
 import yaml
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from dsl_lit.checkpoint.integrity import file_checksum
 from dsl_lit.checkpoint.sharded import read_full_tensors
 from dsl_lit.config.errors import ConfigError
+from dsl_lit.data.tokenizer_dir import read_tokenizer_meta
+from dsl_lit.hf.export import run_tokenizer_dir
+from dsl_lit.hf.token_ids import hf_token_ids, write_token_ids
 from dsl_lit.models import ModelConfig, build_model
 from tests.conftest import ROOT
 from tests.forked_python import run_python
 from tests.numerics import assert_close_fp32
 from tests.test_pretrain_e2e import run_recipe
+from tests.test_released_tokenizers import reference_file
 
 pytestmark = pytest.mark.slow  # trains with the recipe in a subprocess per family
 
@@ -137,6 +142,44 @@ def test_export_bf16_and_the_latest_step_of_a_run_dir(checkpoint: Path, tmp_path
         export_hf.export(checkpoint, out)
     export_hf.export(checkpoint, out, overwrite=True)
     assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_export_names_the_tokenizers_token_ids(checkpoint: Path, tmp_path: Path) -> None:
+    """generate stops on our eos: without the ids transformers takes the architecture's (Llama's
+    eos 2, our pad)."""
+    out = export_hf.export(checkpoint, tmp_path / "hf")
+    meta = read_tokenizer_meta(run_tokenizer_dir(checkpoint))  # the data pipeline's meta.json
+    ids = {"bos_token_id": meta["bos_id"], "eos_token_id": meta["eos_id"], "pad_token_id": meta["pad_id"]}
+    for name in ("config.json", "generation_config.json"):
+        written = json.loads((out / name).read_text())
+        assert {key: written.get(key) for key in ids} == ids, name
+    assert GenerationConfig.from_pretrained(out).eos_token_id == meta["eos_id"]
+    assert AutoTokenizer.from_pretrained(out).eos_token_id == meta["eos_id"]
+
+
+@pytest.mark.parametrize(("name", "released"), [("deepseek_llm", (100000, 100001, 100001)),
+                                                 ("deepseek_v3", (0, 1, 1))])
+def test_released_tokenizers_ids_as_in_their_configs(name: str, released: tuple, tmp_path: Path) -> None:
+    """A released tokenizer's files (AddedToken dicts, the eos as pad) give its config.json's ids;
+    without a bos, config.json says null (not Llama's default 1) and generation_config.json nothing."""
+    path = reference_file()
+    if path is None:
+        pytest.skip("shared/reference/deepseek_tokenizers.json not found above the repository")
+    spec = json.loads(path.read_text(encoding="utf-8"))[name]
+    tokenizer = {"model": {"type": "BPE", "vocab": {}}, "added_tokens": spec["added_tokens"]}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(spec["tokenizer_config"]))
+    (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    write_token_ids(tmp_path, hf_token_ids(tmp_path))
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == released
+    assert GenerationConfig.from_pretrained(tmp_path).eos_token_id == released[1]
+
+    del spec["tokenizer_config"]["bos_token"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(spec["tokenizer_config"]))
+    write_token_ids(tmp_path, hf_token_ids(tmp_path))
+    assert json.loads((tmp_path / "config.json").read_text())["bos_token_id"] is None
+    assert "bos_token_id" not in json.loads((tmp_path / "generation_config.json").read_text())
 
 
 def test_bad_inputs_give_clear_errors(tmp_path: Path) -> None:

@@ -3,7 +3,9 @@
 The model is rebuilt from the checkpoint's ``config.yaml``, its weights read from the safetensors
 shards (whatever layout wrote them) and written by :func:`dsl_lit.hf.save_pretrained`; the run's
 tokenizer files go beside them, so ``AutoTokenizer`` and ``AutoModelForCausalLM`` both load the
-directory. It appears only once complete.
+directory, and their bos/eos/pad ids go into config.json and generation_config.json
+(:mod:`dsl_lit.hf.token_ids`), so that ``generate`` stops on the tokenizer's eos. It appears only
+once complete.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dsl_lit.config.errors import ConfigError
 from dsl_lit.data.format import TOKENIZER_DIR
 from dsl_lit.data.tokenizer_dir import TOKENIZER_FILES
 from dsl_lit.hf.io import resolve_dtype, save_pretrained
+from dsl_lit.hf.token_ids import hf_token_ids, write_token_ids
 from dsl_lit.utils.fs import publish_dir
 
 log = logging.getLogger(__name__)
@@ -84,6 +87,7 @@ def export(
         save_pretrained(model, tmp, dtype=dtype, max_shard_size=max_shard_size, fp8=fp8)
         if tokenizer is not None:
             copy_tokenizer_files(tokenizer, tmp)
+            write_token_ids(tmp, hf_token_ids(tmp))
         else:
             log.warning("the run's tokenizer is gone: %s has no tokenizer files (copy them in by hand)", out)
     except BaseException:
