@@ -3,6 +3,8 @@ and as deep as asked, and the score separates a model that retrieves from one th
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import random
 from pathlib import Path
@@ -14,14 +16,14 @@ from torch import nn
 
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.passkey import PasskeyConfig
-from dsl_lit.data.passkey import CORPORA, KEY_DIGITS, SHIPPED_DIR, write_corpus
+from dsl_lit.data.passkey import CORPORA, KEY_LENGTH, SHIPPED_DIR, write_corpus
 from dsl_lit.evaluation.passkey import passkey_accuracy, passkey_prompt, with_context
 from dsl_lit.models import ModelConfig, build_model
 
 
 def word_tokenizer() -> Tokenizer:
     """Every word, digit and punctuation mark of the passkey texts is one token."""
-    texts = [t for corpus in CORPORA.values() for t in corpus.texts()[:50]]
+    texts = [t for corpus in CORPORA.values() for t in dataclasses.replace(corpus, documents=50).texts()]
     splitter = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Digits(individual_digits=True),
                                         pre_tokenizers.Punctuation()])
     words = sorted({w for text in texts for w, _ in splitter.pre_tokenize_str(text)})
@@ -31,8 +33,8 @@ def word_tokenizer() -> Tokenizer:
 
 
 class Retriever(nn.Module):
-    """Logits of a model that retrieves perfectly: after the question's colon it writes the digits
-    that follow the first colon (or, with ``wrong``, those digits shifted by one)."""
+    """Logits of a model that retrieves perfectly: after the question's colon it writes the words
+    that follow the first colon (or, with ``wrong``, the next ids in the vocabulary)."""
 
     def __init__(self, tokenizer: Tokenizer, wrong: bool = False) -> None:
         super().__init__()
@@ -42,7 +44,7 @@ class Retriever(nn.Module):
         logits = torch.zeros(*tokens.shape, self.vocab)
         row = tokens[0].tolist()
         first, last = row.index(self.colon), len(row) - 1 - row[::-1].index(self.colon)
-        for i in range(KEY_DIGITS):
+        for i in range(KEY_LENGTH):
             if last + i < len(row):
                 logits[0, last + i, row[first + 1 + i] + (1 if self.wrong else 0)] = 1.0
         return logits
@@ -54,13 +56,18 @@ def test_shipped_corpora_are_what_the_generator_writes(tmp_path: Path) -> None:
         assert write_corpus(corpus, tmp_path).read_bytes() == shipped.read_bytes(), corpus.name
 
 
+@functools.cache
+def _tokenizer() -> Tokenizer:
+    return word_tokenizer()
+
+
 @pytest.mark.parametrize("length", [64, 128, 512, 2048])
 @pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
 def test_prompts_fill_the_length_with_the_key_at_the_depth(length: int, depth: float) -> None:
-    tokenizer = word_tokenizer()
+    tokenizer = _tokenizer()
     prompt = passkey_prompt(tokenizer, random.Random(0), length, depth)
     assert length - 16 < len(prompt.tokens) <= length  # within one filler sentence of the length
-    assert prompt.answer_len == KEY_DIGITS
+    assert prompt.answer_len == KEY_LENGTH
     text = tokenizer.decode(prompt.tokens[prompt.key_position:prompt.key_position + 3])
     assert text.split()[:2] == ["Pass", "key"]
     filler = len(prompt.tokens) - 40  # the key sentence and question take ~40 tokens
@@ -68,7 +75,7 @@ def test_prompts_fill_the_length_with_the_key_at_the_depth(length: int, depth: f
 
 
 def test_accuracy_separates_retrieval_from_a_near_miss() -> None:
-    tokenizer = word_tokenizer()
+    tokenizer = _tokenizer()
     lengths, depths = [96, 400], [0.0, 0.5, 1.0]
     perfect = passkey_accuracy(Retriever(tokenizer), tokenizer, lengths, depths, per_depth=4)
     assert all(a == 1.0 for row in perfect.values() for a in row.values())

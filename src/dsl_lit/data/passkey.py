@@ -28,7 +28,20 @@ FILLER = (
 )
 """Sentences the needle hides among: drawn at random, so the filler itself cannot be memorised
 position by position, but cheap to predict once seen."""
-KEY_DIGITS = 5
+KEY_WORDS = (
+    "amber apple arrow basket bell berry blade bread brick bridge candle canyon castle cedar chain chalk "
+    "cherry cloud clover comet copper coral cotton crown crystal daisy desert diamond dragon eagle ember "
+    "falcon feather fern flame forest fountain garden garnet ginger glacier granite harbor hazel helmet "
+    "hollow honey island ivory jacket jasmine jungle kettle lantern lemon lily linen lizard magnet maple "
+    "marble meadow mirror moon needle nickel oak ocean olive orange orchid otter panther parrot pearl "
+    "pepper pillow pine planet plum pocket prism quartz rabbit raven ribbon robin rocket saddle "
+    "salmon silver slate spider spruce star stone storm sugar summit thunder tiger timber topaz tulip "
+    "valley velvet violet walnut willow winter wizard wolf"
+).split()
+"""The key is KEY_LENGTH of these words. Words, not digits: with ten symbols, copying a random
+number needs the model to track its place within the number (a digit recurs), which a tiny model
+does not learn in a CPU-sized run; a word rarely recurs within a key, so one induction head copies it."""
+KEY_LENGTH = 4
 QUESTION = " What is the pass key? Pass key:"
 """The answer follows a colon, which only the key sentence and the question contain: the copy
 that retrieval needs is keyed on one token (as a word that the filler also uses would not be)."""
@@ -39,7 +52,7 @@ def key_sentence(key: str) -> str:
 
 
 def random_key(rng: random.Random) -> str:
-    return "".join(rng.choice("0123456789") for _ in range(KEY_DIGITS))
+    return " ".join(rng.choice(KEY_WORDS) for _ in range(KEY_LENGTH))
 
 
 def filler(rng: random.Random, n: int) -> str:
@@ -60,12 +73,12 @@ def prompt_text(rng: random.Random, n_before: int, n_after: int, key: str) -> st
     return (filler(rng, n_before) + key_sentence(key) + filler(rng, n_after) + QUESTION).lstrip()
 
 
-def copy_document(rng: random.Random, n_digits: int) -> str:
-    """A random number written twice: half of its digits can be predicted only by copying. A
-    small model learns to copy (an induction head) long before it would from passkey documents
-    alone, where a tenth of the tokens reward it."""
-    number = "".join(rng.choice("0123456789") for _ in range(n_digits))
-    return f"Number: {number}. Again: {number}."
+def copy_document(rng: random.Random, n_words: int) -> str:
+    """Random key words written twice: half of them can be predicted only by copying, where a
+    passkey document rewards copying in a tenth of its tokens. They teach a small model to copy
+    (an induction head) sooner."""
+    words = " ".join(rng.choice(KEY_WORDS) for _ in range(n_words))
+    return f"Words: {words}. Again: {words}."
 
 
 @dataclass(frozen=True)
@@ -82,7 +95,7 @@ class PasskeyCorpus:
 
     def texts(self) -> list[str]:
         rng = random.Random(self.seed)
-        return [copy_document(rng, rng.randint(8, 32)) if rng.random() < self.copy_share
+        return [copy_document(rng, rng.randint(4, 16)) if rng.random() < self.copy_share
                 else document(rng, rng.randint(self.min_filler, self.max_filler)) for _ in range(self.documents)]
 
 

@@ -1,7 +1,7 @@
 """Passkey retrieval accuracy of a model at given context lengths and key depths.
 
-A prompt of about ``length`` tokens hides a five-digit key at ``depth`` (0: the start, 1: just
-before the question); it is retrieved when greedy decoding writes all five digits. One forward
+A prompt of about ``length`` tokens hides a key (four words) at ``depth`` (0: the start, 1: just
+before the question); it is retrieved when greedy decoding writes the whole key. One forward
 pass decides it: with the answer appended, greedy decoding writes the answer exactly when the
 argmax at each answer position is the next answer token (teacher forcing is greedy decoding
 along the right path), so a prompt costs one forward, not five.
@@ -26,7 +26,7 @@ from dsl_lit.models import Transformer, build_model
 @dataclass
 class PasskeyPrompt:
     tokens: list[int]
-    """Prompt then answer (the key's digits)."""
+    """Prompt then answer (the key's tokens)."""
     answer_len: int
     key_position: int
     """Token index where the key sentence starts (its distance to the question is what is tested)."""
@@ -37,17 +37,25 @@ def passkey_prompt(tokenizer: Tokenizer, rng: random.Random, length: int, depth:
     after ``depth`` of its filler."""
     key = random_key(rng)
     answer = tokenizer.encode(" " + key, add_special_tokens=False).ids
-    sentences, best = 0, None
-    while True:  # grow the filler one sentence at a time until the next one would not fit
-        n_before, seed = round(depth * (sentences + 1)), rng.random()
-        ids = tokenizer.encode(prompt_text(random.Random(seed), n_before, sentences + 1 - n_before, key),
-                               add_special_tokens=False).ids
-        if len(ids) + len(answer) > length:
-            break
-        best, sentences = (ids, n_before, seed), sentences + 1
-    if best is None:
+    seed = rng.random()
+
+    def encoded(sentences: int) -> tuple[list[int], int]:
+        n_before = round(depth * sentences)  # the same draws for every count: longer with each one
+        text = prompt_text(random.Random(seed), n_before, sentences - n_before, key)
+        return tokenizer.encode(text, add_special_tokens=False).ids, n_before
+
+    def fits(sentences: int) -> bool:
+        return len(encoded(sentences)[0]) + len(answer) <= length
+
+    if not fits(1):
         raise ValueError(f"length={length} tokens cannot hold a passkey prompt")
-    ids, n_before, seed = best
+    low, high = 1, 2
+    while fits(high):
+        low, high = high, 2 * high
+    while high - low > 1:  # the most filler sentences that fit: low fits, high does not
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    ids, n_before = encoded(low)
     before = filler(random.Random(seed), n_before).lstrip()
     position = len(tokenizer.encode(before, add_special_tokens=False).ids) if n_before else 0
     return PasskeyPrompt(ids + answer, len(answer), position)
