@@ -111,3 +111,16 @@ def test_a_bad_config_prints_one_line_and_exits_2():
         assert result.stderr.strip().splitlines() == [result.stderr.strip().splitlines()[0]]
         assert result.stderr.startswith(message), result.stderr
         assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_hydra_full_error_keeps_the_traceback_of_a_config_error():
+    import os
+    import sys
+
+    from tests.conftest import ROOT
+
+    result = run_python([sys.executable, str(ROOT / "recipes" / "pretrain.py"), "optim.lr=-1"], cwd=ROOT,
+                        env={**os.environ, "HYDRA_FULL_ERROR": "1"}, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" in result.stderr and "ConfigError" in result.stderr, result.stderr[-2000:]
+    assert "optim.lr=-1 must be > 0" in result.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -45,7 +46,7 @@ def exits_on_config_error(main: F) -> F:
             return main(*args, **kwargs)
         except ConfigError as error:
             if os.environ.get("HYDRA_FULL_ERROR") == "1":
-                raise
+                traceback.print_exc()  # kept for debugging; the exit code stays that of a config error
             print(f"error: {error}", file=sys.stderr)
             raise SystemExit(2) from None
 
