@@ -5,13 +5,13 @@ scaling; the passkey recipe scores the result."""
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from dsl_lit.checkpoint.reader import find_checkpoint, read_model_weights
 from dsl_lit.data.passkey import PasskeyCorpus, write_corpus
 from tests.forked_python import run_python
 from tests.test_pretrain_e2e import ROOT, losses
@@ -47,14 +47,18 @@ def test_stages_start_from_the_previous_stage_at_their_own_length(tmp_path: Path
                f"data.tokenizer_dir={tmp_path / 'cache_short' / 'tokenizer'}")
 
     base_model, stage_model = _stage_config(base), _stage_config(stage)
-    assert (base_model["max_seq_len"], base_model["rope_scaling"]) == (128, None)
+    assert (base_model["max_seq_len"], base_model.get("rope_scaling")) == (128, None)
     assert stage_model["n_layers"] == 2 and stage_model["vocab_size"] == 1024
     assert stage_model["max_seq_len"] == 512
     assert stage_model["rope_scaling"]["factor"] == 4 and stage_model["rope_scaling"]["original_max_seq_len"] == 128
-    # trained weights: the stage's first loss is near the base's last, far below a fresh model's ln(vocab)
+    # the base's weights: two AdamW steps at lr 2e-4 move no weight more than ~1.3 lr each (a fresh
+    # init would differ from the base by ~0.006 per weight, and by several times that at the most)
+    trained, extended = (read_model_weights(find_checkpoint(run)) for run in (base, stage))
+    assert trained.keys() == extended.keys()
+    moved = max((extended[k] - trained[k]).abs().max().item() for k in trained if not k.endswith("expert_bias"))
+    assert moved < 5 * 2e-4 * 2, moved
     first, last = float(losses(stage)[0]), float(list(losses(base).values())[-1])
-    assert first < 0.6 * math.log(1024), (first, last)
-    assert first < last + 1.0, (first, last)
+    assert first < last + 1.0, (first, last)  # longer documents of the same kind
 
     out = tmp_path / "passkey"
     result = run_python([sys.executable, str(ROOT / "recipes" / "passkey.py"), f"checkpoint={stage}",
