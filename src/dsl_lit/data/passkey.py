@@ -38,10 +38,11 @@ KEY_WORDS = (
     "salmon silver slate spider spruce star stone storm sugar summit thunder tiger timber topaz tulip "
     "valley velvet violet walnut willow winter wizard wolf"
 ).split()
-"""The key is KEY_LENGTH of these words. Words, not digits: with ten symbols, copying a random
-number needs the model to track its place within the number (a digit recurs), which a tiny model
-does not learn in a CPU-sized run; a word rarely recurs within a key, so one induction head copies it."""
-KEY_LENGTH = 4
+"""The key is KEY_LENGTH of these words (chance: 1 in 112). Not digits: copying a random number
+needs the model to track its place within the number (digits recur), and retrieval itself appears
+late in a tiny model (a plain 2-layer transformer on single-token retrieval with batch 16 x 128:
+0% for 1,100 steps, then 80% by step 1,500), so a CPU-sized run can afford only the simplest key."""
+KEY_LENGTH = 1
 QUESTION = " What is the pass key? Pass key:"
 """The answer follows a colon, which only the key sentence and the question contain: the copy
 that retrieval needs is keyed on one token (as a word that the filler also uses would not be)."""
