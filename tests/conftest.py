@@ -17,6 +17,14 @@ import dsl_lit.training.build  # noqa: F401  (registers the ${project_root:} res
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
+# Context-extension stages pack their data with the previous stage's tokenizer (the token ids its
+# weights were trained on), which a fresh checkout has not built yet: composition tests drop it.
+AFTER_A_STAGE = {"experiment=cpu_context_512": "data.tokenizer_dir=null",
+                 "experiment=cpu_context_2048": "data.tokenizer_dir=null"}
+
+
+def with_stage_inputs(overrides: list[str]) -> list[str]:
+    return overrides + [AFTER_A_STAGE[o] for o in overrides if o in AFTER_A_STAGE]
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")

@@ -9,7 +9,7 @@ import pytest
 
 from dsl_lit.config import TrainConfig
 from dsl_lit.config.errors import ConfigError
-from tests.conftest import CONF, ROOT, compose_config
+from tests.conftest import CONF, ROOT, compose_config, with_stage_inputs
 from tests.forked_python import run_python
 
 
@@ -25,7 +25,7 @@ def test_default_config_is_the_cpu_demo():
 
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (CONF / "experiment").glob("*.yaml")))
 def test_every_experiment_composes_and_validates(experiment):
-    cfg = TrainConfig.from_hydra(compose_config(overrides=[f"experiment={experiment}"]))
+    cfg = TrainConfig.from_hydra(compose_config(overrides=with_stage_inputs([f"experiment={experiment}"])))
     assert cfg.trainer.max_steps > 0
 
 

@@ -38,8 +38,8 @@ def test_stages_start_from_the_previous_stage_at_their_own_length(tmp_path: Path
     for corpus in (short, medium):
         write_corpus(corpus, tmp_path / "corpora")
     base, stage = tmp_path / "base", tmp_path / "stage"
-    # stage 0, made smaller (2 layers): the stage must take this architecture, not its preset's 4 layers
-    _run(base, *COMMON, "experiment=cpu_context_128", "+model.n_layers=2", "trainer.max_steps=8",
+    # stage 0 (2 layers): the stage must take this architecture, not its own preset's (4 layers)
+    _run(base, *COMMON, "experiment=cpu_context_128", "trainer.max_steps=8",
                "data.global_batch_size=8", f"data.corpus_dir={tmp_path / 'corpora' / 'short'}",
                f"data.cache_dir={tmp_path / 'cache_short'}", "schedule.warmup_steps=2")
     _run(stage, *COMMON, "experiment=cpu_context_512", f"init_from={base}", "trainer.max_steps=2",

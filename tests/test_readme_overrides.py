@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 
 import dsl_lit.training.build  # noqa: F401  (registers ${project_root:})
 from dsl_lit.config import TrainConfig
-from tests.conftest import ROOT
+from tests.conftest import ROOT, with_stage_inputs
 
 
 def _readme_pretrain_commands() -> list[list[str]]:
@@ -38,6 +38,6 @@ def test_the_readme_shows_pretraining_commands():
 @pytest.mark.parametrize("overrides", COMMANDS, ids=[" ".join(c) or "(defaults)" for c in COMMANDS])
 def test_readme_command_validates(overrides):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="pretrain", overrides=overrides)
+        cfg = compose(config_name="pretrain", overrides=with_stage_inputs(overrides))
     train = TrainConfig.from_hydra(cfg, run_dir="unused")
     assert train.layout.dp * train.layout.cp * train.layout.tp * train.layout.pp == train.world_size
