@@ -40,7 +40,7 @@ def test_stages_start_from_the_previous_stage_at_their_own_length(tmp_path: Path
     base, stage = tmp_path / "base", tmp_path / "stage"
     # stage 0 (2 layers): the stage must take this architecture, not its own preset's (4 layers)
     _run(base, *COMMON, "experiment=cpu_context_128", "trainer.max_steps=8",
-               "data.global_batch_size=8", f"data.corpus_dir={tmp_path / 'corpora' / 'short'}",
+               "data.global_batch_size=8", "data.micro_batch_size=8", f"data.corpus_dir={tmp_path / 'corpora' / 'short'}",
                f"data.cache_dir={tmp_path / 'cache_short'}", "schedule.warmup_steps=2")
     _run(stage, *COMMON, "experiment=cpu_context_512", f"init_from={base}", "trainer.max_steps=2",
                f"data.corpus_dir={tmp_path / 'corpora' / 'medium'}", f"data.cache_dir={tmp_path / 'cache_medium'}",
