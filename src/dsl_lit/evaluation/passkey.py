@@ -1,10 +1,10 @@
 """Passkey retrieval accuracy of a model at given context lengths and key depths.
 
-A prompt of about ``length`` tokens hides a key (four words) at ``depth`` (0: the start, 1: just
+A prompt of about ``length`` tokens hides a key (``KEY_LENGTH`` words) at ``depth`` (0: the start, 1: just
 before the question); it is retrieved when greedy decoding writes the whole key. One forward
 pass decides it: with the answer appended, greedy decoding writes the answer exactly when the
 argmax at each answer position is the next answer token (teacher forcing is greedy decoding
-along the right path), so a prompt costs one forward, not five.
+along the right path), so a prompt costs one forward, not one per answer token.
 """
 
 from __future__ import annotations
