@@ -139,9 +139,11 @@ def main() -> None:
     layers["transformers DeepseekV3MoE"] = hf_moe_from_ours(layers["ours (grouped_mm)"], theirs.config).train()
     x = torch.randn(args.batch, args.seq, args.hidden, requires_grad=True, dtype=dtype)
     with torch.no_grad():
+        for layer in layers.values():
+            layer.to(dtype)  # every layer in the input's dtype, the reference loop included
         reference = layers["ours (loop)"](x)
         for name, layer in layers.items():
-            err = (layer.to(dtype)(x) - reference).abs().max().item()
+            err = (layer(x) - reference).abs().max().item()
             assert err < (1e-4 if dtype == torch.float32 else 5e-2), f"{name} differs from the loop by {err}"
     medians = interleaved_medians({name: layer_step(layer, x) for name, layer in layers.items()}, args.repeats)
     base = medians["ours (loop)"]
