@@ -76,8 +76,8 @@ def prompt_text(rng: random.Random, n_before: int, n_after: int, key: str) -> st
 
 def copy_document(rng: random.Random, n_words: int) -> str:
     """Random key words written twice: half of them can be predicted only by copying, where a
-    passkey document rewards copying in a tenth of its tokens. They teach a small model to copy
-    (an induction head) sooner."""
+    passkey document rewards copying in a tenth of its tokens. Meant to teach a small model to copy
+    (an induction head) sooner; in our 2,500-step runs it had not yet learned to."""
     words = " ".join(rng.choice(KEY_WORDS) for _ in range(n_words))
     return f"Words: {words}. Again: {words}."
 

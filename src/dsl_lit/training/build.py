@@ -77,7 +77,7 @@ def starting_weights(cfg: TrainConfig, source: str | None) -> StartingWeights | 
     if extension:
         log.info("init_from=%s with this run's %s", source, ", ".join(f"model.{k}={v}" for k, v in extension.items()))
     group.update(extension)
-    values = dict(group)
+    values = dict(group)  # from_name takes the fields without the preset name
     cfg.model = ModelConfig.from_name(values.pop("name"), **values)
     cfg.raw["model"], cfg.raw["init_from"], cfg.init_from = group, str(source), str(source)
     cfg.validate()
