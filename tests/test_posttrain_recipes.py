@@ -121,6 +121,8 @@ def test_grpo_recipe_under_tensor_then_pipeline_parallel_with_resume(sft_run, tm
     assert len(expected) == 2  # two rollouts, two optimizer steps (mu) each
     first = expected[min(expected)]
     assert 0 < first["reward/std"] and first["train/kl"] >= 0 and 0 < first["completion/length"] <= 16
+    # pass@G: a group is solved when any of its completions is right, so it bounds the mean accuracy
+    assert all(r["reward/accuracy"] <= r["reward/accuracy_pass_at_group"] <= 1 for r in expected.values())
     assert any(r["train/kl"] > 0 for r in expected.values())  # the policy moved away from the reference
     # tensor parallel for the first rollout (mu=2 steps), checkpoint at step 2; then the same run dir
     # resumes as a 2-stage pipeline for the second rollout

@@ -18,6 +18,7 @@ import torch
 from data_pipeline.sources import load_documents
 from data_pipeline.train_tokenizer import tokenizer_spec, train_tokenizer
 from dsl_lit.config import TrainConfig
+from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.config.posttrain import TaskConfig
 from dsl_lit.data.arithmetic import problems
@@ -133,6 +134,27 @@ def test_generated_task_is_deterministic_and_valid():
     for p in first:
         a, op, b = p["question"].split()
         assert int(p["answer"]) == (int(a) + int(b) if op == "+" else int(a) * int(b))
+
+
+def test_largest_problems_and_their_count():
+    cfg = TaskConfig(num_problems=300, max_operand=9, operations=["largest", "+"], list_length=5, seed=1)
+    kinds = {"largest": 0, "+": 0}
+    for p in problems(cfg):
+        if p["question"].startswith("the largest of "):
+            numbers = [int(n) for n in p["question"].removeprefix("the largest of ").split()]
+            assert len(numbers) == 5 and p["answer"] == str(max(numbers))
+            kinds["largest"] += 1
+        else:
+            kinds["+"] += 1
+    assert min(kinds.values()) > 50
+    assert TaskConfig(max_operand=9, operations=["largest", "+"], list_length=5).available() == 10**5 + 100
+    # adding an operation leaves the draws of the others as they were
+    binary = TaskConfig(num_problems=50, max_operand=9, operations=["+", "*"], seed=3)
+    assert [p["question"] for p in problems(binary)[:3]] == ["3 + 9", "5 * 9", "9 + 1"]  # as drawn before largest existed
+    with pytest.raises(ConfigError, match=r"task.list_length=1 must be >= 2"):
+        TaskConfig(operations=["largest"], list_length=1).validate()
+    with pytest.raises(ConfigError, match=r"task.num_problems=101 must be in \[1, 100\]"):
+        TaskConfig(operations=["largest"], max_operand=9, list_length=2, num_problems=101).validate()
 
 
 # -- released tokenizers: their own chat template ---------------------------------------------------

@@ -18,8 +18,9 @@ GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 ADVANTAGE_SCALES = ("group", "batch", "none")
 REWARDS = ("accuracy", "format", "language")
 """Names of the rule rewards (``dsl_lit.posttrain.rewards.REWARD_FUNCTIONS`` has one function per name)."""
-TASK_OPERATIONS = ("+", "-", "*")
-"""Operations the generated arithmetic task can draw (``dsl_lit.data.arithmetic``)."""
+TASK_OPERATIONS = ("+", "-", "*", "largest")
+"""Operations the generated arithmetic task can draw (``dsl_lit.data.arithmetic``): binary ones on two
+operands, ``largest`` over ``task.list_length`` of them."""
 
 
 @dataclass
@@ -31,8 +32,15 @@ class TaskConfig:
     eval_problems: int = 64
     max_operand: int = 20
     operations: list[str] = field(default_factory=lambda: ["+", "-"])
+    list_length: int = 4
+    """Numbers in a ``largest`` problem."""
     seed: int = 0
     language: str = "en"
+
+    def available(self) -> int:
+        """How many distinct problems the operations and operand range allow."""
+        values = self.max_operand + 1
+        return sum(values ** (self.list_length if op == "largest" else 2) for op in self.operations)
 
     def validate(self) -> TaskConfig:
         if self.name != "arithmetic":
@@ -42,7 +50,9 @@ class TaskConfig:
             raise ConfigError(f"task.operations={self.operations} must be a non-empty subset of {list(TASK_OPERATIONS)}")
         if self.max_operand < 1:
             raise ConfigError(f"task.max_operand={self.max_operand} must be >= 1")
-        available = (self.max_operand + 1) ** 2 * len(self.operations)
+        if self.list_length < 2:
+            raise ConfigError(f"task.list_length={self.list_length} must be >= 2")
+        available = self.available()
         if not 0 < self.num_problems <= available:
             raise ConfigError(f"task.num_problems={self.num_problems} must be in [1, {available}] (distinct "
                               f"problems with operands up to task.max_operand={self.max_operand})")

@@ -1,8 +1,9 @@
 """A generated, verifiable task: integer arithmetic with R1-style answers.
 
 Why generated: no dataset can be downloaded here, and GRPO needs prompts whose answers a rule can
-check. Every problem is ``a op b`` with operands up to ``max_operand``; its reference reply is
-``<think>a op b = c</think><answer>c</answer>``, which the SFT/cold-start data, the preference pairs
+check. Every problem is ``a op b`` with operands up to ``max_operand`` (or ``the largest of a b c d``,
+``list_length`` of them: a skill rather than a table of facts, so held-out problems test what was
+learned, not what was memorised); its reference reply is ``<think>a op b = c</think><answer>c</answer>``, which the SFT/cold-start data, the preference pairs
 (a wrong result as the rejected reply) and the accuracy reward all derive from. Deterministic from
 the seed; problems are distinct, and the last ``eval_problems`` of them are held out.
 """
@@ -20,15 +21,21 @@ OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b
 def problems(cfg: TaskConfig) -> list[dict[str, Any]]:
     """Distinct problems: ``{"question", "answer", "checker", "language"}``, deterministic in the seed."""
     rng = random.Random(cfg.seed)
-    seen: set[tuple[int, str, int]] = set()
+    seen: set[tuple[str, tuple[int, ...]]] = set()
     out: list[dict[str, Any]] = []
     while len(out) < cfg.num_problems:
         a, b, op = rng.randint(0, cfg.max_operand), rng.randint(0, cfg.max_operand), rng.choice(cfg.operations)
-        if (a, op, b) in seen:
+        numbers = (a, b)
+        if op == "largest":
+            numbers += tuple(rng.randint(0, cfg.max_operand) for _ in range(cfg.list_length - 2))
+        if (op, numbers) in seen:
             continue
-        seen.add((a, op, b))
-        out.append({"question": f"{a} {op} {b}", "answer": str(OPERATIONS[op](a, b)), "checker": "numeric",
-                    "language": cfg.language})
+        seen.add((op, numbers))
+        if op == "largest":
+            question, answer = "the largest of " + " ".join(map(str, numbers)), max(numbers)
+        else:
+            question, answer = f"{numbers[0]} {op} {numbers[1]}", OPERATIONS[op](*numbers)
+        out.append({"question": question, "answer": str(answer), "checker": "numeric", "language": cfg.language})
     return out
 
 

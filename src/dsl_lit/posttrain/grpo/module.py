@@ -133,6 +133,9 @@ class GRPOModule(PostTrainModule):
                       "completion/ended": ended.sum().item() / len(ended),
                       "perf/generation_s": time.perf_counter() - start})
         stats.update({f"reward/{name}": value.mean().item() for name, value in sampled.parts.items()})
+        if "accuracy" in sampled.parts:  # pass@G: what RL can sharpen pass@1 towards
+            solved = sampled.parts["accuracy"].view(sampled.num_groups, sampled.group_size).amax(1) > 0
+            stats["reward/accuracy_pass_at_group"] = solved.float().mean().item()
         return rollout, stats
 
     # -- the loss ------------------------------------------------------------------------------
