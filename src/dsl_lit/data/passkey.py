@@ -40,8 +40,8 @@ KEY_WORDS = (
 ).split()
 """The key is KEY_LENGTH of these words (chance: 1 in 112). Not digits: copying a random number
 needs the model to track its place within the number (digits recur), and retrieval itself appears
-late in a tiny model (a plain 2-layer transformer on single-token retrieval with batch 16 x 128:
-0% for 1,100 steps, then 80% by step 1,500), so a CPU-sized run can afford only the simplest key."""
+late in a tiny model (``experiment=cpu_context_128``: none by step 1,000, 73% by step 1,250), so a
+CPU-sized run can afford only the simplest key."""
 KEY_LENGTH = 1
 QUESTION = " What is the pass key? Pass key:"
 """The answer follows a colon, which only the key sentence and the question contain: the copy
@@ -77,7 +77,9 @@ def prompt_text(rng: random.Random, n_before: int, n_after: int, key: str) -> st
 def copy_document(rng: random.Random, n_words: int) -> str:
     """Random key words written twice: half of them can be predicted only by copying, where a
     passkey document rewards copying in a tenth of its tokens. Meant to teach a small model to copy
-    (an induction head) sooner; in our 2,500-step runs it had not yet learned to."""
+    (an induction head) sooner. Measured with ``experiment=cpu_context_128``: by step 1,250 the model
+    retrieves 73% of passkeys but copies only 13% of these words, so the passkey documents carry most
+    of what it learns."""
     words = " ".join(rng.choice(KEY_WORDS) for _ in range(n_words))
     return f"Words: {words}. Again: {words}."
 
