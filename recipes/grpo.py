@@ -38,7 +38,8 @@ def main(hydra_cfg: DictConfig) -> None:
     init_from = None
     resuming = latest_checkpoint(run_dir / "checkpoints") is not None
     if not hydra_cfg.get("init_from") and hydra_cfg.grpo.cold_start_steps and not resuming:
-        init_from = str(cold_start_sft(hydra_cfg, run_dir, hydra_cfg.grpo.cold_start_steps, hydra_cfg.grpo.cold_start_lr))
+        grpo = hydra_cfg.grpo
+        init_from = str(cold_start_sft(hydra_cfg, run_dir, grpo.cold_start_steps, grpo.cold_start_lr, grpo.cold_start_shortcut))
     setup = setup_posttrain(hydra_cfg, str(run_dir), init_from=init_from)
     cfg, post, tokenizer = setup.cfg, setup.post, setup.tokenizer
     L.seed_everything(cfg.trainer.seed, workers=True)

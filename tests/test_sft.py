@@ -20,7 +20,7 @@ from data_pipeline.train_tokenizer import tokenizer_spec, train_tokenizer
 from dsl_lit.config import TrainConfig
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
-from dsl_lit.config.posttrain import TaskConfig
+from dsl_lit.config.posttrain import GRPOConfig, TaskConfig
 from dsl_lit.data.arithmetic import problems
 from dsl_lit.data.chat import ChatTokenizer
 from dsl_lit.data.conversations import task_conversations
@@ -136,7 +136,7 @@ def test_generated_task_is_deterministic_and_valid():
         assert int(p["answer"]) == (int(a) + int(b) if op == "+" else int(a) * int(b))
 
 
-def test_largest_problems_and_their_count():
+def test_largest_problems_their_count_and_a_cold_start_with_shortcuts():
     cfg = TaskConfig(num_problems=300, max_operand=9, operations=["largest", "+"], list_length=5, seed=1)
     kinds = {"largest": 0, "+": 0}
     for p in problems(cfg):
@@ -151,6 +151,20 @@ def test_largest_problems_and_their_count():
     # adding an operation leaves the draws of the others as they were
     binary = TaskConfig(num_problems=50, max_operand=9, operations=["+", "*"], seed=3)
     assert [p["question"] for p in problems(binary)[:3]] == ["3 + 9", "5 * 9", "9 + 1"]  # as drawn before largest existed
+    # an imperfect cold start: a share of the replies answer with the question's last number
+    task = TaskConfig(num_problems=400, eval_problems=0, max_operand=9, operations=["largest"])
+    right = task_conversations(task)
+    assert right == task_conversations(task, shortcut_share=0.0)
+    mixed = task_conversations(task, shortcut_share=0.6)
+    assert mixed == task_conversations(task, shortcut_share=0.6)  # drawn from the task's seed
+    answers = [(p["answer"], p["question"].split()[-1], c[1]["content"]) for p, c in zip(problems(task), mixed)]
+    differs = [(a, last, reply) for a, last, reply in answers if a != last]
+    shortcut = sum(reply.endswith(f"<answer>{last}</answer>") for _, last, reply in differs)
+    assert all(reply.endswith(f"<answer>{a}</answer>") or reply.endswith(f"<answer>{last}</answer>")
+               for a, last, reply in differs)
+    assert 0.5 < shortcut / len(differs) < 0.7, shortcut / len(differs)
+    with pytest.raises(ConfigError, match=r"grpo.cold_start_shortcut=1.0 must be in \[0, 1\)"):
+        GRPOConfig(cold_start_shortcut=1.0).validate()
     with pytest.raises(ConfigError, match=r"task.list_length=1 must be >= 2"):
         TaskConfig(operations=["largest"], list_length=1).validate()
     with pytest.raises(ConfigError, match=r"task.num_problems=101 must be in \[1, 100\]"):

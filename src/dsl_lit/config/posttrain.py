@@ -185,6 +185,9 @@ class GRPOConfig:
     """Without init_from: first SFT the random model this many steps on the task's reference
     replies (R1's cold start), then run GRPO from it; 0 starts GRPO from the random model."""
     cold_start_lr: float = 3e-3
+    cold_start_shortcut: float = 0.0
+    """Share of the cold start's replies that answer by the task's shortcut rule (the question's last
+    number) instead of the right answer: an imperfect cold start, as real ones are."""
     eval_every_n_steps: int = 0
     """Greedy accuracy on the held-out problems every N steps (0: only at the start and the end)."""
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
@@ -213,6 +216,8 @@ class GRPOConfig:
             raise ConfigError(f"grpo.rewards={self.rewards} must give a non-zero weight to some of {sorted(REWARDS)}")
         if self.cold_start_lr <= 0:
             raise ConfigError(f"grpo.cold_start_lr={self.cold_start_lr} must be > 0")
+        if not 0 <= self.cold_start_shortcut < 1:
+            raise ConfigError(f"grpo.cold_start_shortcut={self.cold_start_shortcut} must be in [0, 1)")
         for name in ("ref_refresh_steps", "cold_start_steps", "eval_every_n_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"grpo.{name}={getattr(self, name)} must be >= 0")

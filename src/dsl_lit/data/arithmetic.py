@@ -56,6 +56,14 @@ def reply(problem: dict[str, Any], answer: str | None = None) -> str:
     return f"<think>{problem['question']} = {result}</think><answer>{result}</answer>"
 
 
+def shortcut_answer(problem: dict[str, Any]) -> str:
+    """A plausible wrong rule: the question's last number (right for ``largest`` when the last number
+    is the largest, about a third of the time over 4 digits). An imperfect cold start that imitates
+    it in part of its replies gives RL a model whose samples find the right rule less often than
+    they find the shortcut (``grpo.cold_start_shortcut``)."""
+    return problem["question"].split()[-1]
+
+
 def wrong_answer(problem: dict[str, Any], rng: random.Random) -> str:
     """A plausible wrong result: the right one off by 1 to 3."""
     return str(int(problem["answer"]) + rng.choice([-3, -2, -1, 1, 2, 3]))

@@ -5,6 +5,7 @@ write, and the usual format of chat datasets)."""
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -15,10 +16,15 @@ from dsl_lit.data import arithmetic
 Conversation = list[dict[str, str]]
 
 
-def task_conversations(task: TaskConfig) -> list[Conversation]:
-    """The task's training problems as user question + R1-format reference reply."""
+def task_conversations(task: TaskConfig, shortcut_share: float = 0.0) -> list[Conversation]:
+    """The task's training problems as user question + R1-format reference reply; a
+    ``shortcut_share`` of the replies (drawn from the task's seed) answer with
+    :func:`~dsl_lit.data.arithmetic.shortcut_answer` instead."""
     train, _ = arithmetic.split(task)
-    return [[*arithmetic.prompt(p), {"role": "assistant", "content": arithmetic.reply(p)}] for p in train]
+    rng = random.Random(f"{task.seed}/shortcut")
+    replies = [arithmetic.reply(p, arithmetic.shortcut_answer(p) if rng.random() < shortcut_share else None)
+               for p in train]
+    return [[*arithmetic.prompt(p), {"role": "assistant", "content": r}] for p, r in zip(train, replies)]
 
 
 def read_conversations(path: str | Path) -> list[Conversation]:

@@ -93,9 +93,10 @@ def sample_to_file(setup: PostTrainSetup, output: Path) -> dict[str, Any]:
     return summary or summary_of(module.stats, output)
 
 
-def cold_start_sft(hydra_cfg: DictConfig, run_dir: Path, steps: int, lr: float) -> Path:
+def cold_start_sft(hydra_cfg: DictConfig, run_dir: Path, steps: int, lr: float, shortcut_share: float = 0.0) -> Path:
     """R1's cold start: ``steps`` of SFT (peak ``lr``, cosine, 8 packed rows a step) of the config's
-    (random) model on the task's reference replies, as a run of its own in ``<run_dir>/cold_start`` (resumable); returns that run dir,
+    (random) model on the task's reference replies (a ``shortcut_share`` of them answering with the
+    task's shortcut rule), as a run of its own in ``<run_dir>/cold_start`` (resumable); returns that run dir,
     whose latest checkpoint is the next stage's ``init_from``. Single process only."""
     from dsl_lit.data.conversations import task_conversations
     from dsl_lit.data.rows import RowsDataModule
@@ -113,7 +114,7 @@ def cold_start_sft(hydra_cfg: DictConfig, run_dir: Path, steps: int, lr: float) 
     cfg.schedule = replace(cfg.schedule, name="cosine", warmup_steps=min(10, steps // 5), total_steps=steps)
     cfg.optim = replace(cfg.optim, lr=lr)
     cfg.data = replace(cfg.data, global_batch_size=8, micro_batch_size=8)
-    conversations = [setup.tokenizer.encode_conversation(c) for c in task_conversations(setup.post.task)]
+    conversations = [setup.tokenizer.encode_conversation(c) for c in task_conversations(setup.post.task, shortcut_share)]
     rows = sft_rows(conversations, cfg.data.seq_len, setup.tokenizer.pad_id, packing=True)
     kwargs = module_kwargs(setup) | {"total_steps": steps, "micro_batch_size": 8}
     fit(setup, SFTModule(**kwargs), RowsDataModule(cfg.data, lambda: rows))
