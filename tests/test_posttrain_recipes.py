@@ -40,9 +40,9 @@ COMMON = ["trainer.progress_bar=false", "trainer.log_every_n_steps=1", "checkpoi
 SFT = ["data.seq_len=128", "data.global_batch_size=8", "data.micro_batch_size=2", f"schedule.total_steps={SFT_STEPS}"]
 DPO = ["dpo.reference=model", "dpo.num_pairs=64", "data.global_batch_size=16", "data.micro_batch_size=4",
        "optim.lr=2e-3", "schedule.total_steps=8"]
-GRPO = ["data.global_batch_size=4", "data.micro_batch_size=2", "grpo.group_size=4", "grpo.sampling.max_new_tokens=16",
+GRPO = ["task=arithmetic", "data.global_batch_size=4", "data.micro_batch_size=2", "grpo.group_size=4", "grpo.sampling.max_new_tokens=16",
         "grpo.iterations=2", "grpo.eval_every_n_steps=0", "checkpoint.every_n_steps=2"]
-DAPO = ["grpo=dapo", "data.global_batch_size=2", "data.micro_batch_size=2", "grpo.group_size=4",
+DAPO = ["grpo=dapo", "task=arithmetic", "data.global_batch_size=2", "data.micro_batch_size=2", "grpo.group_size=4",
         "grpo.sampling.max_new_tokens=16", "grpo.dynamic_sampling.max_draws=2", "grpo.eval_every_n_steps=0",
         "task.eval_problems=8", "checkpoint.every_n_steps=0"]
 PIPELINE = ["trainer.devices=2", "parallel=pp_1f1b"]
@@ -123,6 +123,8 @@ def test_grpo_recipe_under_tensor_then_pipeline_parallel_with_resume(sft_run, tm
     assert 0 < first["reward/std"] and first["train/kl"] >= 0 and 0 < first["completion/length"] <= 16
     # pass@G: a group is solved when any of its completions is right, so it bounds the mean accuracy
     assert all(r["reward/accuracy"] <= r["reward/accuracy_pass_at_group"] <= 1 for r in expected.values())
+    # held-out greedy accuracy at the start and the end (grpo.eval_every_n_steps=0), on those rows only
+    assert sorted(rows(single, "eval/accuracy")) == [0, 4]
     assert any(r["train/kl"] > 0 for r in expected.values())  # the policy moved away from the reference
     # tensor parallel for the first rollout (mu=2 steps), checkpoint at step 2; then the same run dir
     # resumes as a 2-stage pipeline for the second rollout

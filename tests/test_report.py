@@ -43,6 +43,23 @@ def test_read_metrics_sparse_rows_and_resumed_steps(tmp_path: Path) -> None:
     assert [k.removeprefix(LOAD_PREFIX) for k in layers] == ["layers.2", "layers.10", "mtp.0"]
 
 
+def test_rl_figure_of_a_grpo_run(tmp_path: Path) -> None:
+    """GRPO's columns (sampled rewards, pass@G, held-out accuracy logged every 10 steps, length)
+    make one three-panel figure; a run without rewards gets none."""
+    logger = RunCSVLogger(tmp_path)
+    for step in range(21):
+        logger.log_metrics({"reward/mean": 0.5 + step / 40, "reward/accuracy": step / 40, "reward/format": 0.9,
+                            "reward/accuracy_pass_at_group": 0.8, "completion/length": 24.0 - step / 10}, step=step)
+        if step % 10 == 0:
+            logger.log_metrics({"eval/accuracy": 0.5 + step / 100}, step=step)
+    logger.save()
+    paths = draw_report(tmp_path)
+    assert [p.name for p in paths] == ["rl.png"]
+    pixels = np.asarray(Image.open(paths[0]).convert("L"), dtype=float)
+    assert pixels.shape[1] > 3 * pixels.shape[0] and pixels.std() > 10  # three panels side by side, drawn
+    assert read_metrics(tmp_path)["eval/accuracy"].steps.tolist() == [0, 10, 20]
+
+
 @pytest.mark.slow
 def test_report_of_a_real_run(tmp_path: Path) -> None:
     run = tmp_path / "run"

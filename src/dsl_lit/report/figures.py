@@ -4,7 +4,8 @@ One figure per question a reader asks of a training run; a figure whose columns 
 log is skipped: is the loss going down (train and validation), what did the schedule do (lr), is
 the optimisation stable (gradient norm), how fast is it (tokens/s, MFU), what do DeepSeek-V3's
 extra objectives do (MTP and balance losses), are the experts balanced (max/mean load per MoE
-layer over time), and how good is the model (downstream evaluation metrics).
+layer over time), how good is the model (downstream evaluation metrics), and for RL runs (GRPO):
+does the reward rise, does held-out accuracy follow, and what happens to the completions' length.
 """
 
 from __future__ import annotations
@@ -139,8 +140,32 @@ def plot_eval(series: dict[str, Series], out: Path) -> Path | None:
     return _save(fig, out / "eval.png")
 
 
+RL_REWARDS = ("reward/mean", "reward/accuracy", "reward/accuracy_pass_at_group", "reward/format")
+
+
+def plot_rl(series: dict[str, Series], out: Path) -> Path | None:
+    """GRPO: the sampled rewards with pass@G (what RL can sharpen pass@1 towards), held-out greedy
+    accuracy (``eval/accuracy``), and the mean completion length."""
+    panels = [("sampled rewards", [k for k in RL_REWARDS if k in series]),
+              ("held-out greedy accuracy", [k for k in ("eval/accuracy",) if k in series]),
+              ("completion length (tokens)", [k for k in ("completion/length",) if k in series])]
+    panels = [(title, keys) for title, keys in panels if keys]
+    if "reward/mean" not in series:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.6), squeeze=False)
+    for ax, (title, keys) in zip(axes.flat, panels):
+        for key in keys:
+            s = series[key]
+            ax.plot(s.steps, s.values, "o-" if len(s.steps) < 20 else "-", ms=4, label=key.split("/", 1)[1])
+        ax.set(title=title, xlabel="step")
+        ax.grid(alpha=0.3)
+        if len(keys) > 1:
+            ax.legend(fontsize=8)
+    return _save(fig, out / "rl.png")
+
+
 FIGURES: tuple[Callable[[dict[str, Series], Path], Path | None], ...] = (
-    plot_loss, plot_lr, plot_grad_norm, plot_throughput, plot_aux_losses, plot_expert_load, plot_eval,
+    plot_loss, plot_lr, plot_grad_norm, plot_throughput, plot_aux_losses, plot_expert_load, plot_eval, plot_rl,
 )
 
 

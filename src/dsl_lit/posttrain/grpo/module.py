@@ -174,8 +174,9 @@ class GRPOModule(PostTrainModule):
 
     # -- one step: rollout, then mu optimizer steps ---------------------------------------------
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
-        if self.grpo.eval_every_n_steps and self.trainer.global_step % self.grpo.eval_every_n_steps == 0:
-            self.log("eval/accuracy", self.evaluate())
+        every, step = self.grpo.eval_every_n_steps, self.trainer.global_step
+        if step == 0 or (every and step % every == 0):  # the start, every N steps, and the end (on_train_end)
+            self.log_eval_accuracy(self.evaluate())
         rollout, stats = self.rollout(batch)
         self.rollout_tokens = rollout["input_ids"].numel()
         start = time.perf_counter()
@@ -192,9 +193,7 @@ class GRPOModule(PostTrainModule):
     def on_train_end(self) -> None:
         """Final held-out accuracy (to the loggers too) and the reward's start and end."""
         accuracy = self.evaluate()
-        for logger in self.loggers:
-            logger.log_metrics({"eval/accuracy": accuracy}, step=self.trainer.global_step)
-            logger.save()
+        self.log_eval_accuracy(accuracy)
         h = self.reward_history
         if h:
             k = max(1, min(5, len(h) // 4))
@@ -202,6 +201,12 @@ class GRPOModule(PostTrainModule):
                      "accuracy %.3f", sum(h[:k]) / k, k, sum(h[-k:]) / k, k, accuracy)
 
     @torch.no_grad()
+    def log_eval_accuracy(self, accuracy: float) -> None:
+        """To the loggers at this step only (``self.log`` would repeat the value on every later row)."""
+        for logger in self.loggers:
+            logger.log_metrics({"eval/accuracy": accuracy}, step=self.trainer.global_step)
+            logger.save()
+
     def evaluate(self, batch_size: int = 64) -> float:
         """Greedy accuracy on the held-out ``eval_set`` of (prompt ids, problem)."""
         if not self.eval_set:
