@@ -182,7 +182,7 @@ def test_dapo_preset_and_the_default():
     assert not default.dynamic_sampling.enabled and not default.overlong.filter and default.overlong.penalty_cache == 0
     assert (dapo.eps_low, dapo.eps_high, dapo.beta, dapo.loss_type) == (0.2, 0.28, 0.0, "dapo")
     assert dapo.dynamic_sampling.enabled and dapo.overlong.filter and dapo.overlong.penalty_cache == 5
-    assert dapo.overlong_max_length == 24 and dapo.group_size == default.group_size  # the rest is the default's
+    assert dapo.overlong_max_length == 32 and dapo.group_size == default.group_size  # the rest is the default's
     assert _grpo_section("grpo=dapo", "grpo.dynamic_sampling.max_draws=2").dynamic_sampling.max_draws == 2
 
 
@@ -190,11 +190,11 @@ def test_dapo_preset_and_the_default():
     ("grpo.dynamic_sampling.max_draws=0", "grpo.dynamic_sampling.max_draws=0"),
     ("grpo.overlong.penalty_cache=-1", "grpo.overlong.penalty_cache=-1"),
     ("grpo.overlong.max_length=0", "grpo.overlong.max_length=0"),
-    ("grpo.overlong.penalty_cache=30", "grpo.overlong.penalty_cache=30 must be <= L_max = grpo.sampling.max_new_tokens=24"),
+    ("grpo.overlong.penalty_cache=40", "grpo.overlong.penalty_cache=40 must be <= L_max = grpo.sampling.max_new_tokens=32"),
     ("+grpo.dynamic_sampling.cap=3", "grpo.dynamic_sampling.cap is not a known field"),
     ("grpo.overlong.filter=maybe", "grpo.overlong.filter='maybe' has the wrong type"),
 ])
 def test_bad_dapo_settings_fail_naming_the_field(override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         _grpo_section("grpo=dapo", override)
-    assert _grpo_section("grpo=dapo", "grpo.overlong.penalty_cache=30", "grpo.overlong.max_length=40").overlong_max_length == 40
+    assert _grpo_section("grpo=dapo", "grpo.overlong.penalty_cache=40", "grpo.overlong.max_length=48").overlong_max_length == 48
