@@ -200,13 +200,13 @@ class GRPOModule(PostTrainModule):
             log.info("grpo: mean reward %.3f over the first %d steps -> %.3f over the last %d; held-out greedy "
                      "accuracy %.3f", sum(h[:k]) / k, k, sum(h[-k:]) / k, k, accuracy)
 
-    @torch.no_grad()
     def log_eval_accuracy(self, accuracy: float) -> None:
         """To the loggers at this step only (``self.log`` would repeat the value on every later row)."""
         for logger in self.loggers:
             logger.log_metrics({"eval/accuracy": accuracy}, step=self.trainer.global_step)
             logger.save()
 
+    @torch.no_grad()
     def evaluate(self, batch_size: int = 64) -> float:
         """Greedy accuracy on the held-out ``eval_set`` of (prompt ids, problem)."""
         if not self.eval_set:
