@@ -146,12 +146,12 @@ RL_REWARDS = ("reward/mean", "reward/accuracy", "reward/accuracy_pass_at_group",
 def plot_rl(series: dict[str, Series], out: Path) -> Path | None:
     """GRPO: the sampled rewards with pass@G (what RL can sharpen pass@1 towards), held-out greedy
     accuracy (``eval/accuracy``), and the mean completion length."""
-    panels = [("sampled rewards", [k for k in RL_REWARDS if k in series]),
-              ("held-out greedy accuracy", [k for k in ("eval/accuracy",) if k in series]),
-              ("completion length (tokens)", [k for k in ("completion/length",) if k in series])]
-    panels = [(title, keys) for title, keys in panels if keys]
     if "reward/mean" not in series:
         return None
+    panels = [("sampled rewards", RL_REWARDS), ("held-out greedy accuracy", ("eval/accuracy",)),
+              ("completion length (tokens)", ("completion/length",))]
+    panels = [(title, [k for k in keys if k in series]) for title, keys in panels]
+    panels = [(title, keys) for title, keys in panels if keys]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.6), squeeze=False)
     for ax, (title, keys) in zip(axes.flat, panels):
         for key in keys:
