@@ -7,12 +7,17 @@ exists when we fork (checked: a second thread makes this refuse to serve)."""
 from __future__ import annotations
 
 import atexit
+import contextlib
+import ctypes
 import importlib
 import json
 import os
 import runpy
+import signal
+import socket
 import sys
 import threading
+import time
 import traceback
 
 PRELOAD = ("numpy", "torch", "lightning", "hydra", "omegaconf", "transformers", "datasets", "tokenizers",
@@ -20,6 +25,7 @@ PRELOAD = ("numpy", "torch", "lightning", "hydra", "omegaconf", "transformers", 
 # Not preloaded: libraries whose import creates state on disk that the first child's exit would
 # remove under the others (wandb makes its media directory at import and deletes it at exit).
 NOT_PRELOADED = ("wandb",)
+GANG_GRACE_S = 30  # after one rank failed, before the others are killed
 
 
 def _exit_status(error: SystemExit) -> int:
@@ -31,51 +37,135 @@ def _exit_status(error: SystemExit) -> int:
     return 1
 
 
+def _become(request: dict) -> None:
+    """Take on the run's working directory, environment, session and output files."""
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    if request.get("new_session"):
+        os.setsid()  # its own process group, as Popen(start_new_session=True): killpg reaches its ranks
+    opened: dict[str, int] = {}
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+        if path not in opened:
+            opened[path] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(opened[path], fd)
+    for target in opened.values():
+        os.close(target)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+
+
+def _run(argv: list[str], extra_path: list[str]) -> int:
+    """``python argv...`` in this process: its exit status."""
+    try:
+        if argv[0] == "-m":
+            sys.argv = argv[1:]
+            sys.path[:1] = [os.getcwd(), *extra_path]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path[:1] = [os.path.dirname(os.path.abspath(argv[0])), *extra_path]
+            runpy.run_path(argv[0], run_name="__main__")
+        return 0
+    except SystemExit as error:
+        return _exit_status(error)
+    except BaseException:  # noqa: BLE001 (the recipe's own traceback, as python would print it)
+        traceback.print_exc()
+        return 1
+
+
+def _exit(status: int) -> None:
+    try:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(status)
+
+
 def _child(request: dict) -> None:
     """Become ``python argv...`` in ``cwd`` with ``env``; never returns."""
     status = 1
     try:
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        if request.get("new_session"):
-            os.setsid()  # its own process group, as Popen(start_new_session=True): killpg reaches its ranks
-        opened: dict[str, int] = {}
-        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            if path not in opened:
-                opened[path] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(opened[path], fd)
-        for target in opened.values():
-            os.close(target)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.close(null)
-        sys.stdin = open(0, closefd=False)  # noqa: SIM115
-        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
-        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        _become(request)
         extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-        argv = request["argv"]
-        if argv[0] == "-m":
-            sys.argv = argv[1:]
-            sys.path[:1] = [os.getcwd(), *extra]
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = list(argv)
-            sys.path[:1] = [os.path.dirname(os.path.abspath(argv[0])), *extra]
-            runpy.run_path(argv[0], run_name="__main__")
-        status = 0
-    except SystemExit as error:
-        status = _exit_status(error)
-    except BaseException:  # noqa: BLE001 (the recipe's own traceback, as python would print it)
-        traceback.print_exc()
-        status = 1
+        status = _run(request["argv"], extra)
     finally:
-        try:
-            atexit._run_exitfuncs()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(status)
+        _exit(status)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_argv(argv: list[str], rank: int) -> list[str]:
+    """What Lightning's launcher gives the rank it starts for a Hydra recipe (its own job name, no
+    second ``.hydra/`` directory); rank 0 runs as the user started it."""
+    return argv if rank == 0 else [*argv, f"hydra.job.name=train_ddp_process_{rank}", "hydra.output_subdir=null"]
+
+
+def _gang(request: dict) -> None:
+    """Start ``request["ranks"]`` ranks of one run as forks of this process, as torchrun does with
+    its workers (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT in their environment), and exit with
+    the first failing rank's status once all have exited; never returns.
+
+    A failing rank gets the others a SIGTERM (then SIGKILL after ``GANG_GRACE_S``), a SIGTERM or
+    SIGINT to this process reaches every rank, and ranks die with this process (PR_SET_PDEATHSIG)."""
+    status = 1
+    try:
+        _become(request)
+        world = int(request["ranks"])
+        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world),
+                           "NODE_RANK": "0", "GROUP_RANK": "0", "LOCAL_WORLD_SIZE": str(world)})
+        extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+        ranks: dict[int, int] = {}
+        for rank in range(world):
+            pid = os.fork()
+            if pid == 0:
+                rank_status = 1
+                try:
+                    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+                    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank)})
+                    rank_status = _run(_rank_argv(request["argv"], rank), extra)
+                finally:
+                    _exit(rank_status)
+            ranks[pid] = rank
+
+        def forward(signum: int, _frame: object) -> None:
+            for pid in ranks:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signum)
+
+        signal.signal(signal.SIGTERM, forward)
+        signal.signal(signal.SIGINT, forward)
+        failed: int | None = None
+        deadline: float | None = None
+        while ranks:
+            pid, wait_status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                if deadline is not None and time.monotonic() > deadline:
+                    forward(signal.SIGKILL, None)
+                    deadline = None
+                time.sleep(0.05)
+                continue
+            if pid not in ranks:
+                continue
+            del ranks[pid]
+            code = os.waitstatus_to_exitcode(wait_status)
+            code = 128 - code if code < 0 else code  # killed by a signal: the shell's 128 + N
+            if code != 0 and failed is None:
+                failed = code
+                forward(signal.SIGTERM, None)
+                deadline = time.monotonic() + GANG_GRACE_S
+        status = failed or 0
+    finally:
+        os._exit(status)
 
 
 def main() -> None:
@@ -92,6 +182,8 @@ def main() -> None:
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:
+            if request.get("ranks", 1) > 1:
+                _gang(request)
             _child(request)
         print(json.dumps({"pid": pid}), flush=True)
         _, wait_status = os.waitpid(pid, 0)

@@ -128,10 +128,25 @@ def start_python(args: list[str], *, cwd: Path | str, env: dict[str, str] | None
                                 start_new_session=new_session)
 
 
+def ranks_to_fork(args: list[str]) -> int:
+    """How many ranks a Hydra recipe run asks for on this machine (``trainer.devices=N`` on one node,
+    with ``hydra.run.dir`` given so that every rank agrees on it), else 1."""
+    overrides = dict(a.split("=", 1) for a in args[2:] if "=" in a and not a.startswith("-"))
+    devices = overrides.get("trainer.devices", "1")
+    if "hydra.run.dir" not in overrides or overrides.get("trainer.num_nodes", "1") != "1" or not devices.isdigit():
+        return 1
+    return int(devices)
+
+
 def run_python(args: list[str], *, cwd: Path | str, env: dict[str, str] | None = None,
                timeout: float | None = None) -> subprocess.CompletedProcess:
     """``subprocess.run(args, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)``
-    for ``args = [sys.executable, script.py | -m module, ...]``, forked from the zygote when it is free."""
+    for ``args = [sys.executable, script.py | -m module, ...]``, forked from the zygote when it is free.
+
+    A recipe run on several ranks (``ranks_to_fork``) gets every rank forked from the zygote and
+    started torchrun's way (rank and world in the environment) rather than rank 0 starting the others
+    as fresh interpreters (Lightning's launcher, ~13 s of imports each here): the tests of Lightning's
+    launcher itself (preemption, signals) use ``start_python``, which keeps it."""
     args = [str(a) for a in args]
     env = dict(os.environ if env is None else env)
     if not (_forkable(args) and _lock.acquire(blocking=False)):
@@ -143,7 +158,7 @@ def run_python(args: list[str], *, cwd: Path | str, env: dict[str, str] | None =
     with tempfile.TemporaryDirectory(prefix="forked_python_") as logs:
         out, err = Path(logs) / "stdout", Path(logs) / "stderr"
         process = ForkedProcess(zygote, {"argv": args[1:], "cwd": str(cwd), "env": env, "stdout": str(out),
-                                         "stderr": str(err), "new_session": False})
+                                         "stderr": str(err), "new_session": False, "ranks": ranks_to_fork(args)})
         try:
             process.wait(timeout)
         except subprocess.TimeoutExpired:
