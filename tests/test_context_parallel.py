@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.models.common.attention import attention_mask
@@ -21,6 +20,7 @@ from dsl_lit.parallel.context_parallel import (
     rank_positions,
 )
 from tests.numerics import assert_close_fp32
+from tests.ranks import spawn
 
 SEQ, BATCH = 32, 2
 
@@ -116,4 +116,4 @@ def _rank(rank: int, init_file: str, name: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["deepseek_llm_tiny", "deepseek_v3_tiny"])
 def test_cp2_matches_one_process(tmp_path, name):
-    mp.spawn(_rank, args=(str(tmp_path / "init"), name), nprocs=2, join=True)
+    spawn(_rank, args=(str(tmp_path / "init"), name), nprocs=2)

@@ -8,7 +8,6 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -19,6 +18,7 @@ from torch.utils._pytree import tree_leaves
 from dsl_lit.ops import cross_entropy
 from dsl_lit.ops.cross_entropy import default_chunk_rows
 from tests.numerics import assert_close_fp32
+from tests.ranks import spawn
 
 
 def _data(shape, dtype, seed=0, ignore=0.2):
@@ -422,4 +422,4 @@ def _vocab_parallel_worker(rank: int, world: int, init_file: str) -> None:
 
 @pytest.mark.slow
 def test_vocab_parallel_matches_one_process(tmp_path):
-    mp.spawn(_vocab_parallel_worker, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
+    spawn(_vocab_parallel_worker, args=(2, str(tmp_path / "init")), nprocs=2)

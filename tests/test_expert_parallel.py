@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -25,6 +24,7 @@ from dsl_lit.parallel.expert_parallel import (
 from dsl_lit.parallel.grad_sync import OverlappedGradientReducer
 from dsl_lit.parallel.mesh import build_device_mesh
 from tests.numerics import assert_close_fp32
+from tests.ranks import spawn
 
 VOCAB = 256
 
@@ -201,7 +201,7 @@ def _worker(rank: int, world: int, init_file: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_matches_one_device(tmp_path, world):
-    mp.spawn(_worker, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
+    spawn(_worker, args=(world, str(tmp_path / "init")), nprocs=world)
 
 
 def test_check_expert_parallel_names_the_fields():

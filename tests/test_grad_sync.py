@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dsl_lit.parallel.grad_sync import OverlappedGradientReducer
 from tests.numerics import assert_close_fp32
+from tests.ranks import spawn
 from tests.test_zero1 import _grads, _model
 
 
@@ -36,4 +36,4 @@ def _worker(rank: int, world: int, init_file: str) -> None:
 
 
 def test_overlapped_reduction_is_the_mean_and_starts_in_backward(tmp_path):
-    mp.spawn(_worker, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
+    spawn(_worker, args=(2, str(tmp_path / "init")), nprocs=2)

@@ -19,7 +19,6 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
@@ -30,6 +29,7 @@ from dsl_lit.posttrain import GRPOModule
 from dsl_lit.posttrain.module import PostTrainModule, shifted_completion
 from dsl_lit.posttrain.rewards import WeightedRewards
 from tests.numerics import assert_close_fp32, relative_error
+from tests.ranks import spawn
 from tests.test_objective_references import StepRecorder
 from tests.test_pretrain_module import _llm
 
@@ -102,7 +102,7 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_dapo_normalises_by_the_global_batch_and_bnpo_by_each_replica(tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     whole = _fit(_module("dapo"), _all_rows())  # one process, all 8 completions
     halves = [_fit(_module("bnpo"), _rows(r)) for r in range(2)]  # one process on each replica's rows

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
@@ -22,6 +21,7 @@ from dsl_lit.parallel.pipeline import prune_to_stages, split_layers
 from dsl_lit.parallel.tensor_parallel import apply_tensor_parallel
 from dsl_lit.training import PretrainModule
 from dsl_lit.training.pretrained import StartingWeights
+from tests.ranks import spawn
 from tests.test_pretrain_e2e import losses, run_recipe
 
 # MLA + MoE with an MTP module; dims that are not multiples of 128, so tensor shards start inside
@@ -156,7 +156,7 @@ def test_each_rank_reads_its_slice(tmp_path: Path) -> None:
     save_pretrained(v3, tmp_path / "moe_fp8", fp8=True)
     save_pretrained(_random(ModelConfig(**LLM)), tmp_path / "gqa_tied")
     directories = [str(tmp_path / name) for name in ("moe", "moe_fp8", "gqa_tied")]
-    mp.spawn(_worker, args=(str(tmp_path / "init"), directories), nprocs=2, join=True)
+    spawn(_worker, args=(str(tmp_path / "init"), directories), nprocs=2)
 
 
 RUN = ["logger=csv", "trainer.accelerator=cpu", "checkpoint.every_minutes=0", "checkpoint.async_save=false",
@@ -219,4 +219,4 @@ def _checkpoint_worker(rank: int, init_file: str, step: str) -> None:
 @pytest.mark.slow
 def test_our_checkpoint_is_read_per_rank(hf_runs: Path, tmp_path: Path) -> None:
     step = hf_runs / "single" / "checkpoints" / "step-1"
-    mp.spawn(_checkpoint_worker, args=(str(tmp_path / "init"), str(step)), nprocs=2, join=True)
+    spawn(_checkpoint_worker, args=(str(tmp_path / "init"), str(step)), nprocs=2)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dsl_lit.config.optim import OptimConfig
 from dsl_lit.models import ModelConfig, build_model
@@ -25,6 +24,7 @@ from dsl_lit.parallel.pipeline import (
     stages_of_rank,
 )
 from tests.numerics import assert_close_fp32
+from tests.ranks import spawn
 
 V3 = ModelConfig.from_name("deepseek_v3_tiny", n_layers=4, mtp_depth=1, seq_balance_alpha=0.01)
 
@@ -165,4 +165,4 @@ def _worker(rank: int, world: int, init_file: str, schedule: str, family: str) -
 def test_pipeline_gradients_equal_one_process(tmp_path, family, schedule):
     """Each stage's gradients (MTP, balance loss and the embedding fed to MTP included) equal the
     single-process ones for the same 4 micro-batches, and so does the forward-only validation."""
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), schedule, family), nprocs=2, join=True)
+    spawn(_worker, args=(2, str(tmp_path / "init"), schedule, family), nprocs=2)

@@ -88,6 +88,10 @@ def test_sft_recipe_and_packed_pipeline_parity(sft_run, tmp_path):
     assert sorted(loss) == list(range(SFT_STEPS))
     assert loss[SFT_STEPS - 1] < loss[0] - 5.0  # measured: 9.03 -> 1.53
     assert (sft_run / "checkpoints" / f"step-{SFT_STEPS}" / "meta.json").is_file()
+    # held-out greedy accuracy on the task, logged at the start and the end as GRPO logs it (its
+    # 64 held-out sums are unseen facts: a random model answers none, measured 0 -> 0-2%)
+    accuracy = {step: r["eval/accuracy"] for step, r in rows(sft_run, "eval/accuracy").items()}
+    assert sorted(accuracy) == [0, SFT_STEPS] and accuracy[0] == 0.0 and 0.0 <= accuracy[SFT_STEPS] <= 1.0
     # the first 3 steps again on dp=2 x pp=2 (same lr schedule)
     piped = tmp_path / "sft_dp2_pp2"
     run("sft", piped, *SFT, "trainer.max_steps=3", "checkpoint.every_n_steps=0", "trainer.devices=4", "parallel=pp_1f1b")

@@ -24,6 +24,7 @@ from dsl_lit.precision.auto import (
 from dsl_lit.precision.gemm_speed import bf16_speedup
 from dsl_lit.training.build import build_trainer
 from tests.conftest import compose_config
+from tests.ranks import spawn
 
 
 def test_the_decision_follows_the_measured_ratio():
@@ -79,7 +80,7 @@ def _rank(rank: int, init_file: str, decisions: list[str], errors: dict) -> None
 def test_ranks_that_decided_differently_stop(tmp_path, decisions, refused):
     with mp.Manager() as manager:
         errors = manager.dict()
-        mp.spawn(_rank, args=(str(tmp_path / "init"), decisions, errors), nprocs=2, join=True)
+        spawn(_rank, args=(str(tmp_path / "init"), decisions, errors), nprocs=2)
         messages = dict(errors)
     for rank in range(2):
         assert ("decided differently on different ranks" in messages[rank]) == refused, messages

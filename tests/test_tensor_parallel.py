@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -21,6 +20,7 @@ from dsl_lit.ops import cross_entropy
 from dsl_lit.optim.clip import squared_norm
 from dsl_lit.parallel.tensor_parallel import apply_tensor_parallel, declared_plan, tensor_parallel_plan
 from tests.numerics import assert_close_fp32
+from tests.ranks import spawn
 
 LLM = ("deepseek_llm_tiny", dict(n_layers=2, vocab_size=256))
 V3 = ("deepseek_v3_tiny", dict(n_layers=3, vocab_size=256, seq_balance_alpha=0.01))  # dense, MoE, MTP (MoE)
@@ -155,7 +155,7 @@ def _worker(rank: int, world: int, init_file: str, cases: list) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("world, cases", [(2, TP2_CASES), (4, TP4_CASES)], ids=["tp2", "tp4"])
 def test_tensor_parallel_matches_one_device(tmp_path, world, cases):
-    mp.spawn(_worker, args=(world, str(tmp_path / "init"), cases), nprocs=world, join=True)
+    spawn(_worker, args=(world, str(tmp_path / "init"), cases), nprocs=world)
 
 
 @pytest.mark.parametrize("name", ["deepseek_llm_tiny", "deepseek_v3_tiny", "deepseek_v2_tiny"])

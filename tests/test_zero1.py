@@ -8,7 +8,6 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dsl_lit.config.optim import OptimConfig
 from dsl_lit.models import ModelConfig, build_model
@@ -16,6 +15,7 @@ from dsl_lit.optim import build_optimizer, param_groups
 from dsl_lit.optim.clip import clip_grad_norm_
 from dsl_lit.parallel.zero1 import ZeRO1AdamW
 from tests.numerics import assert_close_fp32, assert_close_in_norm
+from tests.ranks import spawn
 
 
 def _model() -> torch.nn.Module:
@@ -104,4 +104,4 @@ def _worker(rank: int, world: int, init_file: str, bucket_numel: int) -> None:
 @pytest.mark.parametrize(("world", "bucket_numel"), [(2, 2**22), (3, 2**22), (2, 3000)])
 def test_zero1_matches_adamw_on_the_mean_gradient(tmp_path, world, bucket_numel):
     """One bucket per parameter group, or many small ones (more buckets than ranks)."""
-    mp.spawn(_worker, args=(world, str(tmp_path / "init"), bucket_numel), nprocs=world, join=True)
+    spawn(_worker, args=(world, str(tmp_path / "init"), bucket_numel), nprocs=world)
