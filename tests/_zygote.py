@@ -25,7 +25,7 @@ PRELOAD = ("numpy", "torch", "lightning", "hydra", "omegaconf", "transformers", 
 # Not preloaded: libraries whose import creates state on disk that the first child's exit would
 # remove under the others (wandb makes its media directory at import and deletes it at exit).
 NOT_PRELOADED = ("wandb",)
-GANG_GRACE_S = 30  # after one rank failed, before the others are killed
+GANG_GRACE_S = 10  # after one rank failed, before the others are killed
 
 
 def _exit_status(error: SystemExit) -> int:

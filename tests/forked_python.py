@@ -79,10 +79,13 @@ def _forkable(args: list[str]) -> bool:
 
 class ForkedProcess:
     """The part of ``subprocess.Popen`` the tests use (pid, poll, wait, send_signal, returncode),
-    for one child of the zygote; the zygote serves nobody else until this child has exited."""
+    for one child of the zygote; the zygote serves nobody else until this child has exited.
+    ``ranks`` > 1: ``pid`` is the process that forked the ranks and waits for them (as torchrun's
+    agent), and :meth:`rank_pids` are the ranks."""
 
     def __init__(self, zygote: subprocess.Popen, request: dict) -> None:
         self.args = request["argv"]
+        self.ranks = int(request.get("ranks", 1))
         zygote.stdin.write(json.dumps(request) + "\n")
         self.pid = int(json.loads(zygote.stdout.readline())["pid"])
         self.returncode: int | None = None
@@ -110,10 +113,19 @@ class ForkedProcess:
             os.kill(self.pid, sig)
 
 
+def rank_pids(process: ForkedProcess | subprocess.Popen) -> list[int]:
+    """Every rank's pid of a running recipe, by rank: the process itself and the ranks Lightning's
+    launcher started from it, or the ranks the zygote forked (in the order they were forked)."""
+    children = sorted(int(c) for c in Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split())
+    return children if getattr(process, "ranks", 1) > 1 else [process.pid, *children]
+
+
 def start_python(args: list[str], *, cwd: Path | str, env: dict[str, str] | None = None, stdout: Path | str,
-                 new_session: bool = False) -> ForkedProcess | subprocess.Popen:
+                 new_session: bool = False, fork_ranks: bool = True) -> ForkedProcess | subprocess.Popen:
     """``subprocess.Popen(args, cwd=cwd, env=env, stdout=<stdout file>, stderr=STDOUT,
-    start_new_session=new_session)``, forked from the zygote when it is free."""
+    start_new_session=new_session)``, forked from the zygote when it is free. A run on several
+    ranks gets them forked too (see :func:`run_python`) unless ``fork_ranks=False``: then rank 0
+    starts the others with Lightning's launcher, the path a test of that launcher needs."""
     args = [str(a) for a in args]
     env = dict(os.environ if env is None else env)
     if _forkable(args) and _lock.acquire(blocking=False):
@@ -121,7 +133,8 @@ def start_python(args: list[str], *, cwd: Path | str, env: dict[str, str] | None
         if zygote is not None:  # the lock is released when the child exits
             Path(stdout).write_text("")  # there before this returns, as with Popen
             return ForkedProcess(zygote, {"argv": args[1:], "cwd": str(cwd), "env": env, "stdout": str(stdout),
-                                          "stderr": str(stdout), "new_session": new_session})
+                                          "stderr": str(stdout), "new_session": new_session,
+                                          "ranks": ranks_to_fork(args) if fork_ranks else 1})
         _lock.release()
     with open(stdout, "w") as log:
         return subprocess.Popen(args, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.forked_python import start_python
+from tests.forked_python import rank_pids, start_python
 from tests.test_pretrain_e2e import ROOT, SMALL, losses, run_recipe
 
 TWO = ["logger=csv", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=10",
@@ -26,11 +26,13 @@ TWO = ["logger=csv", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.ma
 EXIT_WITHIN_S = 60  # after the signal: the step in flight, one save, teardown (two shared CPU cores)
 
 
-def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
-    """The recipe in its own session, so ``os.killpg`` reaches every rank Lightning starts."""
+def _start(run_dir: Path, *overrides: str, lightning_launcher: bool = False) -> subprocess.Popen:
+    """The recipe in its own session, so ``os.killpg`` reaches every rank. Its ranks are started
+    torchrun's way (forked with their rank in the environment), or by rank 0 with Lightning's
+    launcher (``lightning_launcher``: the only way rank 0 alone can be signalled)."""
     process = start_python(
         [sys.executable, str(ROOT / "recipes" / "pretrain.py"), *SMALL, *overrides, f"hydra.run.dir={run_dir}"],
-        cwd=ROOT, stdout=f"{run_dir}.log", new_session=True,
+        cwd=ROOT, stdout=f"{run_dir}.log", new_session=True, fork_ranks=not lightning_launcher,
         env={**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"},
     )
     process.log = Path(f"{run_dir}.log")
@@ -46,24 +48,19 @@ def _wait_for_step(run_dir: Path, process: subprocess.Popen, step: int, timeout:
         time.sleep(0.05)
 
 
-def _child_ranks(pid: int) -> list[int]:
-    """The processes the launching rank started (Lightning's other ranks)."""
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-
-
 def _preempt(tmp_path: Path, name: str, who: str, *overrides: str, base: tuple[str, ...] = tuple(TWO)) -> tuple[Path, int]:
     run_dir = tmp_path / name
-    process = _start(run_dir, *base, *overrides)
+    process = _start(run_dir, *base, *overrides, lightning_launcher=who == "rank0_only")
     _wait_for_step(run_dir, process, 2)
     signalled = time.monotonic()
     if who == "all_ranks":
         os.killpg(process.pid, signal.SIGTERM)
     elif who == "rank0_only":
-        process.send_signal(signal.SIGTERM)  # the launching process
+        process.send_signal(signal.SIGTERM)  # the launching process, which started the other ranks
     elif who == "last_rank":
-        os.kill(_child_ranks(process.pid)[-1], signal.SIGTERM)
+        os.kill(rank_pids(process)[-1], signal.SIGTERM)
     else:  # another rank only: Lightning's handler broadcast from it alone and hung
-        os.kill(_child_ranks(process.pid)[0], signal.SIGTERM)
+        os.kill(rank_pids(process)[1], signal.SIGTERM)
     try:
         process.wait(timeout=EXIT_WITHIN_S)
     except subprocess.TimeoutExpired:
@@ -119,7 +116,7 @@ def _lose_rank_one(tmp_path: Path, how: int, *overrides: str) -> tuple[subproces
     run_dir = tmp_path / "lost"
     process = _start(run_dir, *TWO, *overrides)
     _wait_for_step(run_dir, process, 2)
-    rank1 = _child_ranks(process.pid)[0]
+    rank1 = rank_pids(process)[1]
     lost_at = time.monotonic()
     os.kill(rank1, how)
     try:
