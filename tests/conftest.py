@@ -28,6 +28,12 @@ def with_stage_inputs(overrides: list[str]) -> list[str]:
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    # pytest -n N: N workers share the cores, so each one's in-process torch ops use its share (the
+    # recipes they start in subprocesses keep torch's default)
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Every recipe the tests run (subprocesses inherit this) builds its tokenizer and shards afresh in a
 # session cache, so a regression in tokenizer training or packing cannot hide behind the
