@@ -7,6 +7,7 @@ import gzip
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -264,6 +265,20 @@ def test_another_corpus_in_the_same_cache_rebuilds(small_corpus: Path, tmp_path:
     meta = json.loads((tmp_path / "cache" / "shards" / "meta.json").read_text())
     assert meta["corpus"]["path"] == str(other.resolve()) and meta["num_documents"] == len(TEXTS)
     assert len(_stream(tmp_path / "cache")) < len(first)
+
+
+def test_the_same_corpus_at_another_path_is_served_without_a_rebuild(small_corpus: Path, tmp_path: Path) -> None:
+    """A moved checkout or a git worktree: the corpus's content is the cache's key, not its path (a
+    path key made the data module rebuild, the pipeline skip its finished work on the same content,
+    and the build then fail as still stale)."""
+    cfg = make_cfg(small_corpus, tmp_path / "cache")
+    PretrainDataModule(cfg).prepare_data()
+    shards = tmp_path / "cache" / "shards" / "meta.json"
+    written = shards.stat().st_mtime_ns
+    moved = tmp_path / "moved_checkout" / "corpus"
+    shutil.copytree(small_corpus, moved)
+    PretrainDataModule(make_cfg(moved, tmp_path / "cache")).prepare_data()
+    assert shards.stat().st_mtime_ns == written  # nothing rebuilt
 
 
 def test_an_edit_keeping_size_and_mtime_rebuilds(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

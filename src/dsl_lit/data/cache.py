@@ -42,7 +42,7 @@ def _read_meta(directory: Path) -> dict[str, Any] | None:
 
 def stale_reason(cfg: DataConfig) -> str | None:
     """Why ``cfg.cache_dir`` cannot serve ``cfg`` (None: it can): the cache is keyed by the corpus
-    (its path and content fingerprint) and by the tokenizer's settings and file."""
+    (its content fingerprint) and by the tokenizer's settings and file."""
     cache = Path(cfg.cache_dir)
     tokenizer = _read_meta(cache / TOKENIZER_DIR)
     shards = _read_meta(cache / SHARDS_DIR)
@@ -62,7 +62,9 @@ def stale_reason(cfg: DataConfig) -> str | None:
     fim, packed = {"rate": cfg.fim_rate, "spm_rate": cfg.fim_spm_rate, "seed": cfg.seed}, shards.get("fim") or {}
     if (cfg.fim_rate or packed.get("rate")) and packed != fim:  # (without FIM the seed does not matter)
         return f"its shards were packed with fill-in-the-middle settings {packed or None}, not {fim}"
-    if shards.get("corpus") != corpus_record(cfg.corpus_dir):
+    # the content, not the path: a moved checkout (or a git worktree) reads the same corpus, and
+    # the pipeline, which keys its finished work by content too, would not rebuild it
+    if (shards.get("corpus") or {}).get("fingerprint") != corpus_record(cfg.corpus_dir)["fingerprint"]:
         built_from = (shards.get("corpus") or {}).get("path", "an unrecorded corpus")
         return f"it was built from {built_from} as it was then, not from data.corpus_dir as it is now"
     return None
