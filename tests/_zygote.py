@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import importlib
 import json
+import random
 import os
 import runpy
 import signal
@@ -59,8 +60,18 @@ def _become(request: dict) -> None:
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
 
 
+def _fresh_random_state() -> None:
+    """Seed Python's and NumPy's global generators from the OS, as a new interpreter does: a fork
+    inherits the zygote's, which made unseeded runs identical in the tests and not outside them."""
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
 def _run(argv: list[str], extra_path: list[str]) -> int:
     """``python argv...`` in this process: its exit status."""
+    _fresh_random_state()
     try:
         if argv[0] == "-m":
             sys.argv = argv[1:]

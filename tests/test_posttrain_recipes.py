@@ -51,10 +51,10 @@ DISTILL = ["rejection.num_prompts=32", "rejection.batch_prompts=8", "rejection.m
            "checkpoint.every_n_steps=0"]
 
 
-def run(recipe: str, run_dir: Path, *overrides: str) -> None:
+def run(recipe: str, run_dir: Path, *overrides: str, env: dict[str, str] | None = None) -> None:
     result = run_python(
         [sys.executable, str(ROOT / "recipes" / f"{recipe}.py"), f"hydra.run.dir={run_dir}", *COMMON, *overrides],
-        cwd=ROOT, timeout=600, env={**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"},
+        cwd=ROOT, timeout=600, env={**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})},
     )
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -211,3 +211,14 @@ def test_grpo_cold_start_then_rl_from_a_random_model(tmp_path):
     assert sorted(rows(cold)) == [0, 1, 2] and (cold / "checkpoints" / "step-3" / "meta.json").is_file()
     assert f"init_from: {cold}" in (run_dir / "resolved_config.yaml").read_text()
     assert sorted(rows(run_dir)) == [0]
+    # the cold start's random init comes from trainer.seed: a second run, in an interpreter whose
+    # string hashes differ as they do between any two shells, is the same run (it was not seeded,
+    # and the GRPO demo's cold start differed from run to run)
+    again = tmp_path / "grpo_again"
+    run("grpo", again, "model.n_layers=1", "grpo.cold_start_steps=3", *GRPO, "trainer.max_steps=1",
+        env={"PYTHONHASHSEED": str(1 + int(os.environ.get("PYTHONHASHSEED", "0") or 0))})
+    def same(a: dict, b: dict) -> bool:
+        return {s: (r["train/loss"], r["train/grad_norm"]) for s, r in a.items()} == \
+            {s: (r["train/loss"], r["train/grad_norm"]) for s, r in b.items()}
+
+    assert same(rows(again / "cold_start"), rows(cold)) and same(rows(again), rows(run_dir))

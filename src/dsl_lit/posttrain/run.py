@@ -61,6 +61,18 @@ def module_kwargs(setup: PostTrainSetup) -> dict[str, Any]:
     return module_arguments(setup.cfg) | {"initial_state": setup.initial_state}
 
 
+def held_out_evaluation(setup: PostTrainSetup) -> dict[str, Any]:
+    """The ``PostTrainModule`` arguments that make a run log held-out greedy accuracy on the task
+    (``task.eval_problems`` held-out problems, replies of up to ``grpo.sampling.max_new_tokens``),
+    so that each R1 stage's accuracy is measured alike; ``task.eval_problems=0`` turns it off."""
+    from dsl_lit.data import arithmetic
+
+    _, held_out = arithmetic.split(setup.post.task)
+    eval_set = [(setup.tokenizer.encode_prompt(arithmetic.prompt(p)), p) for p in held_out]
+    return {"tokenizer": setup.tokenizer, "eval_set": eval_set,
+            "eval_max_new_tokens": setup.post.grpo.sampling.max_new_tokens}
+
+
 def fit(setup: PostTrainSetup, module: Any, datamodule: Any) -> Any:
     """:func:`dsl_lit.training.build.fit` with the setup's config."""
     return fit_run(setup.cfg, module, datamodule)
@@ -106,9 +118,12 @@ def cold_start_sft(hydra_cfg: DictConfig, run_dir: Path, steps: int, lr: float, 
     if hydra_cfg.trainer.devices * hydra_cfg.trainer.num_nodes > 1:
         raise ConfigError("the cold start runs in this process: with several devices run recipes/sft.py first "
                           "and pass init_from=<its run dir>")
+    import lightning as L
+
     directory = Path(run_dir) / "cold_start"
     setup = setup_posttrain(hydra_cfg, str(directory))
     cfg = setup.cfg
+    L.seed_everything(cfg.trainer.seed, workers=True)  # its random init: the same run for the same seed
     cfg.trainer = replace(cfg.trainer, max_steps=steps)
     cfg.checkpoint = replace(cfg.checkpoint, every_n_steps=steps)  # its last step starts the next stage
     cfg.schedule = replace(cfg.schedule, name="cosine", warmup_steps=min(10, steps // 5), total_steps=steps)
