@@ -23,7 +23,14 @@ from dsl_lit.data.conversations import read_conversations
 from dsl_lit.data.rows import RowsDataModule
 from dsl_lit.data.sft import sft_rows
 from dsl_lit.posttrain import SFTModule
-from dsl_lit.posttrain.run import cold_start_sft, fit, module_kwargs, sample_to_file, setup_posttrain
+from dsl_lit.posttrain.run import (
+    cold_start_sft,
+    fit,
+    held_out_evaluation,
+    module_kwargs,
+    sample_to_file,
+    setup_posttrain,
+)
 from dsl_lit.training.runs import exits_on_config_error
 
 
@@ -48,7 +55,7 @@ def main(hydra_cfg: DictConfig) -> None:
     L.seed_everything(setup.cfg.trainer.seed, workers=True)
     conversations = [setup.tokenizer.encode_conversation(c) for c in read_conversations(data)]
     rows = sft_rows(conversations, setup.cfg.data.seq_len, setup.tokenizer.pad_id, setup.post.sft.packing)
-    fit(setup, SFTModule(**module_kwargs(setup)), RowsDataModule(setup.cfg.data, lambda: rows))
+    fit(setup, SFTModule(**module_kwargs(setup), **held_out_evaluation(setup)), RowsDataModule(setup.cfg.data, lambda: rows))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from dsl_lit.data.rows import RowsDataModule
 from dsl_lit.posttrain import GRPOModule
 from dsl_lit.posttrain.grpo.data import prompt_rows
 from dsl_lit.posttrain.rewards import build_rewards
-from dsl_lit.posttrain.run import cold_start_sft, fit, module_kwargs, setup_posttrain
+from dsl_lit.posttrain.run import cold_start_sft, fit, held_out_evaluation, module_kwargs, setup_posttrain
 from dsl_lit.training.runs import exits_on_config_error
 
 log = logging.getLogger(__name__)
@@ -44,14 +44,14 @@ def main(hydra_cfg: DictConfig) -> None:
     cfg, post, tokenizer = setup.cfg, setup.post, setup.tokenizer
     L.seed_everything(cfg.trainer.seed, workers=True)
 
-    train, held_out = arithmetic.split(post.task)
+    train, _ = arithmetic.split(post.task)
     datamodule = RowsDataModule(cfg.data, lambda: prompt_rows(train, tokenizer))
     datamodule.steps_per_batch = post.grpo.iterations
     kwargs = module_kwargs(setup)
     kwargs["micro_batch_size"] = cfg.data.micro_batch_size * post.grpo.group_size  # completions
-    eval_set = [(tokenizer.encode_prompt(arithmetic.prompt(p)), p) for p in held_out]
+    evaluation = held_out_evaluation(setup)
     module = GRPOModule(**kwargs, grpo=post.grpo, rewards=build_rewards(post.grpo.rewards), problems=train,
-                        tokenizer=tokenizer, eval_set=eval_set, seed=cfg.trainer.seed)
+                        tokenizer=tokenizer, eval_set=evaluation["eval_set"], seed=cfg.trainer.seed)
     fit(setup, module, datamodule)
 
 

@@ -19,7 +19,7 @@ from dsl_lit.data.conversations import load_conversations
 from dsl_lit.data.rows import RowsDataModule
 from dsl_lit.data.sft import sft_rows
 from dsl_lit.posttrain import SFTModule
-from dsl_lit.posttrain.run import fit, module_kwargs, setup_posttrain
+from dsl_lit.posttrain.run import fit, held_out_evaluation, module_kwargs, setup_posttrain
 from dsl_lit.training.runs import exits_on_config_error
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ def main(hydra_cfg: DictConfig) -> None:
         cfg.trainer.max_steps = max(1, math.ceil(post.sft.epochs * len(rows["input_ids"]) / cfg.data.global_batch_size))
         log.info("sft.epochs=%s: %d optimizer steps", post.sft.epochs, cfg.trainer.max_steps)
     datamodule = RowsDataModule(cfg.data, lambda: rows)
-    fit(setup, SFTModule(**module_kwargs(setup)), datamodule)
+    fit(setup, SFTModule(**module_kwargs(setup), **held_out_evaluation(setup)), datamodule)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """What the post-training modules (SFT, DPO, GRPO) share on top of ``CausalLMModule``: starting
 weights, batches with more than token ids (per-document or left-padded positions and masks), a
-frozen reference model, and per-token log-probabilities.
+frozen reference model, per-token log-probabilities, and the held-out greedy accuracy on a
+verifiable task (``eval/accuracy``), which every stage of the R1 pipeline logs so the stages compare.
 
 Only the main next-token head is trained here: DeepSeek-V3's MTP modules are left as they are
 (post-training in the V3 report is on the main model).
@@ -13,16 +14,19 @@ policy needs (positions, attention mask) come from :meth:`model_inputs` and reac
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from dsl_lit.data.chat import ChatTokenizer
 from dsl_lit.data.sft import document_mask
-from dsl_lit.inference.generation import positions_from_mask
+from dsl_lit.inference.generation import generate, positions_from_mask
 from dsl_lit.models import build_model
 from dsl_lit.posttrain.logps import token_logps
+from dsl_lit.posttrain.rewards import accuracy_reward
 from dsl_lit.training.causal_lm import Batch, CausalLMModule
 
 
@@ -48,10 +52,36 @@ class InferenceCopy:
 
 
 class PostTrainModule(CausalLMModule):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    """``tokenizer``, ``eval_set`` (held-out (prompt ids, problem) pairs of the task) and
+    ``eval_max_new_tokens``: what :meth:`evaluate` needs; without an ``eval_set`` nothing is evaluated."""
+
+    def __init__(self, *args: Any, tokenizer: ChatTokenizer | None = None,
+                 eval_set: Sequence[tuple[list[int], dict]] = (), eval_max_new_tokens: int = 32, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.reference: nn.Module | None = None
         self._inference: InferenceCopy | None = None
+        self.tokenizer, self.eval_set, self.eval_max_new_tokens = tokenizer, list(eval_set), eval_max_new_tokens
+
+    @torch.no_grad()
+    def evaluate(self, batch_size: int = 64) -> float:
+        """Greedy accuracy on the held-out ``eval_set`` (NaN without one). Collective under sharded
+        layouts (:meth:`inference_model`): every rank calls it at the same point."""
+        if not self.eval_set:
+            return float("nan")
+        model, correct = self.inference_model(), 0.0
+        for i in range(0, len(self.eval_set), batch_size):
+            chunk = self.eval_set[i : i + batch_size]
+            out = generate(model, [p for p, _ in chunk], self.eval_max_new_tokens,
+                           eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id)
+            correct += sum(accuracy_reward(self.tokenizer.decode(c), p) for c, (_, p) in zip(out.completions, chunk))
+        return correct / len(self.eval_set)
+
+    def log_eval_accuracy(self, accuracy: float) -> None:
+        """``eval/accuracy`` to the loggers at this step only (``self.log`` would repeat the value
+        on every later row)."""
+        for logger in self.loggers:
+            logger.log_metrics({"eval/accuracy": accuracy}, step=self.trainer.global_step)
+            logger.save()
 
     def make_reference(self) -> None:
         """A frozen copy of the current policy, saved in checkpoints (``reference.*``) so a resumed

@@ -41,7 +41,7 @@ from dsl_lit.posttrain.grpo.loss import grpo_loss
 from dsl_lit.posttrain.grpo.rollout import Rollouts, training_rows
 from dsl_lit.posttrain.logps import token_logps
 from dsl_lit.posttrain.module import PostTrainModule
-from dsl_lit.posttrain.rewards import WeightedRewards, accuracy_reward
+from dsl_lit.posttrain.rewards import WeightedRewards
 from dsl_lit.training.causal_lm import Batch, Metrics
 
 log = logging.getLogger(__name__)
@@ -51,9 +51,9 @@ class GRPOModule(PostTrainModule):
     def __init__(self, *args: Any, grpo: GRPOConfig, rewards: WeightedRewards, problems: Sequence[dict],
                  tokenizer: ChatTokenizer, eval_set: Sequence[tuple[list[int], dict]] = (), seed: int = 0,
                  **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.grpo, self.rewards, self.problems, self.tokenizer = grpo, rewards, list(problems), tokenizer
-        self.eval_set, self.seed = list(eval_set), seed
+        super().__init__(*args, tokenizer=tokenizer, eval_set=eval_set,
+                         eval_max_new_tokens=grpo.sampling.max_new_tokens, **kwargs)
+        self.grpo, self.rewards, self.problems, self.seed = grpo, rewards, list(problems), seed
         self.sampling: SamplingConfig = grpo.sampling
         self.reward_history: list[float] = []
         self.rollout_tokens = 0
@@ -200,21 +200,3 @@ class GRPOModule(PostTrainModule):
             log.info("grpo: mean reward %.3f over the first %d steps -> %.3f over the last %d; held-out greedy "
                      "accuracy %.3f", sum(h[:k]) / k, k, sum(h[-k:]) / k, k, accuracy)
 
-    def log_eval_accuracy(self, accuracy: float) -> None:
-        """To the loggers at this step only (``self.log`` would repeat the value on every later row)."""
-        for logger in self.loggers:
-            logger.log_metrics({"eval/accuracy": accuracy}, step=self.trainer.global_step)
-            logger.save()
-
-    @torch.no_grad()
-    def evaluate(self, batch_size: int = 64) -> float:
-        """Greedy accuracy on the held-out ``eval_set`` of (prompt ids, problem)."""
-        if not self.eval_set:
-            return float("nan")
-        correct = 0.0
-        for i in range(0, len(self.eval_set), batch_size):
-            chunk = self.eval_set[i : i + batch_size]
-            out = generate(self.inference_model(), [p for p, _ in chunk], self.sampling.max_new_tokens,
-                           eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id)
-            correct += sum(accuracy_reward(self.tokenizer.decode(c), p) for c, (_, p) in zip(out.completions, chunk))
-        return correct / len(self.eval_set)
