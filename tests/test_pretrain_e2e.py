@@ -20,6 +20,8 @@ from tests.forked_python import run_python
 SMALL = [
     "+model.n_layers=2", "data.seq_len=64", "data.global_batch_size=8", "data.micro_batch_size=4",
     "optim.lr=3e-3", "schedule.warmup_steps=2", "schedule.total_steps=12", "trainer.progress_bar=false", "trainer.log_every_n_steps=1",
+    # MFU's denominator given: measuring it takes ~1 s per rank per run (test_train_log_and_checkpoint measures)
+    "trainer.peak_tflops=1.0",
 ]
 
 
@@ -48,7 +50,8 @@ def test_train_log_and_checkpoint(tmp_path):
     """Exact resume (also after SIGKILL or SIGTERM) is checked in tests/test_fault_tolerance.py."""
     full = tmp_path / "full"
     # default model deepseek_v3_tiny (2 layers: dense, MoE; one MTP module); default logger W&B + CSV
-    run_recipe(full, "trainer.max_steps=12", "checkpoint.every_n_steps=4", "logger.expert_load_every_n_steps=4")
+    run_recipe(full, "trainer.max_steps=12", "checkpoint.every_n_steps=4", "logger.expert_load_every_n_steps=4",
+               "trainer.peak_tflops=null")  # the demo's default: MFU against a measured GEMM
     full_losses = losses(full)
     assert sorted(full_losses) == list(range(12))
     assert float(full_losses[11]) < float(full_losses[0]) - 1.0
