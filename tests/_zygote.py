@@ -11,8 +11,8 @@ import contextlib
 import ctypes
 import importlib
 import json
-import random
 import os
+import random
 import runpy
 import signal
 import socket
