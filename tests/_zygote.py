@@ -69,9 +69,10 @@ def _fresh_random_state() -> None:
         numpy.random.seed()
 
 
-def _run(argv: list[str], extra_path: list[str]) -> int:
-    """``python argv...`` in this process: its exit status."""
+def _run(argv: list[str]) -> int:
+    """``python argv...`` in this process (whose environment is the run's): its exit status."""
     _fresh_random_state()
+    extra_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     try:
         if argv[0] == "-m":
             sys.argv = argv[1:]
@@ -103,8 +104,7 @@ def _child(request: dict) -> None:
     status = 1
     try:
         _become(request)
-        extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-        status = _run(request["argv"], extra)
+        status = _run(request["argv"])
     finally:
         _exit(status)
 
@@ -134,7 +134,6 @@ def _gang(request: dict) -> None:
         world = int(request["ranks"])
         os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world),
                            "NODE_RANK": "0", "GROUP_RANK": "0", "LOCAL_WORLD_SIZE": str(world)})
-        extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
         ranks: dict[int, int] = {}
         for rank in range(world):
             pid = os.fork()
@@ -143,7 +142,7 @@ def _gang(request: dict) -> None:
                 try:
                     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
                     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank)})
-                    rank_status = _run(_rank_argv(request["argv"], rank), extra)
+                    rank_status = _run(_rank_argv(request["argv"], rank))
                 finally:
                     _exit(rank_status)
             ranks[pid] = rank

@@ -80,3 +80,29 @@ def test_a_background_run_in_its_own_session_takes_signals(script: Path, tmp_pat
     os.killpg(process.pid, signal.SIGTERM)
     assert process.wait(timeout=30) == -signal.SIGTERM
     assert log.read_text().startswith("out|") and "err|__main__" in log.read_text()  # both streams
+
+
+RANK_SCRIPT = """
+import os, sys
+rank = int(os.environ["RANK"])
+print(rank, os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"], os.environ["MASTER_PORT"], sys.argv[-1], flush=True)
+raise SystemExit(5 if sys.argv[1] == "fail" and rank == 1 else 0)
+"""
+
+
+def test_a_run_on_several_ranks_forks_each_rank_torchrun_s_way(tmp_path: Path) -> None:
+    """``trainer.devices=N`` with ``hydra.run.dir``: N ranks with their rank, one rendezvous port,
+    Lightning's per-rank Hydra arguments, and the first failing rank's exit status."""
+    (tmp_path / "ranks.py").write_text(RANK_SCRIPT)
+    args = [sys.executable, str(tmp_path / "ranks.py"), "ok", "trainer.devices=3", f"hydra.run.dir={tmp_path}"]
+    assert forked_python.ranks_to_fork(args) == 3
+    result = run_python(args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = sorted(line.split() for line in result.stdout.splitlines())
+    assert [line[:3] for line in lines] == [["0", "0", "3"], ["1", "1", "3"], ["2", "2", "3"]]
+    assert len({line[3] for line in lines}) == 1  # one MASTER_PORT
+    assert [line[4] for line in lines] == [f"hydra.run.dir={tmp_path}", "hydra.output_subdir=null", "hydra.output_subdir=null"]
+    failed = run_python([*args[:2], "fail", *args[3:]], cwd=tmp_path)
+    assert failed.returncode == 5, failed.stderr
+    # without hydra.run.dir the ranks could not agree on their run directory: one process
+    assert forked_python.ranks_to_fork(args[:-1]) == 1
