@@ -340,7 +340,7 @@ def test_pretrain_recipe_runs_fp8_blockwise(tmp_path):
     """``precision=fp8_blockwise`` through recipes/pretrain.py (2-layer tiny DeepSeek-V3, 3 steps,
     on CPU so the reference path): the swap is logged with the modules it made FP8, and the loss
     is finite and falls."""
-    run_recipe(tmp_path, "precision=fp8_blockwise", "trainer.max_steps=3")
+    run_recipe(tmp_path, "precision=fp8_blockwise", "trainer.max_steps=3", "logger=csv")
     log_text = (tmp_path / "pretrain.log").read_text()
     # layer 0: wq_a, wq_b, wo (its 688-wide FFN is no multiple of 128); layer 1 and the MTP block:
     # those three and the shared expert's w1-w3; the MTP projection eh_proj; 2 routed-expert modules

@@ -279,6 +279,8 @@ def test_sft_recipe_with_a_released_tokenizer_and_its_template(v3_dir, tmp_path)
     model embedding its 129280 rows; the bundled data is never built for it."""
     run_dir = tmp_path / "sft"
     overrides = [f"hydra.run.dir={run_dir}", f"tokenizer_dir={v3_dir}", "+model.vocab_size=129280", "logger=csv",
+                 # one narrow layer: the 129280-row embedding and head are most of the model
+                 "model.n_layers=1", "+model.d_model=64", "+model.n_heads=2", "+model.n_kv_heads=1", "+model.ffn_hidden=128",
                  "trainer.max_steps=4", "trainer.log_every_n_steps=1", "trainer.progress_bar=false",
                  "checkpoint.every_n_steps=0", "checkpoint.every_minutes=0", "task.num_problems=100",
                  "data.seq_len=64", "data.global_batch_size=4", "data.micro_batch_size=2",
