@@ -38,35 +38,44 @@ IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "OPENBLAS", "
 _lock = threading.Lock()
 fallback_reason = ""
 """Why the last run did not fork (for tests of this module)."""
-_zygote: subprocess.Popen | None = None
-_zygote_env: dict[str, str] = {}
+ZYGOTES_KEPT = 2
+"""Zygotes kept alive, one per import-time environment, the most recently used last: a test that
+runs once under another PYTHONHASHSEED or OMP_NUM_THREADS costs one new zygote, not two (the
+suite's own environment keeps its zygote)."""
+_zygotes: dict[tuple[tuple[str, str], ...], subprocess.Popen] = {}
 
 
-def _import_time_difference(env: dict[str, str]) -> list[str]:
-    """The variables read at import (``IMPORT_TIME_PREFIXES``) in which ``env`` and the zygote's differ."""
-    keys = set(env) | set(_zygote_env)
-    return sorted(k for k in keys if k.startswith(IMPORT_TIME_PREFIXES) and env.get(k) != _zygote_env.get(k))
+def _import_time_key(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """The variables read at import (``IMPORT_TIME_PREFIXES``) and their values: runs whose keys are
+    equal can share a zygote."""
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)))
+
+
+def _close(zygote: subprocess.Popen) -> None:
+    if zygote.poll() is None:
+        zygote.stdin.close()
+        zygote.wait(30)
 
 
 def _zygote_for(env: dict[str, str]) -> subprocess.Popen | None:
-    """A zygote whose imports saw ``env``: the running one, or a new one (an import-time variable
-    changed, e.g. a library set KMP_DUPLICATE_LIB_OK in this process). None if none can serve."""
-    global _zygote, _zygote_env, fallback_reason
-    if _zygote is not None and _zygote.poll() is None and not _import_time_difference(env):
-        return _zygote
-    if _zygote is not None and _zygote.poll() is None:
-        _zygote.stdin.close()
-        _zygote.wait(30)
-    _zygote_env = dict(env)
-    _zygote = subprocess.Popen([sys.executable, str(ZYGOTE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                               text=True, bufsize=1, env=_zygote_env)
-    ready = _zygote.stdout.readline()
-    if ready.strip() != "ready":  # e.g. a library started a thread at import: fork would be unsafe
-        _zygote.kill()
-        _zygote = None
-        fallback_reason = f"zygote unavailable: {ready.strip()!r}"
-        sys.stderr.write(f"[forked_python] {fallback_reason}; plain subprocesses\n")
-    return _zygote
+    """A zygote whose imports saw ``env``: a running one, or a new one (an import-time variable
+    differs, e.g. a library set KMP_DUPLICATE_LIB_OK in this process). None if none can serve."""
+    global fallback_reason
+    key = _import_time_key(env)
+    zygote = _zygotes.pop(key, None)
+    if zygote is None or zygote.poll() is not None:
+        while len(_zygotes) >= ZYGOTES_KEPT:
+            _close(_zygotes.pop(next(iter(_zygotes))))  # the least recently used
+        zygote = subprocess.Popen([sys.executable, str(ZYGOTE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True, bufsize=1, env=dict(env))
+        ready = zygote.stdout.readline()
+        if ready.strip() != "ready":  # e.g. a library started a thread at import: fork would be unsafe
+            zygote.kill()
+            fallback_reason = f"zygote unavailable: {ready.strip()!r}"
+            sys.stderr.write(f"[forked_python] {fallback_reason}; plain subprocesses\n")
+            return None
+    _zygotes[key] = zygote  # the most recently used last
+    return zygote
 
 
 def _forkable(args: list[str]) -> bool:

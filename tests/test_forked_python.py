@@ -53,7 +53,7 @@ def test_a_variable_read_at_import_reaches_the_imports(tmp_path: Path) -> None:
     one = run_python([sys.executable, str(tmp_path / "threads.py")], cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": threads})
     assert one.returncode == 0 and int(one.stdout) == int(threads), one.stderr
     default = run_python([sys.executable, str(tmp_path / "threads.py")], cwd=tmp_path)
-    assert default.returncode == 0 and int(default.stdout) >= 1, default.stderr  # the zygote is back
+    assert default.returncode == 0 and int(default.stdout) >= 1, default.stderr  # the suite's zygote, still there
 
 
 def test_a_module_an_exception_and_a_timeout(script: Path, tmp_path: Path) -> None:
