@@ -140,3 +140,12 @@ def test_fused_adamw_runs_and_matches_foreach():
         assert_close_fp32(p, q, 3)  # same gradients; the kernels round each of the 3 updates differently
     with pytest.raises(ConfigError, match="optim.fused=true and optim.foreach=true exclude each other"):
         OptimConfig(fused=True, foreach=True).validate()
+
+
+@pytest.mark.parametrize("config, fused", [({}, True), ({"foreach": True}, False), ({"moments_dtype": "bf16"}, False),
+                                           ({"fused": False}, False)])
+def test_fused_adamw_is_the_default_wherever_it_applies(config, fused):
+    """``optim.fused: null`` (the default): torch's fused kernel unless foreach or bf16 moments are asked for."""
+    model = torch.nn.Linear(16, 8)
+    optimizer = build_optimizer(model, OptimConfig(**config).validate())
+    assert all(bool(group["fused"]) == fused for group in optimizer.param_groups)

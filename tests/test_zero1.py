@@ -12,6 +12,7 @@ import torch.distributed as dist
 from dsl_lit.config.optim import OptimConfig
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.optim import build_optimizer, param_groups
+from dsl_lit.optim.adamw import adamw_arguments
 from dsl_lit.optim.clip import clip_grad_norm_
 from dsl_lit.parallel.zero1 import ZeRO1AdamW
 from tests.numerics import assert_close_fp32, assert_close_in_norm
@@ -39,8 +40,7 @@ def _worker(rank: int, world: int, init_file: str, bucket_numel: int) -> None:
         cfg = OptimConfig(lr=1e-2, weight_decay=0.1)
         reference, ours = _model(), _model()
         ref_opt = build_optimizer(reference, cfg)
-        opt = ZeRO1AdamW(param_groups(ours, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                         bucket_numel=bucket_numel)
+        opt = ZeRO1AdamW(param_groups(ours, cfg.weight_decay), **adamw_arguments(cfg), bucket_numel=bucket_numel)
         total = sum(p.numel() for p in ours.parameters())
         assert opt.state_numel() == 0 + sum(b.master.numel() for b in opt.buckets)
         for step in range(3):
@@ -80,7 +80,7 @@ def _worker(rank: int, world: int, init_file: str, bucket_numel: int) -> None:
         dist.all_gather_object(everyone, sorted(owned["state"]))
         assert sorted(pid for ids in everyone for pid in ids) == sorted(ref_sd["state"])
         fresh_model = copy.deepcopy(reference)
-        fresh = ZeRO1AdamW(param_groups(fresh_model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+        fresh = ZeRO1AdamW(param_groups(fresh_model, cfg.weight_decay), **adamw_arguments(cfg),
                            bucket_numel=bucket_numel)
         # and reads back only the moments of the parameters overlapping its shards
         needed = {fresh.param_index[id(p)] for p in fresh.params_overlapping_shard()}

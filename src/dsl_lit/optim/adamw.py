@@ -76,8 +76,19 @@ class AdamW(torch.optim.AdamW):
                         state[key] = state[key].to(self.moments_dtype)
 
 
+def uses_fused_kernel(cfg: OptimConfig) -> bool:
+    """``optim.fused``, or where it is null: the fused kernel wherever it applies (fp32 moments and
+    ``optim.foreach`` unset; it keeps the moments in the parameters' dtype)."""
+    if cfg.fused is not None:
+        return cfg.fused
+    return cfg.moments_dtype == "fp32" and cfg.foreach is None
+
+
+def adamw_arguments(cfg: OptimConfig) -> dict:
+    """:class:`AdamW`'s keyword arguments from the ``optim`` group (its ZeRO-1 form takes the same)."""
+    return dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=cfg.foreach,
+                fused=uses_fused_kernel(cfg) or None, moments_dtype=MOMENT_DTYPES[cfg.moments_dtype])
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    return AdamW(
-        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-        foreach=cfg.foreach, fused=cfg.fused or None, moments_dtype=MOMENT_DTYPES[cfg.moments_dtype],
-    )
+    return AdamW(param_groups(model, cfg.weight_decay), **adamw_arguments(cfg))

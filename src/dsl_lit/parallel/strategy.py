@@ -41,7 +41,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from dsl_lit.config.optim import OptimConfig
 from dsl_lit.config.parallel import ParallelLayout
 from dsl_lit.optim import build_optimizer, param_groups
-from dsl_lit.optim.adamw import MOMENT_DTYPES
+from dsl_lit.optim.adamw import adamw_arguments
 from dsl_lit.optim.clip import clip_grad_norm_
 from dsl_lit.parallel.checkpointing import ShardedCheckpointing
 from dsl_lit.parallel.context_parallel import ContextParallelKeys, apply_context_parallel
@@ -182,7 +182,7 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
             return build_optimizer(model, cfg)
         return ZeRO1AdamW(
             param_groups(model, cfg.weight_decay), group=self.replica_group, norm_group=self.pp_group,
-            lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, moments_dtype=MOMENT_DTYPES[cfg.moments_dtype],
+            **adamw_arguments(cfg),
         )
 
     def loss_context(self) -> contextlib.AbstractContextManager:
