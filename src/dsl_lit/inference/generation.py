@@ -170,6 +170,8 @@ def _last_logits(
         logits = model.head(hidden[:, -1])
     else:
         logits = model(tokens, positions, key_valid, cache)[:, -1]
+    if hasattr(logits, "full_tensor"):  # a tensor-parallel head's vocabulary shards (a DTensor)
+        logits = logits.full_tensor()
     return logits.float()
 
 
@@ -188,6 +190,7 @@ def generate(
     output_logits: bool = False,
     mtp_speculative: bool = False,
     stop: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    all_finished: Callable[[bool], bool] | None = None,
 ) -> GenerationOutput:
     """Generate up to ``max_new_tokens`` tokens after each prompt, in one left-padded batch.
 
@@ -202,10 +205,18 @@ def generate(
     main model's next forward (:mod:`dsl_lit.inference.speculative`): the same tokens, fewer
     forwards; :attr:`GenerationOutput.draft_stats` counts them. Runs in eval mode under
     ``torch.inference_mode`` and restores the model's training mode afterwards.
+
+    ``model`` may be the shards of a model whose forward is a collective (tensor or expert
+    parallel): the ranks holding them must then run the same number of forwards, so generation
+    stops early only when ``all_finished(done_here)`` (called by every rank after every step, e.g.
+    an all-reduce) says that every rank is done. A rank that finished first keeps decoding pads,
+    so its completions are the ones a single process would produce.
     """
     _check_arguments(max_new_tokens, temperature, top_p, top_k)
     if mtp_speculative and (temperature != 0.0 or not use_cache):
         raise ValueError("mtp_speculative=True is greedy decoding with the KV cache: temperature=0, use_cache=True")
+    if mtp_speculative and all_finished is not None:
+        raise ValueError("mtp_speculative=True decodes on one process: all_finished must be None")
     if len(prompts) == 0:
         raise ValueError("generate() needs at least one prompt")
     device = next(model.parameters()).device
@@ -230,7 +241,7 @@ def generate(
         with torch.inference_mode():
             sequences, completion_mask, logprobs, logits, stats = _decode(
                 model, prompt_tokens, prompt_valid, max_new_tokens, temperature, top_k, top_p,
-                eos_ids, pad_token_id, generator, use_cache, output_logits, mtp_speculative, stop,
+                eos_ids, pad_token_id, generator, use_cache, output_logits, mtp_speculative, stop, all_finished,
             )
     finally:
         model.train(was_training)
@@ -269,6 +280,7 @@ def _decode(
     output_logits: bool,
     mtp_speculative: bool = False,
     stop: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    all_finished: Callable[[bool], bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, DraftStats | None]:
     """The decoding loop; returns (sequences, completion_mask, logprobs, logits or None, draft stats)."""
     batch, prompt_length = prompt_tokens.shape
@@ -321,7 +333,8 @@ def _decode(
                 logits = _last_logits(
                     model, tokens[:, length - 1 : length], positions[:, length - 1 : length], valid[:, :length], cache
                 )
-            if emit(step, logits):
+            done_here = emit(step, logits)
+            if all_finished(done_here) if all_finished is not None else done_here:
                 break
     steps = done
 

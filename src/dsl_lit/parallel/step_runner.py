@@ -149,6 +149,11 @@ class LocalStepRunner:
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return model.state_dict()
 
+    def generation_group(self, same_calls_on_every_replica: bool = True) -> dist.ProcessGroup | None:
+        """The ranks that sample from the sharded model together (None: a rank holds the whole model,
+        or samples from a whole copy of it); see ``DeepSeekStrategy.generation_group``."""
+        return None
+
 
 class MeshStepRunner(LocalStepRunner):
     """The step on :class:`~dsl_lit.parallel.strategy.DeepSeekStrategy`'s mesh without pipeline
@@ -196,6 +201,9 @@ class MeshStepRunner(LocalStepRunner):
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return self.strategy.full_state_dict(model) if self.shards_model else model.state_dict()
+
+    def generation_group(self, same_calls_on_every_replica: bool = True) -> dist.ProcessGroup | None:
+        return self.strategy.generation_group(same_calls_on_every_replica)
 
 
 class PipelineStepRunner(MeshStepRunner):

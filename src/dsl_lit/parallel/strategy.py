@@ -114,6 +114,19 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
         """Whether a rank holds less than the whole model (tensor, pipeline or expert parallel)."""
         return self.layout.shards_model
 
+    def generation_group(self, same_calls_on_every_replica: bool = True) -> dist.ProcessGroup | None:
+        """The ranks that sample together from the sharded model itself, their forwards being
+        collectives: the tp group, or under expert parallelism every rank (ep ranks are
+        data-parallel ones, so every replica must generate as often as the others:
+        ``same_calls_on_every_replica``). None where sampling needs a whole copy: pipeline stages,
+        and context- or sequence-parallel shards, split one forward over ranks or positions."""
+        layout = self.layout
+        if not layout.shards_model or layout.pp > 1 or layout.cp > 1 or layout.sequence_parallel:
+            return None
+        if layout.ep > 1:
+            return dist.group.WORLD if same_calls_on_every_replica else None
+        return self.mesh["tp"].get_group()
+
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The single-device state dict of the sharded ``model``, on every rank (collective)."""
         return full_state_dict(model, self.pp_group)

@@ -14,11 +14,12 @@ policy needs (positions, attention mask) come from :meth:`model_inputs` and reac
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dsl_lit.data.chat import ChatTokenizer
@@ -72,7 +73,8 @@ class PostTrainModule(CausalLMModule):
         for i in range(0, len(self.eval_set), batch_size):
             chunk = self.eval_set[i : i + batch_size]
             out = generate(model, [p for p, _ in chunk], self.eval_max_new_tokens,
-                           eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id)
+                           eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id,
+                           all_finished=self.all_finished())
             correct += sum(accuracy_reward(self.tokenizer.decode(c), p) for c, (_, p) in zip(out.completions, chunk))
         return correct / len(self.eval_set)
 
@@ -98,11 +100,33 @@ class PostTrainModule(CausalLMModule):
         it (a collective then: every rank calls it at the same point)."""
         return self.runner.full_state_dict(self.model)
 
+    @property
+    def sampling_group(self) -> dist.ProcessGroup | None:
+        """The ranks that sample from the policy's shards together (tensor or expert parallel), or
+        None: this rank holds the whole policy, or samples from a whole copy of it."""
+        return self.runner.generation_group()
+
+    def all_finished(self) -> Callable[[bool], bool] | None:
+        """For :func:`generate` on the policy's shards: every rank of :attr:`sampling_group` is done
+        (an all-reduce after every decoding step, so they run the same forwards); None otherwise."""
+        group = self.sampling_group
+        if group is None:
+            return None
+
+        def decide(done_here: bool) -> bool:
+            flag = torch.tensor([int(done_here)], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+            return bool(flag.item())
+
+        return decide
+
     def inference_model(self) -> nn.Module:
-        """The whole policy, for sampling and frozen log-probs under any layout: the model itself
-        when this rank holds all of it, otherwise a single-device copy (eval mode) refreshed from
-        the shards once per optimizer step. Collective under sharded layouts."""
-        if not self.runner.shards_model:
+        """The policy for sampling and frozen log-probs under any layout: the model itself when this
+        rank holds all of it or the layout samples from its shards (:attr:`sampling_group`: tensor
+        and expert parallelism, the KV cache sharded with the heads), otherwise a single-device copy
+        (eval mode) refreshed from the shards once per optimizer step (pipeline stages, context or
+        sequence parallelism). Collective under sharded layouts."""
+        if not self.runner.shards_model or self.sampling_group is not None:
             return self.model
         step = self.trainer.global_step
         if self._inference is None:

@@ -18,8 +18,9 @@ with DAPO's options the draws, dropped and filled groups and masked completions 
 Sampling, and the extra prompts dynamic sampling draws from the training problems, are seeded by
 (seed, step, dp rank), so a resumed run draws the same completions. Each data-parallel rank samples
 its own prompts (and draws as often as it needs: the batch it trains on always has the same shape);
-under tensor, pipeline or expert parallelism the ranks of a replica sample the same completions with
-a whole copy of the current policy (:meth:`PostTrainModule.inference_model`), then train the
+under tensor or expert parallelism the ranks sample from the sharded policy itself, decoding in
+lockstep (the ranks of a replica draw the same completions), under pipeline or context parallelism
+from a whole copy of the current policy (:meth:`PostTrainModule.inference_model`), then train the
 sharded policy on them.
 """
 
@@ -67,6 +68,12 @@ class GRPOModule(PostTrainModule):
             self.make_reference()
 
     @property
+    def sampling_group(self) -> torch.distributed.ProcessGroup | None:
+        # dynamic sampling draws as often as each replica needs, so replicas cannot decode in
+        # lockstep: expert-parallel layouts (whose ep ranks are replicas) then sample from a whole copy
+        return self.runner.generation_group(same_calls_on_every_replica=not self.grpo.dynamic_sampling.enabled)
+
+    @property
     def temperature(self) -> float:
         return self.sampling.temperature or 1.0
 
@@ -82,7 +89,7 @@ class GRPOModule(PostTrainModule):
         samples = [p for p in problems for _ in range(g)]
         out = generate(self.inference_model(), prompts, s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                        top_k=s.top_k, eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id,
-                       generator=generator)
+                       generator=generator, all_finished=self.all_finished())
         rewards, parts = self.rewards([self.tokenizer.decode(c) for c in out.completions], samples)
         rollouts = Rollouts(prompts, out.completions, rewards, torch.zeros_like(rewards), parts, g)
         if self.grpo.overlong.penalty_cache:
