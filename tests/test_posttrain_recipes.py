@@ -134,7 +134,12 @@ def test_grpo_recipe_under_tensor_then_pipeline_parallel_with_resume(sft_run, tm
     # resumes as a 2-stage pipeline for the second rollout
     run("grpo", sharded, f"init_from={sft_run}", *GRPO, "trainer.max_steps=2", "trainer.devices=2", "parallel.tp=2")
     assert (sharded / "checkpoints" / "step-2" / "meta.json").is_file()
+    # under tp the ranks sample from the policy's shards and the KL reference is sharded with it
+    # (the same samples as one process: the rewards below); a pipeline stage samples from a whole copy
+    logged = (sharded / "grpo.log").read_text()
+    assert "grpo: sampling from the policy's shards, in lockstep" in logged and "reference sharded like the policy" in logged
     run("grpo", sharded, f"init_from={sft_run}", *GRPO, "trainer.max_steps=4", *PIPELINE)
+    assert "grpo: sampling from a whole copy of the policy" in (sharded / "grpo.log").read_text()
     keys = ["reward/mean", "reward/std", "completion/length", "train/loss", "train/kl", "train/grad_norm",
             "train/clip_fraction"]
     assert_same_steps(rows(sharded), expected, keys, rel=2e-3, abs_=1e-5)

@@ -167,6 +167,12 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
                                   hook_gradients=not deferred)
         if self.layout.ep > 1:
             apply_expert_parallel(module.model, self.mesh["ep"])
+        if self.generation_group() is not None:  # a KL reference: sharded like the policy, run on its shards
+            for frozen in module.frozen_copies():
+                if self.layout.tp > 1:
+                    apply_tensor_parallel(frozen, module.model_config, self.mesh["tp"], hook_gradients=False)
+                if self.layout.ep > 1:
+                    apply_expert_parallel(frozen, self.mesh["ep"])
         if self.layout.cp > 1:
             apply_context_parallel(module.model, self.cp_group)
         if deferred:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dsl_lit.data.chat import ChatTokenizer
 from dsl_lit.data.sft import document_mask
@@ -92,8 +93,10 @@ class PostTrainModule(CausalLMModule):
 
     @torch.no_grad()
     def refresh_reference(self) -> None:
-        """The reference becomes the current policy (R1 refreshes it every 400 steps)."""
-        self.reference.load_state_dict(self.full_policy_state())
+        """The reference becomes the current policy (R1 refreshes it every 400 steps): shard by shard
+        when the strategy sharded it with the policy (``frozen_copies``), else from the whole policy."""
+        sharded = any(isinstance(p, DTensor) for p in self.reference.parameters())
+        self.reference.load_state_dict(self.model.state_dict() if sharded else self.full_policy_state())
 
     def full_policy_state(self) -> dict[str, torch.Tensor]:
         """The policy's single-device state dict, gathered from its shards when the layout splits

@@ -122,6 +122,11 @@ class CausalLMModule(L.LightningModule):
     def on_initial_weights(self) -> None:
         """Hook: the model holds its starting weights (DPO caches reference log-probs here)."""
 
+    def frozen_copies(self) -> list[nn.Module]:
+        """Frozen models shaped like the policy (a KL reference) that the strategy shards with it on
+        layouts whose shards run a forward by themselves (tensor and expert parallelism)."""
+        return []
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
 

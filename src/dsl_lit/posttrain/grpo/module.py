@@ -32,10 +32,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from dsl_lit.config.posttrain import GRPOConfig, SamplingConfig
 from dsl_lit.data.chat import ChatTokenizer
 from dsl_lit.inference.generation import generate
+from dsl_lit.parallel.grad_sync import local
 from dsl_lit.posttrain.grpo.dapo import GroupSelection, overlong_penalty
 from dsl_lit.posttrain.grpo.data import encode_prompts, prompts_of
 from dsl_lit.posttrain.grpo.loss import grpo_loss
@@ -46,6 +48,11 @@ from dsl_lit.posttrain.rewards import WeightedRewards
 from dsl_lit.training.causal_lm import Batch, Metrics
 
 log = logging.getLogger(__name__)
+
+
+def _held_mib(model: torch.nn.Module) -> float:
+    """MiB of ``model``'s parameters on this rank (its shards under a sharded layout)."""
+    return sum(local(p).nbytes for p in model.parameters()) / 2**20
 
 
 class GRPOModule(PostTrainModule):
@@ -66,6 +73,20 @@ class GRPOModule(PostTrainModule):
     def on_initial_weights(self) -> None:
         if self.grpo.beta:
             self.make_reference()
+
+    def frozen_copies(self) -> list[torch.nn.Module]:
+        return [self.reference] if self.reference is not None else []
+
+    def on_train_start(self) -> None:
+        """Say where sampling and the reference run, with the weights this rank holds for each."""
+        if not self.runner.shards_model:
+            return
+        where = "the policy's shards, in lockstep" if self.sampling_group is not None else "a whole copy of the policy"
+        reference = "none"
+        if self.reference is not None:
+            sharded = any(isinstance(p, DTensor) for p in self.reference.parameters())
+            reference = f"{'sharded like the policy' if sharded else 'whole'}, {_held_mib(self.reference):.1f} MiB here"
+        log.info("grpo: sampling from %s; policy %.1f MiB here; reference %s", where, _held_mib(self.model), reference)
 
     @property
     def sampling_group(self) -> torch.distributed.ProcessGroup | None:
