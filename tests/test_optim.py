@@ -149,3 +149,24 @@ def test_fused_adamw_is_the_default_wherever_it_applies(config, fused):
     model = torch.nn.Linear(16, 8)
     optimizer = build_optimizer(model, OptimConfig(**config).validate())
     assert all(bool(group["fused"]) == fused for group in optimizer.param_groups)
+
+
+def test_fused_adamw_is_not_chosen_for_groups_mixing_dtensors_and_tensors(tmp_path):
+    """Expert parallelism shards only the experts (DTensors): torch's fused kernel refuses a group
+    mixing them with plain tensors, so the default falls back to the per-tensor loop there."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(16, 8)
+        model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), init_device_mesh("cpu", (1,)), [Shard(0)]))
+        mixed = torch.nn.Sequential(model, torch.nn.Linear(8, 4))  # decayed matrices: one DTensor, one tensor
+        optimizer = build_optimizer(mixed, OptimConfig().validate())
+        assert not any(group["fused"] for group in optimizer.param_groups)
+        for p in mixed.parameters():
+            p.grad = torch.ones_like(p)
+        optimizer.step()  # the per-tensor loop steps the mix (the fused kernel raised here)
+    finally:
+        dist.destroy_process_group()

@@ -6,6 +6,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dsl_lit.config.optim import OptimConfig
 
@@ -76,19 +77,23 @@ class AdamW(torch.optim.AdamW):
                         state[key] = state[key].to(self.moments_dtype)
 
 
-def uses_fused_kernel(cfg: OptimConfig) -> bool:
-    """``optim.fused``, or where it is null: the fused kernel wherever it applies (fp32 moments and
-    ``optim.foreach`` unset; it keeps the moments in the parameters' dtype)."""
+def uses_fused_kernel(cfg: OptimConfig, params_of_one_kind: bool = True) -> bool:
+    """``optim.fused``, or where it is null: the fused kernel wherever it applies (fp32 moments,
+    ``optim.foreach`` unset, and each param group all plain tensors or all DTensors: the kernel
+    refuses a mix, which expert parallelism makes of a group by sharding only the experts)."""
     if cfg.fused is not None:
         return cfg.fused
-    return cfg.moments_dtype == "fp32" and cfg.foreach is None
+    return cfg.moments_dtype == "fp32" and cfg.foreach is None and params_of_one_kind
 
 
-def adamw_arguments(cfg: OptimConfig) -> dict:
+def adamw_arguments(cfg: OptimConfig, params_of_one_kind: bool = True) -> dict:
     """:class:`AdamW`'s keyword arguments from the ``optim`` group (its ZeRO-1 form takes the same)."""
     return dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=cfg.foreach,
-                fused=uses_fused_kernel(cfg) or None, moments_dtype=MOMENT_DTYPES[cfg.moments_dtype])
+                fused=uses_fused_kernel(cfg, params_of_one_kind) or None,
+                moments_dtype=MOMENT_DTYPES[cfg.moments_dtype])
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    return AdamW(param_groups(model, cfg.weight_decay), **adamw_arguments(cfg))
+    groups = param_groups(model, cfg.weight_decay)
+    one_kind = all(len({isinstance(p, DTensor) for p in g["params"]}) <= 1 for g in groups)
+    return AdamW(groups, **adamw_arguments(cfg, one_kind))
