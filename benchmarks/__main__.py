@@ -21,6 +21,7 @@ BENCHMARKS: list[tuple[str, list[str]]] = [
     ("deepseek_v3_vs_transformers", ["--repeats", "5"]),
     ("deepseek_v3_vs_transformers", ["--repeats", "5", "--dtype", "bf16"]),
     ("mtp_speculative", ["--steps", "150", "--repeats", "3"]),
+    ("adamw_kernels", ["--repeats", "5"]),
     ("generation_speed", ["--new", "64", "--repeats", "2"]),
     ("cross_entropy_memory", ["--tokens", "2048"]),
     ("context_parallel_overhead", ["--seq", "512", "--repeats", "3"]),
