@@ -9,6 +9,7 @@ still its own OS process with its own gloo process group, as with ``spawn``."""
 from __future__ import annotations
 
 import multiprocessing
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -22,3 +23,10 @@ def spawn(fn: Callable[..., Any], args: tuple = (), nprocs: int = 2) -> None:
     the first rank's exception."""
     multiprocessing.set_forkserver_preload(PRELOAD)
     mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a rendezvous the test starts next)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

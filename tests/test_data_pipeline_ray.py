@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from data_pipeline.shard_io import read_documents, read_marker, shard_file
 from data_pipeline.stage import Stage, Step
 from data_pipeline.synthetic import planted_corpus
 from dsl_lit.config.errors import ConfigError
+from tests.ranks import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -93,12 +93,6 @@ class KillOnce(Stage):
         return [self.step(_kill_once, writes_documents=True)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _stop(processes: list[subprocess.Popen]) -> None:
     """SIGTERM to the `ray start --block` commands we started (each tears its node down), then
     SIGKILL to whatever of their own process groups is left."""
@@ -120,7 +114,7 @@ def cluster() -> Iterator[str]:
     path = os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": path}  # the workers import this checkout's data_pipeline
     common = ["--num-cpus=1", "--block", "--disable-usage-stats", "--object-store-memory=100000000"]
-    port = _free_port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     processes: list[subprocess.Popen] = []
     log = open(Path(temp_dir) / "start.log", "w")  # noqa: SIM115 (closed below)
@@ -256,7 +250,7 @@ def test_a_ray_head_that_does_not_answer_is_refused_before_any_write(tmp_path: P
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.jsonl").write_text('{"text": "x"}\n')
     values = {"input": {"path": str(tmp_path / "in")}, "output_dir": str(tmp_path / "out")}
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     with pytest.raises(ConfigError, match=f"executor.address={address}: no Ray head answers"):
         run(load_config({**values, "executor": {"kind": "ray", "address": address}}))
     assert not (tmp_path / "out").exists() and not ray.is_initialized()

@@ -13,7 +13,6 @@ recipe in tests/test_posttrain_recipes.py; the rows here are fixed completions.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import lightning as L
@@ -29,7 +28,7 @@ from dsl_lit.posttrain import GRPOModule
 from dsl_lit.posttrain.module import PostTrainModule, shifted_completion
 from dsl_lit.posttrain.rewards import WeightedRewards
 from tests.numerics import assert_close_fp32, relative_error
-from tests.ranks import spawn
+from tests.ranks import free_port, spawn
 from tests.test_objective_references import StepRecorder
 from tests.test_pretrain_module import _llm
 
@@ -94,15 +93,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     torch.save(grads, Path(out) / f"rank{rank}.pt")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_dapo_normalises_by_the_global_batch_and_bnpo_by_each_replica(tmp_path):
-    spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2)
+    spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     whole = _fit(_module("dapo"), _all_rows())  # one process, all 8 completions
     halves = [_fit(_module("bnpo"), _rows(r)) for r in range(2)]  # one process on each replica's rows

@@ -5,28 +5,22 @@ the path a multi-node cluster takes (``scripts/slurm_pretrain.sh`` runs the same
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.ranks import free_port
 from tests.test_pretrain_e2e import ROOT, SMALL, losses, run_recipe
 
 RUN = ["logger=csv", "trainer.accelerator=cpu", "checkpoint.every_n_steps=3", "checkpoint.every_minutes=0",
        "checkpoint.async_save=false"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_nodes(run_dir: Path, *overrides: str) -> None:
     """One torchrun per node, as a cluster starts them; both must exit 0."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     nodes = [
         subprocess.Popen(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from dsl_lit.inference.generation import generate
 from dsl_lit.models import build_model
 from dsl_lit.parallel.expert_parallel import apply_expert_parallel
 from dsl_lit.parallel.tensor_parallel import apply_tensor_parallel
-from tests.ranks import spawn
+from tests.ranks import free_port, spawn
 from tests.test_pretrain_module import _llm, _v3
 
 NEW_TOKENS = 12
@@ -80,15 +79,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_sampling_from_tensor_and_expert_parallel_shards_draws_what_one_process_draws(tmp_path):
-    spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2)
+    spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     torch.set_num_threads(1)
     expected_tp = _sample(_model("llm"), _prompts(0))
