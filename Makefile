@@ -16,13 +16,13 @@ demo: setup
 	$(PY) recipes/pretrain.py data.cache_dir=$(DEMO_DATA)
 
 # Every torch process of the suite on one thread (OMP_NUM_THREADS=1): the tiny models' ops gain little
-# from a second thread, and the cores serve one test each instead. First the single-process tests on
-# every core (pytest-xdist), then the multi-process ones, a test file per worker (--dist loadfile keeps
-# a file's shared runs in one worker). Measured on 2 cores: the second half 1,012 s one test at a
-# time with torch's default threads, 743 s like this (-n 3: 747 s).
+# from a second thread, and the cores serve one test each instead. One pytest run on every core
+# (pytest-xdist), a test file per worker at a time (--dist loadfile: a file's multi-process tests,
+# marked slow, share module-scoped runs), the files with the longest multi-process tests first and
+# the single-process tests filling the cores after them (tests/conftest.py). `make test-fast` runs
+# the single-process tests alone.
 test: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto -m "not slow" --durations=15
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto --dist loadfile -m slow --durations=15
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=25
 
 test-fast: setup
 	$(PY) -m pytest -q -n auto -m "not slow"

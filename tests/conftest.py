@@ -58,3 +58,26 @@ def edit_config_json(path: Path, **changes: object) -> None:
     config = json.loads((path / "config.json").read_text())
     config.update(changes)
     (path / "config.json").write_text(json.dumps(config))
+
+
+# The multi-process tests (marked slow) of one file share module-scoped runs, so `make test` hands
+# out whole files (pytest-xdist's --dist loadfile) in collection order (--no-loadscope-reorder): the
+# files with the longest multi-process tests first, so the short single-process ones fill the cores
+# at the end (longest processing time first: the suite ends when its last long file does).
+# (--dist loadgroup would group single tests, but pytest-xdist 3.8 marks a group by rewriting
+# item._nodeid, which pytest 9 no longer reads: its groups are silently split.) Measured lengths on 2
+# cores, longest first; files with slow tests not listed follow them.
+LONGEST_SLOW_FILES = ("test_parallel_e2e", "test_preemption", "test_posttrain_recipes", "test_evaluation",
+                      "test_multi_node", "test_lazy_loading", "test_fault_tolerance", "test_data_pipeline_ray",
+                      "test_batch_ramp", "test_checkpoint_integrity", "test_fp8", "test_pipeline")
+
+
+def _schedule_rank(item: pytest.Item) -> tuple[int, int]:
+    if item.get_closest_marker("slow") is None:
+        return (1, 0)
+    stem = item.path.stem
+    return (0, LONGEST_SLOW_FILES.index(stem) if stem in LONGEST_SLOW_FILES else len(LONGEST_SLOW_FILES))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=_schedule_rank)  # stable: a file's tests keep pytest's order (module fixtures set up once)

@@ -1,8 +1,11 @@
 """Sampling from the training layout's shards (issue 20, item 4): on 2 gloo processes the KV-cache
-generator runs on a tensor-parallel DeepSeek LLM (vocab-sharded head, heads split) and on an
+generator runs on a tensor-parallel DeepSeek LLM (vocab-sharded head, heads split), on an
 expert-parallel DeepSeek-V3 (each rank its own prompts, experts split, all-to-all in every forward)
-and draws the completions one process draws from the whole model with the same seed, while each
-rank holds its shards only instead of a whole copy."""
+and on a DeepSeek-V3 cut into DualPipeV's 4 pipeline stages (rank 0 holds the first and the last,
+rank 1 the middle two: hidden states go there and back every step, each rank caches its layers'
+keys), and draws the completions one process draws from the whole model with the same seed, while
+each rank holds its shards only instead of a whole copy. The pipeline's frozen log-probs equal
+one process's too."""
 
 from __future__ import annotations
 
@@ -19,7 +22,11 @@ from torch.distributed.tensor import DTensor
 from dsl_lit.inference.generation import generate
 from dsl_lit.models import build_model
 from dsl_lit.parallel.expert_parallel import apply_expert_parallel
+from dsl_lit.parallel.pipeline import prune_to_stages, split_layers, stages_of_rank
+from dsl_lit.parallel.pipeline_inference import PipelinedInference
 from dsl_lit.parallel.tensor_parallel import apply_tensor_parallel
+from dsl_lit.posttrain.logps import token_logps
+from tests.numerics import EPS32
 from tests.ranks import free_port, spawn
 from tests.test_pretrain_module import _llm, _v3
 
@@ -35,7 +42,26 @@ def _prompts(rank: int) -> list[list[int]]:
 
 def _model(family: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    return build_model(_llm() if family == "llm" else _v3(mtp_depth=0)).eval()
+    cfg = {"llm": _llm(), "v3": _v3(mtp_depth=0), "v3_deep": _v3(n_layers=4, mtp_depth=1)}[family]
+    return build_model(cfg).eval()
+
+
+def _sample_and_score(model, prompts: list[list[int]]) -> dict:
+    """Completions, their log-probs and the generator afterwards; then frozen log-probs of the
+    generated rows (what GRPO's reference and old policy give)."""
+    generator = torch.Generator().manual_seed(7)
+    out = generate(model, prompts, NEW_TOKENS, temperature=1.0, eos_token_id=EOS, generator=generator)
+    tokens = out.sequences[:, :-1]
+    labels = out.sequences[:, 1:]
+    mask = out.attention_mask[:, :-1]
+    positions = mask.long().cumsum(-1).sub(1).clamp(min=0)
+    with torch.no_grad():
+        if isinstance(model, PipelinedInference):
+            scored = model.token_values(tokens, positions, mask, lambda logits: token_logps(logits, labels))
+        else:
+            scored = token_logps(model(tokens, positions, mask), labels)
+    return {"completions": out.completions, "logprobs": out.logprobs, "generator": generator.get_state(),
+            "scored": scored}
 
 
 def _sample(model: torch.nn.Module, prompts: list[list[int]], all_finished=None) -> list[list[int]]:
@@ -74,13 +100,21 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         apply_expert_parallel(ep, mesh)
         results["ep"] = _sample(ep, _prompts(rank), all_finished)  # expert-parallel ranks: their own prompts
         results["ep_bytes"] = (_bytes(ep), whole_bytes)
+        # pipeline: DualPipeV's V over 2 ranks, 4 stages of one layer (the last with the MTP module)
+        deep = _model("v3_deep")
+        whole_bytes = _bytes(deep)
+        stage_layers = split_layers(deep.config, 4)
+        owner = {s: r for r in range(world) for s in stages_of_rank(r, world, 2, "DualPipeV")}
+        prune_to_stages(deep, stage_layers, stages_of_rank(rank, world, 2, "DualPipeV"))
+        results["pp"] = _sample_and_score(PipelinedInference(deep, stage_layers, owner, dist.group.WORLD), _prompts(1))
+        results["pp_bytes"] = (_bytes(deep), whole_bytes)
         torch.save(results, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_sampling_from_tensor_and_expert_parallel_shards_draws_what_one_process_draws(tmp_path):
+def test_sampling_from_tensor_expert_and_pipeline_parallel_shards_draws_what_one_process_draws(tmp_path):
     spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     torch.set_num_threads(1)
@@ -98,3 +132,18 @@ def test_sampling_from_tensor_and_expert_parallel_shards_draws_what_one_process_
     assert 0.5 * whole < sharded < 0.52 * whole, (sharded, whole)
     sharded, whole = ranks[0]["ep_bytes"]
     assert sharded < 0.85 * whole, (sharded, whole)
+    # pipeline stages: the tokens, their log-probs and the generator's state afterwards on both
+    # ranks are one process's; the frozen log-probs equal within fp32 reordering of the head's
+    # log-softmax (values ~ -5: 64 ulps of 5)
+    expected = _sample_and_score(_model("v3_deep"), _prompts(1))
+    for rank in range(2):
+        got = ranks[rank]["pp"]
+        assert got["completions"] == expected["completions"], rank
+        assert torch.equal(got["generator"], expected["generator"]), rank
+        torch.testing.assert_close(got["logprobs"], expected["logprobs"], rtol=0, atol=64 * 5 * EPS32)
+        torch.testing.assert_close(got["scored"], expected["scored"], rtol=0, atol=64 * 5 * EPS32)
+    assert len({len(c) for c in expected["completions"]}) > 1  # sequences ended at different steps
+    sharded, whole = ranks[0]["pp_bytes"]  # rank 0: stages 0 and 3 (embedding, a layer, head, MTP)
+    assert sharded < 0.8 * whole, (sharded, whole)
+    sharded_1, _ = ranks[1]["pp_bytes"]  # rank 1: stages 1 and 2 (two layers)
+    assert sharded + sharded_1 == whole, (sharded, sharded_1, whole)

@@ -210,13 +210,16 @@ def generate(
     parallel): the ranks holding them must then run the same number of forwards, so generation
     stops early only when ``all_finished(done_here)`` (called by every rank after every step, e.g.
     an all-reduce) says that every rank is done. A rank that finished first keeps decoding pads,
-    so its completions are the ones a single process would produce.
+    so its completions are the ones a single process would produce. A model with ``decode_step``
+    (pipeline stages, :class:`dsl_lit.parallel.pipeline_inference.PipelinedInference`) runs each
+    step through its stages: the last stage picks the tokens with ``generator`` and every rank
+    receives them and the generator's state.
     """
     _check_arguments(max_new_tokens, temperature, top_p, top_k)
     if mtp_speculative and (temperature != 0.0 or not use_cache):
         raise ValueError("mtp_speculative=True is greedy decoding with the KV cache: temperature=0, use_cache=True")
-    if mtp_speculative and all_finished is not None:
-        raise ValueError("mtp_speculative=True decodes on one process: all_finished must be None")
+    if mtp_speculative and (all_finished is not None or hasattr(model, "decode_step")):
+        raise ValueError("mtp_speculative=True decodes on one process: all_finished must be None, no pipeline stages")
     if len(prompts) == 0:
         raise ValueError("generate() needs at least one prompt")
     device = next(model.parameters()).device
@@ -300,13 +303,16 @@ def _decode(
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     done = 0
 
-    def emit(step: int, logits: torch.Tensor) -> bool:
-        """Record step ``step``'s token from ``logits`` [batch, vocab]; True once every row is done."""
+    def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next tokens [batch] from ``logits`` [batch, vocab] and their log-probs under them."""
+        next_tokens = sample_next_token(logits, temperature, top_k, top_p, generator)
+        return next_tokens, logits.log_softmax(dim=-1).gather(-1, next_tokens[:, None]).squeeze(-1)
+
+    def record(step: int, next_tokens: torch.Tensor, logprob: torch.Tensor, logits: torch.Tensor | None) -> bool:
+        """Record step ``step``'s tokens; True once every row is done."""
         nonlocal done
         if output_logits:
             all_logits.append(logits)
-        next_tokens = sample_next_token(logits, temperature, top_k, top_p, generator)
-        logprob = logits.log_softmax(dim=-1).gather(-1, next_tokens[:, None]).squeeze(-1)
         active = ~finished
         tokens[:, prompt_length + step] = torch.where(active, next_tokens, pad_token_id)
         logprobs[:, step] = torch.where(active, logprob, 0.0)
@@ -320,6 +326,10 @@ def _decode(
                 finished[running] = stop(tokens[running, prompt_length : prompt_length + step + 1]).to(device)
         return (eos_ids is not None or stop is not None) and bool(finished.all())
 
+    def emit(step: int, logits: torch.Tensor) -> bool:
+        """Record step ``step``'s token from ``logits`` [batch, vocab]; True once every row is done."""
+        return record(step, *pick(logits), logits)
+
     if mtp_speculative:
         stats = decode_with_mtp_drafts(model, tokens, valid, positions, prompt_length, max_new_tokens, emit)
     else:
@@ -327,13 +337,12 @@ def _decode(
         cache = KVCache(batch, total) if use_cache else None
         for step in range(max_new_tokens):
             length = prompt_length + step  # tokens known so far
-            if cache is None or step == 0:
-                logits = _last_logits(model, tokens[:, :length], positions[:, :length], valid[:, :length], cache)
+            start = 0 if cache is None or step == 0 else length - 1  # the cache holds the rest
+            step_inputs = (tokens[:, start:length], positions[:, start:length], valid[:, :length], cache)
+            if hasattr(model, "decode_step"):  # pipeline stages: the last one picks, every rank gets the tokens
+                done_here = record(step, *model.decode_step(*step_inputs, pick, generator, output_logits))
             else:
-                logits = _last_logits(
-                    model, tokens[:, length - 1 : length], positions[:, length - 1 : length], valid[:, :length], cache
-                )
-            done_here = emit(step, logits)
+                done_here = emit(step, _last_logits(model, *step_inputs))
             if all_finished(done_here) if all_finished is not None else done_here:
                 break
     steps = done

@@ -288,7 +288,9 @@ class PipelineRunner:
         self.n_stages = pp * virtual
         self.stage_layers = split_layers(cfg, self.n_stages)
         self.owned = stages_of_rank(dist.get_rank(pp_group), pp, virtual, schedule)
-        prune_to_stages(model, self.stage_layers, self.owned)
+        self.owner = {s: r for r in range(pp) for s in stages_of_rank(r, pp, virtual, schedule)}
+        """The pp rank holding each stage."""
+        self.prune(model)
         self.modules = [
             PipelineStageModule(model, self.stage_layers[s], s == 0, s == self.n_stages - 1, with_mtp, cp_group)
             for s in self.owned
@@ -297,6 +299,14 @@ class PipelineRunner:
         self.has_last = any(m.is_last for m in self.modules)
         self.schedule: Any = None
         self._n_microbatches = 0
+
+    def prune(self, model: nn.Module) -> None:
+        """Cut ``model`` (the policy, or a frozen copy of it such as a KL reference) to this rank's stages."""
+        prune_to_stages(model, self.stage_layers, self.owned)
+
+    def holds_stages_only(self, model: nn.Module) -> bool:
+        """Whether ``model`` was cut to this rank's stages (not a whole copy)."""
+        return set(model.layers.keys()) == {str(i) for s in self.owned for i in self.stage_layers[s]}
 
     def build_schedule(self, n_microbatches: int, loss_fn: Callable[..., torch.Tensor]) -> None:
         """Create the stages and the schedule (once per number of micro-batches)."""
@@ -348,8 +358,7 @@ class PipelineRunner:
         point-to-point sends (torch's zero-bubble schedules have no forward-only mode). Stage
         outputs travel in fp32 (the residual stream's dtype under autocast)."""
         pp_rank = dist.get_rank(self.pp_group)
-        pp = dist.get_world_size(self.pp_group)
-        owner = {s: r for r in range(pp) for s in stages_of_rank(r, pp, self.n_stages // pp, self.schedule_name)}
+        owner = self.owner
         mine = dict(zip(self.owned, self.modules))
         n, (rows, seq) = self._n_microbatches, input_ids.shape
         d_model = self.modules[0].model.config.d_model

@@ -30,6 +30,7 @@ from dsl_lit.config.optim import OptimConfig
 from dsl_lit.optim import build_optimizer
 from dsl_lit.optim.clip import clip_grad_norm_
 from dsl_lit.parallel.context_parallel import ContextParallelKeys
+from dsl_lit.parallel.pipeline_inference import PipelinedInference
 
 if TYPE_CHECKING:
     from dsl_lit.parallel.strategy import DeepSeekStrategy
@@ -154,6 +155,11 @@ class LocalStepRunner:
         or samples from a whole copy of it); see ``DeepSeekStrategy.generation_group``."""
         return None
 
+    def inference_view(self, model: nn.Module) -> nn.Module | PipelinedInference:
+        """``model`` (the policy, or a frozen copy of it) as generation and frozen log-probs run it
+        on this layout: itself, or chained through the pipeline stages it was cut to."""
+        return model
+
 
 class MeshStepRunner(LocalStepRunner):
     """The step on :class:`~dsl_lit.parallel.strategy.DeepSeekStrategy`'s mesh without pipeline
@@ -237,6 +243,12 @@ class PipelineStepRunner(MeshStepRunner):
         if balance is not None:
             totals["balance_loss"] = balance
         return self._sum_over_stages(totals, "train" if backward else "val")
+
+    def inference_view(self, model: nn.Module) -> nn.Module | PipelinedInference:
+        pipeline = self.strategy.pipeline
+        if isinstance(model, PipelinedInference) or not pipeline.holds_stages_only(model):  # or a whole copy
+            return model
+        return PipelinedInference(model, pipeline.stage_layers, pipeline.owner, self.strategy.pp_group)
 
     def _sum_over_stages(self, totals: Metrics, kind: str) -> Metrics:
         group = self.strategy.pp_group

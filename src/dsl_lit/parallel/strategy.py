@@ -118,14 +118,15 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
         """The ranks that sample together from the sharded model itself, their forwards being
         collectives: the tp group, or under expert parallelism every rank (ep ranks are
         data-parallel ones, so every replica must generate as often as the others:
-        ``same_calls_on_every_replica``). None where sampling needs a whole copy: pipeline stages,
-        and context- or sequence-parallel shards, split one forward over ranks or positions."""
+        ``same_calls_on_every_replica``), or with pipeline stages alone the pp group (a step's stages
+        run one after the other, :mod:`dsl_lit.parallel.pipeline_inference`). None where sampling
+        needs a whole copy: context- or sequence-parallel shards split one forward over positions."""
         layout = self.layout
-        if not layout.shards_model or layout.pp > 1 or layout.cp > 1 or layout.sequence_parallel:
+        if not layout.shards_model or layout.cp > 1 or layout.sequence_parallel:
             return None
         if layout.ep > 1:
             return dist.group.WORLD if same_calls_on_every_replica else None
-        return self.mesh["tp"].get_group()
+        return self.mesh["tp"].get_group() if layout.tp > 1 else self.pp_group
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The single-device state dict of the sharded ``model``, on every rank (collective)."""
@@ -169,6 +170,8 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
             apply_expert_parallel(module.model, self.mesh["ep"])
         if self.generation_group() is not None:  # a KL reference: sharded like the policy, run on its shards
             for frozen in module.frozen_copies():
+                if self._pipeline is not None:
+                    self._pipeline.prune(frozen)
                 if self.layout.tp > 1:
                     apply_tensor_parallel(frozen, module.model_config, self.mesh["tp"], hook_gradients=False)
                 if self.layout.ep > 1:

@@ -27,6 +27,7 @@ from dsl_lit.data.chat import ChatTokenizer
 from dsl_lit.data.sft import document_mask
 from dsl_lit.inference.generation import generate, positions_from_mask
 from dsl_lit.models import build_model
+from dsl_lit.parallel.pipeline_inference import PipelinedInference
 from dsl_lit.posttrain.logps import token_logps
 from dsl_lit.posttrain.rewards import accuracy_reward
 from dsl_lit.training.causal_lm import Batch, CausalLMModule
@@ -95,8 +96,8 @@ class PostTrainModule(CausalLMModule):
     def refresh_reference(self) -> None:
         """The reference becomes the current policy (R1 refreshes it every 400 steps): shard by shard
         when the strategy sharded it with the policy (``frozen_copies``), else from the whole policy."""
-        sharded = any(isinstance(p, DTensor) for p in self.reference.parameters())
-        self.reference.load_state_dict(self.model.state_dict() if sharded else self.full_policy_state())
+        alike = laid_out_alike(self.reference, self.model)
+        self.reference.load_state_dict(self.model.state_dict() if alike else self.full_policy_state())
 
     def full_policy_state(self) -> dict[str, torch.Tensor]:
         """The policy's single-device state dict, gathered from its shards when the layout splits
@@ -105,8 +106,8 @@ class PostTrainModule(CausalLMModule):
 
     @property
     def sampling_group(self) -> dist.ProcessGroup | None:
-        """The ranks that sample from the policy's shards together (tensor or expert parallel), or
-        None: this rank holds the whole policy, or samples from a whole copy of it."""
+        """The ranks that sample from the policy's shards together (tensor, expert or pipeline
+        parallel), or None: this rank holds the whole policy, or samples from a whole copy of it."""
         return self.runner.generation_group()
 
     def all_finished(self) -> Callable[[bool], bool] | None:
@@ -125,12 +126,15 @@ class PostTrainModule(CausalLMModule):
 
     def inference_model(self) -> nn.Module:
         """The policy for sampling and frozen log-probs under any layout: the model itself when this
-        rank holds all of it or the layout samples from its shards (:attr:`sampling_group`: tensor
-        and expert parallelism, the KV cache sharded with the heads), otherwise a single-device copy
-        (eval mode) refreshed from the shards once per optimizer step (pipeline stages, context or
-        sequence parallelism). Collective under sharded layouts."""
-        if not self.runner.shards_model or self.sampling_group is not None:
+        rank holds all of it; its shards when the layout samples from them (:attr:`sampling_group`:
+        tensor and expert parallelism, the KV cache sharded with the heads; pipeline stages chained
+        through the pp ranks, :class:`~dsl_lit.parallel.pipeline_inference.PipelinedInference`);
+        otherwise a single-device copy (eval mode) refreshed from the shards once per optimizer step
+        (context or sequence parallelism). Collective under sharded layouts."""
+        if not self.runner.shards_model:
             return self.model
+        if self.sampling_group is not None:
+            return self.runner.inference_view(self.model)
         step = self.trainer.global_step
         if self._inference is None:
             with torch.random.fork_rng(devices=[]):  # its throwaway init must not move the run's RNG
@@ -169,13 +173,29 @@ class PostTrainModule(CausalLMModule):
     def frozen_token_logps(self, batch: Batch, model: nn.Module, micro_batch_size: int,
                            temperature: float = 1.0) -> torch.Tensor:
         """Log-probs without gradient, micro-batch by micro-batch, in eval mode (MoE routers do not
-        count these tokens as training load)."""
+        count these tokens as training load). A model cut to this rank's pipeline stages runs
+        through them; the last stage's log-probs reach every pp rank."""
+        model = self.runner.inference_view(model)
         was_training = model.training
         model.eval()
         try:
             rows = batch["input_ids"].shape[0]
-            parts = [self.token_logps({k: v[i : i + micro_batch_size] for k, v in batch.items()}, model, temperature)
+            parts = [self._frozen_logps({k: v[i : i + micro_batch_size] for k, v in batch.items()}, model, temperature)
                      for i in range(0, rows, micro_batch_size)]
         finally:
             model.train(was_training)
         return torch.cat(parts)
+
+    def _frozen_logps(self, batch: Batch, model: nn.Module | PipelinedInference, temperature: float) -> torch.Tensor:
+        if not isinstance(model, PipelinedInference):
+            return self.token_logps(batch, model, temperature)
+        inputs = self.model_inputs(batch)
+        return model.token_values(batch["input_ids"], inputs.get("positions"), inputs.get("key_valid"),
+                                  lambda logits: token_logps(logits, batch["labels"], temperature))
+
+
+def laid_out_alike(a: nn.Module, b: nn.Module) -> bool:
+    """Same parameter names, each a DTensor in both or in neither: ``b``'s state dict loads into
+    ``a`` shard by shard (a reference cut and sharded like the policy, or two whole models)."""
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    return pa.keys() == pb.keys() and all(isinstance(pa[n], DTensor) == isinstance(pb[n], DTensor) for n in pa)

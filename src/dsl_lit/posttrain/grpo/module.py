@@ -19,9 +19,11 @@ Sampling, and the extra prompts dynamic sampling draws from the training problem
 (seed, step, dp rank), so a resumed run draws the same completions. Each data-parallel rank samples
 its own prompts (and draws as often as it needs: the batch it trains on always has the same shape);
 under tensor or expert parallelism the ranks sample from the sharded policy itself, decoding in
-lockstep (the ranks of a replica draw the same completions), under pipeline or context parallelism
+lockstep (the ranks of a replica draw the same completions), under pipeline parallelism through
+the stages (the last stage samples and tells the others), under context or sequence parallelism
 from a whole copy of the current policy (:meth:`PostTrainModule.inference_model`), then train the
-sharded policy on them.
+sharded policy on them. The KL reference is sharded like the policy wherever the policy samples
+from its shards.
 """
 
 from __future__ import annotations
@@ -32,18 +34,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from dsl_lit.config.posttrain import GRPOConfig, SamplingConfig
 from dsl_lit.data.chat import ChatTokenizer
 from dsl_lit.inference.generation import generate
 from dsl_lit.parallel.grad_sync import local
+from dsl_lit.parallel.pipeline_inference import PipelinedInference
 from dsl_lit.posttrain.grpo.dapo import GroupSelection, overlong_penalty
 from dsl_lit.posttrain.grpo.data import encode_prompts, prompts_of
 from dsl_lit.posttrain.grpo.loss import grpo_loss
 from dsl_lit.posttrain.grpo.rollout import Rollouts, training_rows
 from dsl_lit.posttrain.logps import token_logps
-from dsl_lit.posttrain.module import PostTrainModule
+from dsl_lit.posttrain.module import PostTrainModule, laid_out_alike
 from dsl_lit.posttrain.rewards import WeightedRewards
 from dsl_lit.training.causal_lm import Batch, Metrics
 
@@ -81,10 +83,13 @@ class GRPOModule(PostTrainModule):
         """Say where sampling and the reference run, with the weights this rank holds for each."""
         if not self.runner.shards_model:
             return
-        where = "the policy's shards, in lockstep" if self.sampling_group is not None else "a whole copy of the policy"
+        where = "a whole copy of the policy"
+        if self.sampling_group is not None:
+            pipelined = isinstance(self.inference_model(), PipelinedInference)
+            where = "the policy's pipeline stages" if pipelined else "the policy's shards, in lockstep"
         reference = "none"
         if self.reference is not None:
-            sharded = any(isinstance(p, DTensor) for p in self.reference.parameters())
+            sharded = laid_out_alike(self.reference, self.model)  # the policy is sharded here
             reference = f"{'sharded like the policy' if sharded else 'whole'}, {_held_mib(self.reference):.1f} MiB here"
         log.info("grpo: sampling from %s; policy %.1f MiB here; reference %s", where, _held_mib(self.model), reference)
 
