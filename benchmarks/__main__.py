@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS: list[tuple[str, list[str]]] = [
     ("deepseek_v3_vs_transformers", ["--repeats", "5"]),
     ("deepseek_v3_vs_transformers", ["--repeats", "5", "--dtype", "bf16"]),
+    ("deepseek_v3_vs_transformers", ["--repeats", "3", "--family", "deepseek_llm", "--layers", "4"]),
     ("mtp_speculative", ["--steps", "150", "--repeats", "3"]),
     ("adamw_kernels", ["--repeats", "5"]),
     ("generation_speed", ["--new", "64", "--repeats", "2"]),
