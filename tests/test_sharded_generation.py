@@ -5,7 +5,8 @@ and on a DeepSeek-V3 cut into DualPipeV's 4 pipeline stages (rank 0 holds the fi
 rank 1 the middle two: hidden states go there and back every step, each rank caches its layers'
 keys), and draws the completions one process draws from the whole model with the same seed, while
 each rank holds its shards only instead of a whole copy. The pipeline's frozen log-probs equal
-one process's too."""
+one process's too. On 4 processes, pipeline stages whose layers are tensor- or expert-parallel
+draw one process's completions as well."""
 
 from __future__ import annotations
 
@@ -147,3 +148,41 @@ def test_sampling_from_tensor_expert_and_pipeline_parallel_shards_draws_what_one
     assert sharded < 0.8 * whole, (sharded, whole)
     sharded_1, _ = ranks[1]["pp_bytes"]  # rank 1: stages 1 and 2 (two layers)
     assert sharded + sharded_1 == whole, (sharded, sharded_1, whole)
+
+
+def _pipelined_worker(rank: int, port: int, out: str, inner: str) -> None:
+    """4 ranks: 2 pipeline stages, each on 2 tensor- (DeepSeek LLM) or expert-parallel (V3) ranks."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="4", RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=60))
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", inner))
+        model = _model("llm" if inner == "tp" else "v3_deep")
+        stage_layers = split_layers(model.config, 2)
+        prune_to_stages(model, stage_layers, [mesh["pp"].get_local_rank()])
+        if inner == "tp":
+            apply_tensor_parallel(model, model.config, mesh["tp"], hook_gradients=False)
+        else:
+            apply_expert_parallel(model, mesh["ep"])
+
+        def all_finished(done_here: bool) -> bool:  # the ep ranks' pipelines decode in lockstep
+            flag = torch.tensor([int(done_here)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            return bool(flag.item())
+
+        replica = mesh[inner].get_local_rank() if inner == "ep" else 0  # ep ranks: their own prompts
+        view = PipelinedInference(model, stage_layers, {0: 0, 1: 1}, mesh["pp"].get_group())
+        torch.save(_sample(view, _prompts(replica), all_finished), Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("inner", ["tp", "ep"])
+def test_pipeline_stages_sharded_by_tensor_or_expert_parallelism_draw_what_one_process_draws(tmp_path, inner):
+    spawn(_pipelined_worker, args=(free_port(), str(tmp_path), inner), nprocs=4)
+    torch.set_num_threads(1)
+    for rank in range(4):
+        replica = rank % 2 if inner == "ep" else 0  # mesh (pp, inner): rank = 2 * pp_rank + inner rank
+        expected = _sample(_model("llm" if inner == "tp" else "v3_deep"), _prompts(replica))
+        assert torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) == expected, rank
