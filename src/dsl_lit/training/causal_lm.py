@@ -123,8 +123,9 @@ class CausalLMModule(L.LightningModule):
         """Hook: the model holds its starting weights (DPO caches reference log-probs here)."""
 
     def frozen_copies(self) -> list[nn.Module]:
-        """Frozen models shaped like the policy (a KL reference) that the strategy shards with it on
-        layouts whose shards run a forward by themselves (tensor and expert parallelism)."""
+        """Frozen models shaped like the policy (a KL reference) that the strategy cuts and shards
+        with it on layouts whose shards run a forward by themselves (tensor, expert and pipeline
+        parallelism)."""
         return []
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
