@@ -3,7 +3,7 @@ generator runs on a tensor-parallel DeepSeek LLM (vocab-sharded head, heads spli
 expert-parallel DeepSeek-V3 (each rank its own prompts, experts split, all-to-all in every forward)
 and on a DeepSeek-V3 cut into DualPipeV's 4 pipeline stages (rank 0 holds the first and the last,
 rank 1 the middle two: hidden states go there and back every step, each rank caches its layers'
-keys), and draws the completions one process draws from the whole model with the same seed, while
+keys) or into Interleaved1F1B's (round robin), and draws the completions one process draws from the whole model with the same seed, while
 each rank holds its shards only instead of a whole copy. The pipeline's frozen log-probs equal
 one process's too. On 4 processes, pipeline stages whose layers are tensor- or expert-parallel
 draw one process's completions as well."""
@@ -107,8 +107,17 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         stage_layers = split_layers(deep.config, 4)
         owner = {s: r for r in range(world) for s in stages_of_rank(r, world, 2, "DualPipeV")}
         prune_to_stages(deep, stage_layers, stages_of_rank(rank, world, 2, "DualPipeV"))
-        results["pp"] = _sample_and_score(PipelinedInference(deep, stage_layers, owner, dist.group.WORLD), _prompts(1))
+        view = PipelinedInference(deep, stage_layers, owner, dist.group.WORLD)
+        results["pp"] = _sample_and_score(view, _prompts(1))
         results["pp_bytes"] = (_bytes(deep), whole_bytes)
+        with pytest.raises(ValueError, match="needs generator"):  # only the last stage would draw
+            generate(view, _prompts(1), 2, temperature=1.0)
+        # Interleaved1F1B's round robin: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3
+        looped = _model("v3_deep")
+        owner = {s: r for r in range(world) for s in stages_of_rank(r, world, 2, "Interleaved1F1B")}
+        prune_to_stages(looped, stage_layers, stages_of_rank(rank, world, 2, "Interleaved1F1B"))
+        results["pp_interleaved"] = _sample_and_score(PipelinedInference(looped, stage_layers, owner, dist.group.WORLD),
+                                                      _prompts(1))
         torch.save(results, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -137,9 +146,9 @@ def test_sampling_from_tensor_expert_and_pipeline_parallel_shards_draws_what_one
     # ranks are one process's; the frozen log-probs equal within fp32 reordering of the head's
     # log-softmax (values ~ -5: 64 ulps of 5)
     expected = _sample_and_score(_model("v3_deep"), _prompts(1))
-    for rank in range(2):
-        got = ranks[rank]["pp"]
-        assert got["completions"] == expected["completions"], rank
+    for rank, placement in [(r, p) for r in range(2) for p in ("pp", "pp_interleaved")]:
+        got = ranks[rank][placement]
+        assert got["completions"] == expected["completions"], (rank, placement)
         assert torch.equal(got["generator"], expected["generator"]), rank
         torch.testing.assert_close(got["logprobs"], expected["logprobs"], rtol=0, atol=64 * 5 * EPS32)
         torch.testing.assert_close(got["scored"], expected["scored"], rtol=0, atol=64 * 5 * EPS32)

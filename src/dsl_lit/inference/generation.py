@@ -218,6 +218,9 @@ def generate(
     _check_arguments(max_new_tokens, temperature, top_p, top_k)
     if mtp_speculative and (temperature != 0.0 or not use_cache):
         raise ValueError("mtp_speculative=True is greedy decoding with the KV cache: temperature=0, use_cache=True")
+    if hasattr(model, "decode_step") and temperature != 0.0 and generator is None:
+        raise ValueError("sampling through pipeline stages needs generator=torch.Generator(...): the last stage "
+                         "draws and the others take over its generator's state")
     if mtp_speculative and (all_finished is not None or hasattr(model, "decode_step")):
         raise ValueError("mtp_speculative=True decodes on one process: all_finished must be None, no pipeline stages")
     if len(prompts) == 0:

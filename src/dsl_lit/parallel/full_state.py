@@ -2,8 +2,10 @@
 and pruned to pipeline stages: what an inference copy needs (GRPO samples with the current
 policy; a reference model is refreshed from it).
 
-Why a full copy: autoregressive sampling runs one token at a time over the whole model, and a
-pipeline's training schedule has no decode mode. RL frameworks (veRL, OpenRLHF) likewise hand the
+Why a full copy: autoregressive sampling runs one token at a time over the whole model, and context-
+or sequence-parallel shards split a forward over positions (tensor, expert and pipeline parallel
+layouts sample from their shards instead, :meth:`PostTrainModule.inference_model`; so does expert
+parallelism unless GRPO's dynamic sampling makes replicas decode different numbers of batches). RL frameworks (veRL, OpenRLHF) likewise hand the
 trained weights to a separate inference engine after each update; here the engine is a plain
 single-device model on every rank. At scale that engine would get a layout of its own (tensor
 parallel within a node); this module is the resharding step, written for any layout.

@@ -18,6 +18,11 @@ and broadcasts those (never the [rows, seq, vocab] logits).
 
 Tensor and expert parallelism inside the stages work as on one stage: their collectives run
 within the stage's ranks, which decode the same number of steps (``generate``'s ``all_finished``).
+
+Sampling (temperature > 0) needs an explicit ``torch.Generator``: only the last stage draws, and
+it is that generator's state the other ranks take over (the global RNG would drift between
+ranks). An error while picking (e.g. NaN probabilities) stops the last stage only; the others then
+wait in the next broadcast until the collective timeout reports the lost rank.
 """
 
 from __future__ import annotations
@@ -112,7 +117,7 @@ class PipelinedInference:
                 logits = logits.full_tensor()
             next_tokens, logprob = pick(logits)
         else:
-            logits = torch.empty((batch, self.config.vocab_size), device=device)
+            logits = torch.empty((batch, self.config.vocab_size), device=device) if output_logits else None
             next_tokens = torch.empty(batch, dtype=torch.long, device=device)
             logprob = torch.empty(batch, device=device)
         self._share(next_tokens)

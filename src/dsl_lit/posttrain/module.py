@@ -130,7 +130,8 @@ class PostTrainModule(CausalLMModule):
         tensor and expert parallelism, the KV cache sharded with the heads; pipeline stages chained
         through the pp ranks, :class:`~dsl_lit.parallel.pipeline_inference.PipelinedInference`);
         otherwise a single-device copy (eval mode) refreshed from the shards once per optimizer step
-        (context or sequence parallelism). Collective under sharded layouts."""
+        (context or sequence parallelism; expert parallelism under GRPO's dynamic sampling).
+        Collective under sharded layouts (refreshing the copy; sampling from the shards)."""
         if not self.runner.shards_model:
             return self.model
         if self.sampling_group is not None:

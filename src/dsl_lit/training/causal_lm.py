@@ -124,8 +124,8 @@ class CausalLMModule(L.LightningModule):
 
     def frozen_copies(self) -> list[nn.Module]:
         """Frozen models shaped like the policy (a KL reference) that the strategy cuts and shards
-        with it on layouts whose shards run a forward by themselves (tensor, expert and pipeline
-        parallelism)."""
+        with it on layouts whose shards can score tokens without a whole copy (tensor and expert
+        parallelism, pipeline stages chained through the pp ranks)."""
         return []
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

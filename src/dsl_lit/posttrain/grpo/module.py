@@ -21,9 +21,10 @@ its own prompts (and draws as often as it needs: the batch it trains on always h
 under tensor or expert parallelism the ranks sample from the sharded policy itself, decoding in
 lockstep (the ranks of a replica draw the same completions), under pipeline parallelism through
 the stages (the last stage samples and tells the others), under context or sequence parallelism
+(and expert parallelism with dynamic sampling, whose replicas draw different numbers of batches)
 from a whole copy of the current policy (:meth:`PostTrainModule.inference_model`), then train the
-sharded policy on them. The KL reference is sharded like the policy wherever the policy samples
-from its shards.
+sharded policy on them. The KL reference is cut and sharded like the policy under tensor, expert
+and pipeline parallelism (dynamic sampling included) and scored on its shards.
 """
 
 from __future__ import annotations
