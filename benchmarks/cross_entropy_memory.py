@@ -51,7 +51,6 @@ import statistics
 import time
 import weakref
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +58,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from benchmarks.headline import headline
+from benchmarks.processes import reset_peak_rss, status_kib
 from dsl_lit.ops import cross_entropy
 from dsl_lit.ops.cross_entropy import default_chunk_rows
 
@@ -95,22 +95,6 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def _proc_status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS; False where the kernel does not allow it."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
 class _Head(torch.autograd.Function):
     """Stand-in for the LM head: logits as a graph intermediate; swallows their gradient."""
 
@@ -137,11 +121,11 @@ def measure(fn: Callable, data: torch.Tensor, targets: torch.Tensor) -> tuple[in
     logits = _Head.apply(anchor, data)
     gc.collect()
     rss_ok = reset_peak_rss()
-    rss_before = _proc_status_kib("VmRSS")
+    rss_before = status_kib("VmRSS")
     with LiveBytes() as probe:
         loss = fn(logits, targets)
         loss.backward()
-    rss_peak = _proc_status_kib("VmHWM") if rss_ok else None
+    rss_peak = status_kib("VmHWM") if rss_ok else None
     value = loss.item()
     del logits, loss
     return probe.peak, None if rss_peak is None else (rss_peak - rss_before) * 1024, value

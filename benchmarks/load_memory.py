@@ -49,10 +49,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from benchmarks.processes import free_port
 
 WRITER = r"""
 import sys, torch
@@ -112,14 +113,8 @@ BEFORE = ("before (any)", "whole_twice", 1)
 GIB = 2**30
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(path: Path, layout: str, world: int, dtype: str) -> list[dict]:
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world),
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
            "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen([sys.executable, "-c", WORKER, str(path), layout, dtype], env={**env, "RANK": str(rank)},

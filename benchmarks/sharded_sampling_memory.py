@@ -21,7 +21,6 @@ import copy
 import datetime
 import json
 import os
-import socket
 import tempfile
 from pathlib import Path
 
@@ -31,6 +30,7 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 from benchmarks.headline import headline
+from benchmarks.processes import free_port, reset_peak_rss, status_kib
 from dsl_lit.inference.generation import generate
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.parallel.full_state import full_state_dict
@@ -41,21 +41,15 @@ from dsl_lit.parallel.tensor_parallel import apply_tensor_parallel
 from dsl_lit.posttrain.logps import token_logps
 
 
-def _status_mib(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024  # kB
-    raise RuntimeError(f"no {field} in /proc/self/status (Linux only)")
-
-
 def start_measuring() -> float:
-    """Reset the process's peak RSS to its current RSS (Linux ``clear_refs`` 5); returns that RSS."""
-    Path("/proc/self/clear_refs").write_text("5")
-    return _status_mib("VmRSS")
+    """Reset the process's peak RSS to its current RSS; returns that RSS in MiB."""
+    if not reset_peak_rss():
+        raise RuntimeError("cannot reset the peak RSS (/proc/self/clear_refs): Linux only")
+    return status_kib("VmRSS") / 1024
 
 
 def peak_mib() -> float:
-    return _status_mib("VmHWM")
+    return status_kib("VmHWM") / 1024
 
 
 def _config(args: argparse.Namespace) -> ModelConfig:
@@ -133,12 +127,6 @@ def _worker(rank: int, port: int, args: argparse.Namespace, layout: str, variant
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
@@ -157,7 +145,7 @@ def main() -> None:
             peaks = {}
             for variant in ("whole copy", "shards"):
                 key = variant.replace(" ", "_")
-                mp.start_processes(_worker, args=(_free_port(), args, layout, key, out), nprocs=2, join=True,
+                mp.start_processes(_worker, args=(free_port(), args, layout, key, out), nprocs=2, join=True,
                                    start_method="spawn")
                 for rank in range(2):
                     r = json.loads(Path(out, f"{layout}_{key}_{rank}.json").read_text())
