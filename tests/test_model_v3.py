@@ -162,6 +162,28 @@ def test_grouped_and_split_experts_equal_the_per_expert_loop(score_func):
             assert_close_fp32(a, b, 3 * 20 * 64, msg=backend)  # and over the 60 tokens
 
 
+def test_experts_compute_in_the_autocast_dtype_on_every_backend():
+    """bf16 autocast reached F.linear (split, loop) but not torch._grouped_mm, which ran the experts
+    in fp32 on CPU and on CUDA fell back to the per-expert loop (its kernel takes bf16 only)."""
+    outputs, grads = {}, {}
+    for backend in ("grouped_mm", "split"):
+        torch.manual_seed(0)
+        moe = MoE(_tiny(expert_backend=backend, n_shared_experts=0))
+        _randomise(moe)
+        x = torch.randn(60, 64, generator=torch.Generator().manual_seed(2))
+        sorted_counts = torch.tensor([10, 0, 5, 9, 12, 8, 7, 9])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = moe.experts(x, sorted_counts)
+        out.float().square().sum().backward()
+        assert out.dtype == torch.bfloat16, backend
+        outputs[backend], grads[backend] = out, moe.experts.w1.grad
+    # the same bf16 matmuls in another order: within bf16 rounding (2^-8) of the outputs' scale
+    scale = outputs["split"].float().abs().max()
+    assert (outputs["grouped_mm"].float() - outputs["split"].float()).abs().max() <= 4 * 2**-8 * scale
+    assert grads["grouped_mm"].dtype == torch.float32  # fp32 master weights' gradients
+    assert (grads["grouped_mm"] - grads["split"]).abs().max() <= 4 * 2**-8 * grads["split"].abs().max()
+
+
 def test_grouped_mm_unavailable_falls_back_to_split_loudly(caplog, monkeypatch):
     from dsl_lit.models.common import moe as moe_module
 

@@ -126,7 +126,13 @@ def grouped_swiglu(
 ) -> torch.Tensor:
     """SwiGLU experts on tokens sorted by expert: ``x`` [tokens, dim], ``counts`` [experts] tokens
     per expert, weights stacked [experts, out, in]. A function of the weights (not of a module) so
-    that expert parallelism can run it on the experts this rank holds."""
+    that expert parallelism can run it on the experts this rank holds.
+
+    Under autocast the experts compute in its dtype on every backend: autocast casts ``F.linear``
+    (the split path) but not ``torch._grouped_mm``, which ran in fp32 on CPU and, on CUDA (whose
+    kernel takes bf16 only), fell back to the per-expert loop."""
+    if torch.is_autocast_enabled(x.device.type):
+        x = x.to(torch.get_autocast_dtype(x.device.type))
     if backend == "grouped_mm" and not _grouped_mm_usable(x):
         message = (
             f"expert_backend=grouped_mm is not available for device={x.device.type}, dtype={x.dtype} "
