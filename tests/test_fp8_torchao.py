@@ -113,7 +113,9 @@ def test_linear_equals_torchao_float8_training(recipe, mode):
     x = (torch.randn(2, 50, 512) * torch.exp(torch.randn(2, 50, 1))).to(dtype)
     dy = torch.randn(2, 50, 1024)
     theirs = linear_step(torchao_model[0], x, dy, autocast, torchao_model)
-    ours = linear_step(linear, x, dy, autocast, lambda t: fp8_linear(t, linear.weight, f"fp8_{recipe}"))
+    # checks=False: 100 tokens break the CUDA kernels' rule (tests/test_fp8_kernel_rules.py), which
+    # torch's CPU _scaled_mm does not apply
+    ours = linear_step(linear, x, dy, autocast, lambda t: fp8_linear(t, linear.weight, f"fp8_{recipe}", checks=False))
     for name, relation, a, b in zip(("out", "dX", "dW"), EXPECTED[recipe, mode], theirs, ours):
         assert a.dtype == b.dtype, name
         if relation == SAME:

@@ -96,6 +96,10 @@ class TrainerConfig:
     """Stop after this many optimizer steps in a row with non-finite gradients (0: never stop)."""
     collective_timeout_s: float = 1800.0
     """A collective that waits longer than this for a rank (hung, or cut off) fails and stops the run."""
+    compile: bool | None = None
+    """Compile each transformer block with ``torch.compile`` (after FP8, recompute and sharding);
+    null: on when training on CUDA, off on CPU (inductor's CPU code is not faster for these tiny
+    models and compiling costs a minute)."""
 
     def validate(self) -> TrainerConfig:
         for name in ("max_steps", "devices", "num_nodes", "log_every_n_steps"):

@@ -111,6 +111,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsl_lit.models.common.moe import GroupedExperts
+from dsl_lit.models.common.token_padding import call_with_padded_tokens
+from dsl_lit.precision.fp8_kernel_rules import (
+    GROUPED_MM_GROUP_MULTIPLE,
+    check_gemm,
+    check_token_groups,
+    token_multiple,
+)
 
 log = logging.getLogger(__name__)
 
@@ -261,12 +268,19 @@ def _fp8_gemm(a: torch.Tensor, spec_a: QuantSpec, b: torch.Tensor, spec_b: Quant
     return _gemm(fake_quantize_fp8(a, spec_a), fake_quantize_fp8(b, spec_b))
 
 
+def _check(recipe: Fp8Recipe, checks: bool, gemm: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    """The GPU kernel's shape rule for this GEMM (:mod:`dsl_lit.precision.fp8_kernel_rules`)."""
+    if checks:
+        check_gemm(recipe.name, gemm, a.shape, b.shape)
+
+
 class _Fp8LinearFunction(torch.autograd.Function):
     """``x @ weight^T`` with all three GEMMs on FP8 operands as the recipe says; ``x`` [..., in]."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, out_dtype: torch.dtype):
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, out_dtype: torch.dtype, checks: bool):
         x2 = x.reshape(-1, x.shape[-1])
+        _check(recipe, checks, "fprop", x2, weight)
         with torch.autocast(x.device.type, enabled=False):  # the fp32 GEMM must stay fp32
             xq, x_scale = quantize_fp8(x2, recipe.x)
             out = _gemm(dequantize_fp8(xq, x_scale, recipe.x.block), fake_quantize_fp8(weight, recipe.w))
@@ -274,7 +288,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             ctx.save_for_backward(xq, x_scale, weight)
         else:
             ctx.save_for_backward(x2, weight)
-        ctx.recipe, ctx.x_shape, ctx.x_dtype = recipe, x.shape, x.dtype
+        ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.checks = recipe, x.shape, x.dtype, checks
         return out.to(out_dtype).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -285,11 +299,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
         grad_x = grad_w = None
         with torch.autocast(dy.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
+                _check(recipe, ctx.checks, "dgrad", dy, weight.T)
                 grad_x = _fp8_gemm(dy, recipe.dy, weight.T, recipe.w_t).to(ctx.x_dtype).view(ctx.x_shape)
             if ctx.needs_input_grad[1]:
                 x2 = dequantize_fp8(saved[0], saved[1], recipe.x.block) if recipe.cache_fp8_input else saved[0]
+                _check(recipe, ctx.checks, "wgrad", dy.T, x2.T)
                 grad_w = _fp8_gemm(dy.T, recipe.dy_t, x2.T, recipe.x_t).to(weight.dtype)
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
 
 
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
@@ -301,11 +317,26 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe | str, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    recipe: Fp8Recipe | str,
+    bias: torch.Tensor | None = None,
+    *,
+    token_multiple: int = 1,
+    checks: bool = True,
 ) -> torch.Tensor:
-    """``F.linear`` with FP8 fprop/dgrad/wgrad per ``recipe`` (the pure-PyTorch reference path)."""
+    """``F.linear`` with FP8 fprop/dgrad/wgrad per ``recipe`` (the pure-PyTorch reference path).
+
+    ``checks``: refuse the shapes the GPU kernels refuse, with their messages
+    (:func:`~dsl_lit.precision.fp8_kernel_rules.check_gemm`); ``token_multiple``: first zero-pad
+    the tokens to a multiple of it (exact), which is how :class:`Fp8Linear` meets those rules."""
     recipe = RECIPES[recipe] if isinstance(recipe, str) else recipe
-    out = _Fp8LinearFunction.apply(x, weight, recipe, _out_dtype(x))
+    out_dtype = _out_dtype(x)
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        return _Fp8LinearFunction.apply(rows, weight, recipe, out_dtype, checks)
+
+    out = call_with_padded_tokens(run, x, token_multiple)
     return out + bias.to(out.dtype) if bias is not None else out
 
 
@@ -314,25 +345,31 @@ def fp8_linear(
 
 class Fp8Linear(nn.Linear):
     """``nn.Linear`` whose GEMMs run on FP8 copies (reference path); ``weight`` stays the
-    high-precision master parameter, so the state_dict is that of the ``nn.Linear``."""
+    high-precision master parameter, so the state_dict is that of the ``nn.Linear``. Its tokens are
+    zero-padded to ``token_multiple`` (the GPU kernels' rule, which the reference enforces)."""
 
     fp8_recipe: Fp8Recipe
+    token_multiple: int = 1
 
-    def __init__(self, *args, recipe: Fp8Recipe | str = "fp8_blockwise", **kwargs) -> None:
+    def __init__(self, *args, recipe: Fp8Recipe | str = "fp8_blockwise", pad_tokens: bool = True, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self._set_recipe(recipe, pad_tokens)
+
+    def _set_recipe(self, recipe: Fp8Recipe | str, pad_tokens: bool) -> None:
         self.fp8_recipe = RECIPES[recipe] if isinstance(recipe, str) else recipe
+        self.token_multiple = token_multiple(self.fp8_recipe.name) if pad_tokens else 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.fp8_recipe, self.bias)
+        return fp8_linear(x, self.weight, self.fp8_recipe, self.bias, token_multiple=self.token_multiple)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.fp8_recipe.name}"
 
     @classmethod
-    def convert(cls, linear: nn.Linear, recipe: Fp8Recipe | str) -> Fp8Linear:
+    def convert(cls, linear: nn.Linear, recipe: Fp8Recipe | str, pad_tokens: bool = True) -> Fp8Linear:
         """Turn ``linear`` into this class in place (same object, parameters, hooks)."""
         linear.__class__ = cls
-        linear.fp8_recipe = RECIPES[recipe] if isinstance(recipe, str) else recipe
+        linear._set_recipe(recipe, pad_tokens)  # type: ignore[attr-defined]
         return linear  # type: ignore[return-value]
 
 
@@ -343,6 +380,29 @@ class BlockwiseFp8Linear(Fp8Linear):
         super().__init__(*args, recipe=recipe, **kwargs)
 
 
+class TokenPadding(nn.Module):
+    """Mixed into torchao's FP8 Linears (:func:`_token_padded`): their kernels refuse token counts
+    that are not multiples of 16 (``_scaled_mm``) or 128 (blockwise), so tokens are zero-padded."""
+
+    token_multiple: int = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return call_with_padded_tokens(super().forward, x, self.token_multiple)
+
+
+_padded_classes: dict[type, type] = {}
+
+
+def _token_padded(module: nn.Module, multiple: int) -> None:
+    """Give ``module`` (a torchao Linear) token padding by swapping its class in place: names,
+    parameters and hooks stay."""
+    base = type(module)
+    if base not in _padded_classes:
+        _padded_classes[base] = type(f"TokenPadded{base.__name__}", (TokenPadding, base), {})
+    module.__class__ = _padded_classes[base]
+    module.token_multiple = multiple
+
+
 _warned_sharded: set[str] = set()
 
 
@@ -350,29 +410,26 @@ class Fp8GroupedExperts(GroupedExperts):
     """Routed experts whose matmuls run through the FP8 reference path, one GEMM per expert on
     its sorted tokens (the ``split`` backend's order); same parameters ``w1/w2/w3`` [E, out, in].
     Each expert's weight is its own 128x128-block (or per-row / per-tensor) quantised matrix, and
-    its tokens form their own 128-token wgrad tiles, as in a grouped FP8 GEMM."""
+    its tokens form their own 128-token wgrad tiles, as in a grouped FP8 GEMM. Its token groups
+    obey the rule of torchao's FP8 grouped GEMM (multiples of 16, which ``token_group_multiple``
+    pads them to), not the per-Linear rules of the recipe: on a GPU the experts run there."""
 
     fp8_recipe: Fp8Recipe
 
-    def __init__(self, *args, recipe: Fp8Recipe | str = "fp8_blockwise", **kwargs) -> None:
+    def __init__(self, *args, recipe: Fp8Recipe | str = "fp8_blockwise", pad_tokens: bool = True, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.fp8_recipe = RECIPES[recipe] if isinstance(recipe, str) else recipe
+        self._set_recipe(recipe, pad_tokens)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _set_recipe(self, recipe: Fp8Recipe | str, pad_tokens: bool) -> None:
+        self.fp8_recipe = RECIPES[recipe] if isinstance(recipe, str) else recipe
+        self.token_group_multiple = GROUPED_MM_GROUP_MULTIPLE if pad_tokens else 1
+
+    def run_groups(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         outputs = []
         for e, chunk in enumerate(x.split(counts.tolist())):
             if chunk.shape[0]:
-                outputs.append(self._expert(chunk, e))
+                outputs.append(self.expert(chunk, e))
         return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[-1])
-
-    def forward_reference(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for e in range(self.n_experts):
-            token, slot = torch.where(indices == e)
-            if token.numel():
-                y = self._expert(x[token], e)
-                out.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
-        return out
 
     def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
         """Expert parallelism re-registers sharded (DTensor) weights and then bypasses ``forward``:
@@ -387,14 +444,19 @@ class Fp8GroupedExperts(GroupedExperts):
                 )
         super().register_parameter(name, param)
 
-    def _expert(self, h: torch.Tensor, e: int) -> torch.Tensor:
+    def expert(self, h: torch.Tensor, e: int) -> torch.Tensor:
+        check_token_groups([h.shape[0]])
         r = self.fp8_recipe
-        return fp8_linear(F.silu(fp8_linear(h, self.w1[e], r)) * fp8_linear(h, self.w3[e], r), self.w2[e], r)
+
+        def linear(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return fp8_linear(a, w[e], r, checks=False)  # the grouped GEMM's rule, checked above
+
+        return linear(F.silu(linear(h, self.w1)) * linear(h, self.w3), self.w2)
 
     @classmethod
-    def convert(cls, experts: GroupedExperts, recipe: Fp8Recipe | str) -> Fp8GroupedExperts:
+    def convert(cls, experts: GroupedExperts, recipe: Fp8Recipe | str, pad_tokens: bool = True) -> Fp8GroupedExperts:
         experts.__class__ = cls
-        experts.fp8_recipe = RECIPES[recipe] if isinstance(recipe, str) else recipe
+        experts._set_recipe(recipe, pad_tokens)  # type: ignore[attr-defined]
         return experts  # type: ignore[return-value]
 
 
@@ -479,26 +541,32 @@ def _set_submodule(model: nn.Module, fqn: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, name, module)
 
 
-def _torchao_linears(model: nn.Module, recipe: str, linears: list[tuple[str, nn.Linear]]) -> None:
+def _torchao_linears(model: nn.Module, recipe: str, linears: list[tuple[str, nn.Linear]], pad_tokens: bool) -> None:
+    names = [fqn for fqn, _ in linears]
     if recipe == "fp8_blockwise":
         from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
 
         for fqn, module in linears:
             _set_submodule(model, fqn, Float8BlockwiseLinear.from_float(module))
-        return
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    else:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    names = {fqn for fqn, _ in linears}
-    config = Float8LinearConfig.from_recipe_name(recipe.removeprefix("fp8_"))
-    convert_to_float8_training(model, config=config, module_filter_fn=lambda _module, fqn: fqn in names)
+        config = Float8LinearConfig.from_recipe_name(recipe.removeprefix("fp8_"))
+        convert_to_float8_training(model, config=config, module_filter_fn=lambda _module, fqn: fqn in set(names))
+    if pad_tokens:
+        for fqn in names:
+            _token_padded(model.get_submodule(fqn), token_multiple(recipe))
 
 
-def _torchao_experts(model: nn.Module, experts: list[tuple[str, GroupedExperts]]) -> None:
+def _torchao_experts(model: nn.Module, experts: list[tuple[str, GroupedExperts]], pad_tokens: bool) -> None:
     from torchao.prototype.moe_training.config import Float8TrainingOpConfig
     from torchao.quantization import quantize_
 
     names = {fqn for fqn, _ in experts}
     quantize_(model, Float8TrainingOpConfig(), filter_fn=lambda _module, fqn: fqn in names)
+    if pad_tokens:  # torchao 0.18's grouped GEMM does not pad token groups itself (it asserts)
+        for _, module in experts:
+            module.token_group_multiple = GROUPED_MM_GROUP_MULTIPLE
 
 
 def _choose(recipe: str, part: str, backend: Backend, experts: bool, expert_backend: str = "grouped_mm") -> bool:
@@ -530,6 +598,7 @@ def apply_fp8(
     *,
     include_experts: bool = True,
     backend: Backend = "auto",
+    pad_tokens: bool = True,
 ) -> int:
     """Swap ``model``'s eligible Linears (and routed experts unless ``include_experts=False``) to
     FP8 training per ``recipe`` (one of ``FP8_RECIPES``), in place; returns how many modules were
@@ -540,6 +609,9 @@ def apply_fp8(
     ``backend``: ``"auto"`` (torchao on a GPU that supports it, else the reference path with a
     warning), ``"torchao"`` (torchao wherever it runs, CPU included; raise where it cannot) or
     ``"reference"`` (always the reference). Every choice is made before any module is swapped.
+    ``pad_tokens``: zero-pad each FP8 Linear's tokens, and each routed expert's token group, to the
+    multiple the GPU kernels need (:mod:`dsl_lit.precision.fp8_kernel_rules`; exact). Off, a
+    batch whose token count breaks a rule fails as it would on the GPU, on CPU too.
     """
     r = _recipe(recipe)
     if backend not in ("auto", "torchao", "reference"):
@@ -554,21 +626,21 @@ def apply_fp8(
         for name in groups
     }
     if torchao_linears:
-        _torchao_linears(model, recipe, linears)
+        _torchao_linears(model, recipe, linears, pad_tokens)
     else:
         for _, module in linears:
-            (BlockwiseFp8Linear if r.name == "fp8_blockwise" else Fp8Linear).convert(module, r)
+            (BlockwiseFp8Linear if r.name == "fp8_blockwise" else Fp8Linear).convert(module, r, pad_tokens)
     for name, group in groups.items():
         if not torchao_experts[name]:
             for _, module in group:
-                Fp8GroupedExperts.convert(module, r)
+                Fp8GroupedExperts.convert(module, r, pad_tokens)
             continue
         if recipe != "fp8_rowwise":
             log.warning(
                 "apply_fp8(%s): torchao's MoE training offers rowwise FP8 only; the routed experts use "
                 "rowwise scaling", recipe,
             )
-        _torchao_experts(model, group)
+        _torchao_experts(model, group, pad_tokens)
     log.info(
         "apply_fp8(%s): %d Linear layers and %d routed-expert modules in FP8",
         recipe, len(linears), len(experts),

@@ -30,6 +30,7 @@ from dsl_lit.parallel.checkpointing import OneDeviceStrategy
 from dsl_lit.parallel.strategy import DeepSeekStrategy
 from dsl_lit.precision.auto import resolve_precision
 from dsl_lit.precision.plugin import AutocastPrecision
+from dsl_lit.training.callbacks.compile import CompileBlocks
 from dsl_lit.training.callbacks.downstream_eval import DownstreamEvaluation
 from dsl_lit.training.callbacks.ema import EMACallback
 from dsl_lit.training.callbacks.expert_load import ExpertLoadMonitor
@@ -130,6 +131,11 @@ def _device_type(cfg: TrainConfig) -> str:
     return "cuda" if accelerator in ("gpu", "cuda") else "cpu"
 
 
+def compiles(cfg: TrainConfig) -> bool:
+    """``trainer.compile``, its default (null) resolved: on when training on CUDA."""
+    return cfg.trainer.compile if cfg.trainer.compile is not None else _device_type(cfg) == "cuda"
+
+
 def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = None) -> L.Trainer:
     callbacks: list[L.Callback] = [
         ThroughputMonitor(
@@ -145,6 +151,8 @@ def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = N
         callbacks.append(TraceProfiler(cfg.profiler, cfg.run_dir))
     if cfg.memory.ema_decay:
         callbacks.append(EMACallback(cfg.memory.ema_decay, cfg.memory.ema_every_n_steps, cfg.memory.validate_with_ema))
+    if compiles(cfg):
+        callbacks.append(CompileBlocks())
     if cfg.trainer.progress_bar:
         callbacks.append(TQDMProgressBar(refresh_rate=1))
     ckpt = cfg.checkpoint

@@ -32,6 +32,7 @@ from torch import nn
 
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.models.common.layers import SwiGLU
+from dsl_lit.models.common.token_padding import align_token_groups, call_with_padded_tokens
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
@@ -112,6 +113,8 @@ def _grouped_mm_usable(x: torch.Tensor) -> bool:
         return False
     if x.device.type == "cuda":  # the CUDA kernel needs bf16 and Hopper or newer
         return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    if torch.compiler.is_compiling():  # its meta function (what the compiler traces) takes bf16 only
+        return x.device.type == "cpu" and x.dtype == torch.bfloat16
     return x.device.type == "cpu"
 
 
@@ -136,7 +139,7 @@ def grouped_swiglu(
     if backend == "grouped_mm" and not _grouped_mm_usable(x):
         message = (
             f"expert_backend=grouped_mm is not available for device={x.device.type}, dtype={x.dtype} "
-            "(needs torch._grouped_mm: CPU, or CUDA with bf16 on sm90+); using expert_backend=split"
+            "(needs torch._grouped_mm: CPU (bf16 under torch.compile), or CUDA with bf16 on sm90+); using expert_backend=split"
         )
         if message not in _warned:
             _warned.add(message)
@@ -161,6 +164,10 @@ class GroupedExperts(nn.Module):
     """``n`` SwiGLU experts with weights stacked as [experts, out, in] (each slice an nn.Linear
     weight), applied to tokens already sorted by expert."""
 
+    token_group_multiple: int = 1
+    """Each expert's token group is zero-padded to a multiple of this (and to at least this) before
+    the expert matmuls: FP8 grouped GEMMs need 16 (set by ``precision.fp8.apply_fp8``)."""
+
     def __init__(self, n_experts: int, dim: int, hidden: int, backend: str = "grouped_mm") -> None:
         super().__init__()
         self.n_experts = n_experts
@@ -171,6 +178,13 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` [tokens, dim] sorted by expert; ``counts`` [experts] tokens per expert."""
+        if self.token_group_multiple > 1:
+            padded, padded_counts, positions = align_token_groups(x, counts, self.token_group_multiple)
+            return self.run_groups(padded, padded_counts).index_select(0, positions)
+        return self.run_groups(x, counts)
+
+    def run_groups(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The experts on ``x`` sorted by expert, groups already laid out as the kernels need."""
         return grouped_swiglu(x, counts, self.w1, self.w2, self.w3, self.backend)
 
     def forward_reference(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -179,11 +193,14 @@ class GroupedExperts(nn.Module):
         for e in range(self.n_experts):
             token, slot = torch.where(indices == e)
             if token.numel():
-                h = x[token]
-                w1, w2, w3 = (expert_weight(w, e) for w in (self.w1, self.w2, self.w3))
-                y = F.linear(F.silu(F.linear(h, w1)) * F.linear(h, w3), w2)
+                y = call_with_padded_tokens(lambda h, e=e: self.expert(h, e), x[token], self.token_group_multiple)
                 out.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
         return out
+
+    def expert(self, h: torch.Tensor, e: int) -> torch.Tensor:
+        """Expert ``e`` on its tokens ``h`` [tokens, dim]."""
+        w1, w2, w3 = (expert_weight(w, e) for w in (self.w1, self.w2, self.w3))
+        return F.linear(F.silu(F.linear(h, w1)) * F.linear(h, w3), w2)
 
 
 class SequenceView(Protocol):
