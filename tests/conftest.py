@@ -79,5 +79,14 @@ def _schedule_rank(item: pytest.Item) -> tuple[int, int]:
     return (0, LONGEST_SLOW_FILES.index(stem) if stem in LONGEST_SLOW_FILES else len(LONGEST_SLOW_FILES))
 
 
+NO_GPU = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False (run them with scripts/gpu_check.sh)")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     items.sort(key=_schedule_rank)  # stable: a file's tests keep pytest's order (module fixtures set up once)
+    import torch
+
+    if not torch.cuda.is_available():
+        for item in items:
+            if item.get_closest_marker("gpu") is not None:
+                item.add_marker(NO_GPU)

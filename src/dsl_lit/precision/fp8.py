@@ -424,6 +424,7 @@ class Fp8GroupedExperts(GroupedExperts):
         self.fp8_recipe = RECIPES[recipe] if isinstance(recipe, str) else recipe
         self.token_group_multiple = GROUPED_MM_GROUP_MULTIPLE if pad_tokens else 1
 
+    @torch.compiler.disable  # per-expert shapes are data: eager, as the split backend
     def run_groups(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         outputs = []
         for e, chunk in enumerate(x.split(counts.tolist())):

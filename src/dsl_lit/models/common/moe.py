@@ -152,6 +152,15 @@ def grouped_swiglu(
             return torch._grouped_mm(a, w.to(a.dtype).transpose(-2, -1), offs=offsets)
 
         return mm(F.silu(mm(x, w1)) * mm(x, w3), w2)
+    return _split_swiglu(x, counts, w1, w2, w3)
+
+
+@torch.compiler.disable
+def _split_swiglu(
+    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+) -> torch.Tensor:
+    """One matmul per expert slice. Left to eager under ``torch.compile``: the slice sizes are data,
+    so a compiled graph would be specialised on, and recompiled for, every step's counts."""
     outputs = []
     for e, chunk in enumerate(x.split(counts.tolist())):
         if chunk.shape[0]:
@@ -187,8 +196,10 @@ class GroupedExperts(nn.Module):
         """The experts on ``x`` sorted by expert, groups already laid out as the kernels need."""
         return grouped_swiglu(x, counts, self.w1, self.w2, self.w3, self.backend)
 
+    @torch.compiler.disable
     def forward_reference(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """The naive per-expert loop over unsorted tokens (masking all tokens for every expert)."""
+        """The naive per-expert loop over unsorted tokens (masking all tokens for every expert;
+        eager under ``torch.compile``: its shapes are data)."""
         out = torch.zeros_like(x)
         for e in range(self.n_experts):
             token, slot = torch.where(indices == e)
