@@ -11,8 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from dsl_lit.checkpoint.sharded import read_full_tensors
+from dsl_lit.config import TrainConfig
+from dsl_lit.config.errors import ConfigError
 from dsl_lit.models import ModelConfig, build_model
+from dsl_lit.training.build import compiles
 from dsl_lit.training.callbacks.compile import compile_blocks
+from tests.conftest import compose_config
 from tests.numerics import EPS32, assert_close_fp32
 from tests.test_pretrain_e2e import losses, run_recipe
 
@@ -63,3 +67,28 @@ def test_pretrain_recipe_compiled_matches_eager_and_resumes_across(tmp_path):
     keys = set(read_full_tensors(eager / "checkpoints" / "step-4" / "shards", prefix="state_dict/"))
     assert keys == set(read_full_tensors(compiled / "checkpoints" / "step-4" / "shards", prefix="state_dict/"))
     assert not any("_orig_mod" in k for k in keys)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer.devices=2", "parallel.tp=2", "trainer.compile=true"], r"trainer\.compile=true with parallel\.tp=2"),
+        (["trainer.compile=sometimes"], r"trainer\.compile"),
+    ],
+)
+def test_compile_config_errors_name_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig.from_hydra(compose_config(overrides=overrides))
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        ([], False),  # the CPU demo: inductor is not faster for these sizes
+        (["trainer.accelerator=gpu"], True),
+        (["trainer.accelerator=gpu", "trainer.devices=2", "parallel.tp=2"], False),  # not supported yet
+        (["trainer.compile=true"], True),
+    ],
+)
+def test_compile_default_follows_the_device(overrides, expected):
+    assert compiles(TrainConfig.from_hydra(compose_config(overrides=overrides))) is expected

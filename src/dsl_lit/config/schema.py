@@ -21,6 +21,8 @@ def _accepts(annotation: Any, value: Any) -> bool:
     """Loose runtime check of ``value`` against a field annotation (scalars, optionals, literals)."""
     if annotation is Any or value is None and _is_optional(annotation):
         return True
+    if annotation is type(None):  # the None of an optional field accepts None only
+        return value is None
     origin = typing.get_origin(annotation)
     if origin is typing.Literal:
         return value in typing.get_args(annotation)

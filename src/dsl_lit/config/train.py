@@ -191,6 +191,12 @@ class TrainConfig:
                 f"precision.fp8={self.precision.fp8} with parallel.tp={self.parallel.tp} is not supported yet "
                 "(FP8 linears do not take tensor-parallel weights); use parallel.tp=1"
             )
+        if self.trainer.compile and self.parallel.tp > 1:
+            raise ConfigError(
+                f"trainer.compile=true with parallel.tp={self.parallel.tp} is not supported yet (compiled blocks hand "
+                "back plain-tensor gradients where tensor parallelism's DTensors expect DTensors); set "
+                "trainer.compile=false (null compiles only where it works)"
+            )
         if self.parallel.sequence_parallel and self.data.seq_len % self.parallel.tp:
             raise ConfigError(
                 f"parallel.sequence_parallel=true shards data.seq_len={self.data.seq_len} over parallel.tp="

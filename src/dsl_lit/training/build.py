@@ -132,8 +132,11 @@ def _device_type(cfg: TrainConfig) -> str:
 
 
 def compiles(cfg: TrainConfig) -> bool:
-    """``trainer.compile``, its default (null) resolved: on when training on CUDA."""
-    return cfg.trainer.compile if cfg.trainer.compile is not None else _device_type(cfg) == "cuda"
+    """``trainer.compile``, its default (null) resolved: on when training on CUDA without tensor
+    parallelism (which compiled blocks do not support yet: ``TrainConfig.validate``)."""
+    if cfg.trainer.compile is not None:
+        return cfg.trainer.compile
+    return _device_type(cfg) == "cuda" and cfg.layout.tp == 1
 
 
 def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = None) -> L.Trainer:
