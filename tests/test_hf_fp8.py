@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -258,3 +259,40 @@ def test_fp8_export_of_a_layout_without_one_is_a_config_error(tmp_path: Path) ->
     llm = build_model(ModelConfig.from_name("deepseek_llm_tiny", n_layers=1))
     with pytest.raises(ConfigError, match="has no FP8 form"):
         save_pretrained(llm, tmp_path, fp8=True)
+
+
+def test_a_nan_scale_is_refused_naming_the_tensor_and_file(tmp_path: Path) -> None:
+    """Before: starting from an FP8 checkpoint whose ``weight_scale_inv`` was NaN skipped every step
+    silently and could save a "complete" checkpoint of NaN weights. Now reading it is a one-line
+    error naming the tensor, its scale and the file."""
+    from safetensors.torch import load_file
+
+    save_pretrained(_model(), tmp_path, fp8=True)
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(file)
+    name = next(n for n in sorted(tensors) if n.endswith("weight_scale_inv"))
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, file, metadata={"format": "pt"})
+    weight = name.removesuffix("_scale_inv")
+    with pytest.raises(ConfigError, match=rf"model\.safetensors: tensor {re.escape(weight)} \(or its _scale_inv\) holds NaN"):
+        from_pretrained(tmp_path)
+
+
+def test_an_index_may_not_point_outside_its_directory(tmp_path: Path) -> None:
+    """Before: an index mapping tensors to ``../base/model.safetensors`` read them from outside."""
+    base, child = tmp_path / "base", tmp_path / "child"
+    save_pretrained(_model(), base)
+    child.mkdir()
+    (child / "config.json").write_text((base / "config.json").read_text())
+    names = list(json.loads((base / "model.safetensors").read_bytes()[8:8 + int.from_bytes(
+        (base / "model.safetensors").read_bytes()[:8], "little")]))
+    index = {"metadata": {}, "weight_map": {n: "../base/model.safetensors" for n in names if n != "__metadata__"}}
+    (child / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match=r"maps tensors to files outside .*child: '\.\./base/model\.safetensors'"):
+        from_pretrained(child)
+    # a symlink inside the directory that leads out is outside too
+    (child / "model.safetensors.index.json").write_text(json.dumps(
+        {**index, "weight_map": dict.fromkeys(index["weight_map"], "linked.safetensors")}))
+    (child / "linked.safetensors").symlink_to(base / "model.safetensors")
+    with pytest.raises(ConfigError, match="outside"):
+        from_pretrained(child)

@@ -4,6 +4,8 @@ update, scale halved, the step still counted) and training goes on."""
 
 from __future__ import annotations
 
+import logging
+
 import lightning as L
 import pytest
 import torch
@@ -167,8 +169,45 @@ def test_nan_guard_stops_after_max_bad_steps_in_a_row():
     trainer = L.Trainer(accelerator="cpu", max_steps=6, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False,
                         plugins=[AutocastPrecision("bf16", "cpu")], callbacks=[_InjectNaNFrom(step=1)])
-    with pytest.raises(FloatingPointError, match="3 optimizer steps in a row had non-finite gradients"):
+    with pytest.raises(FloatingPointError, match=r"3 optimizer steps in a row were skipped \(step 3: the loss is nan\)"):
         trainer.fit(module, train_dataloaders=DataLoader([_batch(s) for s in range(6)], batch_size=None))
     assert module.loss_scaler.skipped_steps == 3
     assert trainer.global_step == 3  # step 0 was good; steps 1 and 2 were skipped but counted
     assert all(torch.isfinite(p).all() for p in module.model.parameters())  # no bad update reached the weights
+
+
+class _NaNGradient(L.Callback):
+    """A finite loss whose gradient for one parameter is NaN (from step 0)."""
+
+    def on_train_start(self, trainer, pl_module):
+        pl_module.model.norm.weight.register_hook(lambda grad: grad * float("nan"))
+
+
+def _bf16_trainer(callback: L.Callback, max_steps: int) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False,
+                     plugins=[AutocastPrecision("bf16", "cpu")], callbacks=[callback])
+
+
+def test_each_skipped_step_is_logged_naming_what_was_non_finite(caplog):
+    torch.manual_seed(0)
+    module = PretrainModule(_llm(), OptimConfig(lr=1e-2), ScheduleConfig(name="constant", warmup_steps=0), 4,
+                            total_steps=4, precision=PrecisionConfig(name="bf16").validate(), max_bad_steps=0)
+    with caplog.at_level(logging.WARNING, logger="dsl_lit.training.causal_lm"):
+        _bf16_trainer(_InjectNaNFrom(step=2), 4).fit(
+            module, train_dataloaders=DataLoader([_batch(s) for s in range(4)], batch_size=None))
+    assert "step 2 skipped: the loss is nan" in caplog.text and "step 3 skipped" in caplog.text
+    assert "step 1 skipped" not in caplog.text
+
+
+def test_a_run_that_skipped_every_step_does_not_end_complete():
+    """Before: a run shorter than max_bad_steps whose every step was skipped exited 0 and saved its
+    untrained weights as its final checkpoint. Now its last step raises, naming the parameter."""
+    torch.manual_seed(0)
+    module = PretrainModule(_llm(), OptimConfig(lr=1e-2), ScheduleConfig(name="constant", warmup_steps=0), 4,
+                            total_steps=3, precision=PrecisionConfig(name="bf16").validate(), max_bad_steps=10)
+    with pytest.raises(FloatingPointError, match=r"every step of this run was skipped \(last, step 2: non-finite "
+                                                 r"gradients of norm\.weight \(loss"):
+        _bf16_trainer(_NaNGradient(), 3).fit(
+            module, train_dataloaders=DataLoader([_batch(s) for s in range(3)], batch_size=None))
+    assert module.steps_applied == 0

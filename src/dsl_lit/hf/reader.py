@@ -62,9 +62,15 @@ def weight_map(directory: Path) -> dict[str, Path]:
         if not isinstance(mapping, dict) or not mapping:
             raise ConfigError(f"{index} has no 'weight_map'")
         files = {name: directory / fname for name, fname in mapping.items()}
+        root = directory.resolve()
+        outside = sorted({fname for fname, path in zip(mapping.values(), files.values())
+                          if not path.resolve().is_relative_to(root)})
+        if outside:  # symlinks resolved: a shard list may not reach files the user did not name
+            raise ConfigError(f"{index} maps tensors to files outside {directory}: {few(outside)}; "
+                              "every shard must lie in the checkpoint directory")
         absent = sorted({str(p.name) for p in files.values() if not p.is_file()})
         if absent:
-            raise FileNotFoundError(f"{index} names shard(s) that are not in {directory}: {few(absent)}")
+            raise ConfigError(f"{index} names shard(s) that are not in {directory}: {few(absent)}")
         return files
     pickles = sorted({p.name for pattern in _PICKLE_PATTERNS for p in directory.glob(pattern)})
     if pickles:
@@ -233,6 +239,11 @@ class HFCheckpoint:
                         tensor[i].copy_(part)
                 else:
                     tensor.copy_(self._read(files, source.names[0], offsets, tensor.shape))
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    bad = source.names[0] if len(source.names) == 1 else f"one of {few(source.names)}"
+                    scale = f" (or its {SCALE_SUFFIX})" if any(self.is_fp8(n) for n in source.names) else ""
+                    raise ConfigError(f"{self.files[source.names[0]]}: tensor {bad}{scale} holds NaN or inf values; "
+                                      "training would start from broken weights (re-download or re-export it)")
         finally:
             files.close()
 

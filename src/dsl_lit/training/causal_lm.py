@@ -14,6 +14,8 @@ each router's expert bias.
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 from typing import Any
 
 import lightning as L
@@ -29,11 +31,14 @@ from dsl_lit.memory.recompute import apply_recompute
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.models.common.moe import TopKRouter
 from dsl_lit.optim import build_lr_scheduler
+from dsl_lit.parallel.materialise import local_target
 from dsl_lit.parallel.step_runner import LocalStepRunner, step_runner_of
 from dsl_lit.precision.fp8 import apply_fp8
 from dsl_lit.precision.loss_scaler import DynamicLossScaler
 from dsl_lit.precision.plugin import AutocastPrecision
 from dsl_lit.training.pretrained import StartingWeights
+
+log = logging.getLogger(__name__)
 
 Batch = dict[str, torch.Tensor]
 Metrics = dict[str, torch.Tensor]
@@ -72,6 +77,8 @@ class CausalLMModule(L.LightningModule):
         self.batch_schedule = batch_schedule
         """The run's global batch per step (a batch ramp): schedules counted in tokens follow it."""
         self.bad_steps_in_a_row = 0
+        self.steps_applied = 0
+        """Optimizer steps this run applied (not skipped), since it started or resumed."""
         self.loss_scaler = DynamicLossScaler(
             enabled=self.precision.name == "fp16",
             init_scale=self.precision.loss_scale_init,
@@ -293,17 +300,42 @@ class CausalLMModule(L.LightningModule):
         return metrics["loss"]
 
     def _guard_bad_steps(self, skipped: bool, metrics: Metrics) -> None:
-        """NaN/inf guard: a step with non-finite gradients is skipped (and counted); after
-        ``max_bad_steps`` of them in a row the run stops, before any update or save from the bad
-        steps, so the last checkpoint on disk is a good one."""
+        """NaN/inf guard: a step with non-finite gradients is skipped (logged, naming what was
+        non-finite, and counted); after ``max_bad_steps`` of them in a row the run stops, before any
+        update or save from the bad steps, so the last checkpoint on disk is a good one. A run whose
+        every step was skipped stops at its last step too: it never ends "complete" with a
+        checkpoint of weights it never trained."""
         self.bad_steps_in_a_row = self.bad_steps_in_a_row + 1 if skipped else 0
+        self.steps_applied += 0 if skipped else 1
+        if not skipped:
+            return
+        step = self.trainer.global_step
+        what = self.non_finite_report(metrics)
+        if not self.loss_scaler.enabled:  # fp16's loss scaler skips overflowing steps by design
+            log.warning("step %d skipped: %s", step, what)
+        last = self.trainer.max_steps > 0 and step + 1 >= self.trainer.max_steps
         if self.max_bad_steps and self.bad_steps_in_a_row >= self.max_bad_steps:
-            loss = float(metrics["loss"])
             raise FloatingPointError(
-                f"{self.bad_steps_in_a_row} optimizer steps in a row had non-finite gradients (last loss {loss}, "
-                f"step {self.trainer.global_step}); stopping with the last good checkpoint intact. Lower optim.lr, "
-                "check the data, or raise trainer.max_bad_steps"
+                f"{self.bad_steps_in_a_row} optimizer steps in a row were skipped (step {step}: {what}); "
+                "stopping with the last good checkpoint intact"
             )
+        if last and self.steps_applied == 0:
+            raise FloatingPointError(
+                f"every step of this run was skipped (last, step {step}: {what}); no checkpoint of it is written"
+            )
+
+    def non_finite_report(self, metrics: Metrics) -> str:
+        """What was non-finite in the step just run: the loss, or the gradients of which parameters
+        (this rank's; the first five named)."""
+        loss = float(metrics["loss"])
+        if not math.isfinite(loss):
+            return f"the loss is {loss}"
+        bad = [name for name, p in self.model.named_parameters()
+               if p.grad is not None and not bool(torch.isfinite(local_target(p.grad)[0]).all())]
+        if not bad:
+            return f"the gradient norm over all ranks is non-finite (loss {loss}; this rank's gradients are finite)"
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        return f"non-finite gradients of {', '.join(bad[:5])}{more} (loss {loss})"
 
     @torch.no_grad()
     def validation_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:

@@ -29,9 +29,11 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from dsl_lit.checkpoint.files import SHARDS
 from dsl_lit.checkpoint.reader import PREFIX, find_checkpoint, model_config
 from dsl_lit.checkpoint.sharded import saved_tensors
+from dsl_lit.config.errors import ConfigError
 from dsl_lit.hf.reader import CONFIG_NAME, HFCheckpoint, check_state_dict
 from dsl_lit.memory.host import peak_rss_bytes
 from dsl_lit.models import ModelConfig, Transformer, build_model, spec_of
+from dsl_lit.models.common.hf_adapter import few
 from dsl_lit.parallel.materialise import local_target, materialise
 
 log = logging.getLogger(__name__)
@@ -92,6 +94,11 @@ class StartingWeights:
             with warnings.catch_warnings():  # DCP warns that no_dist means one process: here, one per rank
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(template, storage_reader=HuggingFaceStorageReader(str(self.path / SHARDS)), no_dist=True)
+            bad = [name.removeprefix(STATE_PREFIX) for name, t in template.items()
+                   if t.is_floating_point() and not bool(torch.isfinite(local_target(t)[0]).all())]
+            if bad:
+                raise ConfigError(f"init_from={self.path}: {few(bad)} hold(s) NaN or inf values in "
+                                  f"{self.path / SHARDS}; start from a checkpoint before the weights broke")
             read = ""
         else:
             hf = self.hf
