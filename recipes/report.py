@@ -10,10 +10,11 @@ evaluation metrics (eval/<task>/<metric>); each only when the run logged it.
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.report.figures import draw_report
@@ -24,10 +25,18 @@ from dsl_lit.training.runs import exits_on_config_error
 @hydra.main(config_path="../conf", config_name="report", version_base="1.3")
 @exits_on_config_error
 def main(cfg: DictConfig) -> list[Path]:
+    if OmegaConf.is_missing(cfg, "run"):
+        raise ConfigError("run= is required: python recipes/report.py run=outputs/pretrain/<run>")
     run = Path(str(cfg.run))
     if not (run / METRICS_FILE).is_file():
         raise ConfigError(f"run={cfg.run} holds no {METRICS_FILE}; point it at a run directory (logger.csv=true)")
-    paths = draw_report(run, cfg.output)
+    try:
+        paths = draw_report(run, cfg.output)
+    except csv.Error as error:
+        raise ConfigError(f"run={cfg.run}: {METRICS_FILE} is not a CSV file we can read ({error})") from None
+    if not paths:
+        raise ConfigError(f"run={cfg.run}: {METRICS_FILE} holds no step with a metric to draw (empty, or not a "
+                          "metrics file); nothing was written")
     for path in paths:
         print(path)
     return paths

@@ -162,10 +162,7 @@ def test_export_names_the_tokenizers_token_ids(checkpoint: Path, tmp_path: Path)
 def test_released_tokenizers_ids_as_in_their_configs(name: str, released: tuple, tmp_path: Path) -> None:
     """A released tokenizer's files (AddedToken dicts, the eos as pad) give its config.json's ids;
     without a bos, config.json says null (not Llama's default 1) and generation_config.json nothing."""
-    path = reference_file()
-    if path is None:
-        pytest.skip("shared/reference/deepseek_tokenizers.json not found above the repository")
-    spec = json.loads(path.read_text(encoding="utf-8"))[name]
+    spec = json.loads(reference_file().read_text(encoding="utf-8"))[name]
     tokenizer = {"model": {"type": "BPE", "vocab": {}}, "added_tokens": spec["added_tokens"]}
     (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(spec["tokenizer_config"]))

@@ -1,8 +1,8 @@
 """The ``deepseek_llm`` and ``deepseek_v3`` tokenizer presets against DeepSeek's released tokenizers.
 
-The oracle is ``shared/reference/deepseek_tokenizers.json`` (the published tokenizer.json /
-tokenizer_config.json of DeepSeek LLM 7B base and DeepSeek-V3, less the vocabulary and merges),
-looked up in the parents of the repository (or ``DSL_LIT_REFERENCE``). Small tokenizers are
+The oracle is ``tests/data/reference/deepseek_tokenizers.json`` (the published tokenizer.json /
+tokenizer_config.json of DeepSeek LLM 7B base and DeepSeek-V3, less the vocabulary and merges; a
+copy of the project's shared/reference/, or ``DSL_LIT_REFERENCE``). Small tokenizers are
 trained with each preset on the bundled corpus (2000 BPE tokens): everything but the learned
 merges must equal the release, the added tokens sitting at their released ids (V3's up to
 128814, so its packed shards are uint32).
@@ -37,23 +37,22 @@ PRESETS = ("deepseek_llm", "deepseek_v3")
 LEARNED = 2000
 
 
-def reference_file() -> Path | None:
-    """The released specs: ``$DSL_LIT_REFERENCE`` or ``shared/reference/`` beside a parent of the repo."""
+REFERENCE = Path(__file__).resolve().parent / "data" / "reference" / "deepseek_tokenizers.json"
+"""The released tokenizers' facts, kept in the repository (copied from the project's
+shared/reference/, whose README beside it names the source: DeepSeek LLM 7B base's and
+DeepSeek-V3's published tokenizer.json and tokenizer_config.json), so a plain clone runs these tests."""
+
+
+def reference_file() -> Path:
+    """The released specs: ``$DSL_LIT_REFERENCE`` if set, else the copy in tests/data/reference/."""
     if os.environ.get("DSL_LIT_REFERENCE"):
         return Path(os.environ["DSL_LIT_REFERENCE"])
-    for parent in ROOT.parents:
-        candidate = parent / "shared" / "reference" / "deepseek_tokenizers.json"
-        if candidate.is_file():
-            return candidate
-    return None
+    return REFERENCE
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict:
-    path = reference_file()
-    if path is None:
-        pytest.skip("shared/reference/deepseek_tokenizers.json not found above the repository")
-    return json.loads(path.read_text(encoding="utf-8"))
+    return json.loads(reference_file().read_text(encoding="utf-8"))
 
 
 @pytest.fixture(scope="module")

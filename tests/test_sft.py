@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -317,3 +319,88 @@ def test_v3_tool_calls_are_the_assistants_and_tool_outputs_are_not(v3_dir):
     assert encoded.ids == tokenizer.encode_text(text)
     trained = [i for i, t in zip(encoded.ids, encoded.trained) if t]
     assert tokenizer.tokenizer.decode(trained, skip_special_tokens=False) == "".join(replies)
+
+
+# -- issue 34: post-training data checked before training, bounded templates -------------------------
+
+USER_TURNS_ONLY = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+                   "{{ '<｜User｜>' + message['content'] }}{% endif %}{% endfor %}")
+
+
+def test_a_template_that_never_shows_the_assistant_trains_on_nothing_and_is_refused(v3_dir, tmp_path, caplog):
+    """Before: SFT with this template exited 0 with train/loss 0.0 at every step."""
+    tokenizer = ChatTokenizer.from_dir(_with_template(v3_dir, tmp_path, USER_TURNS_ONLY))
+    conversations = [tokenizer.encode_conversation(c) for c in task_conversations(TaskConfig(num_problems=40))[:4]]
+    with pytest.raises(ConfigError, match="sft train: none of the 4 conversations has a target token"):
+        sft_rows(conversations, seq_len=128, pad_id=tokenizer.pad_id, packing=True)
+    good = ChatTokenizer.from_dir(v3_dir)
+    with caplog.at_level(logging.INFO, logger="dsl_lit.data.sft"):
+        sft_rows([good.encode_conversation(c) for c in task_conversations(TaskConfig(num_problems=40))[:4]],
+                 seq_len=128, pad_id=good.pad_id, packing=True)
+    assert re.search(r"sft train: \d+ target \(assistant\) tokens in 4 conversations", caplog.text)
+
+
+def test_named_templates_follow_transformers(v3_dir, tmp_path):
+    """Before: named templates without a ``default`` silently fell back to the built-in format."""
+    named = [{"name": "tool_use", "template": DEEPSEEK_LLM_CHAT}, {"name": "rag", "template": USER_TURNS_ONLY}]
+    directory = _with_template(v3_dir, tmp_path, named)
+    with pytest.raises(ValueError, match=r"named chat templates \['rag', 'tool_use'\] and none called 'default'"):
+        ChatTokenizer.from_dir(directory)
+    chosen = ChatTokenizer.from_dir(directory, "tool_use")
+    assert chosen.template.source == DEEPSEEK_LLM_CHAT
+    with pytest.raises(ValueError, match="none called 'nope'"):
+        ChatTokenizer.from_dir(directory, "nope")
+    cfg = compose_config("sft", [f"tokenizer_dir={directory}", "+model.vocab_size=129280", "logger=csv"])
+    from dsl_lit.posttrain.run import setup_posttrain
+
+    with pytest.raises(ConfigError, match="none called 'default'; pick one with chat_template_name=<name>"):
+        setup_posttrain(cfg, str(tmp_path / "run"))
+
+
+@pytest.mark.parametrize(
+    "template, message",
+    [
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+         r"range\(\) produced more than 1000000 items"),
+        ("{{ 'x' * 2000000000 }}", r"repeating a str of 1 2000000000 times"),
+        ("{{ 10 ** 10000000 }}", r"10 \*\* 10000000 would exceed 4096 bits"),
+        ("{% set s = 'y' * 1000000 %}{% for i in range(10) %}{{ s }}{% endfor %}", r"exceeded 4000000 characters"),
+        ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "recursed too deeply"),
+        ("{{ ''.__class__.__mro__ }}", "the sandbox blocked the chat template"),
+        ("{% for m in messages %}{{ m['content'] ", "does not compile"),
+    ],
+)
+def test_template_bombs_are_refused_naming_the_file(v3_dir, tmp_path, template, message):
+    """Before: the nested loops hung SFT, the repetition allocated 2 GB, the power took > 40 s, the
+    recursion printed a 1,400-line traceback and the sandbox's block three chained ones."""
+    directory = _with_template(v3_dir, tmp_path, template)
+    with pytest.raises(ConfigError, match=message) as error:
+        ChatTokenizer.from_dir(directory).encode_conversation([{"role": "user", "content": "Hi"},
+                                                               {"role": "assistant", "content": "Hello"}])
+    assert str(error.value).startswith(str(directory / "tokenizer_config.json"))
+
+
+def test_render_time_is_bounded(v3_dir, tmp_path, monkeypatch):
+    from dsl_lit.data import chat_template as module
+
+    monkeypatch.setattr(module, "MAX_RENDER_SECONDS", 0.0)  # any render is over time
+    directory = _with_template(v3_dir, tmp_path, "{% for i in range(10) %}{{ i }}{% endfor %}")
+    with pytest.raises(ConfigError, match=r"tokenizer_config\.json: the render ran longer than 0 s"):
+        ChatTokenizer.from_dir(directory).template.render([{"role": "user", "content": "Hi"}])
+
+
+def test_a_huge_template_file_is_refused_before_it_is_read(v3_dir, tmp_path):
+    directory = _with_template(v3_dir, tmp_path, "x")
+    (directory / "chat_template.jinja").write_text("y" * 1_000_001)
+    with pytest.raises(ValueError, match=r"chat_template\.jinja has 1000001 bytes, more than 1000000"):
+        ChatTokenizer.from_dir(directory)
+
+
+def test_common_prefix_is_exact_across_block_boundaries():
+    from dsl_lit.data.chat_template import _common_prefix
+
+    base = "".join(chr(97 + i % 26) for i in range(20000))
+    for cut in (0, 1, 4095, 4096, 4097, 12345, 19999):
+        other = base[:cut] + "#" + base[cut + 1:]
+        assert _common_prefix(base, other) == cut
+    assert _common_prefix(base, base) == 20000 and _common_prefix(base, base[:777]) == 777

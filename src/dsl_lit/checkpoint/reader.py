@@ -26,7 +26,7 @@ from dsl_lit.checkpoint.files import (
 )
 from dsl_lit.checkpoint.integrity import checksum_problem
 from dsl_lit.checkpoint.sharded import read_full_tensors
-from dsl_lit.config.errors import ConfigError
+from dsl_lit.config.errors import ConfigError, MissingInputError
 from dsl_lit.hf.io import adapter_for_family, load_into_meta_model, resolve_dtype, tied_groups
 from dsl_lit.models import ModelConfig, Transformer, build_model
 from dsl_lit.models.common.hf_adapter import few
@@ -53,19 +53,19 @@ def find_checkpoint(path: str | Path) -> Path:
     """
     directory = Path(path)
     if not directory.exists():
-        raise FileNotFoundError(f"checkpoint={path}: no such directory")
+        raise MissingInputError(f"checkpoint={path}: no such directory")
     if not directory.is_dir():
-        raise NotADirectoryError(f"checkpoint={path} is a file; pass a checkpoints/step-<N> directory")
+        raise MissingInputError(f"checkpoint={path} is a file; pass a checkpoints/step-<N> directory")
     if _STEP_DIR.fullmatch(directory.name) or any((directory / f).exists() for f in _FILES):
         problem = checkpoint_problem(directory)
         if problem is not None:
-            raise FileNotFoundError(
+            raise MissingInputError(
                 f"checkpoint={path} is not a complete checkpoint: {problem} (meta.json is written last, so "
                 "this save was interrupted or is still running); pick another step"
             )
         problem = checksum_problem(directory)
         if problem is not None:
-            raise FileNotFoundError(f"checkpoint={path} is corrupt: {problem}; pick another step")
+            raise MissingInputError(f"checkpoint={path} is corrupt: {problem}; pick another step")
         return directory
     # Imported here: it imports Lightning (seconds), which exporting one step directory does not need.
     from dsl_lit.checkpoint.directory import latest_checkpoint
@@ -73,7 +73,7 @@ def find_checkpoint(path: str | Path) -> Path:
     root = directory / "checkpoints" if (directory / "checkpoints").is_dir() else directory
     latest = latest_checkpoint(root, verify=True)
     if latest is None:
-        raise FileNotFoundError(
+        raise MissingInputError(
             f"checkpoint={path} is not a checkpoint directory (checkpoints/step-<N>/ holding "
             f"{', '.join(_FILES)}) and holds no complete one under {root}"
         )

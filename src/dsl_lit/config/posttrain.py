@@ -268,6 +268,8 @@ _SECTIONS: dict[str, type] = {"task": TaskConfig, "sft": SFTConfig, "dpo": DPOCo
 @dataclass
 class PostTrainConfig:
     tokenizer_dir: str = ""
+    chat_template_name: str | None = None
+    """One of the tokenizer's named chat templates (tokenizer_config.json's list); null: its default."""
     task: TaskConfig = field(default_factory=TaskConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
@@ -276,7 +278,8 @@ class PostTrainConfig:
 
     @classmethod
     def from_raw(cls, raw: dict[str, Any]) -> PostTrainConfig:
-        values: dict[str, Any] = {"tokenizer_dir": raw.get("tokenizer_dir") or ""}
+        values: dict[str, Any] = {"tokenizer_dir": raw.get("tokenizer_dir") or "",
+                                  "chat_template_name": raw.get("chat_template_name")}
         for name, schema in _SECTIONS.items():
             section = dict(raw.get(name) or {})
             if "sampling" in section:

@@ -23,7 +23,14 @@ from tokenizers import Tokenizer
 
 from dsl_lit.data.chat_template import ChatTemplate, Span
 from dsl_lit.data.format import ASSISTANT_TOKEN, TOKENIZER_FILE, USER_TOKEN
-from dsl_lit.data.tokenizer_dir import chat_template, check_tokenizer_dir, read_tokenizer_meta, special_tokens
+from dsl_lit.data.tokenizer_dir import (
+    CHAT_TEMPLATE_FILE,
+    TOKENIZER_CONFIG,
+    chat_template,
+    check_tokenizer_dir,
+    read_tokenizer_meta,
+    special_tokens,
+)
 
 Message = Mapping[str, Any]
 
@@ -64,21 +71,25 @@ class ChatTokenizer:
     """A ``tokenizers.Tokenizer``, its ids, and the chat template its conversations are rendered with."""
 
     def __init__(self, tokenizer: Tokenizer, meta: Mapping[str, Any], tokens: Mapping[str, str | None],
-                 template: str | None = None) -> None:
+                 template: str | None = None, origin: str = "the chat template") -> None:
         self.tokenizer = tokenizer
         self.meta = dict(meta)
         self.bos_id, self.eos_id, self.pad_id = meta.get("bos_id"), int(meta["eos_id"]), int(meta["pad_id"])
         self.has_own_template = template is not None
         if template is None and tokens.get("bos_token") is None:
             raise ValueError("the tokenizer has neither a chat template nor a bos token for DeepSeek's format")
-        self.template = ChatTemplate(template or DEEPSEEK_TEMPLATE, tokens)
+        self.template = ChatTemplate(template or DEEPSEEK_TEMPLATE, tokens,
+                                     origin if template is not None else "the built-in DeepSeek chat format")
 
     @classmethod
-    def from_dir(cls, directory: str | Path) -> ChatTokenizer:
-        """Our pipeline's tokenizer/ or a released one (tokenizer.json + tokenizer_config.json)."""
+    def from_dir(cls, directory: str | Path, template_name: str | None = None) -> ChatTokenizer:
+        """Our pipeline's tokenizer/ or a released one (tokenizer.json + tokenizer_config.json);
+        ``template_name`` picks one of its named chat templates (None: its default)."""
         directory = check_tokenizer_dir(directory, "tokenizer_dir")
+        from_file = template_name is None and (directory / CHAT_TEMPLATE_FILE).is_file()
+        origin = str(directory / (CHAT_TEMPLATE_FILE if from_file else TOKENIZER_CONFIG))
         return cls(Tokenizer.from_file(str(directory / TOKENIZER_FILE)), read_tokenizer_meta(directory),
-                   special_tokens(directory), chat_template(directory))
+                   special_tokens(directory), chat_template(directory, template_name), origin)
 
     @property
     def vocab_size(self) -> int:

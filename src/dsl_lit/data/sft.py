@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from dsl_lit.config.errors import ConfigError
 from dsl_lit.data.chat import EncodedConversation
 
 log = logging.getLogger(__name__)
@@ -76,11 +77,26 @@ def packed_rows(docs: Sequence[tuple[list[int], list[int]]], seq_len: int, pad_i
     return out
 
 
-def sft_rows(conversations: Sequence[EncodedConversation], seq_len: int, pad_id: int, packing: bool) -> dict[str, torch.Tensor]:
+def sft_rows(
+    conversations: Sequence[EncodedConversation], seq_len: int, pad_id: int, packing: bool, split: str = "train"
+) -> dict[str, torch.Tensor]:
+    """The rows of ``split``'s conversations; a ConfigError when none of their tokens is a target
+    (a chat template that never shows the assistant's turns would train on nothing)."""
     docs = [document(c, seq_len) for c in conversations]
     cut = sum(len(c.ids) - 1 > seq_len for c in conversations)
     if cut:
         log.warning("sft: %d of %d conversations are longer than data.seq_len=%d and were cut", cut, len(docs), seq_len)
+    targets = [sum(t != IGNORE for t in labels) for _, labels in docs]
+    log.info("sft %s: %d target (assistant) tokens in %d conversations", split, sum(targets), len(docs))
+    if not sum(targets):
+        raise ConfigError(
+            f"sft {split}: none of the {len(docs)} conversations has a target token: the chat template renders no "
+            "assistant turn (or data.seq_len cuts every conversation before it); check the template's assistant branch"
+        )
+    empty = sum(not t for t in targets)
+    if empty:
+        log.warning("sft %s: %d of %d conversations have no target token (their assistant turns are not rendered "
+                    "or were cut) and only add context", split, empty, len(docs))
     return packed_rows(docs, seq_len, pad_id) if packing else padded_rows(docs, seq_len, pad_id)
 
 

@@ -19,6 +19,8 @@ from dsl_lit.data.format import META_FILE, TOKENIZER_FILE
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where newer releases keep the template
+MAX_TEMPLATE_CHARS = 1_000_000
+"""A chat template larger than this is refused (DeepSeek-V3's is ~3,000 characters)."""
 MODEL_CONFIG = "config.json"
 TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, CHAT_TEMPLATE_FILE)
 """What a copy of a tokenizer directory carries (meta.json is written, not copied)."""
@@ -60,17 +62,43 @@ def special_tokens(directory: str | Path) -> dict[str, str | None]:
     return {key: token_string(config.get(key)) or token_string(mapping.get(key)) for key in keys}
 
 
-def chat_template(directory: str | Path) -> str | None:
+def chat_template(directory: str | Path, name: str | None = None) -> str | None:
     """The directory's chat template: chat_template.jinja, else tokenizer_config.json's
-    ``chat_template`` (a string, or named templates of which ``default`` is used); None without one."""
+    ``chat_template``: a string, or named templates of which ``name`` (None: ``default``) is used,
+    as transformers' ``apply_chat_template(chat_template=name)`` does; None without any. A name the
+    directory lacks is a ValueError listing the names."""
     path = Path(directory) / CHAT_TEMPLATE_FILE
-    if path.is_file():
-        return path.read_text(encoding="utf-8")
+    if path.is_file() and name is None:
+        return read_template_file(path)
     template = _read_json(Path(directory) / TOKENIZER_CONFIG).get("chat_template")
     if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template}
-        template = named.get("default")
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        wanted = name or "default"
+        if wanted not in named:
+            raise ValueError(
+                f"{Path(directory) / TOKENIZER_CONFIG} has named chat templates {sorted(map(str, named))} and none "
+                f"called {wanted!r}; pick one with chat_template_name=<name>"
+            )
+        template = named[wanted]
+    elif name is not None:
+        raise ValueError(f"chat_template_name={name!r}: {Path(directory) / TOKENIZER_CONFIG} has no named chat "
+                         "templates; leave chat_template_name unset")
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{Path(directory) / TOKENIZER_CONFIG}: chat_template must be a string or a list of "
+                         f"{{name, template}}, not {type(template).__name__}")
+    if template is not None and len(template) > MAX_TEMPLATE_CHARS:
+        raise ValueError(f"{Path(directory) / TOKENIZER_CONFIG}: its chat template has {len(template)} characters, "
+                         f"more than {MAX_TEMPLATE_CHARS} (released templates have a few thousand)")
     return template or None
+
+
+def read_template_file(path: Path) -> str:
+    """A template file, refused when larger than :data:`MAX_TEMPLATE_CHARS` bytes (before reading it)."""
+    size = path.stat().st_size
+    if size > MAX_TEMPLATE_CHARS:
+        raise ValueError(f"{path} has {size} bytes, more than {MAX_TEMPLATE_CHARS} for a chat template "
+                         "(released templates have a few thousand)")
+    return path.read_text(encoding="utf-8")
 
 
 def token_ids(directory: str | Path) -> dict[str, int]:

@@ -49,7 +49,7 @@ def setup_posttrain(hydra_cfg: DictConfig, run_dir: str, init_from: str | None =
     if Path(post.tokenizer_dir).resolve() == datamodule.tokenizer_dir.resolve():
         check_vocab(cfg, datamodule)  # the data's tokenizer (the default): built on first use
     try:
-        tokenizer = ChatTokenizer.from_dir(post.tokenizer_dir)
+        tokenizer = ChatTokenizer.from_dir(post.tokenizer_dir, post.chat_template_name)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     require_vocab(tokenizer.meta, cfg.model.vocab_size, f"tokenizer_dir={post.tokenizer_dir}")

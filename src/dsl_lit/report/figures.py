@@ -173,6 +173,8 @@ def draw_report(run_dir: str | Path, out_dir: str | Path | None = None) -> list[
     """Every figure the run's metrics.csv has data for, as PNGs in ``out_dir`` (default
     ``<run dir>/report``); returns their paths."""
     series = read_metrics(run_dir)
+    if not series:  # nothing to draw: no empty report directory either
+        return []
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
     out.mkdir(parents=True, exist_ok=True)
     return [path for figure in FIGURES if (path := figure(series, out)) is not None]

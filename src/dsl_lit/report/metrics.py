@@ -32,10 +32,11 @@ def read_metrics(path: str | Path) -> dict[str, Series]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} missing: a run directory holds metrics.csv when logger.csv=true")
     points: dict[str, dict[int, float]] = {}
-    with path.open(newline="") as f:
+    with path.open(newline="", encoding="utf-8", errors="replace") as f:  # garbage bytes: rows skipped below
         for row in csv.DictReader(f):
-            step = row.get("step")
-            if not step:
+            try:
+                step = int(float(row.get("step") or "nan"))
+            except (ValueError, OverflowError):  # no step, or not a number: not a metrics row
                 continue
             for key, cell in row.items():
                 if key in ("step", "epoch") or key is None or cell in (None, ""):
@@ -45,7 +46,7 @@ def read_metrics(path: str | Path) -> dict[str, Series]:
                 except ValueError:
                     continue
                 if math.isfinite(value):
-                    points.setdefault(key, {})[int(float(step))] = value
+                    points.setdefault(key, {})[step] = value
     return {key: Series(np.array(sorted(p)), np.array([p[s] for s in sorted(p)])) for key, p in points.items()}
 
 

@@ -1,0 +1,43 @@
+"""Every input file a user names to a recipe, when wrong, is one line and exit 2 (issue 34, item 6):
+before, these were tracebacks with exit 1, or (empty metrics) an exit 0 with an empty report."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.forked_python import run_python
+
+
+def recipe(name: str, *args: str, cwd: Path):
+    return run_python([sys.executable, str(ROOT / "recipes" / name), *args], cwd=cwd, timeout=300,
+                      env={**os.environ, "WANDB_MODE": "offline"})
+
+
+def assert_one_line(result, message: str) -> None:
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and message in lines[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_recipes_refuse_bad_input_files_in_one_line(tmp_path):
+    not_a_checkpoint = tmp_path / "notes"
+    not_a_checkpoint.mkdir()
+    (not_a_checkpoint / "README").write_text("hello")
+    assert_one_line(recipe("evaluate.py", f"checkpoint={not_a_checkpoint}", cwd=tmp_path),
+                    "is not a checkpoint directory")
+    assert_one_line(recipe("evaluate.py", f"checkpoint={tmp_path / 'missing'}", cwd=tmp_path), "no such directory")
+    assert_one_line(recipe("report.py", cwd=tmp_path), "run= is required")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.csv").write_text("step,train/loss\n")
+    assert_one_line(recipe("report.py", f"run={run}", cwd=tmp_path), "holds no step with a metric to draw")
+    (run / "metrics.csv").write_bytes(os.urandom(4096))
+    assert_one_line(recipe("report.py", f"run={run}", cwd=tmp_path), "metrics.csv")
+    assert not (run / "report").exists()
