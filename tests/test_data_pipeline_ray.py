@@ -254,3 +254,28 @@ def test_a_ray_head_that_does_not_answer_is_refused_before_any_write(tmp_path: P
     with pytest.raises(ConfigError, match=f"executor.address={address}: no Ray head answers"):
         run(load_config({**values, "executor": {"kind": "ray", "address": address}}))
     assert not (tmp_path / "out").exists() and not ray.is_initialized()
+
+
+def test_a_port_where_no_ray_head_speaks_is_refused_within_the_timeout(tmp_path: Path) -> None:
+    """Before: a port that accepted TCP but was no Ray head made ``ray.init`` retry every 30 s,
+    deaf to SIGTERM. Now the gRPC handshake fails within executor.connect_timeout_s, one line."""
+    import socket
+    import time
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text('{"text": "x"}\n')
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)  # accepts connections, never speaks
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    values = {"input": {"path": str(tmp_path / "in")}, "output_dir": str(tmp_path / "out"),
+              "executor": {"kind": "ray", "address": address, "connect_timeout_s": 2}}
+    start = time.monotonic()
+    try:
+        with pytest.raises(ConfigError, match=rf"executor.address={address}: something listens there but no Ray "
+                                              r"head answered a gRPC \(HTTP/2\) handshake within executor.connect_timeout_s=2 s"):
+            run(load_config(values))
+    finally:
+        listener.close()
+    assert time.monotonic() - start < 30  # the bound, not a measurement: ray.init alone retried for minutes
+    assert not (tmp_path / "out").exists() and not ray.is_initialized()

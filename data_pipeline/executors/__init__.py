@@ -34,6 +34,8 @@ class ExecutorConfig:
     """ray: reruns of a unit whose worker process or node died, or that raised an OSError (a
     flaky shared filesystem); a unit's outputs are written atomically, so a rerun starts clean."""
     num_cpus: float = 1.0  # ray: CPUs a unit reserves (units of a step run as widely as the cluster allows)
+    connect_timeout_s: float = 10.0
+    """ray: how long a named head (``<host>:<port>``) may take to answer the gRPC handshake."""
 
     def validate(self) -> ExecutorConfig:
         if self.kind not in KINDS:
@@ -46,6 +48,8 @@ class ExecutorConfig:
             raise ConfigError(f"executor.max_retries={self.max_retries} must be >= 0")
         if self.num_cpus <= 0:
             raise ConfigError(f"executor.num_cpus={self.num_cpus} must be positive")
+        if not self.connect_timeout_s > 0:
+            raise ConfigError(f"executor.connect_timeout_s={self.connect_timeout_s} must be > 0 (seconds)")
         return self
 
 

@@ -25,18 +25,45 @@ _POLL_SECONDS = 1.0
 _CONNECT_SECONDS = 5.0
 
 
-def _check_reachable(address: str) -> None:
-    """A named head that does not answer is refused at once (``ray.init`` would retry for minutes)."""
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # + empty SETTINGS
+_SETTINGS_FRAME = 4
+
+
+def _check_reachable(address: str, timeout: float) -> None:
+    """A named head must answer before ``ray.init`` is called: ``ray.init`` retries an address that
+    is not a Ray head for minutes, deaf to SIGTERM. Ray's head (its GCS) is a gRPC server, so it
+    answers HTTP/2's connection preface with a SETTINGS frame; a port where nothing listens, or
+    another service, does not within ``timeout`` seconds."""
     if address == "auto":
         return  # Ray finds the local cluster itself, and says so at once when there is none
     host, _, port = address.split("://")[-1].rpartition(":")
     try:
-        socket.create_connection((host, int(port)), timeout=_CONNECT_SECONDS).close()
+        connection = socket.create_connection((host, int(port)), timeout=min(timeout, _CONNECT_SECONDS))
     except (OSError, ValueError) as e:
         raise ConfigError(
             f"executor.address={address}: no Ray head answers there ({e}); give <host>:<port> of a "
             "running head (`ray start --head` prints it), or auto on a node of the cluster"
         ) from e
+    try:
+        connection.settimeout(timeout)
+        connection.sendall(_HTTP2_PREFACE)
+        header = b""
+        while len(header) < 9:  # a frame header: length (3 bytes), type, flags, stream id
+            chunk = connection.recv(9 - len(header))
+            if not chunk:
+                break
+            header += chunk
+        answered = len(header) == 9 and header[3] == _SETTINGS_FRAME
+    except OSError:  # timed out, or reset
+        answered = False
+    finally:
+        connection.close()
+    if not answered:
+        raise ConfigError(
+            f"executor.address={address}: something listens there but no Ray head answered a gRPC (HTTP/2) "
+            f"handshake within executor.connect_timeout_s={timeout:g} s; give <host>:<port> of a running head "
+            "(`ray start --head` prints it)"
+        )
 
 
 def _in_directory(cwd: str, fn: UnitFn, step: Step, ctx: Any, unit: int) -> dict[str, Any]:
@@ -54,7 +81,7 @@ class RayExecutor:
         self._ray = ray
         self._owns_connection = not ray.is_initialized()
         if self._owns_connection:
-            _check_reachable(cfg.address)
+            _check_reachable(cfg.address, cfg.connect_timeout_s)
             try:
                 ray.init(address=cfg.address, logging_level=logging.WARNING)
             except ConnectionError as e:
