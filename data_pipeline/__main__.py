@@ -53,7 +53,20 @@ def main(hydra_cfg: DictConfig) -> None:
     print(json.dumps({k: stats[k] for k in ("input", "output", "seconds")}))
 
 
+def refuse_dangling_output_dir(argv: list[str]) -> None:
+    """Before Hydra (which creates ``<output_dir>/logs/`` first): a dangling-link output_dir is one line."""
+    from data_pipeline.output_dir import dangling_link_problem
+
+    for arg in argv:
+        if arg.startswith("output_dir="):
+            problem = dangling_link_problem(arg.split("=", 1)[1].strip("'\""))
+            if problem:
+                print(f"config error: {problem}", file=sys.stderr)
+                sys.exit(2)
+
+
 if __name__ == "__main__":
+    refuse_dangling_output_dir(sys.argv[1:])
     # The groups live in conf/data_pipeline/ beside the primary conf/data_pipeline.yaml.
     sys.argv.append(f"hydra.searchpath=[file://{GROUPS_DIR}]")
     main()

@@ -39,12 +39,25 @@ def _written_before_the_marker(directory: Path) -> bool:
     return bool(entries) and all(e.is_dir() and _STEP_DIR.match(e.name) for e in entries)
 
 
+def dangling_link_problem(output_dir: str) -> str | None:
+    """A one-line reason when ``output_dir`` is a symlink to nothing (Hydra would fail creating its
+    log directory under it with a traceback, before any of our checks)."""
+    path = Path(output_dir)
+    if path.is_symlink() and not path.exists():
+        return (f"output_dir={output_dir} is a symbolic link to {path.readlink()}, which does not exist; "
+                "create its target or give another output_dir")
+    return None
+
+
 def claim_output_dir(output_dir: str, input_root: Path | None) -> None:
     """Refuse (``ConfigError`` naming ``output_dir``) a directory the pipeline does not own or one
     inside the input; otherwise create it and mark it as the pipeline's.
 
     ``input_root``: the directory the input is read from (None for a single file).
     """
+    problem = dangling_link_problem(output_dir)
+    if problem:
+        raise ConfigError(problem)
     out = Path(output_dir).resolve()
     if input_root is not None and out.is_relative_to(input_root.resolve()):
         raise ConfigError(

@@ -42,9 +42,9 @@ from dsl_lit.data.format import META_FILE, TOKENIZER_DIR, TOKENIZER_FILE
 from dsl_lit.data.tokenizer_dir import (
     SPECIAL_TOKENS_MAP,
     TOKENIZER_CONFIG,
-    check_tokenizer_dir,
     padded_vocab_size,
     token_string,
+    validate_tokenizer_dir,
 )
 
 log = logging.getLogger(__name__)
@@ -223,11 +223,8 @@ class TokenizerConfig:
             raise ConfigError(
                 f"tokenizer.max_bytes={self.max_bytes} must be positive, or null for everything"
             )
-        if self.path is not None:
-            try:
-                check_tokenizer_dir(self.path, "tokenizer.path")
-            except ValueError as error:
-                raise ConfigError(str(error)) from None
+        if self.path is not None:  # every file it holds, before any stage runs
+            validate_tokenizer_dir(self.path, "tokenizer.path")
         return self
 
 

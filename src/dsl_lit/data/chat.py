@@ -27,9 +27,8 @@ from dsl_lit.data.tokenizer_dir import (
     CHAT_TEMPLATE_FILE,
     TOKENIZER_CONFIG,
     chat_template,
-    check_tokenizer_dir,
-    read_tokenizer_meta,
     special_tokens,
+    validate_tokenizer_dir,
 )
 
 Message = Mapping[str, Any]
@@ -85,10 +84,11 @@ class ChatTokenizer:
     def from_dir(cls, directory: str | Path, template_name: str | None = None) -> ChatTokenizer:
         """Our pipeline's tokenizer/ or a released one (tokenizer.json + tokenizer_config.json);
         ``template_name`` picks one of its named chat templates (None: its default)."""
-        directory = check_tokenizer_dir(directory, "tokenizer_dir")
+        meta = validate_tokenizer_dir(directory, "tokenizer_dir")
+        directory = Path(directory)
         from_file = template_name is None and (directory / CHAT_TEMPLATE_FILE).is_file()
         origin = str(directory / (CHAT_TEMPLATE_FILE if from_file else TOKENIZER_CONFIG))
-        return cls(Tokenizer.from_file(str(directory / TOKENIZER_FILE)), read_tokenizer_meta(directory),
+        return cls(Tokenizer.from_file(str(directory / TOKENIZER_FILE)), meta,
                    special_tokens(directory), chat_template(directory, template_name), origin)
 
     @property

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dsl_lit.config.errors import ConfigError
 from dsl_lit.data.format import META_FILE, TOKENIZER_FILE
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -36,7 +37,16 @@ def padded_vocab_size(vocab_size: int, multiple: int = EMBEDDING_MULTIPLE) -> in
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    """A JSON object file ({} when absent); a ConfigError naming the file when it is not one."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path} is not valid JSON ({error}); is it truncated? Copy the file again") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} holds a JSON {type(data).__name__} where a JSON object belongs")
+    return data
 
 
 def token_string(value: Any) -> str | None:
@@ -137,4 +147,38 @@ def derive_meta(directory: str | Path) -> dict[str, Any]:
 def read_tokenizer_meta(directory: str | Path) -> dict[str, Any]:
     """meta.json when the data pipeline wrote one, else :func:`derive_meta`."""
     path = Path(directory) / META_FILE
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else derive_meta(directory)
+    return _read_json(path) if path.is_file() else derive_meta(directory)
+
+
+def validate_tokenizer_dir(directory: str | Path, field: str) -> dict[str, Any]:
+    """Everything a run will read from a tokenizer directory, checked before any work starts
+    (ConfigError naming ``field`` and the file): tokenizer.json loads, the JSON files are objects,
+    an eos token exists and its id (and pad/bos ids) lie inside the vocabulary. Returns its meta."""
+    from tokenizers import Tokenizer
+
+    try:
+        path = check_tokenizer_dir(directory, field)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    _read_json(path / TOKENIZER_FILE)  # a clear message for truncated or non-object JSON first
+    try:
+        Tokenizer.from_file(str(path / TOKENIZER_FILE))
+    except Exception as error:  # the tokenizers library's own parse errors
+        raise ConfigError(f"{field}={directory}: {TOKENIZER_FILE} does not load as a tokenizer ({error})") from None
+    for name in (TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, MODEL_CONFIG):
+        _read_json(path / name)
+    try:
+        meta = read_tokenizer_meta(path)
+    except ValueError as error:
+        raise ConfigError(f"{field}={directory}: {error}") from None
+    vocab = meta.get("vocab_size")
+    if not isinstance(vocab, int) or vocab < 1:
+        raise ConfigError(f"{field}={directory}: its vocab_size {vocab!r} is not a positive integer")
+    for key in ("eos_id", "pad_id", "bos_id"):
+        value = meta.get(key)
+        if value is None and key == "bos_id":
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < vocab:
+            raise ConfigError(f"{field}={directory}: {key}={value!r} is not a token id of its {vocab}-token "
+                              "vocabulary; fix tokenizer_config.json (or meta.json)")
+    return meta

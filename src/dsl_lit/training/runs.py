@@ -16,7 +16,7 @@ import yaml
 from dsl_lit.checkpoint.resume import check_resume
 from dsl_lit.config import TrainConfig
 from dsl_lit.config.errors import ConfigError
-from dsl_lit.data.tokenizer_dir import read_tokenizer_meta
+from dsl_lit.data.tokenizer_dir import validate_tokenizer_dir
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -87,7 +87,7 @@ def check_vocab(cfg: TrainConfig, datamodule: Any) -> None:
     if not is_launcher_process():
         return
     if cfg.data.tokenizer_dir:
-        require_vocab(read_tokenizer_meta(cfg.data.tokenizer_dir), cfg.model.vocab_size,
+        require_vocab(validate_tokenizer_dir(cfg.data.tokenizer_dir, "data.tokenizer_dir"), cfg.model.vocab_size,
                       f"data.tokenizer_dir={cfg.data.tokenizer_dir}")
     datamodule.prepare_data()
     require_vocab(datamodule.tokenizer_meta, cfg.model.vocab_size, f"{datamodule.tokenizer_dir}, "
