@@ -10,6 +10,8 @@ with more stages (dedup, filters) is used as it is when it matches the config.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import importlib.util
 import json
 import logging
@@ -150,32 +152,76 @@ def run_pipeline(cfg: DataConfig) -> None:
     raise ConfigError(message) if proc.returncode == CONFIG_ERROR_EXIT else RuntimeError(message)
 
 
-def prepare_cache(cfg: DataConfig) -> None:
-    """Build ``cfg.cache_dir`` unless it is current; concurrent callers wait for one build.
+BUILDS_DIR = "builds"
+"""``<cache_dir>/builds/<settings fingerprint>/``: one pipeline output per data settings."""
 
-    The lock file sits beside the cache directory: the directory itself belongs to the pipeline.
+
+def settings_fingerprint(cfg: DataConfig) -> str:
+    """What a build depends on (the corpus content, the tokenizer's settings or file, FIM), hashed."""
+    tokenizer: dict[str, Any] = (
+        {"file": file_sha256(Path(cfg.tokenizer_dir) / TOKENIZER_FILE)} if cfg.tokenizer_dir
+        else {"vocab_size": cfg.tokenizer_vocab_size, "max_bytes": cfg.tokenizer_max_bytes}
+    )
+    fim = {"rate": cfg.fim_rate, "spm_rate": cfg.fim_spm_rate, "seed": cfg.seed} if cfg.fim_rate else None
+    payload = {"corpus": corpus_record(cfg.corpus_dir)["fingerprint"], "tokenizer": tokenizer, "fim": fim}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def build_dir(cfg: DataConfig) -> Path:
+    """The directory holding ``cfg``'s tokenizer/ and shards/: its own build under ``builds/``
+    once made, else ``cache_dir`` itself (a cache built before builds existed, or by hand)."""
+    build = Path(cfg.cache_dir) / BUILDS_DIR / settings_fingerprint(cfg)
+    return build if (build / SHARDS_DIR / META_FILE).is_file() else Path(cfg.cache_dir)
+
+
+def _point_at(cache: Path, build: Path) -> None:
+    """Make ``cache/tokenizer`` and ``cache/shards`` (what configs name: ``${data.cache_dir}/tokenizer``)
+    relative links to ``build``'s, each replaced atomically. A real directory there (a build made
+    before builds existed, by the data module itself) is moved under ``builds/`` first, never deleted."""
+    for name in (TOKENIZER_DIR, SHARDS_DIR):
+        link = cache / name
+        if link.is_dir() and not link.is_symlink():
+            legacy = cache / BUILDS_DIR / f"before-builds-{time.strftime('%Y%m%d-%H%M%S')}"
+            legacy.mkdir(parents=True, exist_ok=True)
+            link.rename(legacy / name)
+        temporary = cache / f".{name}.link"
+        temporary.unlink(missing_ok=True)
+        temporary.symlink_to(Path(BUILDS_DIR) / build.name / name, target_is_directory=True)
+        os.replace(temporary, link)
+
+
+def prepare_cache(cfg: DataConfig) -> None:
+    """Make ``cfg``'s tokenizer and shards exist; concurrent callers wait for one build.
+
+    Each data settings (corpus content, tokenizer, FIM) gets its own build in
+    ``<cache_dir>/builds/<fingerprint>/``, so switching settings back and forth on one cache dir
+    rebuilds only what was never built, and runs with different settings sharing the cache dir
+    each read their own build (:func:`build_dir`); ``<cache_dir>/tokenizer`` and ``shards`` point at
+    the latest prepared one. The lock file sits beside the cache directory.
     """
     cache = Path(cfg.cache_dir)
     cache.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(cache.parent / f".{cache.name}.lock")):
         reason = stale_reason(cfg)
-        if reason is None:
-            return
-        stages = (_read_meta(cache / SHARDS_DIR) or {}).get("stages", OWN_STAGES[0])
-        if stages not in OWN_STAGES:  # a pipeline run made by hand (dedup, filters): never redo it ours
-            raise ConfigError(
-                f"data.cache_dir={cache} holds a data-pipeline run with stages={stages} that does not "
-                f"match the data config: {reason}. Rerun that pipeline (input.path=<data.corpus_dir> "
-                "output_dir=<data.cache_dir>) or set data.cache_dir to another directory"
-            )
-        log.info("data: building %s: %s", cache, reason)
-        start = time.perf_counter()
-        run_pipeline(cfg)
-        reason = stale_reason(cfg)
+        build = cache / BUILDS_DIR / settings_fingerprint(cfg)
+        if reason is None and not build.is_dir():
+            return  # a current cache without builds (built before them, or by hand)
         if reason is not None:
-            raise RuntimeError(
-                f"the data pipeline finished but {cache} does not match the data config: {reason}"
-            )
-        log.info(
-            "data: trained tokenizer and packed shards in %.1fs -> %s", time.perf_counter() - start, cache
-        )
+            stages = (_read_meta(cache / SHARDS_DIR) or {}).get("stages", OWN_STAGES[0])
+            if stages not in OWN_STAGES:  # a pipeline run made by hand (dedup, filters): never redo it ours
+                raise ConfigError(
+                    f"data.cache_dir={cache} holds a data-pipeline run with stages={stages} that does not "
+                    f"match the data config: {reason}. Rerun that pipeline (input.path=<data.corpus_dir> "
+                    "output_dir=<data.cache_dir>) or set data.cache_dir to another directory"
+                )
+        build_cfg = dataclasses.replace(cfg, cache_dir=str(build))
+        build_reason = stale_reason(build_cfg)
+        if build_reason is not None:
+            log.info("data: building %s: %s", build, reason or build_reason)
+            start = time.perf_counter()
+            run_pipeline(build_cfg)
+            build_reason = stale_reason(build_cfg)
+            if build_reason is not None:
+                raise RuntimeError(f"the data pipeline finished but {build} does not match the data config: {build_reason}")
+            log.info("data: trained tokenizer and packed shards in %.1fs -> %s", time.perf_counter() - start, build)
+        _point_at(cache, build)

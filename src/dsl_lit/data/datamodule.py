@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from dsl_lit.config.data import DataConfig
 from dsl_lit.config.errors import ConfigError
-from dsl_lit.data.cache import prepare_cache
+from dsl_lit.data.cache import build_dir, prepare_cache
 from dsl_lit.data.format import META_FILE, SHARDS_DIR, TOKENIZER_DIR
 from dsl_lit.data.packed import PackedTokens
 from dsl_lit.data.sampler import GlobalBatchSampler, num_windows
@@ -67,13 +67,19 @@ class PretrainDataModule(L.LightningDataModule):
         self.train_windows = 0
 
     # -- where things live --------------------------------------------------------------------
+    @cached_property
+    def build(self) -> Path:
+        """The directory of this data config's tokenizer/ and shards/ (``dsl_lit.data.cache.build_dir``),
+        fixed once read, so that a run sharing ``cache_dir`` with other settings keeps its own."""
+        return build_dir(self.cfg)
+
     @property
     def tokenizer_dir(self) -> Path:
-        return Path(self.cfg.cache_dir) / TOKENIZER_DIR
+        return self.build / TOKENIZER_DIR
 
     @property
     def shards_dir(self) -> Path:
-        return Path(self.cfg.cache_dir) / SHARDS_DIR
+        return self.build / SHARDS_DIR
 
     @cached_property
     def tokenizer_meta(self) -> dict[str, Any]:
@@ -88,7 +94,8 @@ class PretrainDataModule(L.LightningDataModule):
         """Build the tokenizer and the packed shards with the data pipeline unless ``cache_dir``
         already holds a matching build (``dsl_lit.data.cache``); concurrent callers wait for one."""
         prepare_cache(self.cfg)
-        self.__dict__.pop("tokenizer_meta", None)  # drop a stale cached value
+        for name in ("build", "tokenizer_meta"):  # drop values read before the build existed
+            self.__dict__.pop(name, None)
 
     # -- serving ------------------------------------------------------------------------------
     def dp_coordinates(self) -> tuple[int, int]:
