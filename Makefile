@@ -6,13 +6,14 @@ PY := .venv/bin/python
 setup:
 	@scripts/setup.sh
 
-# The data pipeline (dedup, filters, tokenizer, packing) cleans the bundled corpus, then pretraining
+# The data pipeline (dedup, filters, decontamination against the bundled eval tasks, tokenizer, packing)
+# cleans the bundled corpus, then pretraining
 # reads its shards. Reruns skip the pipeline's finished work.
 DEMO_DATA := $(CURDIR)/.cache/pipeline_demo
 
 demo: setup
 	$(PY) -m data_pipeline input.path=data/corpus output_dir=$(DEMO_DATA) quality_filter=bundled tokenizer=bundled \
-		'stages=[normalize,exact_dedup,near_dedup,quality_filter,language_filter,train_tokenizer,tokenize_pack]'
+		'stages=[normalize,exact_dedup,near_dedup,quality_filter,language_filter,decontaminate,train_tokenizer,tokenize_pack]'
 	$(PY) recipes/pretrain.py data.cache_dir=$(DEMO_DATA)
 
 # Every torch process of the suite on one thread (OMP_NUM_THREADS=1): the tiny models' ops gain little

@@ -6,6 +6,7 @@ and listing the classes explicitly keeps the set of stages greppable (no import-
 
 from __future__ import annotations
 
+from data_pipeline.decontaminate import Decontaminate
 from data_pipeline.exact_dedup import ExactDedup
 from data_pipeline.language_filter import LanguageFilter
 from data_pipeline.near_dedup import NearDedup
@@ -24,6 +25,7 @@ STAGES: dict[str, type[Stage]] = {
         NearDedup,
         QualityFilter,
         LanguageFilter,
+        Decontaminate,
         Remix,
         TrainTokenizer,
         TokenizePack,

@@ -113,6 +113,10 @@ class DataConfig:
     num_workers: int = 0
     seed: int = 1234
     batch_ramp: BatchRampConfig = field(default_factory=BatchRampConfig)
+    decontaminate: bool = True
+    """Before tokenizing, drop corpus documents sharing a word 13-gram with the bundled evaluation
+    tasks (data/eval_tasks; the data pipeline's ``decontaminate`` stage), so evaluating a model on
+    them does not measure memorisation."""
     fim_rate: float = 0.0
     """Share of documents packed as fill-in-the-middle (DeepSeek-V3: 0.1), Prefix-Suffix-Middle with
     the tokenizer's FIM tokens, drawn per document from ``seed`` when the shards are built."""

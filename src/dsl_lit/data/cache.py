@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 CONFIG_ERROR_EXIT = 2  # python -m data_pipeline's exit status for a refused config
 # What the data module runs (training the tokenizer, or packing with data.tokenizer_dir); other runs are the user's.
-OWN_STAGES = (["train_tokenizer", "tokenize_pack"], ["tokenize_pack"])
+OWN_STAGES = (["train_tokenizer", "tokenize_pack"], ["tokenize_pack"],
+              ["decontaminate", "train_tokenizer", "tokenize_pack"], ["decontaminate", "tokenize_pack"])
 
 
 def _read_meta(directory: Path) -> dict[str, Any] | None:
@@ -61,6 +62,8 @@ def stale_reason(cfg: DataConfig) -> str | None:
             return f"its tokenizer was trained with (vocab_size, max_bytes) = {trained}"
     if shards.get("tokenizer_sha256") != file_sha256(cache / TOKENIZER_DIR / TOKENIZER_FILE):
         return "its shards were encoded with another tokenizer"
+    if cfg.decontaminate != ("decontaminate" in (shards.get("stages") or [])):
+        return f"its corpus was{'' if cfg.decontaminate else ' not'} decontaminated, data.decontaminate={cfg.decontaminate}"
     fim, packed = {"rate": cfg.fim_rate, "spm_rate": cfg.fim_spm_rate, "seed": cfg.seed}, shards.get("fim") or {}
     if (cfg.fim_rate or packed.get("rate")) and packed != fim:  # (without FIM the seed does not matter)
         return f"its shards were packed with fill-in-the-middle settings {packed or None}, not {fim}"
@@ -96,12 +99,13 @@ def pipeline_command(cfg: DataConfig) -> list[str]:
         _override("output_dir", Path(cfg.cache_dir).resolve()),
     ]
     command += [f"pack.fim_rate={cfg.fim_rate}", f"pack.fim_spm_rate={cfg.fim_spm_rate}", f"pack.fim_seed={cfg.seed}"]
+    first = "decontaminate," if cfg.decontaminate else ""
     if cfg.tokenizer_dir:
-        return [*command, "stages=[tokenize_pack]", _override("tokenizer.path", Path(cfg.tokenizer_dir).resolve())]
+        return [*command, f"stages=[{first}tokenize_pack]", _override("tokenizer.path", Path(cfg.tokenizer_dir).resolve())]
     max_bytes = "null" if cfg.tokenizer_max_bytes is None else cfg.tokenizer_max_bytes
     return [
         *command,
-        "stages=[train_tokenizer,tokenize_pack]",
+        f"stages=[{first}train_tokenizer,tokenize_pack]",
         "tokenizer=bundled",
         f"tokenizer.vocab_size={cfg.tokenizer_vocab_size}",
         f"tokenizer.max_bytes={max_bytes}",
@@ -163,7 +167,8 @@ def settings_fingerprint(cfg: DataConfig) -> str:
         else {"vocab_size": cfg.tokenizer_vocab_size, "max_bytes": cfg.tokenizer_max_bytes}
     )
     fim = {"rate": cfg.fim_rate, "spm_rate": cfg.fim_spm_rate, "seed": cfg.seed} if cfg.fim_rate else None
-    payload = {"corpus": corpus_record(cfg.corpus_dir)["fingerprint"], "tokenizer": tokenizer, "fim": fim}
+    payload = {"corpus": corpus_record(cfg.corpus_dir)["fingerprint"], "tokenizer": tokenizer, "fim": fim,
+               **({"decontaminate": True} if cfg.decontaminate else {})}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 

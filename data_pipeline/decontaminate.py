@@ -1,0 +1,201 @@
+"""Stage ``decontaminate``: remove training documents that share a word n-gram with an evaluation set.
+
+Why: a benchmark whose questions sit in the training data measures memorisation. DeepSeekMath and
+DeepSeek-Coder filter their corpora by 10- to 13-gram overlap with the benchmarks they report;
+this stage does the same at the document level (GPT-3's and lm-eval's convention too): a document
+containing any evaluation n-gram is removed, and set aside with its reason like every other removal
+(``removed/``, ``contamination:<eval set>``), so it can be inspected and counted.
+
+What an evaluation set yields (``decontaminate.eval_sets``: files or directories):
+
+* an lm-eval task YAML: the text the model is shown (``doc_to_text`` rendered over each record of
+  its ``data_files``) and the gold answer (``doc_to_target``, or ``doc_to_choice[doc_to_target]``
+  for multiple choice): the distractors are not the benchmark's answers and stay;
+* a ``.jsonl`` or ``.parquet`` file: every string (and list of strings) in every record.
+
+Texts are compared as lower-cased words (letters and digits; punctuation and spacing ignored). A
+text of ``ngram`` words or more contributes its ``ngram``-word windows; a shorter one of at least
+``min_words`` words contributes itself whole (a short benchmark sentence is still a leak); shorter
+ones nothing (``"5 + 6"`` is not evidence of contamination).
+"""
+
+from __future__ import annotations
+
+import dataclasses as dc
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import yaml
+
+from data_pipeline.document_step import Verdicts, write_split
+from data_pipeline.shard_io import read_documents, shard_file
+from data_pipeline.stage import Stage, Step
+from dsl_lit.config.errors import ConfigError
+
+BUNDLED_TASKS = Path(__file__).resolve().parents[1] / "data" / "eval_tasks"
+"""The project's own lm-eval tasks: the default evaluation sets."""
+_WORD = re.compile(r"[^\W_]+")
+
+
+def words(text: str) -> list[str]:
+    return _WORD.findall(text.lower())
+
+
+@dataclass
+class DecontaminateConfig:
+    eval_sets: list[str] | None = None
+    """Files or directories of evaluation sets (lm-eval task YAMLs, .jsonl, .parquet); null: the
+    bundled tasks in data/eval_tasks (their YAMLs)."""
+    ngram: int = 13
+    min_words: int = 8
+
+    def validate(self) -> DecontaminateConfig:
+        if not 8 <= self.ngram <= 50:
+            raise ConfigError(f"decontaminate.ngram={self.ngram} must lie in [8, 50] (DeepSeek used 10-13)")
+        if not 1 <= self.min_words <= self.ngram:
+            raise ConfigError(f"decontaminate.min_words={self.min_words} must lie in [1, decontaminate.ngram]")
+        for path in self.paths():
+            if not path.exists():
+                raise ConfigError(f"decontaminate.eval_sets: {path} does not exist")
+        return self
+
+    def paths(self) -> list[Path]:
+        return [Path(p) for p in self.eval_sets] if self.eval_sets is not None else [BUNDLED_TASKS]
+
+
+# -- what an evaluation set shows ----------------------------------------------------------------------
+
+
+def _records(path: Path) -> Iterator[dict[str, Any]]:
+    if path.suffix == ".parquet":
+        yield from pq.read_table(path).to_pylist()
+        return
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                record = json.loads(line)
+                if isinstance(record, dict):
+                    yield record
+
+
+def _strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
+
+
+def _field(template: Any, record: dict[str, Any]) -> Any:
+    """An lm-eval ``doc_to_*`` value over one record: a field name, or a ``{{field}}`` template
+    (rendered in Jinja's sandbox)."""
+    if not isinstance(template, str):
+        return template
+    if template in record:
+        return record[template]
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    return ImmutableSandboxedEnvironment().from_string(template).render(**record)
+
+
+def task_texts(yaml_path: Path) -> Iterator[str]:
+    """What an lm-eval task shows the model and its gold answers, record by record."""
+    task = yaml.safe_load(yaml_path.read_text(encoding="utf-8"))
+    if not isinstance(task, dict) or "task" not in task:
+        return
+    files = ((task.get("dataset_kwargs") or {}).get("data_files")) or {}
+    names = files.values() if isinstance(files, dict) else [files]
+    for name in [n for entry in names for n in ([entry] if isinstance(entry, str) else entry)]:
+        for record in _records((yaml_path.parent / name).resolve()):
+            if task.get("doc_to_text") is not None:
+                yield from _strings(_field(task["doc_to_text"], record))
+            target = _field(task.get("doc_to_target"), record) if task.get("doc_to_target") is not None else None
+            choices = _field(task.get("doc_to_choice"), record) if task.get("doc_to_choice") is not None else None
+            if isinstance(choices, list) and isinstance(target, (int, str)) and str(target).isdigit():
+                target = choices[int(target)]
+            yield from _strings(target)
+
+
+def eval_texts(path: Path) -> Iterator[tuple[str, str]]:
+    """(set name, text) of every evaluation text under ``path``."""
+    files = sorted(path.rglob("*")) if path.is_dir() else [path]
+    has_tasks = any(f.suffix in (".yaml", ".yml") for f in files)
+    for file in files:
+        if file.suffix in (".yaml", ".yml"):
+            for text in task_texts(file):
+                yield file.stem, text
+        elif file.suffix in (".jsonl", ".parquet") and not (path.is_dir() and has_tasks):
+            for record in _records(file):  # a directory of tasks: their YAMLs say what is shown
+                for value in record.values():
+                    for text in _strings(value):
+                        yield file.stem, text
+
+
+def ngram_index(cfg: DecontaminateConfig) -> dict[int, dict[tuple[str, ...], str]]:
+    """Word-tuple length -> {n-gram: the evaluation set it came from}."""
+    index: dict[int, dict[tuple[str, ...], str]] = {}
+    for path in cfg.paths():
+        for name, text in eval_texts(path):
+            tokens = words(text)
+            if len(tokens) >= cfg.ngram:
+                grams = index.setdefault(cfg.ngram, {})
+                for i in range(len(tokens) - cfg.ngram + 1):
+                    grams.setdefault(tuple(tokens[i : i + cfg.ngram]), name)
+            elif len(tokens) >= cfg.min_words:
+                index.setdefault(len(tokens), {}).setdefault(tuple(tokens), name)
+    if not index:
+        raise ConfigError(f"decontaminate.eval_sets={[str(p) for p in cfg.paths()]} hold no text of "
+                          f"{cfg.min_words} words or more: nothing to decontaminate against")
+    return index
+
+
+def contamination(text: str, index: dict[int, dict[tuple[str, ...], str]]) -> str | None:
+    """The evaluation set ``text`` shares an n-gram with (None: clean)."""
+    tokens = words(text)
+    for length, grams in index.items():
+        for i in range(len(tokens) - length + 1):
+            found = grams.get(tuple(tokens[i : i + length]))
+            if found is not None:
+                return found
+    return None
+
+
+# -- the stage ------------------------------------------------------------------------------------------
+
+_INDEXES: dict[str, dict[int, dict[tuple[str, ...], str]]] = {}
+
+
+def run_unit(ctx: Any, unit: int) -> dict[str, Any]:
+    cfg: DecontaminateConfig = ctx.config
+    key = json.dumps(dc.asdict(cfg), sort_keys=True)
+    if key not in _INDEXES:  # once per process: every unit of the step shares it
+        _INDEXES[key] = ngram_index(cfg)
+    index = _INDEXES[key]
+    docs = read_documents(ctx.docs_dir / shard_file(unit))
+    reasons = []
+    for text in docs["text"]:
+        found = contamination(text or "", index)
+        reasons.append(f"contamination:{found}" if found else None)
+    return write_split(ctx, unit, docs, Verdicts(reasons))
+
+
+class Decontaminate(Stage):
+    name = "decontaminate"
+    Config = DecontaminateConfig
+    comes_after = ("normalize",)
+
+    def settings(self) -> Any:
+        """Its settings and the evaluation sets' content: editing a benchmark file reruns the stage."""
+        from dsl_lit.data.corpus import file_listing, listing_digest
+
+        files = [str(f.resolve()) for p in self.config.paths()
+                 for f in (sorted(p.rglob("*")) if p.is_dir() else [p]) if f.is_file()]
+        return {**dc.asdict(self.config), "eval_content": listing_digest(file_listing(Path("/"), files, 1 << 30))}
+
+    def steps(self) -> list[Step]:
+        return [self.step(run_unit, writes_documents=True)]

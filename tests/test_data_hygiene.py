@@ -1,0 +1,107 @@
+"""Data hygiene (issue 34, item 8): training never reads the held-out validation windows, and the
+``decontaminate`` pipeline stage removes training documents that share a word 13-gram with the
+evaluation sets (the project's bundled lm-eval tasks by default), counting and setting them aside.
+Before, 128 of 128 ``dsl_kjv_next_sentence`` contexts and gold continuations and 64 of 64
+``dsl_devil_perplexity`` documents appeared verbatim in the bundled training corpus."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from data_pipeline.config import load_config
+from data_pipeline.decontaminate import DecontaminateConfig, contamination, ngram_index, words
+from data_pipeline.runner import run
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.data.datamodule import PretrainDataModule
+from tests.conftest import ROOT
+
+TASKS = ROOT / "data" / "eval_tasks"
+
+
+def squash(text: str) -> str:
+    return " ".join(words(text))
+
+
+def kept_texts(out: Path) -> list[str]:
+    return [t for f in sorted((out / "kept").glob("*.parquet")) for t in pq.read_table(f, columns=["text"])["text"].to_pylist()]
+
+
+@pytest.fixture(scope="module")
+def decontaminated(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("decontaminated") / "out"
+    run(load_config({"input": {"path": str(ROOT / "data" / "corpus")}, "output_dir": str(out),
+                     "stages": ["normalize", "decontaminate"]}))
+    return out
+
+
+def test_the_bundled_tasks_no_longer_appear_in_the_cleaned_corpus(decontaminated):
+    """Checked independently of the stage's n-gram code: each benchmark text (the KJV contexts and
+    gold continuations, the Devil's Dictionary entries) as a substring of the kept documents."""
+    corpus = "\n".join(squash(t) for t in kept_texts(decontaminated))
+    kjv = [json.loads(line) for line in (TASKS / "kjv_next_sentence.jsonl").read_text().splitlines()]
+    devil = [json.loads(line) for line in (TASKS / "devil_perplexity.jsonl").read_text().splitlines()]
+    shown = [r["context"] for r in kjv] + [r["choices"][r["label"]] for r in kjv] + [r["text"] for r in devil]
+    long_enough = [squash(t) for t in shown if len(words(t)) >= 8]
+    assert len(long_enough) >= 0.9 * len(shown)
+    leaked = [t for t in long_enough if t in corpus]
+    assert not leaked, leaked[:3]
+    stats = json.loads((decontaminated / "stats.json").read_text())["stages"]["decontaminate"]
+    removed = stats["removed"]
+    assert removed["contamination:dsl_kjv_next_sentence"] >= 128 and removed["contamination:dsl_devil_perplexity"] >= 50
+    assert stats["docs_in"] - stats["docs_out"] == sum(removed.values())
+    # set aside with their reasons, as every stage does
+    aside = [r for f in (decontaminated / "removed").glob("*.parquet") for r in pq.read_table(f).to_pylist()]
+    assert {r["reason"] for r in aside if r["stage"] == "decontaminate"} == set(removed)
+    # the distractors of the multiple-choice task are not its answers: their chapters stay
+    assert stats["docs_out"] > 0.85 * stats["docs_in"]
+
+
+def test_ngram_rules(tmp_path):
+    evals = tmp_path / "eval.jsonl"
+    sentence = "the quick brown fox jumps over the lazy dog near the quiet river bank today"  # 15 words
+    short = "seven words are not enough to count"  # 7 words
+    exact_short = "eight words here are enough to count whole"  # 8 words
+    evals.write_text("\n".join(json.dumps({"q": t}) for t in (sentence, short, exact_short)) + "\n")
+    index = ngram_index(DecontaminateConfig(eval_sets=[str(evals)]).validate())
+    assert contamination("Intro. The QUICK brown fox, jumps over the lazy dog near the quiet river! Outro", index) == "eval"
+    assert contamination("the quick brown fox jumps over the lazy dog near the quiet", index) is None  # 12 words
+    assert contamination("say: eight words here are enough to count whole.", index) == "eval"
+    assert contamination("seven words are not enough to count", index) is None
+    with pytest.raises(ConfigError, match=r"decontaminate.ngram=5 must lie in \[8, 50\]"):
+        DecontaminateConfig(ngram=5).validate()
+    with pytest.raises(ConfigError, match="does not exist"):
+        DecontaminateConfig(eval_sets=[str(tmp_path / "nope.jsonl")]).validate()
+    (tmp_path / "tiny.jsonl").write_text('{"q": "5 + 6"}\n')
+    with pytest.raises(ConfigError, match="hold no text of 8 words or more"):
+        ngram_index(DecontaminateConfig(eval_sets=[str(tmp_path / "tiny.jsonl")]))
+
+
+def test_the_demo_and_the_default_pipeline_decontaminate():
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"stages=\[[^\]]*language_filter,decontaminate,train_tokenizer", makefile)
+    import yaml
+
+    assert yaml.safe_load((ROOT / "conf" / "data_pipeline.yaml").read_text())["stages"][-1] == "decontaminate"
+
+
+def test_training_never_reads_the_held_out_windows(tmp_path):
+    module = PretrainDataModule({"corpus_dir": str(ROOT / "data" / "corpus"), "cache_dir": str(tmp_path / "cache"),
+                                 "tokenizer_vocab_size": 1024, "seq_len": 64, "global_batch_size": 8,
+                                 "micro_batch_size": 8, "val_windows": 64})
+    module.prepare_data()
+    module.setup("fit")
+    held_out = set(range(module.train_windows, module.num_windows))
+    assert len(held_out) == 64
+    sampler = module.batch_sampler()
+    steps = 3 * module.train_windows // 8  # three passes over the training windows
+    seen = set()
+    for _, batch in zip(range(steps), sampler):
+        seen.update(batch)
+    assert seen == set(range(module.train_windows))  # every training window, and nothing else
+    validated = {i for batch in module.val_dataloader().batch_sampler for i in batch}
+    assert validated == held_out
