@@ -62,8 +62,10 @@ def stale_reason(cfg: DataConfig) -> str | None:
             return f"its tokenizer was trained with (vocab_size, max_bytes) = {trained}"
     if shards.get("tokenizer_sha256") != file_sha256(cache / TOKENIZER_DIR / TOKENIZER_FILE):
         return "its shards were encoded with another tokenizer"
-    if cfg.decontaminate != ("decontaminate" in (shards.get("stages") or [])):
-        return f"its corpus was{'' if cfg.decontaminate else ' not'} decontaminated, data.decontaminate={cfg.decontaminate}"
+    stages = shards.get("stages") or []
+    decontaminated = "decontaminate" in stages
+    if stages in OWN_STAGES and cfg.decontaminate != decontaminated:  # a hand-made run is used as it is
+        return f"its corpus was{'' if decontaminated else ' not'} decontaminated, data.decontaminate={cfg.decontaminate}"
     fim, packed = {"rate": cfg.fim_rate, "spm_rate": cfg.fim_spm_rate, "seed": cfg.seed}, shards.get("fim") or {}
     if (cfg.fim_rate or packed.get("rate")) and packed != fim:  # (without FIM the seed does not matter)
         return f"its shards were packed with fill-in-the-middle settings {packed or None}, not {fim}"
@@ -209,8 +211,12 @@ def prepare_cache(cfg: DataConfig) -> None:
     with FileLock(str(cache.parent / f".{cache.name}.lock")):
         reason = stale_reason(cfg)
         build = cache / BUILDS_DIR / settings_fingerprint(cfg)
-        if reason is None and not build.is_dir():
-            return  # a current cache without builds (built before them, or by hand)
+        if reason is None and not build.is_dir():  # a current cache without builds (built before them, or by hand)
+            stages = (_read_meta(cache / SHARDS_DIR) or {}).get("stages") or []
+            if cfg.decontaminate and "decontaminate" not in stages:
+                log.warning("data: %s was built by hand without the decontaminate stage (stages=%s): it may hold "
+                            "the evaluation tasks' texts", cache, stages)
+            return
         if reason is not None:
             stages = (_read_meta(cache / SHARDS_DIR) or {}).get("stages", OWN_STAGES[0])
             if stages not in OWN_STAGES:  # a pipeline run made by hand (dedup, filters): never redo it ours
