@@ -279,3 +279,58 @@ def test_a_port_where_no_ray_head_speaks_is_refused_within_the_timeout(tmp_path:
         listener.close()
     assert time.monotonic() - start < 30  # the bound, not a measurement: ray.init alone retried for minutes
     assert not (tmp_path / "out").exists() and not ray.is_initialized()
+
+
+def test_sigterm_ends_a_ray_run_waiting_for_its_head_within_seconds(tmp_path: Path) -> None:
+    """Before: waiting on an address that was no Ray head, the pipeline ignored SIGTERM (only
+    SIGKILL ended it). Now it waits in our own handshake, which a SIGTERM ends at once."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text('{"text": "x"}\n')
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    accepted: list = []
+    proc = None
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "data_pipeline", f"input.path={tmp_path / 'in'}", f"output_dir={tmp_path / 'out'}",
+             "executor=ray", f"executor.address={address}", "executor.connect_timeout_s=120", "stages=[normalize]"],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 60
+        # accepted connections are kept open: the client waits for the head's answer
+        while time.monotonic() < deadline and not accepted:  # until it is connected, waiting for the handshake
+            time.sleep(0.5)
+            if proc.poll() is not None:
+                break
+            accepted += _peer_connections(listener)
+        time.sleep(0.5)
+        assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        assert time.monotonic() - sent < 10  # a bound, not a measurement: before, it never ended
+        assert proc.returncode != 0
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        for connection in accepted:
+            connection.close()
+        listener.close()
+
+
+def _peer_connections(listener) -> list:
+    """Connections waiting on the listener (accepted here, so the client's handshake starts)."""
+    listener.setblocking(False)
+    try:
+        connection, _ = listener.accept()
+        return [connection]
+    except BlockingIOError:
+        return []
