@@ -253,13 +253,18 @@ def test_filters_are_configurable_and_rowwise_needs_only_multiples_of_16(no_cuda
         apply_fp8(model, "fp8_e4m3")
 
 
-def test_fp8_experts_match_fp32_experts_and_the_loop_backend(no_cuda):
+def four_experts() -> tuple[GroupedExperts, torch.Tensor, torch.Tensor]:
+    """4 random experts (256 -> 128) and tokens sorted by expert in groups of 100, 0, 37, 200."""
     torch.manual_seed(4)
     experts = GroupedExperts(4, 256, 128, backend="split")
     for w in (experts.w1, experts.w2, experts.w3):
         nn.init.normal_(w, std=0.05)
     counts = torch.tensor([100, 0, 37, 200])
-    x = torch.randn(int(counts.sum()), 256)
+    return experts, torch.randn(int(counts.sum()), 256), counts
+
+
+def test_fp8_experts_match_fp32_experts_and_the_loop_backend(no_cuda):
+    experts, x, counts = four_experts()
     ref = experts(x, counts)
     fp8 = Fp8GroupedExperts.convert(copy.deepcopy(experts), "fp8_blockwise")
     out = fp8(x, counts)

@@ -31,11 +31,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsl_lit.models import ModelConfig, build_model
-from dsl_lit.models.common.moe import GroupedExperts
 from dsl_lit.models.common.token_padding import align_token_groups, call_with_padded_tokens
 from dsl_lit.precision.fp8 import FP8_RECIPES, Fp8GroupedExperts, Fp8Linear, apply_fp8, fp8_linear
 from dsl_lit.precision.fp8_kernel_rules import check_gemm, check_token_groups
 from tests.numerics import assert_close_fp32
+from tests.test_fp8 import four_experts
 from tests.test_pretrain_e2e import losses, run_recipe
 
 
@@ -123,12 +123,7 @@ def test_align_token_groups_layout():
 
 @pytest.mark.parametrize("recipe", FP8_RECIPES)
 def test_fp8_experts_refuse_unaligned_groups_and_align_them_exactly(recipe):
-    torch.manual_seed(4)
-    experts = GroupedExperts(4, 256, 128, backend="split")
-    for w in (experts.w1, experts.w2, experts.w3):
-        nn.init.normal_(w, std=0.05)
-    counts = torch.tensor([100, 0, 37, 200])
-    x = torch.randn(int(counts.sum()), 256)
+    experts, x, counts = four_experts()
     unpadded = Fp8GroupedExperts.convert(copy.deepcopy(experts), recipe, pad_tokens=False)
     with pytest.raises(RuntimeError, match="Group sizes must be divisible by 16"):
         unpadded(x, counts)
@@ -146,16 +141,17 @@ def test_fp8_experts_refuse_unaligned_groups_and_align_them_exactly(recipe):
     assert_close_fp32(out, reference, 256)
 
 
-@pytest.mark.parametrize("preset", ["deepseek_v3_tiny", "deepseek_v2_tiny", "deepseek_llm_tiny"])
+PRESETS = [("deepseek_v3_tiny", "grouped_mm"), ("deepseek_v3_tiny", "split"), ("deepseek_v2_tiny", "grouped_mm"),
+           ("deepseek_v2_tiny", "split"), ("deepseek_llm_tiny", None)]  # (preset, expert backend: None, dense)
+
+
+@pytest.mark.parametrize("preset, expert_backend", PRESETS)
 @pytest.mark.parametrize("recipe", FP8_RECIPES)
-@pytest.mark.parametrize("expert_backend", ["grouped_mm", "split"])
 def test_every_preset_trains_on_odd_token_counts(preset, recipe, expert_backend):
     """Forward (with MTP where the preset has it) and backward on 3 x 45 tokens: unpadded, some
     GEMM or expert group breaks a kernel rule; padded, every rule holds and the gradients are finite."""
     cfg = ModelConfig.from_name(preset)
-    if preset == "deepseek_llm_tiny" and expert_backend == "split":
-        pytest.skip("a dense model has no routed experts")
-    if cfg.n_routed_experts:
+    if expert_backend is not None:
         cfg.expert_backend = expert_backend
     torch.manual_seed(0)
     model = build_model(cfg)
