@@ -127,3 +127,33 @@ def test_compiled_blocks_under_each_layout_match_one_eager_process(tmp_path, eag
     assert float(got[0]) == pytest.approx(float(eager_single[0]), rel=16 * EPS32 * math.sqrt(8192))
     for step in (1, 2):
         assert float(got[step]) == pytest.approx(float(eager_single[step]), rel=2e-3), (layout, step)
+
+
+def test_the_moe_block_compiles_without_graph_breaks():
+    """The MoE step as it runs on a GPU (bf16, grouped GEMM): every block is one graph. Before, the
+    router's ``torch.bincount`` (an output length that depends on the data: on CUDA a host sync per
+    MoE layer) and its recompute guard broke each MoE block into pieces (6 breaks in 2 steps here)."""
+    import torch._dynamo.utils as dynamo_utils
+
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_name("deepseek_v3_tiny", n_layers=2, mtp_depth=0, expert_backend="grouped_mm")
+    model = build_model(cfg).to(torch.bfloat16)
+    compile_blocks(model)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 32))
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(tokens)
+        logits.float().mean().backward()
+    assert sum(dynamo_utils.counters["graph_break"].values()) == 0, dict(dynamo_utils.counters["graph_break"])
+    router = model.layers["1"].feed_forward.gate
+    assert router.load.counts.sum() == 2 * 2 * 32 * cfg.n_activated_experts  # two steps' tokens, k each
+
+
+def test_expert_counts_equal_bincount():
+    from dsl_lit.models.common.moe import expert_counts
+
+    ids = torch.randint(0, 16, (1000,), generator=torch.Generator().manual_seed(0))
+    ids[ids == 3] = 4  # an expert nobody chose
+    assert torch.equal(expert_counts(ids, 16), torch.bincount(ids, minlength=16))

@@ -73,4 +73,7 @@ def apply_recompute(model: nn.Module, mode: str, blocks: list[int] | None = None
         chosen += [module.block for module in model.mtp.values()]
     for block in chosen:
         block.forward = _checkpointed(block.forward, block, mode)
+        for module in block.modules():  # routers count expert loads once, not again in backward
+            if hasattr(module, "recomputed"):
+                module.recomputed = True
     return len(chosen)

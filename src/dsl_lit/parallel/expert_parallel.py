@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.model import ModelConfig
-from dsl_lit.models.common.moe import MoE, grouped_swiglu
+from dsl_lit.models.common.moe import MoE, expert_counts, grouped_swiglu
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
@@ -106,7 +106,7 @@ def _all_to_all_dispatch(
     n_local = self.n_experts // ep
     flat_ids = indices.flatten()
     order = flat_ids.argsort(stable=True)
-    counts = torch.bincount(flat_ids, minlength=self.n_experts)
+    counts = expert_counts(flat_ids, self.n_experts)
     token_of = order // self.top_k
     # recv_counts[src, e]: copies rank src sends to this rank's local expert e
     recv_counts = torch.empty_like(counts)

@@ -88,12 +88,24 @@ class TopKRouter(nn.Module):
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         weights = weights * self.route_scale
-        # count once per token: not again when activation recompute re-runs this forward in backward
-        if self.training and torch._C._current_graph_task_id() == -1:
+        if self.training:
             with torch.no_grad():
                 chosen = indices if counted is None else indices[counted]
-                self.load.counts += torch.bincount(chosen.flatten(), minlength=self.n_experts).float()
+                counts = expert_counts(chosen.flatten(), self.n_experts).float()
+                if self.recomputed:
+                    self._count_outside_backward(counts)
+                else:
+                    self.load.counts += counts
         return scores, weights, indices
+
+    recomputed: bool = False
+    """Set by activation recompute (``memory.recompute``): this forward re-runs in backward, where
+    its tokens must not be counted again."""
+
+    @torch.compiler.disable  # the graph task id is no tensor: the compiler cannot trace it
+    def _count_outside_backward(self, counts: torch.Tensor) -> None:
+        if torch._C._current_graph_task_id() == -1:  # -1: not inside a backward pass
+            self.load.counts += counts
 
     @staticmethod
     def group_scores(grouped: torch.Tensor) -> torch.Tensor:
@@ -106,6 +118,13 @@ class TopKRouter(nn.Module):
         """``b += rate * sign(mean_load - load)``; ``load`` counts tokens over the whole step."""
         load = load.float()
         self.expert_bias += rate * torch.sign(load.mean() - load)
+
+
+def expert_counts(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """[n_experts] int64 tokens per expert of the flat expert ids ``ids``. Not ``torch.bincount``:
+    its output length depends on the data, which makes CUDA wait for the device (a host sync every
+    MoE layer) and ``torch.compile`` break the graph; a scatter-add into ``n_experts`` slots does neither."""
+    return torch.zeros(n_experts, dtype=torch.long, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
 
 
 def _grouped_mm_usable(x: torch.Tensor) -> bool:
@@ -268,7 +287,7 @@ class MoE(nn.Module):
         """Sort token copies by expert, run the experts, scale by the gate, scatter-add back."""
         flat_ids = indices.flatten()
         order = flat_ids.argsort(stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.n_experts)
+        counts = expert_counts(flat_ids, self.n_experts)
         token_of = order // self.top_k
         # index_select, not flat[token_of]: its backward is an index_add, ~20% faster on CPU
         expert_out = self.experts(flat.index_select(0, token_of), counts)
