@@ -37,10 +37,12 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.headline import headline
+from dsl_lit.config.optim import OptimConfig
 from dsl_lit.flops import training_flops_per_token
 from dsl_lit.hf.io import adapter_for_family
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.ops import cross_entropy
+from dsl_lit.optim import build_optimizer
 from dsl_lit.precision.fp8 import FP8_RECIPES, apply_fp8
 from dsl_lit.training.callbacks.compile import compile_blocks
 from dsl_lit.training.callbacks.throughput import spec_sheet_peak
@@ -126,7 +128,7 @@ def build_variant(name: str, cfg: ModelConfig, base: torch.nn.Module, device: to
 
 def make_step(model: torch.nn.Module, tokens: torch.Tensor, hf: bool) -> Callable[[], None]:
     device = tokens.device
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" or None)
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-4))  # as training builds it (fused where it applies)
 
     def step() -> None:
         with torch.autocast(device.type, dtype=torch.bfloat16):

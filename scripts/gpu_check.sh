@@ -27,6 +27,15 @@ if [ ! -x "$PY" ]; then
   export PYTHONPATH="/tmp/site:$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export WANDB_MODE=offline WANDB_SILENT=true TOKENIZERS_PARALLELISM=false
+if ! "$PY" -c "import datasets" 2>/dev/null; then
+  # no data pipeline here (datasets missing): the tests read the bundled data's build brought along
+  export DSL_LIT_CACHE_ROOT=${DSL_LIT_CACHE_ROOT:-$PWD/.cache}
+  if ! ls "$DSL_LIT_CACHE_ROOT"/bundled_corpus_v8192/shards/meta.json >/dev/null 2>&1; then
+    echo "scripts/gpu_check.sh: 'datasets' is not installed and $DSL_LIT_CACHE_ROOT/bundled_corpus_v8192 holds no build:" \
+         "run 'python recipes/pretrain.py trainer.max_steps=1 logger=csv' on a machine with it and bring .cache/ along" >&2
+    exit 2
+  fi
+fi
 
 "$PY" - <<'PYEOF' | tee "$OUT/device.txt"
 import torch
