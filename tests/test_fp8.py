@@ -17,7 +17,7 @@ from torch import nn
 
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.models.common.moe import GroupedExperts, MoE, TopKRouter
-from dsl_lit.precision import fp8 as fp8_module
+from dsl_lit.precision import fp8_reference as fp8_module
 from dsl_lit.precision.fp8 import (
     FP8_RECIPES,
     BlockwiseFp8Linear,

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from dsl_lit.config.errors import ConfigError
-from dsl_lit.precision.fp8 import E4M3, QuantSpec, dequantize_fp8, quantize_fp8
+from dsl_lit.precision.fp8_quantize import E4M3, QuantSpec, dequantize_fp8, quantize_fp8
 
 SCALE_SUFFIX = "_scale_inv"
 """``<weight name><SCALE_SUFFIX>`` holds the weight's per-block inverse scales."""

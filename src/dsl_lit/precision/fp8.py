@@ -1,5 +1,9 @@
 """FP8 training as a module swap applied to a built model from outside (the models stay plain PyTorch).
 
+Files: this one chooses the modules and the backend (``apply_fp8``); ``fp8_quantize`` quantises,
+``fp8_recipes`` says how each GEMM operand is scaled, ``fp8_reference`` is the pure-PyTorch path,
+``fp8_torchao`` the adapter to torchao's kernels, ``fp8_kernel_rules`` the kernels' shape rules.
+
 ``apply_fp8(model, recipe)`` swaps the eligible ``nn.Linear`` s (and, optionally, the routed experts
 of DeepSeekMoE) in place; parameter names, shapes and dtypes do not change, so checkpoints and the
 optimizer are unaffected: the FP8 copies are made on the fly in every forward and backward and
@@ -99,97 +103,39 @@ Linear's three GEMMs match a float64 emulation of the recipe to ~4e-7 and are ~3
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsl_lit.models.common.moe import GroupedExperts
-from dsl_lit.models.common.token_padding import call_with_padded_tokens
-from dsl_lit.precision.fp8_kernel_rules import (
-    GROUPED_MM_GROUP_MULTIPLE,
-    check_gemm,
-    check_token_groups,
-    token_multiple,
+from dsl_lit.precision.fp8_quantize import (  # noqa: F401 (the public names, importable from here)
+    AMAX_EPS,
+    E4M3,
+    E5M2,
+    FP8_MAX,
+    QuantSpec,
+    dequantize_fp8,
+    fake_quantize_fp8,
+    quantize_fp8,
+)
+from dsl_lit.precision.fp8_recipes import BLOCKWISE_TORCHAO_LIKE, FP8_RECIPES, RECIPES, Fp8Recipe  # noqa: F401
+from dsl_lit.precision.fp8_reference import (  # noqa: F401
+    BlockwiseFp8Linear,
+    Fp8GroupedExperts,
+    Fp8Linear,
+    fp8_linear,
+)
+from dsl_lit.precision.fp8_torchao import (  # noqa: F401
+    TokenPadding,
+    _torchao_experts,
+    _torchao_linears,
+    torchao_unavailable_reason,
 )
 
 log = logging.getLogger(__name__)
-
-E4M3 = torch.float8_e4m3fn
-E5M2 = torch.float8_e5m2
-FP8_MAX: dict[torch.dtype, float] = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}  # 448, 57344
-AMAX_EPS = 1e-12
-"""Floor of a tile's amax, so an all-zero tile gets a finite scale (its values stay 0)."""
-
-
-@dataclass(frozen=True)
-class QuantSpec:
-    """How one GEMM operand is quantised. The operand is seen as ``[rows, k]`` with ``k`` the
-    contraction dim; ``block = (rows, k)`` elements share one scale, ``0`` meaning the whole dim
-    (``(1, 128)``: 1x128 tiles; ``(128, 128)``: blocks; ``(1, 0)``: rowwise; ``(0, 0)``: tensorwise)."""
-
-    block: tuple[int, int]
-    dtype: torch.dtype = E4M3
-    pow2_scales: bool = False
-
-
-@dataclass(frozen=True)
-class Fp8Recipe:
-    """Quantisation of each operand of the three GEMMs of ``Y = X W^T``, each in ``[rows, k]`` layout:
-    fprop ``X [tokens, in]`` and ``W [out, in]``; dgrad ``dY [tokens, out]`` and ``W^T [in, out]``;
-    wgrad ``dY^T [out, tokens]`` and ``X^T [in, tokens]``."""
-
-    name: str
-    x: QuantSpec
-    w: QuantSpec
-    dy: QuantSpec
-    w_t: QuantSpec
-    dy_t: QuantSpec
-    x_t: QuantSpec
-    dim_multiple: int
-    """in/out features must be multiples of this (the GPU kernels' constraint)."""
-    cache_fp8_input: bool = False
-    """Save the fprop's FP8 copy of X for wgrad (DeepSeek-V3) instead of the high-precision X."""
-    allows_bias: bool = True
-
-
-_TENSOR, _ROW, _TILE, _BLOCK = (0, 0), (1, 0), (1, 128), (128, 128)
-
-RECIPES: dict[str, Fp8Recipe] = {
-    "fp8_tensorwise": Fp8Recipe(
-        "fp8_tensorwise",
-        x=QuantSpec(_TENSOR), w=QuantSpec(_TENSOR),
-        dy=QuantSpec(_TENSOR, E5M2), w_t=QuantSpec(_TENSOR),
-        dy_t=QuantSpec(_TENSOR, E5M2), x_t=QuantSpec(_TENSOR),
-        dim_multiple=16,
-    ),
-    "fp8_rowwise": Fp8Recipe(
-        "fp8_rowwise",
-        x=QuantSpec(_ROW, pow2_scales=True), w=QuantSpec(_ROW, pow2_scales=True),
-        dy=QuantSpec(_ROW, pow2_scales=True), w_t=QuantSpec(_ROW, pow2_scales=True),
-        dy_t=QuantSpec(_ROW, pow2_scales=True), x_t=QuantSpec(_ROW, pow2_scales=True),
-        dim_multiple=16,
-    ),
-    "fp8_blockwise": Fp8Recipe(
-        "fp8_blockwise",
-        x=QuantSpec(_TILE), w=QuantSpec(_BLOCK),
-        dy=QuantSpec(_TILE), w_t=QuantSpec(_BLOCK),
-        dy_t=QuantSpec(_TILE), x_t=QuantSpec(_TILE),  # i.e. 128x1 tiles of dY and X, over tokens
-        dim_multiple=128, cache_fp8_input=True, allows_bias=False,
-    ),
-}
-FP8_RECIPES: tuple[str, ...] = tuple(RECIPES)
-"""The recipe names ``apply_fp8`` accepts."""
-
-BLOCKWISE_TORCHAO_LIKE = dataclasses.replace(RECIPES["fp8_blockwise"], cache_fp8_input=False)
-"""``fp8_blockwise`` as torchao's kernel computes it: wgrad quantises the saved bf16 X to 128x1
-directly rather than re-quantising its FP8 1x128 copy."""
 
 DEFAULT_FP8_FILTER_FQNS: tuple[str, ...] = ("output", "gate", "tok_embeddings")
 """Modules kept in high precision by name (DeepSeek-V3 section 3.3.1; see the module docstring).
@@ -197,268 +143,6 @@ An entry matches a module whose dotted FQN contains it as whole components (``"o
 ``output``, not ``layers.0.output_proj``; ``"attention.wkv_b"`` works too)."""
 
 Backend = Literal["auto", "torchao", "reference"]
-
-
-# -- quantisation ------------------------------------------------------------------------------------
-
-
-def _tiles(t: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """2-D ``t`` in fp32 as a [row groups, br, col groups, bc] view, zero-padded to whole groups
-    (the zeros do not change any group's amax and are cropped afterwards)."""
-    rows, cols = t.shape
-    br, bc = block[0] or max(rows, 1), block[1] or max(cols, 1)
-    nr, nc = math.ceil(rows / br), math.ceil(cols / bc)
-    t32 = t.to(torch.float32)
-    if nr * br != rows or nc * bc != cols:
-        t32 = F.pad(t32, (0, nc * bc - cols, 0, nr * br - rows))
-    return t32.contiguous().view(nr, br, nc, bc)
-
-
-def _untile(tiles: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    nr, br, nc, bc = tiles.shape
-    return tiles.view(nr * br, nc * bc)[: shape[0], : shape[1]]
-
-
-def _quantize_tiles(tiles: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    nr, br, nc, bc = tiles.shape
-    fmax = FP8_MAX[spec.dtype]
-    # amax over dims (1, 3) of the 4-D view is a slow strided reduction on CPU; putting each
-    # tile's elements last first is ~100x faster (it copies only for multi-row tiles)
-    amax = tiles.permute(0, 2, 1, 3).reshape(nr, nc, br * bc).abs().amax(dim=-1)
-    # torchao's formula, so that both give the same bits: the multiplier fp8_max / amax is
-    # computed in float64 and rounded once to fp32, values are multiplied by it, and the
-    # dequantisation scale is its fp32 reciprocal. (Dividing by an fp32 amax / fp8_max instead
-    # changes ~2 FP8 values in 10^7, and the last bit of one scale in four.)
-    multiplier = (fmax / amax.double().clamp_min(AMAX_EPS)).float()
-    if spec.pow2_scales:  # rounded down: amax * multiplier stays <= fp8_max
-        multiplier = torch.exp2(torch.floor(torch.log2(multiplier)))
-    q = (tiles * multiplier[:, None, :, None]).clamp_(-fmax, fmax).to(spec.dtype)
-    return q, multiplier.reciprocal()
-
-
-def quantize_fp8(t: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """2-D ``t`` -> (FP8 values of ``t``'s shape, fp32 scales [ceil(rows/br), ceil(k/bk)]) with
-    ``t ~= q * scale``: per group, multiplier = fp32(fp8_max / float64(amax)) (rounded down to a
-    power of two if the spec asks), ``t * multiplier`` clamped to +-fp8_max and cast
-    (round-to-nearest-even), scale = fp32(1 / multiplier)."""
-    q, scale = _quantize_tiles(_tiles(t, spec.block), spec)
-    return _untile(q, t.shape), scale
-
-
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """Inverse of :func:`quantize_fp8`, in fp32."""
-    return _untile(_tiles(q, block) * scale[:, None, :, None], q.shape)
-
-
-def fake_quantize_fp8(t: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """``t`` as the FP8 GEMM sees it (quantised, then dequantised to fp32)."""
-    q, scale = _quantize_tiles(_tiles(t, spec.block), spec)
-    return _untile(q.to(torch.float32) * scale[:, None, :, None], t.shape)
-
-
-def _gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a [m, k] @ b [n, k]^T`` in fp32, both operands made row-major ([m, k] and [k, n]) first:
-    BLAS sums in an order that depends on the operands' layouts, and this is the layout torch's
-    CPU ``_scaled_mm`` multiplies in, so the reference gives torchao's bits on CPU."""
-    return a.contiguous() @ b.T.contiguous()
-
-
-def _fp8_gemm(a: torch.Tensor, spec_a: QuantSpec, b: torch.Tensor, spec_b: QuantSpec) -> torch.Tensor:
-    """``a [m, k] @ b[n, k]^T`` on FP8 operands with fp32 accumulation (exact products, fp32 sums)."""
-    return _gemm(fake_quantize_fp8(a, spec_a), fake_quantize_fp8(b, spec_b))
-
-
-def _check(recipe: Fp8Recipe, checks: bool, gemm: str, a: torch.Tensor, b: torch.Tensor) -> None:
-    """The GPU kernel's shape rule for this GEMM (:mod:`dsl_lit.precision.fp8_kernel_rules`)."""
-    if checks:
-        check_gemm(recipe.name, gemm, a.shape, b.shape)
-
-
-class _Fp8LinearFunction(torch.autograd.Function):
-    """``x @ weight^T`` with all three GEMMs on FP8 operands as the recipe says; ``x`` [..., in]."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, out_dtype: torch.dtype, checks: bool):
-        x2 = x.reshape(-1, x.shape[-1])
-        _check(recipe, checks, "fprop", x2, weight)
-        with torch.autocast(x.device.type, enabled=False):  # the fp32 GEMM must stay fp32
-            xq, x_scale = quantize_fp8(x2, recipe.x)
-            out = _gemm(dequantize_fp8(xq, x_scale, recipe.x.block), fake_quantize_fp8(weight, recipe.w))
-        if recipe.cache_fp8_input:
-            ctx.save_for_backward(xq, x_scale, weight)
-        else:
-            ctx.save_for_backward(x2, weight)
-        ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.checks = recipe, x.shape, x.dtype, checks
-        return out.to(out_dtype).view(*x.shape[:-1], weight.shape[0])
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        recipe: Fp8Recipe = ctx.recipe
-        *saved, weight = ctx.saved_tensors
-        dy = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_x = grad_w = None
-        with torch.autocast(dy.device.type, enabled=False):
-            if ctx.needs_input_grad[0]:
-                _check(recipe, ctx.checks, "dgrad", dy, weight.T)
-                grad_x = _fp8_gemm(dy, recipe.dy, weight.T, recipe.w_t).to(ctx.x_dtype).view(ctx.x_shape)
-            if ctx.needs_input_grad[1]:
-                x2 = dequantize_fp8(saved[0], saved[1], recipe.x.block) if recipe.cache_fp8_input else saved[0]
-                _check(recipe, ctx.checks, "wgrad", dy.T, x2.T)
-                grad_w = _fp8_gemm(dy.T, recipe.dy_t, x2.T, recipe.x_t).to(weight.dtype)
-        return grad_x, grad_w, None, None, None
-
-
-def _out_dtype(x: torch.Tensor) -> torch.dtype:
-    """What ``F.linear`` would return: the autocast dtype when autocast is on, else ``x``'s."""
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return x.dtype
-
-
-def fp8_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    recipe: Fp8Recipe | str,
-    bias: torch.Tensor | None = None,
-    *,
-    token_multiple: int = 1,
-    checks: bool = True,
-) -> torch.Tensor:
-    """``F.linear`` with FP8 fprop/dgrad/wgrad per ``recipe`` (the pure-PyTorch reference path).
-
-    ``checks``: refuse the shapes the GPU kernels refuse, with their messages
-    (:func:`~dsl_lit.precision.fp8_kernel_rules.check_gemm`); ``token_multiple``: first zero-pad
-    the tokens to a multiple of it (exact), which is how :class:`Fp8Linear` meets those rules."""
-    recipe = RECIPES[recipe] if isinstance(recipe, str) else recipe
-    out_dtype = _out_dtype(x)
-
-    def run(rows: torch.Tensor) -> torch.Tensor:
-        return _Fp8LinearFunction.apply(rows, weight, recipe, out_dtype, checks)
-
-    out = call_with_padded_tokens(run, x, token_multiple)
-    return out + bias.to(out.dtype) if bias is not None else out
-
-
-# -- modules -----------------------------------------------------------------------------------------
-
-
-class Fp8Linear(nn.Linear):
-    """``nn.Linear`` whose GEMMs run on FP8 copies (reference path); ``weight`` stays the
-    high-precision master parameter, so the state_dict is that of the ``nn.Linear``. Its tokens are
-    zero-padded to ``token_multiple`` (the GPU kernels' rule, which the reference enforces)."""
-
-    fp8_recipe: Fp8Recipe
-    token_multiple: int = 1
-
-    def __init__(self, *args, recipe: Fp8Recipe | str = "fp8_blockwise", pad_tokens: bool = True, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._set_recipe(recipe, pad_tokens)
-
-    def _set_recipe(self, recipe: Fp8Recipe | str, pad_tokens: bool) -> None:
-        self.fp8_recipe = RECIPES[recipe] if isinstance(recipe, str) else recipe
-        self.token_multiple = token_multiple(self.fp8_recipe.name) if pad_tokens else 1
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.fp8_recipe, self.bias, token_multiple=self.token_multiple)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, recipe={self.fp8_recipe.name}"
-
-    @classmethod
-    def convert(cls, linear: nn.Linear, recipe: Fp8Recipe | str, pad_tokens: bool = True) -> Fp8Linear:
-        """Turn ``linear`` into this class in place (same object, parameters, hooks)."""
-        linear.__class__ = cls
-        linear._set_recipe(recipe, pad_tokens)  # type: ignore[attr-defined]
-        return linear  # type: ignore[return-value]
-
-
-class BlockwiseFp8Linear(Fp8Linear):
-    """:class:`Fp8Linear` with DeepSeek-V3's blockwise recipe (1x128 activations, 128x128 weights)."""
-
-    def __init__(self, *args, recipe: Fp8Recipe | str = "fp8_blockwise", **kwargs) -> None:
-        super().__init__(*args, recipe=recipe, **kwargs)
-
-
-class TokenPadding(nn.Module):
-    """Mixed into torchao's FP8 Linears (:func:`_token_padded`): their kernels refuse token counts
-    that are not multiples of 16 (``_scaled_mm``) or 128 (blockwise), so tokens are zero-padded."""
-
-    token_multiple: int = 1
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return call_with_padded_tokens(super().forward, x, self.token_multiple)
-
-
-_padded_classes: dict[type, type] = {}
-
-
-def _token_padded(module: nn.Module, multiple: int) -> None:
-    """Give ``module`` (a torchao Linear) token padding by swapping its class in place: names,
-    parameters and hooks stay."""
-    base = type(module)
-    if base not in _padded_classes:
-        _padded_classes[base] = type(f"TokenPadded{base.__name__}", (TokenPadding, base), {})
-    module.__class__ = _padded_classes[base]
-    module.token_multiple = multiple
-
-
-_warned_sharded: set[str] = set()
-
-
-class Fp8GroupedExperts(GroupedExperts):
-    """Routed experts whose matmuls run through the FP8 reference path, one GEMM per expert on
-    its sorted tokens (the ``split`` backend's order); same parameters ``w1/w2/w3`` [E, out, in].
-    Each expert's weight is its own 128x128-block (or per-row / per-tensor) quantised matrix, and
-    its tokens form their own 128-token wgrad tiles, as in a grouped FP8 GEMM. Its token groups
-    obey the rule of torchao's FP8 grouped GEMM (multiples of 16, which ``token_group_multiple``
-    pads them to), not the per-Linear rules of the recipe: on a GPU the experts run there."""
-
-    fp8_recipe: Fp8Recipe
-
-    def __init__(self, *args, recipe: Fp8Recipe | str = "fp8_blockwise", pad_tokens: bool = True, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._set_recipe(recipe, pad_tokens)
-
-    def _set_recipe(self, recipe: Fp8Recipe | str, pad_tokens: bool) -> None:
-        self.fp8_recipe = RECIPES[recipe] if isinstance(recipe, str) else recipe
-        self.token_group_multiple = GROUPED_MM_GROUP_MULTIPLE if pad_tokens else 1
-
-    @torch.compiler.disable  # per-expert shapes are data: eager, as the split backend
-    def run_groups(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        outputs = []
-        for e, chunk in enumerate(x.split(counts.tolist())):
-            if chunk.shape[0]:
-                outputs.append(self.expert(chunk, e))
-        return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[-1])
-
-    def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
-        """Expert parallelism re-registers sharded (DTensor) weights and then bypasses ``forward``:
-        say so rather than silently losing FP8 for the routed experts."""
-        if param is not None and name in ("w1", "w2", "w3") and type(param.data) is not torch.Tensor:
-            recipe = getattr(self, "fp8_recipe", None)
-            if recipe is not None and recipe.name not in _warned_sharded:
-                _warned_sharded.add(recipe.name)
-                log.warning(
-                    "apply_fp8(%s): routed experts were sharded after apply_fp8 (expert parallelism); its "
-                    "dispatch bypasses Fp8GroupedExperts, so they run in high precision", recipe.name,
-                )
-        super().register_parameter(name, param)
-
-    def expert(self, h: torch.Tensor, e: int) -> torch.Tensor:
-        check_token_groups([h.shape[0]])
-        r = self.fp8_recipe
-
-        def linear(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            return fp8_linear(a, w[e], r, checks=False)  # the grouped GEMM's rule, checked above
-
-        return linear(F.silu(linear(h, self.w1)) * linear(h, self.w3), self.w2)
-
-    @classmethod
-    def convert(cls, experts: GroupedExperts, recipe: Fp8Recipe | str, pad_tokens: bool = True) -> Fp8GroupedExperts:
-        experts.__class__ = cls
-        experts._set_recipe(recipe, pad_tokens)  # type: ignore[attr-defined]
-        return experts  # type: ignore[return-value]
 
 
 # -- choosing and swapping ---------------------------------------------------------------------------
@@ -505,69 +189,6 @@ def _recipe(recipe: str) -> Fp8Recipe:
     if recipe not in RECIPES:
         raise ValueError(f"unknown FP8 recipe {recipe!r}; choose one of {FP8_RECIPES}")
     return RECIPES[recipe]
-
-
-def torchao_unavailable_reason(recipe: str, experts: bool = False, expert_backend: str = "grouped_mm") -> str | None:
-    """Why torchao's FP8 training cannot run ``recipe`` here (for Linears, or for routed experts run
-    by ``expert_backend``); ``None`` when it can. Without CUDA, torchao's tensorwise / rowwise
-    Linears still run (torch's CPU ``_scaled_mm``), and so do its experts under ``split`` / ``loop``
-    (one ``F.linear`` per expert); its blockwise and grouped FP8 kernels are Triton (CUDA only)."""
-    if torch.cuda.is_available():
-        need = (8, 9) if recipe == "fp8_tensorwise" and not experts else (9, 0)
-        capability = torch.cuda.get_device_capability()
-        if capability < need:
-            return f"needs a GPU of compute capability {need[0]}.{need[1]}+, found {capability[0]}.{capability[1]}"
-    elif experts and expert_backend == "grouped_mm":
-        return "its FP8 grouped GEMM is a Triton kernel and CUDA is not available (expert_backend=split or loop runs on CPU)"
-    elif recipe == "fp8_blockwise" and not experts:
-        return "its blockwise FP8 kernels are Triton kernels and CUDA is not available"
-    try:
-        if experts:  # the names used below; older torchao releases lack some of them
-            from torchao.prototype.moe_training.config import Float8TrainingOpConfig  # noqa: F401
-            from torchao.quantization import quantize_  # noqa: F401
-        elif recipe == "fp8_blockwise":
-            from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear  # noqa: F401
-        else:
-            from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: F401
-    except Exception as error:  # ImportError, or a torchao built against another torch
-        return (
-            f"torchao does not provide it ({type(error).__name__}: {error}); "
-            "pip install 'dsl-lit[fp8]' (torchao 0.18 has every path used here)"
-        )
-    return None
-
-
-def _set_submodule(model: nn.Module, fqn: str, module: nn.Module) -> None:
-    parent, _, name = fqn.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, name, module)
-
-
-def _torchao_linears(model: nn.Module, recipe: str, linears: list[tuple[str, nn.Linear]], pad_tokens: bool) -> None:
-    names = [fqn for fqn, _ in linears]
-    if recipe == "fp8_blockwise":
-        from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
-
-        for fqn, module in linears:
-            _set_submodule(model, fqn, Float8BlockwiseLinear.from_float(module))
-    else:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-        config = Float8LinearConfig.from_recipe_name(recipe.removeprefix("fp8_"))
-        convert_to_float8_training(model, config=config, module_filter_fn=lambda _module, fqn: fqn in set(names))
-    if pad_tokens:
-        for fqn in names:
-            _token_padded(model.get_submodule(fqn), token_multiple(recipe))
-
-
-def _torchao_experts(model: nn.Module, experts: list[tuple[str, GroupedExperts]], pad_tokens: bool) -> None:
-    from torchao.prototype.moe_training.config import Float8TrainingOpConfig
-    from torchao.quantization import quantize_
-
-    names = {fqn for fqn, _ in experts}
-    quantize_(model, Float8TrainingOpConfig(), filter_fn=lambda _module, fqn: fqn in names)
-    if pad_tokens:  # torchao 0.18's grouped GEMM does not pad token groups itself (it asserts)
-        for _, module in experts:
-            module.token_group_multiple = GROUPED_MM_GROUP_MULTIPLE
 
 
 def _choose(recipe: str, part: str, backend: Backend, experts: bool, expert_backend: str = "grouped_mm") -> bool:
