@@ -99,14 +99,16 @@ class PretrainDataModule(L.LightningDataModule):
 
     # -- serving ------------------------------------------------------------------------------
     def dp_coordinates(self) -> tuple[int, int]:
-        """(dp_rank, dp_size): the strategy's data-parallel coordinates when it defines them (TP and
-        PP ranks share data), else the trainer's global rank and world size, else (0, 1)."""
+        """(dp_rank, dp_size): those of the step runner the strategy hands the module
+        (``dsl_lit.parallel.step_runner``: tp and pp ranks share data), else the trainer's global
+        rank and world size, else (0, 1). (The data layer sits below ``parallel``: it reads the
+        runner through the strategy's ``step_runner`` attribute, the documented hook.)"""
         trainer = self.trainer
         if trainer is None:
             return 0, 1
-        strategy = trainer.strategy
-        if hasattr(strategy, "dp_rank") and hasattr(strategy, "dp_size"):
-            return int(strategy.dp_rank), int(strategy.dp_size)
+        runner = getattr(trainer.strategy, "step_runner", None)
+        if runner is not None:
+            return int(runner.dp_rank), int(runner.dp_size)
         return int(trainer.global_rank), int(trainer.world_size)
 
     def setup(self, stage: str | None = None) -> None:

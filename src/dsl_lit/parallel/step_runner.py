@@ -20,20 +20,26 @@ schedule owns the forwards and backwards). Both give one process's losses on the
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import loss_parallel
 
 from dsl_lit.config.optim import OptimConfig
-from dsl_lit.optim import build_optimizer
+from dsl_lit.config.parallel import ParallelLayout
+from dsl_lit.optim import build_optimizer, param_groups
+from dsl_lit.optim.adamw import adamw_arguments
 from dsl_lit.optim.clip import clip_grad_norm_
 from dsl_lit.parallel.context_parallel import ContextParallelKeys
+from dsl_lit.parallel.expert_parallel import expert_parameters
+from dsl_lit.parallel.full_state import full_state_dict
+from dsl_lit.parallel.grad_sync import OverlappedGradientReducer
+from dsl_lit.parallel.pipeline import PipelineRunner
 from dsl_lit.parallel.pipeline_inference import PipelinedInference
-
-if TYPE_CHECKING:
-    from dsl_lit.parallel.strategy import DeepSeekStrategy
+from dsl_lit.parallel.zero1 import ZeRO1AdamW
 
 Batch = dict[str, torch.Tensor]
 Metrics = dict[str, torch.Tensor]
@@ -105,6 +111,14 @@ class LocalStepRunner:
         """Ranks whose gradients are averaged (data-parallel replicas x context-parallel ranks)."""
         return self.dp_size
 
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        """The pipeline-parallel ranks (None: no pipeline stages)."""
+        return None
+
+    def teardown(self) -> None:
+        """Release what the runner set up for the step (hooks); nothing here."""
+
     def context_keys(self, seq_len: int, device: torch.device) -> ContextParallelKeys | None:
         """This rank's share of a forward over ``seq_len`` positions; None: it runs them all."""
         return None
@@ -162,54 +176,150 @@ class LocalStepRunner:
 
 
 class MeshStepRunner(LocalStepRunner):
-    """The step on :class:`~dsl_lit.parallel.strategy.DeepSeekStrategy`'s mesh without pipeline
-    stages: the vocab-parallel loss under tp, the overlapped dp reduction armed before the last
-    backward; everything layout-specific is the strategy's."""
+    """The step on a (pp, edp, ep, cp, tp) device mesh without pipeline stages, built from the
+    layout and the mesh: the vocab-parallel loss under tp, gradients reduced over dp (x cp) from
+    backward hooks armed before the last backward (reduce-scattered onto the optimizer's shards
+    under ZeRO-1), clipped by the global norm, and the optimizer itself. The Strategy keeps
+    Lightning's lifecycle and the sharding of the model; this owns the step."""
 
-    def __init__(self, strategy: DeepSeekStrategy) -> None:
-        super().__init__(strategy)
+    def __init__(self, layout: ParallelLayout, mesh: DeviceMesh | None, device: torch.device, rank: int = 0) -> None:
+        super().__init__(None)
+        self.layout = layout
+        self.mesh = mesh
+        self.device = device
+        self.rank = rank
+        """The global rank (the dp rank before a mesh exists)."""
+        self._reducers: list[OverlappedGradientReducer] | None = None
 
+    # -- coordinates and groups (the data module and callbacks ask these) --------------------------
     @property
     def shards_model(self) -> bool:  # type: ignore[override]
-        return self.strategy.shards_model
+        """Whether a rank holds less than the whole model (tensor, pipeline or expert parallel)."""
+        return self.layout.shards_model
 
     @property
     def dp_size(self) -> int:
-        return self.strategy.dp_size
+        return self.layout.dp
 
     @property
     def dp_rank(self) -> int:
-        return self.strategy.dp_rank
+        return self.mesh["dp"].get_local_rank() if self.mesh is not None else self.rank
 
     @property
     def replicas(self) -> int:
-        return self.strategy.replicas
+        """Ranks whose gradients are averaged (dp x cp): they hold the same weights and other tokens."""
+        return self.layout.replicas
+
+    @property
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """The (edp, ep, cp) ranks: the non-expert gradient reduction and every count a step
+        normalises by (targets, expert loads) run over them."""
+        return self.mesh["dp_cp"].get_group() if self.mesh is not None else None
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh["cp"].get_group() if self.mesh is not None and self.layout.cp > 1 else None
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh["pp"].get_group() if self.mesh is not None and self.layout.pp > 1 else None
 
     def context_keys(self, seq_len: int, device: torch.device) -> ContextParallelKeys | None:
-        return self.strategy.context_keys(seq_len, device)
+        """This rank's share of a forward over ``seq_len`` positions (None without context parallelism)."""
+        group = self.cp_group
+        return ContextParallelKeys(seq_len, group, device) if group is not None else None
 
-    def loss_context(self) -> contextlib.AbstractContextManager:
-        return self.strategy.loss_context()
+    def generation_group(self, same_calls_on_every_replica: bool = True) -> dist.ProcessGroup | None:
+        """The ranks that sample together from the sharded model itself, their forwards being
+        collectives: the tp group, or under expert parallelism every rank (ep ranks are
+        data-parallel ones, so every replica must generate as often as the others:
+        ``same_calls_on_every_replica``), or with pipeline stages alone the pp group (a step's stages
+        run one after the other, :mod:`dsl_lit.parallel.pipeline_inference`). None where sampling
+        needs a whole copy: context- or sequence-parallel shards split one forward over positions."""
+        layout = self.layout
+        if not layout.shards_model or layout.cp > 1 or layout.sequence_parallel:
+            return None
+        if layout.ep > 1:
+            return dist.group.WORLD if same_calls_on_every_replica else None
+        return self.mesh["tp"].get_group() if layout.tp > 1 else self.pp_group
 
-    def before_last_backward(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.strategy.before_last_backward(model, optimizer)
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The single-device state dict of the sharded ``model``, on every rank (collective)."""
+        return full_state_dict(model, self.pp_group) if self.shards_model else model.state_dict()
 
     def reduce_over_replicas(self, tensor: torch.Tensor, reduce_op: str = "sum") -> torch.Tensor:
-        return self.strategy.reduce_over_replicas(tensor, reduce_op)
+        """Reduce over the dp x cp ranks that see different tokens (tp ranks of a replica hold the
+        same value); in place, as Lightning's ``Strategy.reduce`` does."""
+        if self.layout.world_size == 1:
+            return tensor
+        group, average = self.replica_group, reduce_op.lower() in ("mean", "avg")
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if average else getattr(dist.ReduceOp, reduce_op.upper()),
+                        group=group)
+        if not average:
+            return tensor
+        size = dist.get_world_size(group)
+        return tensor.div_(size) if tensor.is_floating_point() else tensor.copy_(tensor // size)
+
+    # -- the step -------------------------------------------------------------------------------------
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """Around a step's forwards and backwards: vocab-parallel cross-entropy under tp."""
+        return loss_parallel() if self.layout.tp > 1 else contextlib.nullcontext()
 
     def build_optimizer(self, model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-        return self.strategy.build_optimizer(model, cfg)
+        """AdamW, or with ``parallel.zero1`` its dp-sharded form (same hyperparameters)."""
+        if not (self.layout.zero1 and self.replicas > 1):
+            return build_optimizer(model, cfg)
+        return ZeRO1AdamW(
+            param_groups(model, cfg.weight_decay), group=self.replica_group, norm_group=self.pp_group,
+            **adamw_arguments(cfg),
+        )
 
+    def _gradient_reducers(self, model: nn.Module) -> list[OverlappedGradientReducer]:
+        """Plain DP: one all-reduce over dp (x cp). With expert parallelism the routed experts (each
+        rank's own) reduce over the ranks holding the same experts, divided by the full dp x cp
+        size: their local gradient already sums the tokens of the whole ep group."""
+        if self._reducers is None:
+            experts = expert_parameters(model) if self.layout.ep > 1 else []
+            expert_ids = {id(p) for p in experts}
+            dense = [p for p in model.parameters() if p.requires_grad and id(p) not in expert_ids]
+            self._reducers = [OverlappedGradientReducer(dense, self.replica_group)]
+            if experts:  # (with ep = dp and cp = 1 that group is this rank alone: only the division remains)
+                self._reducers.append(
+                    OverlappedGradientReducer(experts, self.mesh["edp_cp"].get_group(), divisor=self.replicas)
+                )
+        return self._reducers
+
+    def before_last_backward(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """The module is about to run the step's last backward: arm the overlapped reduction
+        (all-reduce buckets for plain DP, reduce-scatter buckets for ZeRO-1)."""
+        if self.replicas == 1:
+            return
+        if isinstance(optimizer, ZeRO1AdamW):
+            optimizer.arm()
+            return
+        for reducer in self._gradient_reducers(model):
+            reducer.arm()
+
+    @torch.no_grad()
     def finish_gradients(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None, loss_scale: float = 1.0
     ) -> torch.Tensor:
-        return self.strategy.finish_gradients(model, optimizer, max_norm, loss_scale)
+        """Complete the step's gradient reduction over dp and clip by the global norm (unscaling
+        fp16 gradients in the same pass)."""
+        if isinstance(optimizer, ZeRO1AdamW):
+            return optimizer.reduce_gradients(max_norm, loss_scale)
+        if self.replicas > 1:
+            for reducer in self._gradient_reducers(model):
+                if not reducer.armed:  # no overlap was armed (pipeline): wait() reduces every bucket now
+                    reducer.arm()
+                reducer.wait()
+        return clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm, self.pp_group, loss_scale)
 
-    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return self.strategy.full_state_dict(model) if self.shards_model else model.state_dict()
-
-    def generation_group(self, same_calls_on_every_replica: bool = True) -> dist.ProcessGroup | None:
-        return self.strategy.generation_group(same_calls_on_every_replica)
+    def teardown(self) -> None:
+        """Remove the gradient hooks (the end of fit)."""
+        for reducer in self._reducers or []:
+            reducer.remove_hooks()
+        self._reducers = None
 
 
 class PipelineStepRunner(MeshStepRunner):
@@ -218,8 +328,10 @@ class PipelineStepRunner(MeshStepRunner):
     on its micro-batch's rows. Metrics are summed over stages (the loss from the last stage,
     balance losses from where their MoE layers are), the same on every pipeline rank."""
 
-    def __init__(self, strategy: DeepSeekStrategy) -> None:
-        super().__init__(strategy)
+    def __init__(self, layout: ParallelLayout, mesh: DeviceMesh | None, device: torch.device, rank: int = 0) -> None:
+        super().__init__(layout, mesh, device, rank)
+        self.pipeline: PipelineRunner | None = None
+        """This rank's stages and schedule, set once the strategy has cut the model."""
         self._metric_names: dict[str, list[str]] = {}
         self._module: StepModule | None = None
         self._batch: Batch | None = None
@@ -227,7 +339,7 @@ class PipelineStepRunner(MeshStepRunner):
         self._totals: Metrics = {}
 
     def run(self, module: StepModule, batch: Batch, normalizers: dict, backward: bool = True) -> Metrics:
-        pipeline = self.strategy.pipeline
+        pipeline = self.stages()
         rows = batch["input_ids"].shape[0]
         pipeline.build_schedule(rows // module.micro_batch_size, self._last_stage_loss)
         self._module, self._normalizers, self._batch, self._totals = module, normalizers, batch, {}
@@ -245,18 +357,23 @@ class PipelineStepRunner(MeshStepRunner):
         return self._sum_over_stages(totals, "train" if backward else "val")
 
     def inference_view(self, model: nn.Module) -> nn.Module | PipelinedInference:
-        pipeline = self.strategy.pipeline
+        pipeline = self.stages()
         if isinstance(model, PipelinedInference) or not pipeline.holds_stages_only(model):  # or a whole copy
             return model
-        return PipelinedInference(model, pipeline.stage_layers, pipeline.owner, self.strategy.pp_group)
+        return PipelinedInference(model, pipeline.stage_layers, pipeline.owner, self.pp_group)
+
+    def stages(self) -> PipelineRunner:
+        if self.pipeline is None:
+            raise RuntimeError("no pipeline: the model is not cut into stages yet")
+        return self.pipeline
 
     def _sum_over_stages(self, totals: Metrics, kind: str) -> Metrics:
-        group = self.strategy.pp_group
+        group = self.pp_group
         if kind not in self._metric_names:  # which metrics exist is agreed once per kind
-            names: list[Any] = [None] * self.strategy.layout.pp
+            names: list[Any] = [None] * self.layout.pp
             dist.all_gather_object(names, sorted(totals), group=group)
             self._metric_names[kind] = sorted(set().union(*names))
-        zero = torch.zeros((), device=self.strategy.root_device)
+        zero = torch.zeros((), device=self.device)
         values = torch.stack([totals.get(k, zero).float().reshape(()) for k in self._metric_names[kind]])
         dist.all_reduce(values, group=group)
         return dict(zip(self._metric_names[kind], values))

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from lightning.pytorch.loggers import WandbLogger
 
 from dsl_lit.models.common.moe import TopKRouter
+from dsl_lit.parallel.step_runner import step_runner_of
 
 
 def load_ratios(loads: torch.Tensor) -> torch.Tensor:
@@ -78,7 +79,7 @@ class ExpertLoadMonitor(L.Callback):
         self.every_n_steps = every_n_steps
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        group = getattr(trainer.strategy, "pp_group", None)  # None unless pipeline parallel
+        group = step_runner_of(trainer.strategy).pp_group  # None unless pipeline parallel
         names, loads, biases = all_stages(stage_loads(pl_module), group)
         if not names:
             return
