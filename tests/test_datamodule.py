@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -178,13 +179,12 @@ def test_lightning_checkpoint_resume_continues_the_stream(cfg: DataConfig, tmp_p
 
 
 class _DataParallelView(SingleDeviceStrategy):
-    """A one-process strategy that reports itself as rank 1 of 2 data-parallel ranks."""
+    """A one-process strategy whose step runner reports rank 1 of 2 data-parallel ranks."""
 
-    dp_rank = 1
-    dp_size = 2
+    step_runner = types.SimpleNamespace(dp_rank=1, dp_size=2)
 
 
-def test_dp_coordinates_come_from_the_strategy(cfg: DataConfig, tmp_path: Path) -> None:
+def test_dp_coordinates_come_from_the_step_runner(cfg: DataConfig, tmp_path: Path) -> None:
     dm1 = PretrainDataModule(cfg)
     assert dm1.dp_coordinates() == (0, 1)
     global_batch = first_batches(dm1, 1)[0]

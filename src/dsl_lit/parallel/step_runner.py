@@ -83,6 +83,9 @@ class StepModule(Protocol):
     def manual_backward(self, loss: torch.Tensor) -> None:
         """Lightning's backward (precision plugin hooks included)."""
 
+    def optimizers(self) -> Any:
+        """Lightning's optimizer wrapper (``.optimizer`` is the optimizer the runner built)."""
+
     def load_initial_weights(self, device: torch.device) -> None:
         """Read the starting weights into the model it left on the meta device (the strategy calls
         it after pruning and sharding the model, so each rank reads only its own tensors)."""
