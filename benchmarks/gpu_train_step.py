@@ -43,8 +43,8 @@ from dsl_lit.hf.io import adapter_for_family
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.ops import cross_entropy
 from dsl_lit.optim import build_optimizer
+from dsl_lit.parallel.model_transforms import compile_blocks
 from dsl_lit.precision.fp8 import FP8_RECIPES, apply_fp8
-from dsl_lit.training.callbacks.compile import compile_blocks
 from dsl_lit.training.callbacks.throughput import spec_sheet_peak
 
 VARIANTS = (

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dsl_lit.config.parallel import ParallelLayout
@@ -41,6 +42,7 @@ from dsl_lit.parallel.context_parallel import apply_context_parallel
 from dsl_lit.parallel.expert_parallel import apply_expert_parallel
 from dsl_lit.parallel.materialise import has_meta_tensors
 from dsl_lit.parallel.mesh import build_device_mesh
+from dsl_lit.parallel.model_transforms import transform_model
 from dsl_lit.parallel.pipeline import PipelineRunner
 from dsl_lit.parallel.step_runner import MeshStepRunner, PipelineStepRunner
 from dsl_lit.parallel.tensor_parallel import apply_tensor_parallel, place_gradients_like_parameters
@@ -73,10 +75,13 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
             super().model_to_device()
 
     def configure_ddp(self) -> None:
-        """Keep the module unwrapped; prune the model to this rank's pipeline stages, shard it over
-        the tp and ep mesh dimensions. A randomly initialised model starts from rank 0's weights
-        and buffers (broadcast first). A model the module left on the meta device (starting weights
-        from files) is cut down first and then allocated, each rank reading only its own tensors
+        """Keep the module unwrapped and transform its model in the one order of
+        :func:`~dsl_lit.parallel.model_transforms.transform_model`: FP8 and recompute as the module
+        asks, then this layout's steps (prune to this rank's pipeline stages, shard over the tp, ep
+        and cp mesh dimensions; a KL reference alike where sampling runs on the shards), then
+        compile. A randomly initialised model starts from rank 0's weights and buffers (broadcast
+        first). A model the module left on the meta device (starting weights from files) is cut
+        down first and then allocated, each rank reading only its own tensors
         (``module.load_initial_weights``): no rank ever holds the whole model."""
         module = self.lightning_module
         deferred = has_meta_tensors(module.model)
@@ -85,28 +90,34 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
                 for tensor in [*self.model.parameters(), *self.model.buffers()]:
                     dist.broadcast(tensor, src=0)
         runner = self.step_runner
-        pipeline = None
-        if self.layout.pp > 1:  # drop what this rank's stages do not hold, before sharding the rest
-            pipeline = PipelineRunner(
+        frozen = module.frozen_copies() if runner.generation_group() is not None else []
+
+        def pipeline() -> None:  # drop what this rank's stages do not hold, before sharding the rest
+            runner.pipeline = PipelineRunner(
                 module.model, module.model_config, runner.pp_group, self.layout.pp_schedule,
                 self.layout.pp_virtual_stages, self.root_device, with_mtp=module.trains_mtp, cp_group=runner.cp_group,
             )
-            runner.pipeline = pipeline
-        if self.layout.tp > 1:
+            for copy in frozen:
+                runner.pipeline.prune(copy)
+
+        def tensor() -> None:
             apply_tensor_parallel(module.model, module.model_config, self.mesh["tp"], self.layout.sequence_parallel,
                                   hook_gradients=not deferred)
-        if self.layout.ep > 1:
-            apply_expert_parallel(module.model, self.mesh["ep"])
-        if runner.generation_group() is not None:  # a KL reference: sharded like the policy, run on its shards
-            for frozen in module.frozen_copies():
-                if pipeline is not None:
-                    pipeline.prune(frozen)
-                if self.layout.tp > 1:
-                    apply_tensor_parallel(frozen, module.model_config, self.mesh["tp"], hook_gradients=False)
-                if self.layout.ep > 1:
-                    apply_expert_parallel(frozen, self.mesh["ep"])
-        if self.layout.cp > 1:
+            for copy in frozen:
+                apply_tensor_parallel(copy, module.model_config, self.mesh["tp"], hook_gradients=False)
+
+        def expert() -> None:
+            for model in (module.model, *frozen):
+                apply_expert_parallel(model, self.mesh["ep"])
+
+        def context() -> None:
             apply_context_parallel(module.model, runner.cp_group)
+
+        layout_steps = {name: step for name, step, degree in (
+            ("pipeline", pipeline, self.layout.pp), ("tensor", tensor, self.layout.tp),
+            ("expert", expert, self.layout.ep), ("context", context, self.layout.cp)) if degree > 1}
+        fitting = module.trainer is None or module.trainer.state.fn == TrainerFn.FITTING
+        transform_model(module.model, module.transform_plan, layout_steps, fitting)
         if deferred:
             module.load_initial_weights(self.root_device)
             if self.layout.tp > 1:

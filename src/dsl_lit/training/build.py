@@ -30,7 +30,6 @@ from dsl_lit.parallel.checkpointing import OneDeviceStrategy
 from dsl_lit.parallel.strategy import DeepSeekStrategy
 from dsl_lit.precision.auto import resolve_precision
 from dsl_lit.precision.plugin import AutocastPrecision
-from dsl_lit.training.callbacks.compile import CompileBlocks
 from dsl_lit.training.callbacks.downstream_eval import DownstreamEvaluation
 from dsl_lit.training.callbacks.ema import EMACallback
 from dsl_lit.training.callbacks.expert_load import ExpertLoadMonitor
@@ -60,7 +59,7 @@ def module_arguments(cfg: TrainConfig) -> dict[str, Any]:
         model_config=cfg.model, optim=cfg.optim, schedule=cfg.schedule, micro_batch_size=cfg.data.micro_batch_size,
         total_steps=cfg.schedule.total_steps or cfg.trainer.max_steps, objective=cfg.objective,
         precision=run_precision(cfg), memory=cfg.memory, max_bad_steps=cfg.trainer.max_bad_steps,
-        batch_schedule=cfg.data.batch_schedule,
+        batch_schedule=cfg.data.batch_schedule, compile=compiles(cfg),
     )
 
 
@@ -154,8 +153,6 @@ def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = N
         callbacks.append(TraceProfiler(cfg.profiler, cfg.run_dir))
     if cfg.memory.ema_decay:
         callbacks.append(EMACallback(cfg.memory.ema_decay, cfg.memory.ema_every_n_steps, cfg.memory.validate_with_ema))
-    if compiles(cfg):
-        callbacks.append(CompileBlocks())
     if cfg.trainer.progress_bar:
         callbacks.append(TQDMProgressBar(refresh_rate=1))
     ckpt = cfg.checkpoint

@@ -27,13 +27,12 @@ from dsl_lit.config.memory import MemoryConfig
 from dsl_lit.config.objective import ObjectiveConfig
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.config.precision import PrecisionConfig
-from dsl_lit.memory.recompute import apply_recompute
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.models.common.moe import TopKRouter
 from dsl_lit.optim import build_lr_scheduler
 from dsl_lit.parallel.materialise import local_target
+from dsl_lit.parallel.model_transforms import TransformPlan
 from dsl_lit.parallel.step_runner import LocalStepRunner, step_runner_of
-from dsl_lit.precision.fp8 import apply_fp8
 from dsl_lit.precision.loss_scaler import DynamicLossScaler
 from dsl_lit.precision.plugin import AutocastPrecision
 from dsl_lit.training.pretrained import StartingWeights
@@ -58,6 +57,7 @@ class CausalLMModule(L.LightningModule):
         max_bad_steps: int = 10,
         initial_state: dict[str, torch.Tensor] | StartingWeights | None = None,
         batch_schedule: BatchSchedule | None = None,
+        compile: bool = False,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -74,6 +74,8 @@ class CausalLMModule(L.LightningModule):
         """Starting weights (``init_from``): a state dict, or weights read where the model is set up
         (:class:`StartingWeights`); None: the model's random init. A resumed run's checkpoint
         overwrites them."""
+        self.compile_blocks = compile
+        """``trainer.compile`` resolved: the strategy compiles each block last (:attr:`transform_plan`)."""
         self.batch_schedule = batch_schedule
         """The run's global batch per step (a batch ramp): schedules counted in tokens follow it."""
         self.bad_steps_in_a_row = 0
@@ -101,9 +103,6 @@ class CausalLMModule(L.LightningModule):
         lazy = isinstance(self.initial_state, StartingWeights)
         with torch.device("meta") if lazy else contextlib.nullcontext():
             self.model = build_model(self.model_config)
-        if self.precision.fp8:
-            apply_fp8(self.model, self.precision.fp8)
-        apply_recompute(self.model, self.memory.recompute, self.memory.recompute_blocks)
         if not lazy:
             if self.initial_state is not None:
                 self.model.load_state_dict(self.initial_state, strict=True)
@@ -111,6 +110,14 @@ class CausalLMModule(L.LightningModule):
             self.on_initial_weights()
         elif self.whole_model_at_start or not self.runner.shards_model:
             self.load_initial_weights(torch.get_default_device())  # where the strategy builds models
+
+    @property
+    def transform_plan(self) -> TransformPlan:
+        """What the strategy applies to the built model besides its layout, in the one order of
+        :mod:`dsl_lit.parallel.model_transforms`: FP8, activation recompute, compile."""
+        blocks = self.memory.recompute_blocks
+        return TransformPlan(self.precision.fp8, self.memory.recompute, tuple(blocks) if blocks is not None else None,
+                             self.compile_blocks)
 
     def load_initial_weights(self, device: torch.device) -> None:
         """Read the starting weights into the model left on the meta device, on ``device``: the

@@ -1,0 +1,93 @@
+"""The one place a built model is changed from outside, in the order written once here.
+
+Why one ordered function (as torchtitan's model converters followed by its ``parallelize_fn``):
+each transform assumes the ones before it. FP8 swaps whole ``nn.Linear`` s and expert modules, so
+it comes before anything that wraps or shards their weights; activation recompute wraps a block's
+forward, so it must see the FP8 modules inside; the pipeline cut drops the blocks a rank does not
+own before tensor, expert and context parallelism shard what is left; ``torch.compile`` traces the
+final block, sharded and converted, so it comes last. Every transform keeps parameter names (FQNs),
+so checkpoints load under any of them.
+
+:func:`transform_model` applies :data:`TRANSFORM_ORDER`; the strategy that runs the model supplies
+the layout's steps (:class:`~dsl_lit.parallel.strategy.DeepSeekStrategy`: pipeline, tensor, expert,
+context; one device: none), the module its :class:`TransformPlan` (FP8 recipe, recompute, compile).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from torch import nn
+
+from dsl_lit.memory.recompute import apply_recompute
+from dsl_lit.precision.fp8 import apply_fp8
+
+log = logging.getLogger(__name__)
+
+TRANSFORM_ORDER = ("fp8", "recompute", "pipeline", "tensor", "expert", "context", "compile")
+"""The order of the transforms; ARCHITECTURE.md states it (a test compares the two)."""
+LAYOUT_STEPS = ("pipeline", "tensor", "expert", "context")
+"""The transforms a strategy supplies, from its layout and mesh."""
+
+
+@dataclass(frozen=True)
+class TransformPlan:
+    """What a module asks for besides the layout: an FP8 recipe (None: none), activation recompute
+    (``memory.recompute`` and its blocks) and per-block ``torch.compile``."""
+
+    fp8: str | None = None
+    recompute: str = "none"
+    recompute_blocks: tuple[int, ...] | None = None
+    compile: bool = False
+
+
+def compile_blocks(model: nn.Module) -> int:
+    """Compile each transformer block of ``model`` in place (``nn.Module.compile``: names and
+    checkpoint keys stay, no ``_orig_mod.``): the main layers and the MTP modules this rank holds.
+    Per block, as torchtitan does: the blocks are alike, so one graph serves them all (nn modules are
+    inlined, their parameters are graph inputs) and compile time does not grow with depth."""
+    blocks: list[nn.Module] = []
+    for name in ("layers", "mtp"):
+        container = getattr(model, name, None)
+        if isinstance(container, nn.ModuleDict):
+            blocks.extend(container.values())
+    for block in blocks:
+        block.compile()
+    return len(blocks)
+
+
+def transform_model(
+    model: nn.Module,
+    plan: TransformPlan,
+    layout_steps: Mapping[str, Callable[[], None]] | None = None,
+    fitting: bool = True,
+) -> list[str]:
+    """Apply ``plan`` and the strategy's ``layout_steps`` to ``model`` in :data:`TRANSFORM_ORDER`;
+    returns the names of the transforms applied. Once per model: a second call does nothing (a
+    block's forward must not be wrapped twice). ``fitting`` False (predict, validate): no compile
+    (sampling's changing shapes would recompile each step)."""
+    steps = dict(layout_steps or {})
+    unknown = sorted(set(steps) - set(LAYOUT_STEPS))
+    if unknown:
+        raise ValueError(f"layout steps {unknown} are not among {LAYOUT_STEPS}")
+    if getattr(model, "_dsl_lit_transformed", False):
+        return []
+    applied = []
+    for name in TRANSFORM_ORDER:
+        if name == "fp8" and plan.fp8:
+            apply_fp8(model, plan.fp8)
+        elif name == "recompute" and plan.recompute != "none":
+            blocks = list(plan.recompute_blocks) if plan.recompute_blocks is not None else None
+            apply_recompute(model, plan.recompute, blocks)
+        elif name in steps:
+            steps[name]()
+        elif name == "compile" and plan.compile and fitting:
+            n = compile_blocks(model)
+            log.info("trainer.compile: %d transformer blocks compiled (torch.compile, per block)", n)
+        else:
+            continue
+        applied.append(name)
+    model._dsl_lit_transformed = True
+    return applied

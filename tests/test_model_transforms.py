@@ -1,0 +1,51 @@
+"""``transform_model``: the one place a built model is changed, in the order ARCHITECTURE.md states
+(issue 35, item 2)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from dsl_lit.models import ModelConfig, build_model
+from dsl_lit.parallel.model_transforms import TRANSFORM_ORDER, TransformPlan, transform_model
+from dsl_lit.precision.fp8 import Fp8Linear
+from tests.conftest import ROOT
+
+
+def test_the_order_is_the_one_architecture_md_states():
+    line = re.search(r"^Order: (.+)$", (ROOT / "ARCHITECTURE.md").read_text(), re.MULTILINE)
+    assert line is not None
+    assert tuple(part.strip() for part in line.group(1).split("->")) == TRANSFORM_ORDER
+
+
+def test_transforms_run_in_order_once(monkeypatch):
+    torch.manual_seed(0)
+    model = build_model(ModelConfig.from_name("deepseek_v3_tiny"))
+    names = [n for n, _ in model.named_parameters()]
+    calls: list[str] = []
+    seen_fp8_when_recomputing = []
+    import dsl_lit.parallel.model_transforms as transforms
+
+    def recording_recompute(m, mode, blocks):  # recompute must see the FP8 modules
+        seen_fp8_when_recomputing.append(any(isinstance(x, Fp8Linear) for x in m.modules()))
+        calls.append("recompute")
+        return 0
+
+    monkeypatch.setattr(transforms, "apply_recompute", recording_recompute)
+    steps = {name: (lambda name=name: calls.append(name)) for name in ("context", "tensor", "pipeline", "expert")}
+    plan = TransformPlan(fp8="fp8_rowwise", recompute="selective", compile=False)
+    applied = transform_model(model, plan, steps)
+    assert applied == ["fp8", "recompute", "pipeline", "tensor", "expert", "context"]
+    assert calls == ["recompute", "pipeline", "tensor", "expert", "context"] and seen_fp8_when_recomputing == [True]
+    assert transform_model(model, plan, steps) == [] and len(calls) == 5  # once per model
+    assert [n for n, _ in model.named_parameters()] == names  # names (checkpoint keys) unchanged
+    with pytest.raises(ValueError, match="not among"):
+        transform_model(build_model(ModelConfig.from_name("deepseek_llm_tiny")), plan, {"data": lambda: None})
+
+
+def test_compile_only_when_fitting():
+    model = build_model(ModelConfig.from_name("deepseek_llm_tiny"))
+    assert transform_model(model, TransformPlan(compile=True), fitting=False) == []
+    assert "_compiled_call_impl" not in vars(model.layers["0"]) or model.layers["0"]._compiled_call_impl is None
