@@ -22,11 +22,12 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-import dsl_lit.training.build  # noqa: F401  (registers ${project_root:})
+from dsl_lit.config.resolvers import register_resolvers
 from dsl_lit.scaling.sweep import register_resolver, train_point
 from dsl_lit.training.runs import exits_on_config_error
 
 register_resolver()  # ${scaling_points:...}: the multirun's list of runs, before Hydra composes
+register_resolvers()  # ${project_root:}, which the sweep's configs read too
 
 
 @hydra.main(config_path="../conf", config_name="scaling_laws", version_base="1.3")

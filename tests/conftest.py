@@ -13,9 +13,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-import dsl_lit.training.build  # noqa: F401  (registers the ${project_root:} resolver)
+from dsl_lit.config.resolvers import register_resolvers
 
 ROOT = Path(__file__).resolve().parents[1]
+register_resolvers()  # ${project_root:} for the configs the tests compose
 CONF = ROOT / "conf"
 # Context-extension stages pack their data with the previous stage's tokenizer (the token ids its
 # weights were trained on), which a fresh checkout has not built yet: composition tests drop it.

@@ -8,7 +8,6 @@ import shlex
 import pytest
 from hydra import compose, initialize_config_dir
 
-import dsl_lit.training.build  # noqa: F401  (registers ${project_root:})
 from dsl_lit.config import TrainConfig
 from tests.conftest import ROOT, with_stage_inputs
 

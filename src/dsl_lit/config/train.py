@@ -25,6 +25,7 @@ from dsl_lit.config.parallel import ParallelConfig, ParallelLayout, check_contex
 from dsl_lit.config.posttrain import PostTrainConfig
 from dsl_lit.config.precision import PrecisionConfig
 from dsl_lit.config.profiler import ProfilerConfig
+from dsl_lit.config.resolvers import register_resolvers
 from dsl_lit.config.schema import dataclass_from_dict
 
 
@@ -149,6 +150,7 @@ class TrainConfig:
     def from_hydra(cls, cfg: DictConfig, run_dir: str = ".", post_training: bool = False) -> TrainConfig:
         """Parse and validate every group of ``cfg`` once; ``post_training`` also parses the
         post-training sections (``init_from``, ``tokenizer_dir``, ``task``, ``sft``, ...) into :attr:`post`."""
+        register_resolvers()
         raw = typing.cast(dict, OmegaConf.to_container(cfg, resolve=True))
         model_values = dict(raw.get("model") or {})
         if "name" not in model_values:

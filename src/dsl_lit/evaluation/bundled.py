@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from dsl_lit.config.posttrain import TaskConfig
+from dsl_lit.config.resolvers import PROJECT_ROOT
 from dsl_lit.data import arithmetic
 
-PROJECT_ROOT = Path(__file__).resolve().parents[3]
 CORPUS_DIR = PROJECT_ROOT / "data" / "corpus"
 BUNDLED_TASKS_DIR = PROJECT_ROOT / "data" / "eval_tasks"
 BUNDLED_TASKS = ("dsl_kjv_next_sentence", "dsl_devil_perplexity", "dsl_arithmetic")

@@ -17,7 +17,6 @@ import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from omegaconf import OmegaConf
 
 from dsl_lit.checkpoint.directory import DirectoryCheckpointIO, StepCheckpoint
 from dsl_lit.checkpoint.resume import resume_checkpoint
@@ -46,10 +45,6 @@ log = logging.getLogger(__name__)
 # Lightning warns that manual-optimization checkpoints hold post-step weights: that is what we want.
 warnings.filterwarnings("ignore", message=".*ModelCheckpoint with manual optimization.*")
 
-PROJECT_ROOT = Path(__file__).resolve().parents[3]
-if not OmegaConf.has_resolver("project_root"):
-    # ${project_root:} in YAML: where the bundled corpus and the data cache live, wherever you run from.
-    OmegaConf.register_new_resolver("project_root", lambda: str(PROJECT_ROOT))
 
 
 def module_arguments(cfg: TrainConfig) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import yaml
 from dsl_lit.checkpoint.resume import check_resume
 from dsl_lit.config import TrainConfig
 from dsl_lit.config.errors import ConfigError
+from dsl_lit.config.resolvers import register_resolvers
 from dsl_lit.data.tokenizer_dir import validate_tokenizer_dir
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -40,6 +41,7 @@ def exits_on_config_error(main: F) -> F:
 
     @functools.wraps(main)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        register_resolvers()  # before anything reads a ${project_root:} value
         try:
             if args:
                 check_environment(args[0])
