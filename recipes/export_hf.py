@@ -10,7 +10,7 @@ weights, the run's tokenizer files) loads with ``transformers.AutoModelForCausal
 and ``AutoTokenizer``, without ``trust_remote_code``: DeepSeek LLM as ``LlamaForCausalLM``, DeepSeek-V3
 as ``DeepseekV3ForCausalLM`` (with its MTP modules as the extra layers, as in the hub checkpoints) or,
 softmax-routed, ``DeepseekV2ForCausalLM``. The model is rebuilt from the checkpoint's ``config.yaml``
-(``dsl_lit.hf.export``); ``trainer_state.pt`` is opened (``weights_only=True``) only for ``weights=ema``.
+(``dsl_lit.checkpoint.export_hf``); ``trainer_state.pt`` is opened (``weights_only=True``) only for ``weights=ema``.
 Options and their defaults: ``conf/export_hf.yaml`` (``key=value`` as with Hydra, but parsed by
 :func:`parse_args`).
 """
@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError
 
 from dsl_lit.config.errors import ConfigError
-from dsl_lit.hf.export import export  # noqa: F401  (also this script's API: tests call export_hf.export)
+from dsl_lit.checkpoint.export_hf import export  # noqa: F401  (also this script's API: tests call export_hf.export)
 
 EXPORT_CONFIG = Path(__file__).resolve().parents[1] / "conf" / "export_hf.yaml"
 

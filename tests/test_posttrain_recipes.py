@@ -195,7 +195,7 @@ def test_distill_samples_on_two_processes_what_one_draws(sft_run, tmp_path):
 def test_rejection_sample_recipe_from_a_hugging_face_directory(sft_run, tmp_path):
     """recipes/rejection_sample.py with init_from=<an HF export of the SFT run>: the samples it
     keeps are exactly what the library draws from the same weights."""
-    from dsl_lit.hf.export import export
+    from dsl_lit.checkpoint.export_hf import export
 
     hf_dir = export(sft_run, tmp_path / "hf")
     run_dir = tmp_path / "rejection"
