@@ -115,7 +115,7 @@ def eager_single(tmp_path_factory):
 @pytest.mark.parametrize("layout", list(COMPILED_LAYOUTS))
 def test_compiled_blocks_under_each_layout_match_one_eager_process(tmp_path, eager_single, layout):
     """V3 tiny (MoE, MTP, bias balancing): compile applies after the pipeline cut and the expert /
-    context sharding (the strategy's configure_ddp runs before on_fit_start), and the layout's losses
+    context sharding (transform_model's order: compile last), and the layout's losses
     stay those of one eager process (step 0 within fp32 reordering across ranks and inductor's
     fusions; later steps within 2e-3, as tests/test_parallel_e2e.py holds every layout)."""
     run_dir = tmp_path / layout
