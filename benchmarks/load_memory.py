@@ -75,7 +75,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from dsl_lit.memory.host import peak_rss_bytes
 from dsl_lit.models import build_model
 from dsl_lit.parallel.expert_parallel import apply_expert_parallel
-from dsl_lit.parallel.materialise import local_target
+from dsl_lit.utils.materialise import local_target
 from dsl_lit.parallel.pipeline import prune_to_stages, split_layers
 from dsl_lit.training.pretrained import StartingWeights
 

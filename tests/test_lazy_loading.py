@@ -16,11 +16,11 @@ from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.hf import adapter_for_family, from_pretrained, save_pretrained
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.parallel.expert_parallel import apply_expert_parallel
-from dsl_lit.parallel.materialise import local_target
 from dsl_lit.parallel.pipeline import prune_to_stages, split_layers
 from dsl_lit.parallel.tensor_parallel import apply_tensor_parallel
 from dsl_lit.training import PretrainModule
 from dsl_lit.training.pretrained import StartingWeights
+from dsl_lit.utils.materialise import local_target
 from tests.ranks import spawn
 from tests.test_pretrain_e2e import losses, run_recipe
 

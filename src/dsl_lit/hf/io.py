@@ -37,14 +37,14 @@ from dsl_lit.hf.reader import (
 from dsl_lit.models import ModelConfig, Transformer, build_model, family_spec
 from dsl_lit.models.common.hf_adapter import TOKEN_ID_KEYS, HFAdapter, StateDict
 from dsl_lit.models.registry import hf_reader
-from dsl_lit.parallel.materialise import (
+from dsl_lit.utils.fs import follow_umask
+from dsl_lit.utils.materialise import (
     check_materialised,
     materialise,
     recompute_buffers,
     retie,
     tied_groups,
 )
-from dsl_lit.utils.fs import follow_umask
 
 GENERATION_CONFIG_NAME = "generation_config.json"
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")

@@ -40,13 +40,13 @@ from dsl_lit.config.parallel import ParallelLayout
 from dsl_lit.parallel.checkpointing import ShardedCheckpointing
 from dsl_lit.parallel.context_parallel import apply_context_parallel
 from dsl_lit.parallel.expert_parallel import apply_expert_parallel
-from dsl_lit.parallel.materialise import has_meta_tensors
 from dsl_lit.parallel.mesh import build_device_mesh
 from dsl_lit.parallel.model_transforms import transform_model
 from dsl_lit.parallel.pipeline import PipelineRunner
 from dsl_lit.parallel.step_runner import MeshStepRunner, PipelineStepRunner
 from dsl_lit.parallel.tensor_parallel import apply_tensor_parallel, place_gradients_like_parameters
 from dsl_lit.precision.auto import check_ranks_agree
+from dsl_lit.utils.materialise import has_meta_tensors
 
 
 class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):

@@ -30,12 +30,12 @@ from dsl_lit.config.precision import PrecisionConfig
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.models.common.moe import TopKRouter
 from dsl_lit.optim import build_lr_scheduler
-from dsl_lit.parallel.materialise import local_target
 from dsl_lit.parallel.model_transforms import TransformPlan
 from dsl_lit.parallel.step_runner import LocalStepRunner, step_runner_of
 from dsl_lit.precision.loss_scaler import DynamicLossScaler
 from dsl_lit.precision.plugin import AutocastPrecision
 from dsl_lit.training.pretrained import StartingWeights
+from dsl_lit.utils.materialise import local_target
 
 log = logging.getLogger(__name__)
 

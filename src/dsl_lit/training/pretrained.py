@@ -34,7 +34,7 @@ from dsl_lit.hf.reader import CONFIG_NAME, HFCheckpoint, check_state_dict
 from dsl_lit.memory.host import peak_rss_bytes
 from dsl_lit.models import ModelConfig, Transformer, build_model, spec_of
 from dsl_lit.models.common.hf_adapter import few
-from dsl_lit.parallel.materialise import local_target, materialise
+from dsl_lit.utils.materialise import local_target, materialise
 
 log = logging.getLogger(__name__)
 

@@ -26,18 +26,12 @@ import torch
 
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.model import ModelConfig
+from dsl_lit.utils.names import few  # noqa: F401 (importable from here too)
 
 StateDict = dict[str, torch.Tensor]
 
 # Token ids that HF keeps in config.json; we carry them in ModelConfig.extra so a round trip keeps them.
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
-
-
-def few(names: Iterable[str], limit: int = 5) -> str:
-    """``'a', 'b', ... (and 7 more)``: error messages list a few names, not thousands."""
-    names = sorted(names)
-    shown = ", ".join(repr(n) for n in names[:limit])
-    return shown + (f" ... (and {len(names) - limit} more)" if len(names) > limit else "")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from dsl_lit.models.common.hf_adapter import few
+from dsl_lit.utils.names import few
 
 Target = tuple[torch.Tensor, tuple[int, ...]]
 """A tensor to fill (a process's local shard) and the offset of its first element in the full tensor."""
