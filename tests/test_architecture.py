@@ -88,3 +88,22 @@ def test_config_reaches_models_only_through_its_one_inversion_point() -> None:
                 if module.startswith("dsl_lit") and not module.startswith("dsl_lit.config"):
                     found.append((path.relative_to(SRC).as_posix(), functions.get(id(node)), module))
     assert found == [("config/model.py", "_registry", "dsl_lit.models.registry")]
+
+
+def test_attention_kinds_answer_the_shape_questions():
+    """The planner and FLOPs ask the family's attention kind (``AttentionShape``), never branch on
+    which kind it is: both kinds answer every question, and no planner module reads
+    ``latent_attention``."""
+    import inspect
+
+    from dsl_lit.models.common.attention import GroupedQueryAttention
+    from dsl_lit.models.common.block import AttentionShape
+    from dsl_lit.models.common.mla import MultiHeadLatentAttention
+
+    questions = [name for name, _ in inspect.getmembers(AttentionShape, inspect.isfunction) if not name.startswith("_")]
+    assert len(questions) >= 7
+    for kind in (GroupedQueryAttention, MultiHeadLatentAttention):
+        missing = [q for q in questions if not isinstance(inspect.getattr_static(kind, q), staticmethod)]
+        assert not missing, (kind.__name__, missing)
+    planner = Path(__file__).resolve().parents[1] / "src" / "dsl_lit" / "scaling"
+    assert not [p.name for p in planner.rglob("*.py") if "latent_attention" in p.read_text(encoding="utf-8")]

@@ -147,6 +147,37 @@ class GroupedQueryAttention(nn.Module):
         """Per-head widths of q/k and of v (both ``head_dim``), for the attention FLOPs."""
         return cfg.head_dim, cfg.head_dim
 
+    # -- shape questions the cluster planner asks (``AttentionShape`` in models/common/block.py) ------
+    @staticmethod
+    def norm_params(cfg: ModelConfig) -> int:
+        """Norm weights inside the attention (none: its input norm belongs to the block)."""
+        return 0
+
+    @staticmethod
+    def up_projection_params(cfg: ModelConfig) -> float:
+        """Weights DeepSeek-V3's recipe recomputes in backward (MLA's up-projections): none here."""
+        return 0.0
+
+    @staticmethod
+    def activation_elements(cfg: ModelConfig, mode: str, h: float, d: float, tp: int) -> float:
+        """Elements per token the attention keeps for backward under ``mode`` (selective | none),
+        block input included; ``h`` heads and ``d`` residual width on this rank."""
+        hd, kv = cfg.head_dim, max(1.0, cfg.n_kv_heads / tp)
+        if mode == "selective":  # x; q, k, v projections; attention output; wo output
+            return 2 * d + h * hd + 2 * kv * hd + h * hd
+        # x, norm output, q and k after rotary, v, attention output, wo's contiguous input
+        return 2 * d + 3 * h * hd + 2 * kv * hd
+
+    @staticmethod
+    def recipe_kept_elements(cfg: ModelConfig, h: float, tp: int) -> tuple[float, float]:
+        """(kept, output) elements per token under DeepSeek-V3's recompute recipe: q, k, v kept."""
+        return (h + 2 * max(1.0, cfg.n_kv_heads / tp)) * cfg.head_dim, h * cfg.head_dim
+
+    @staticmethod
+    def fp8_cast_elements(cfg: ModelConfig, h: float, d: float, tp: int) -> tuple[float, float]:
+        """(distinct linear inputs cast to FP8, linear outputs whose gradient is cast) per token."""
+        return d + h * cfg.head_dim, (h + 2 * max(1.0, cfg.n_kv_heads / tp)) * cfg.head_dim + d
+
     def __init__(self, cfg: ModelConfig, layer_id: int = 0) -> None:
         super().__init__()
         self.layer_id = layer_id

@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass
 
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.flops import attention_params
+from dsl_lit.models import spec_of
+from dsl_lit.models.common.block import AttentionShape
 from dsl_lit.parallel.pipeline import split_layers, stages_of_rank
 from dsl_lit.scaling.planner.cluster import GIB, ClusterConfig
 from dsl_lit.scaling.planner.layout import V3_RECIPE, PlanLayout
@@ -56,12 +58,15 @@ class ParamCounts:
         return ParamCounts(self.dense + other.dense, self.experts + other.experts)
 
 
+def attention_of(cfg: ModelConfig) -> AttentionShape:
+    """The attention kind of ``cfg``'s family, which answers the shape questions below."""
+    return spec_of(cfg).composition.attention
+
+
 def block_params(cfg: ModelConfig, layer_id: int, layout: PlanLayout) -> ParamCounts:
     """One block's parameters on one GPU (``layer_id >= n_layers``: an MTP block)."""
     tp = layout.tp
-    norms = 2 * cfg.d_model
-    if cfg.latent_attention:
-        norms += cfg.kv_lora_rank + (cfg.q_lora_rank or 0)
+    norms = 2 * cfg.d_model + attention_of(cfg).norm_params(cfg)
     dense = attention_params(cfg) / tp + norms
     if cfg.is_moe_layer(layer_id):
         dense += cfg.d_model * cfg.n_routed_experts + 3 * cfg.d_model * cfg.moe_ffn_hidden * cfg.n_shared_experts / tp
@@ -126,21 +131,7 @@ def attention_activations(cfg: ModelConfig, mode: str, tp: int, sp: bool) -> flo
     h = cfg.n_heads / tp
     if mode == "full":
         return d
-    if not cfg.latent_attention:
-        hd, kv = cfg.head_dim, max(1.0, cfg.n_kv_heads / tp)
-        if mode == "selective":  # x; q, k, v projections; attention output; wo output
-            return 2 * d + h * hd + 2 * kv * hd + h * hd
-        # x, norm output, q and k after rotary, v, attention output, wo's contiguous input
-        return 2 * d + 3 * h * hd + 2 * kv * hd
-    qk, v, nope, rope = cfg.qk_head_dim, cfg.v_head_dim, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-    latent = cfg.kv_lora_rank + rope
-    if mode == "selective":  # x; wq_a, wq_b (or wq), wkv_a, wkv_b outputs; attention output; wo output
-        queries = (cfg.q_lora_rank or 0) + h * qk
-        return 2 * d + queries + latent + h * (nope + v) + h * v
-    # x, norm output; query path (+ its norm); latent, its norm; wkv_b output; q and k concatenated,
-    # v made contiguous, attention output, wo's contiguous input
-    queries = 2 * cfg.q_lora_rank + h * qk if cfg.q_lora_rank else h * qk
-    return 2 * d + queries + latent + cfg.kv_lora_rank + h * (nope + v) + 2 * h * qk + 3 * h * v
+    return attention_of(cfg).activation_elements(cfg, mode, h, d, tp)
 
 
 def ffn_activations(cfg: ModelConfig, layer_id: int, mode: str, layout: PlanLayout, dtype_bytes: int) -> float:
@@ -187,12 +178,7 @@ def deepseek_v3_activations(cfg: ModelConfig, layer_id: int, layout: PlanLayout)
     linear_in, attention_out = (FP8_TILE, E5M6_TILE) if fp8 else (act, act)
     d = cfg.d_model / (tp if sp else 1)
     h = cfg.n_heads / tp
-    if cfg.latent_attention:
-        latents = (cfg.q_lora_rank or 0) + cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        queries = 0.0 if cfg.q_lora_rank else h * cfg.qk_head_dim
-        kept, out = latents + queries, h * cfg.v_head_dim
-    else:
-        kept, out = (h + 2 * max(1.0, cfg.n_kv_heads / tp)) * cfg.head_dim, h * cfg.head_dim
+    kept, out = attention_of(cfg).recipe_kept_elements(cfg, h, tp)
     attention = (d + kept) * act + out * attention_out + h * FP32
     ffn = d * act
     if not cfg.is_moe_layer(layer_id):

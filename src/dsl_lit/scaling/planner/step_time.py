@@ -55,6 +55,7 @@ from dsl_lit.scaling.planner.layout import V3_RECIPE, PlanLayout
 from dsl_lit.scaling.planner.memory import (
     FP8_TILE,
     FP32,
+    attention_of,
     block_activations,
     compute_bytes,
     optimizer_shard,
@@ -109,18 +110,7 @@ def _fp8_cast_bytes(cfg: ModelConfig, layer_id: int, layout: PlanLayout) -> tupl
         return 0.0, 0.0
     tp, d = layout.tp, cfg.d_model
     h = cfg.n_heads / tp
-    if cfg.latent_attention:
-        latent_kv = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        up_kv = h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-        if cfg.q_lora_rank:
-            inputs = d + cfg.q_lora_rank + cfg.kv_lora_rank + h * cfg.v_head_dim
-            grads = cfg.q_lora_rank + h * cfg.qk_head_dim + latent_kv + up_kv + d
-        else:
-            inputs = d + cfg.kv_lora_rank + h * cfg.v_head_dim
-            grads = h * cfg.qk_head_dim + latent_kv + up_kv + d
-    else:
-        inputs = d + h * cfg.head_dim
-        grads = (h + 2 * max(1.0, cfg.n_kv_heads / tp)) * cfg.head_dim + d
+    inputs, grads = attention_of(cfg).fp8_cast_elements(cfg, h, d, tp)
     retiled = inputs
     if not cfg.is_moe_layer(layer_id):
         f = cfg.ffn_hidden / tp
@@ -136,16 +126,13 @@ def _fp8_cast_bytes(cfg: ModelConfig, layer_id: int, layout: PlanLayout) -> tupl
 
 
 def _up_projection_params(cfg: ModelConfig) -> float:
-    """MLA's up-projection weights (query and key/value), which ``deepseek_v3`` recomputes."""
-    if not cfg.latent_attention:
-        return 0.0
-    kv = cfg.kv_lora_rank * cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-    return kv + (cfg.q_lora_rank * cfg.n_heads * cfg.qk_head_dim if cfg.q_lora_rank else 0)
+    """The up-projection weights (MLA's query and key/value) that ``deepseek_v3`` recomputes."""
+    return attention_of(cfg).up_projection_params(cfg)
 
 
 def _block_attention_flops(cfg: ModelConfig, seq_len: int) -> float:
     """Forward FLOPs per token of scores and values, without causal halving (as ``dsl_lit.flops``)."""
-    qk, v = (cfg.qk_head_dim, cfg.v_head_dim) if cfg.latent_attention else (cfg.head_dim, cfg.head_dim)
+    qk, v = attention_of(cfg).score_dims(cfg)
     return 2.0 * cfg.n_heads * (qk + v) * seq_len
 
 
