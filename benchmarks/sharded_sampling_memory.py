@@ -34,11 +34,11 @@ from benchmarks.processes import free_port, reset_peak_rss, status_kib
 from dsl_lit.inference.generation import generate
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.parallel.full_state import full_state_dict
-from dsl_lit.utils.materialise import materialise
 from dsl_lit.parallel.pipeline import prune_to_stages, split_layers, stages_of_rank
 from dsl_lit.parallel.pipeline_inference import PipelinedInference
 from dsl_lit.parallel.tensor_parallel import apply_tensor_parallel
 from dsl_lit.posttrain.logps import token_logps
+from dsl_lit.utils.materialise import materialise
 
 
 def start_measuring() -> float:
