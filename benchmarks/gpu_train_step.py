@@ -216,17 +216,18 @@ def main() -> None:
         n_params = sum(p.numel() for p in base.parameters())
         tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device=device)
         wanted = variants if model_name == "dense" or args.moe_variants is None else args.moe_variants.split(",")
-        results[model_name] = {name: measure(name, cfg, base, tokens, args.repeats) for name in wanted}
         flops = training_flops_per_token(cfg, args.seq) * tokens_per_step
         print(f"\n{model_name}: {n_params / 1e9:.2f}B parameters ({cfg.family})")
         print(f"{'variant':<30}{'ms':>9}{'tokens/s':>11}{'MFU':>8}{'peak GiB':>10}{'first step s':>14}"
-              f"{'vs bf16 eager':>15}")
-        reference = results[model_name].get("ours bf16")
-        for name, r in results[model_name].items():
+              f"{'vs bf16 eager':>15}", flush=True)
+        results[model_name] = {}
+        for name in wanted:  # each row as soon as it is measured: a timeout keeps what was done
+            r = results[model_name][name] = measure(name, cfg, base, tokens, args.repeats)
+            reference = results[model_name].get("ours bf16")
             mfu = f"{flops / r.step_s / (peak_tflops * 1e12):.1%}" if peak_tflops else "-"
             ratio = f"{reference.step_s / r.step_s:.2f}x" if reference else "-"
             print(f"{name:<30}{r.step_s * 1e3:>9.1f}{tokens_per_step / r.step_s:>11.0f}{mfu:>8}"
-                  f"{r.peak_bytes / 2**30:>10.2f}{r.first_s:>14.1f}{ratio:>15}")
+                  f"{r.peak_bytes / 2**30:>10.2f}{r.first_s:>14.1f}{ratio:>15}", flush=True)
     report_headlines(results, args.seq, tokens_per_step, peak_tflops, args.smoke)
 
 

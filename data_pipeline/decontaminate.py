@@ -21,6 +21,7 @@ ones nothing (``"5 + 6"`` is not evidence of contamination).
 
 from __future__ import annotations
 
+import ast
 import dataclasses as dc
 import json
 import re
@@ -91,33 +92,69 @@ def _strings(value: Any) -> Iterator[str]:
             yield from _strings(item)
 
 
-def _field(template: Any, record: dict[str, Any]) -> Any:
+def _field(template: Any, record: dict[str, Any], origin: str) -> Any:
     """An lm-eval ``doc_to_*`` value over one record: a field name, or a ``{{field}}`` template
-    (rendered in Jinja's sandbox)."""
+    (rendered in the bounded sandbox of ``dsl_lit.data.chat_template``; a rendered list such as
+    ``"{{choices}}"`` is read back as one). A Python function (``!function``) gives None."""
     if not isinstance(template, str):
-        return template
+        return None if isinstance(template, _Function) else template
     if template in record:
         return record[template]
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from dsl_lit.data.chat_template import render_bounded
 
-    return ImmutableSandboxedEnvironment().from_string(template).render(**record)
+    text = render_bounded(template, origin, **record)
+    if text.startswith("[") and text.endswith("]"):
+        try:
+            return ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            return text
+    return text
+
+
+class _Function(str):
+    """An lm-eval ``!function module.name`` value: code we do not run (its texts are not indexed)."""
+
+
+class _TaskLoader(yaml.SafeLoader):
+    """YAML with lm-eval's ``!function`` tag read as a :class:`_Function` (never imported or run)."""
+
+
+_TaskLoader.add_constructor("!function", lambda loader, node: _Function(loader.construct_scalar(node)))
+
+
+def _task(yaml_path: Path, depth: int = 0) -> dict[str, Any]:
+    """A task YAML with its ``include:`` (a YAML beside it) merged under it, as lm-eval does."""
+    task = yaml.load(yaml_path.read_text(encoding="utf-8"), Loader=_TaskLoader)  # noqa: S506 (a SafeLoader)
+    if not isinstance(task, dict):
+        return {}
+    include = task.pop("include", None)
+    if isinstance(include, str) and depth < 8:
+        base = (yaml_path.parent / include).resolve()
+        if base.is_file():
+            return {**_task(base, depth + 1), **task}
+    return task
 
 
 def task_texts(yaml_path: Path) -> Iterator[str]:
     """What an lm-eval task shows the model and its gold answers, record by record."""
-    task = yaml.safe_load(yaml_path.read_text(encoding="utf-8"))
-    if not isinstance(task, dict) or "task" not in task:
+    task = _task(yaml_path)
+    if "task" not in task:
         return
     files = ((task.get("dataset_kwargs") or {}).get("data_files")) or {}
     names = files.values() if isinstance(files, dict) else [files]
+    origin = str(yaml_path)
     for name in [n for entry in names for n in ([entry] if isinstance(entry, str) else entry)]:
-        for record in _records((yaml_path.parent / name).resolve()):
+        path = (yaml_path.parent / name).resolve()
+        if not path.is_file():
+            raise ConfigError(f"decontaminate.eval_sets: {yaml_path} names data file {name}, which does not exist")
+        for record in _records(path):
             if task.get("doc_to_text") is not None:
-                yield from _strings(_field(task["doc_to_text"], record))
-            target = _field(task.get("doc_to_target"), record) if task.get("doc_to_target") is not None else None
-            choices = _field(task.get("doc_to_choice"), record) if task.get("doc_to_choice") is not None else None
+                yield from _strings(_field(task["doc_to_text"], record, origin))
+            target = _field(task.get("doc_to_target"), record, origin) if task.get("doc_to_target") is not None else None
+            choices = _field(task.get("doc_to_choice"), record, origin) if task.get("doc_to_choice") is not None else None
             if isinstance(choices, list) and isinstance(target, (int, str)) and str(target).isdigit():
-                target = choices[int(target)]
+                index = int(target)
+                target = choices[index] if 0 <= index < len(choices) else None
             yield from _strings(target)
 
 

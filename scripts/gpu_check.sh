@@ -58,6 +58,7 @@ echo "GPU tests: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu_tests.log"
 
 start=$(date +%s)
 timeout "${GPU_BENCH_TIMEOUT:-260}" "$PY" -m benchmarks.gpu_train_step \
+  --variants "ours bf16,ours bf16 compile,ours fp8_tensorwise compile,ours fp8_rowwise compile,ours fp8_blockwise,transformers bf16" \
   --moe-variants "ours bf16,ours bf16 compile,ours fp8_rowwise compile,transformers bf16" \
   2>&1 | tee "$OUT/gpu_train_step.log" || status=1
 echo "benchmark: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu_train_step.log"

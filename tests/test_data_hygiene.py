@@ -105,3 +105,20 @@ def test_training_never_reads_the_held_out_windows(tmp_path):
     assert seen == set(range(module.train_windows))  # every training window, and nothing else
     validated = {i for batch in module.val_dataloader().batch_sampler for i in batch}
     assert validated == held_out
+
+
+def test_lm_eval_task_yamls_as_written_in_the_wild(tmp_path):
+    """``!function`` tags (never run), ``include:`` of a base YAML, a rendered ``{{choices}}`` list
+    and an out-of-range gold index: read without error, the gold answer indexed, the rest not."""
+    rows = [{"q": "which river runs under the old stone bridge near the mill every spring",
+             "choices": ["the quiet river that floods the lower fields below the mill each year", "no"], "label": 0},
+            {"q": "short", "choices": ["a", "b"], "label": 7}]
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / "base.yaml").write_text("dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: rows.jsonl\n"
+                                        "doc_to_choice: '{{choices}}'\ndoc_to_target: label\n")
+    (tmp_path / "task.yaml").write_text("include: base.yaml\ntask: wild\ndoc_to_text: '{{q}}'\n"
+                                        "process_docs: !function utils.process_docs\n")
+    index = ngram_index(DecontaminateConfig(eval_sets=[str(tmp_path / "task.yaml")]).validate())
+    assert contamination("it said: the quiet river that floods the lower fields below the mill each year.", index) == "task"
+    assert contamination("which river runs under the old stone bridge near the mill every spring", index) == "task"
+    assert contamination("no", index) is None

@@ -194,3 +194,11 @@ def test_pretrain_recipe_trains_each_fp8_recipe_with_mtp(tmp_path, recipe):
     loss = [float(v) for _, v in sorted(losses(tmp_path).items())]
     assert len(loss) == 3 and all(math.isfinite(v) for v in loss)
     assert loss[2] < loss[0]
+
+
+def test_no_tokens_pass_through_padding():
+    """A batch (or an expert group) of zero tokens is padded to one group of zeros and cropped back
+    (torchao's kernels take no empty operand)."""
+    layer = Fp8Linear(512, 256, bias=False, recipe="fp8_rowwise")
+    out = layer(torch.zeros(0, 512))
+    assert out.shape == (0, 256)

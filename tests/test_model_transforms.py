@@ -49,3 +49,19 @@ def test_compile_only_when_fitting():
     model = build_model(ModelConfig.from_name("deepseek_llm_tiny"))
     assert transform_model(model, TransformPlan(compile=True), fitting=False) == []
     assert "_compiled_call_impl" not in vars(model.layers["0"]) or model.layers["0"]._compiled_call_impl is None
+
+
+def test_a_module_under_lightnings_own_strategy_transforms_itself():
+    """Under a strategy of Lightning's own (or no trainer), ``configure_model`` applies the plan:
+    FP8 and recompute are never silently skipped."""
+    from dsl_lit.config.memory import MemoryConfig
+    from dsl_lit.config.optim import OptimConfig, ScheduleConfig
+    from dsl_lit.config.precision import PrecisionConfig
+    from dsl_lit.training import PretrainModule
+
+    module = PretrainModule(ModelConfig.from_name("deepseek_llm_tiny"), OptimConfig(), ScheduleConfig(), 2,
+                            total_steps=2, precision=PrecisionConfig(name="bf16", fp8="fp8_rowwise").validate(),
+                            memory=MemoryConfig(recompute="selective").validate())
+    module.configure_model()
+    assert any(isinstance(m, Fp8Linear) for m in module.model.modules())
+    assert "forward" in vars(module.model.layers["0"])  # recompute wraps each block's forward

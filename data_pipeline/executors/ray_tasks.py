@@ -37,6 +37,7 @@ def _check_reachable(address: str, timeout: float) -> None:
     if address == "auto":
         return  # Ray finds the local cluster itself, and says so at once when there is none
     host, _, port = address.split("://")[-1].rpartition(":")
+    host = host.strip("[]")  # [::1]:6379
     try:
         connection = socket.create_connection((host, int(port)), timeout=min(timeout, _CONNECT_SECONDS))
     except (OSError, ValueError) as e:

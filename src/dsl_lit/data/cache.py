@@ -177,8 +177,17 @@ def settings_fingerprint(cfg: DataConfig) -> str:
 def build_dir(cfg: DataConfig) -> Path:
     """The directory holding ``cfg``'s tokenizer/ and shards/: its own build under ``builds/``
     once made, else ``cache_dir`` itself (a cache built before builds existed, or by hand)."""
-    build = Path(cfg.cache_dir) / BUILDS_DIR / settings_fingerprint(cfg)
-    return build if (build / SHARDS_DIR / META_FILE).is_file() else Path(cfg.cache_dir)
+    cache = Path(cfg.cache_dir)
+    if _holds_a_real_build(cache) and stale_reason(cfg) is None:  # a current run made by hand: used as it is
+        return cache
+    build = cache / BUILDS_DIR / settings_fingerprint(cfg)
+    return build if (build / SHARDS_DIR / META_FILE).is_file() else cache
+
+
+def _holds_a_real_build(cache: Path) -> bool:
+    """``cache/shards`` is a directory of its own (a run made by hand, or before builds), not a link."""
+    shards = cache / SHARDS_DIR
+    return shards.is_dir() and not shards.is_symlink()
 
 
 def _point_at(cache: Path, build: Path) -> None:
@@ -211,7 +220,7 @@ def prepare_cache(cfg: DataConfig) -> None:
     with FileLock(str(cache.parent / f".{cache.name}.lock")):
         reason = stale_reason(cfg)
         build = cache / BUILDS_DIR / settings_fingerprint(cfg)
-        if reason is None and not build.is_dir():  # a current cache without builds (built before them, or by hand)
+        if reason is None and (not build.is_dir() or _holds_a_real_build(cache)):  # current, built before builds or by hand
             stages = (_read_meta(cache / SHARDS_DIR) or {}).get("stages") or []
             if cfg.decontaminate and "decontaminate" not in stages:
                 log.warning("data: %s was built by hand without the decontaminate stage (stages=%s): it may hold "

@@ -20,7 +20,9 @@ follows it belongs to the assistant too (it is what makes the model stop).
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -28,9 +30,10 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import Environment, TemplateError
 from jinja2.exceptions import SecurityError
 from jinja2.ext import loopcontrols
+from jinja2.nodes import EvalContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from dsl_lit.config.errors import ConfigError
@@ -93,18 +96,20 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     (checked on every call, attribute and item access, and output chunk), ``range`` items,
     ``**`` and sequence ``*`` sizes (intercepted, so never folded at compile time either)."""
 
-    intercepted_binops = frozenset(["*", "**"])
+    intercepted_binops = frozenset(["*", "**", "+"])
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         _budget.check_time()
-        if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0 \
-                and abs(left) > 1 and right * abs(left).bit_length() > MAX_POWER_BITS:
+        ints = isinstance(left, int) and isinstance(right, int)
+        if operator == "**" and ints and right > 0 and abs(left) > 1 and right * abs(left).bit_length() > MAX_POWER_BITS:
             raise TemplateLimitError(f"{left} ** {right} would exceed {MAX_POWER_BITS} bits")
-        if operator == "*":
-            for seq, n in ((left, right), (right, left)):
-                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_RENDER_CHARS:
-                    raise TemplateLimitError(f"repeating a {type(seq).__name__} of {len(seq)} {n} times exceeds "
-                                             f"{MAX_RENDER_CHARS} items")
+        if operator == "*" and ints and abs(left).bit_length() + abs(right).bit_length() > MAX_POWER_BITS:
+            raise TemplateLimitError(f"a product of integers would exceed {MAX_POWER_BITS} bits")
+        if operator in ("*", "+"):
+            size = _result_size(operator, left, right)
+            if size > MAX_RENDER_CHARS:
+                raise TemplateLimitError(f"{type(left).__name__} {operator} {type(right).__name__} would hold {size} "
+                                         f"characters or items, more than {MAX_RENDER_CHARS}")
         return super().call_binop(context, operator, left, right)
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (Jinja's signature)
@@ -118,6 +123,68 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     def getitem(self, obj: Any, argument: Any) -> Any:
         _budget.check_time()
         return super().getitem(obj, argument)
+
+
+def _size(value: Any) -> int:
+    """Characters of a string; for a list or tuple, the characters of its strings (a list of huge
+    strings is small until joined)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, (list, tuple)):
+        return sum(len(v) if isinstance(v, str) else 1 for v in value)
+    return 0
+
+
+def _result_size(operator: str, left: Any, right: Any) -> int:
+    if operator == "+":
+        return _size(left) + _size(right)
+    for seq, n in ((left, right), (right, left)):
+        if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
+            return _size(seq) * max(n, 0)
+    return 0
+
+
+def _int(value: Any, default: int = 0) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _format_widths(spec: Any) -> int:
+    """The largest number written in a ``%``-format string (``'%1000000000d'`` pads that wide)."""
+    return max((int(n) for n in re.findall(r"\d+", spec)), default=0) if isinstance(spec, str) else 0
+
+
+_FILTER_SIZES: dict[str, Any] = {
+    # upper bounds of the result's length from the filter's arguments (value first)
+    "center": lambda v, width=80, *_: max(_size(v), _int(width)),
+    "format": lambda v, *args, **kw: _size(v) + _format_widths(v) + sum(len(str(a)) for a in (*args, *kw.values())),
+    "join": lambda v, d="", *_: _size(list(v) if isinstance(v, (list, tuple)) else v) + len(str(d)) * len(v),
+    "indent": lambda v, width=4, *_: _size(v) + (str(v).count("\n") + 1) * (
+        _int(width) if isinstance(width, int) else len(str(width))),
+    "replace": lambda v, old="", new="", *_: _size(v) + (_size(v) + 1) * len(str(new)),
+    "wordwrap": lambda v, *_: 2 * _size(v),
+}
+
+
+def _bounded_filter(name: str, filter_fn: Any) -> Any:
+    """Jinja's ``name`` filter, refusing a result longer than :data:`MAX_RENDER_CHARS` before it is
+    built (``center``, ``format``, ``join``, ``indent``, ``replace`` make a huge string in one call)."""
+    estimate = _FILTER_SIZES[name]
+
+    @functools.wraps(filter_fn)  # keeps jinja_pass_arg: Jinja passes the same first argument
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        _budget.check_time()
+        # join and replace take Jinja's eval context first, wordwrap its environment
+        first = 1 if args and isinstance(args[0], (EvalContext, Environment)) else 0
+        if len(args) > first and not isinstance(args[first], (str, list, tuple, dict)) and hasattr(args[first], "__iter__"):
+            args = (*args[:first], list(args[first]), *args[first + 1:])  # a generator (map, select): read once
+        values = args[first:]
+        size = estimate(*values, **kwargs) if values else 0
+        if size > MAX_RENDER_CHARS:
+            raise TemplateLimitError(f"the {name} filter would build up to {size} characters, more than "
+                                     f"{MAX_RENDER_CHARS}")
+        return filter_fn(*args, **kwargs)
+
+    return bounded
 
 
 def _bounded_range(*args: int) -> range:
@@ -136,7 +203,23 @@ def compile_template(source: str) -> Any:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["range"] = _bounded_range
+    for name in _FILTER_SIZES:
+        if name in env.filters:
+            env.filters[name] = _bounded_filter(name, env.filters[name])
     return env.from_string(source)
+
+
+def render_bounded(source: str, origin: str, **values: Any) -> str:
+    """``source`` rendered over ``values`` in the bounded sandbox (ConfigError naming ``origin``
+    when it breaks a bound or fails): for templates from files a user names."""
+    _budget.start()
+    try:
+        out = compile_template(source).render(**values)
+    except (TemplateError, RecursionError, MemoryError) as error:
+        raise ConfigError(f"{origin}: the template {source[:60]!r} failed: {type(error).__name__}: {error}") from None
+    if len(out) > MAX_RENDER_CHARS:
+        raise ConfigError(f"{origin}: the template {source[:60]!r} rendered more than {MAX_RENDER_CHARS} characters")
+    return out
 
 
 class ChatTemplate:
@@ -175,6 +258,8 @@ class ChatTemplate:
             raise ValueError(f"the chat template refused the conversation: {error}") from error
         except RecursionError:
             raise ConfigError(f"{self.origin}: the chat template recursed too deeply") from None
+        except MemoryError:
+            raise ConfigError(f"{self.origin}: the chat template ran out of memory rendering one conversation") from None
         return "".join(chunks)
 
     def assistant_spans(self, messages: Sequence[Message], text: str | None = None) -> list[Span]:

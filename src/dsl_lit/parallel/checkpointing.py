@@ -91,6 +91,8 @@ class OneDeviceStrategy(ShardedCheckpointing, SingleDeviceStrategy):
     multi-process strategy applies them with its layout's, before the optimizer is built."""
 
     strategy_name = "dsl_lit_single"
+    applies_model_transforms = True
+    """The module leaves FP8, recompute and compile to this strategy (:meth:`_setup_model`)."""
 
     def _setup_model(self, model: Any) -> Any:
         module = self.lightning_module

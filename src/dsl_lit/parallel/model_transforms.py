@@ -41,6 +41,9 @@ class TransformPlan:
     recompute: str = "none"
     recompute_blocks: tuple[int, ...] | None = None
     compile: bool = False
+    fp8_experts: bool = True
+    """Whether FP8 covers the routed experts: not under expert parallelism, whose all-to-all
+    dispatch runs the local experts' weights directly (the strategy turns it off there)."""
 
 
 def compile_blocks(model: nn.Module) -> int:
@@ -77,7 +80,9 @@ def transform_model(
     applied = []
     for name in TRANSFORM_ORDER:
         if name == "fp8" and plan.fp8:
-            apply_fp8(model, plan.fp8)
+            apply_fp8(model, plan.fp8, include_experts=plan.fp8_experts)
+            if not plan.fp8_experts:
+                log.warning("%s: the routed experts stay in high precision under expert parallelism", plan.fp8)
         elif name == "recompute" and plan.recompute != "none":
             blocks = list(plan.recompute_blocks) if plan.recompute_blocks is not None else None
             apply_recompute(model, plan.recompute, blocks)

@@ -28,6 +28,7 @@ under any other layout.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -51,6 +52,9 @@ from dsl_lit.utils.materialise import has_meta_tensors
 
 class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
     strategy_name = "dsl_lit"
+    applies_model_transforms = True
+    """The module leaves its model transforms to this strategy: with the layout's when fitting
+    (:meth:`configure_ddp`), alone otherwise (:meth:`setup`: Lightning shards nothing then)."""
 
     def __init__(self, layout: ParallelLayout, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -66,6 +70,12 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
         self.mesh = build_device_mesh(self.layout, self.root_device.type)
         self._runner = None  # built again on the mesh
         check_ranks_agree()
+
+    def setup(self, trainer: Any) -> None:
+        if trainer.state.fn != TrainerFn.FITTING:  # configure_ddp runs only when fitting
+            module = self.lightning_module
+            transform_model(module.model, module.transform_plan, fitting=False)
+        super().setup(trainer)
 
     # -- no DDP wrapper; tensor parallelism applied here -------------------------------------------
     def model_to_device(self) -> None:
@@ -117,7 +127,8 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
             ("pipeline", pipeline, self.layout.pp), ("tensor", tensor, self.layout.tp),
             ("expert", expert, self.layout.ep), ("context", context, self.layout.cp)) if degree > 1}
         fitting = module.trainer is None or module.trainer.state.fn == TrainerFn.FITTING
-        transform_model(module.model, module.transform_plan, layout_steps, fitting)
+        plan = dataclasses.replace(module.transform_plan, fp8_experts=self.layout.ep == 1)
+        transform_model(module.model, plan, layout_steps, fitting)
         if deferred:
             module.load_initial_weights(self.root_device)
             if self.layout.tp > 1:

@@ -20,6 +20,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from dsl_lit.config.data import BatchSchedule
@@ -30,7 +31,7 @@ from dsl_lit.config.precision import PrecisionConfig
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.models.common.moe import TopKRouter
 from dsl_lit.optim import build_lr_scheduler
-from dsl_lit.parallel.model_transforms import TransformPlan
+from dsl_lit.parallel.model_transforms import TransformPlan, transform_model
 from dsl_lit.parallel.step_runner import LocalStepRunner, step_runner_of
 from dsl_lit.precision.loss_scaler import DynamicLossScaler
 from dsl_lit.precision.plugin import AutocastPrecision
@@ -103,6 +104,11 @@ class CausalLMModule(L.LightningModule):
         lazy = isinstance(self.initial_state, StartingWeights)
         with torch.device("meta") if lazy else contextlib.nullcontext():
             self.model = build_model(self.model_config)
+        trainer = self._trainer
+        if not getattr(trainer.strategy if trainer is not None else None, "applies_model_transforms", False):
+            # a strategy of Lightning's own (or none): the transforms without a layout, here
+            fitting = trainer is None or trainer.state.fn == TrainerFn.FITTING
+            transform_model(self.model, self.transform_plan, fitting=fitting)
         if not lazy:
             if self.initial_state is not None:
                 self.model.load_state_dict(self.initial_state, strict=True)
@@ -317,16 +323,21 @@ class CausalLMModule(L.LightningModule):
         if not skipped:
             return
         step = self.trainer.global_step
-        what = self.non_finite_report(metrics)
-        if not self.loss_scaler.enabled:  # fp16's loss scaler skips overflowing steps by design
-            log.warning("step %d skipped: %s", step, what)
+        scaled = self.loss_scaler.enabled  # fp16's loss scaler skips overflowing steps by design
+        stop = bool(self.max_bad_steps) and self.bad_steps_in_a_row >= self.max_bad_steps
         last = self.trainer.max_steps > 0 and step + 1 >= self.trainer.max_steps
-        if self.max_bad_steps and self.bad_steps_in_a_row >= self.max_bad_steps:
+        all_skipped = last and self.steps_applied == 0 and not scaled
+        if scaled and not stop:
+            return  # (the report costs a pass over every gradient: only when it is said)
+        what = self.non_finite_report(metrics)
+        if not scaled:
+            log.warning("step %d skipped: %s", step, what)
+        if stop:
             raise FloatingPointError(
                 f"{self.bad_steps_in_a_row} optimizer steps in a row were skipped (step {step}: {what}); "
                 "stopping with the last good checkpoint intact"
             )
-        if last and self.steps_applied == 0:
+        if all_skipped:
             raise FloatingPointError(
                 f"every step of this run was skipped (last, step {step}: {what}); no checkpoint of it is written"
             )

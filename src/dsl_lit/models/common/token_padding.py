@@ -24,7 +24,7 @@ def call_with_padded_tokens(
     ``multiple`` rows; the padding is cropped from the output (``[..., out features]``)."""
     features = x.shape[-1]
     rows = x.numel() // features if features else 0
-    pad = -rows % multiple if multiple > 1 else 0
+    pad = (-rows % multiple or (multiple if rows == 0 else 0)) if multiple > 1 else 0  # no token: one group of zeros
     if pad == 0:
         return fn(x)
     out = fn(F.pad(x.reshape(rows, features), (0, 0, 0, pad)))
