@@ -72,9 +72,10 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
         check_ranks_agree()
 
     def setup(self, trainer: Any) -> None:
-        if trainer.state.fn != TrainerFn.FITTING:  # configure_ddp runs only when fitting
-            module = self.lightning_module
-            transform_model(module.model, module.transform_plan, fitting=False)
+        module = self.lightning_module
+        plan = getattr(module, "transform_plan", None)  # (a sampling-only module has none)
+        if trainer.state.fn != TrainerFn.FITTING and plan is not None:  # configure_ddp runs only when fitting
+            transform_model(module.model, plan, fitting=False)
         super().setup(trainer)
 
     # -- no DDP wrapper; tensor parallelism applied here -------------------------------------------
