@@ -410,3 +410,11 @@ def test_common_prefix_is_exact_across_block_boundaries():
         other = base[:cut] + "#" + base[cut + 1:]
         assert _common_prefix(base, other) == cut
     assert _common_prefix(base, base) == 20000 and _common_prefix(base, base[:777]) == 777
+
+
+def test_dpo_pairs_are_checked_for_targets_too(v3_dir, tmp_path):
+    from dsl_lit.posttrain.dpo.data import preference_rows, task_pairs
+
+    tokenizer = ChatTokenizer.from_dir(_with_template(v3_dir, tmp_path, USER_TURNS_ONLY))
+    with pytest.raises(ConfigError, match="dpo pairs: none of the 8 conversations has a target token"):
+        preference_rows(task_pairs(TaskConfig(num_problems=40), 4), tokenizer, seq_len=128)

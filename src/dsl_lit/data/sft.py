@@ -77,6 +77,23 @@ def packed_rows(docs: Sequence[tuple[list[int], list[int]]], seq_len: int, pad_i
     return out
 
 
+def check_targets(docs: Sequence[tuple[list[int], list[int]]], what: str) -> int:
+    """Log the target (trainable) tokens of ``docs``; a ConfigError when there are none (a chat
+    template that never shows the assistant's turns would train on nothing). Returns the count."""
+    targets = [sum(t != IGNORE for t in labels) for _, labels in docs]
+    log.info("%s: %d target (assistant) tokens in %d conversations", what, sum(targets), len(docs))
+    if not sum(targets):
+        raise ConfigError(
+            f"{what}: none of the {len(docs)} conversations has a target token: the chat template renders no "
+            "assistant turn (or data.seq_len cuts every conversation before it); check the template's assistant branch"
+        )
+    empty = sum(not t for t in targets)
+    if empty:
+        log.warning("%s: %d of %d conversations have no target token (their assistant turns are not rendered "
+                    "or were cut) and only add context", what, empty, len(docs))
+    return sum(targets)
+
+
 def sft_rows(
     conversations: Sequence[EncodedConversation], seq_len: int, pad_id: int, packing: bool, split: str = "train"
 ) -> dict[str, torch.Tensor]:
@@ -86,17 +103,7 @@ def sft_rows(
     cut = sum(len(c.ids) - 1 > seq_len for c in conversations)
     if cut:
         log.warning("sft: %d of %d conversations are longer than data.seq_len=%d and were cut", cut, len(docs), seq_len)
-    targets = [sum(t != IGNORE for t in labels) for _, labels in docs]
-    log.info("sft %s: %d target (assistant) tokens in %d conversations", split, sum(targets), len(docs))
-    if not sum(targets):
-        raise ConfigError(
-            f"sft {split}: none of the {len(docs)} conversations has a target token: the chat template renders no "
-            "assistant turn (or data.seq_len cuts every conversation before it); check the template's assistant branch"
-        )
-    empty = sum(not t for t in targets)
-    if empty:
-        log.warning("sft %s: %d of %d conversations have no target token (their assistant turns are not rendered "
-                    "or were cut) and only add context", split, empty, len(docs))
+    check_targets(docs, f"sft {split}")
     return packed_rows(docs, seq_len, pad_id) if packing else padded_rows(docs, seq_len, pad_id)
 
 

@@ -15,7 +15,7 @@ from dsl_lit.config.posttrain import TaskConfig
 from dsl_lit.data import arithmetic
 from dsl_lit.data.chat import ChatTokenizer, prompt_and_reply
 from dsl_lit.data.rows import Rows
-from dsl_lit.data.sft import document, padded_rows
+from dsl_lit.data.sft import check_targets, document, padded_rows
 
 
 def task_pairs(task: TaskConfig, num_pairs: int) -> list[dict]:
@@ -35,6 +35,7 @@ def preference_rows(pairs: list[dict], tokenizer: ChatTokenizer, seq_len: int) -
         document(tokenizer.encode_conversation(prompt_and_reply(pair["prompt"], pair[side])), seq_len)
         for pair in pairs for side in ("chosen", "rejected")
     ]
+    check_targets(docs, "dpo pairs")
     rows = padded_rows(docs, seq_len, tokenizer.pad_id)
     return {k: v.view(len(pairs), 2, seq_len) for k, v in rows.items()}
 
