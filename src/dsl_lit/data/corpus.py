@@ -14,6 +14,7 @@ modification time identify the files instead.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Sequence
@@ -37,6 +38,16 @@ def document_files(directory: Path) -> list[str]:
 
 
 def content_hash(path: Path) -> str:
+    """xxh3-128 of the file's bytes, read once per process for a file unchanged since (a build asks
+    for the corpus fingerprint several times: whether its cache is current, its settings'
+    fingerprint, the build's own check; each once read up to 4 GiB)."""
+    st = Path(path).stat()
+    return _hash_of(str(Path(path).resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+
+
+@functools.lru_cache(maxsize=4096)
+def _hash_of(path: str, size: int, mtime_ns: int, ctime_ns: int, inode: int) -> str:
+    """Keyed by what changes when the file is written (ctime moves even when mtime is set back)."""
     h = xxhash.xxh3_128()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(_BLOCK), b""):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from dsl_lit.precision.fp8_kernel_rules import BLOCK, SCALED_MM_MULTIPLE
 from dsl_lit.precision.fp8_quantize import E5M2, QuantSpec
 
 
@@ -36,21 +37,21 @@ RECIPES: dict[str, Fp8Recipe] = {
         x=QuantSpec(_TENSOR), w=QuantSpec(_TENSOR),
         dy=QuantSpec(_TENSOR, E5M2), w_t=QuantSpec(_TENSOR),
         dy_t=QuantSpec(_TENSOR, E5M2), x_t=QuantSpec(_TENSOR),
-        dim_multiple=16,
+        dim_multiple=SCALED_MM_MULTIPLE,
     ),
     "fp8_rowwise": Fp8Recipe(
         "fp8_rowwise",
         x=QuantSpec(_ROW, pow2_scales=True), w=QuantSpec(_ROW, pow2_scales=True),
         dy=QuantSpec(_ROW, pow2_scales=True), w_t=QuantSpec(_ROW, pow2_scales=True),
         dy_t=QuantSpec(_ROW, pow2_scales=True), x_t=QuantSpec(_ROW, pow2_scales=True),
-        dim_multiple=16,
+        dim_multiple=SCALED_MM_MULTIPLE,
     ),
     "fp8_blockwise": Fp8Recipe(
         "fp8_blockwise",
         x=QuantSpec(_TILE), w=QuantSpec(_BLOCK),
         dy=QuantSpec(_TILE), w_t=QuantSpec(_BLOCK),
         dy_t=QuantSpec(_TILE), x_t=QuantSpec(_TILE),  # i.e. 128x1 tiles of dY and X, over tokens
-        dim_multiple=128, cache_fp8_input=True, allows_bias=False,
+        dim_multiple=BLOCK, cache_fp8_input=True, allows_bias=False,
     ),
 }
 FP8_RECIPES: tuple[str, ...] = tuple(RECIPES)
