@@ -32,7 +32,7 @@ def main(hydra_cfg: DictConfig) -> None:
     cfg, post, tokenizer = setup.cfg, setup.post, setup.tokenizer
     L.seed_everything(cfg.trainer.seed, workers=True)
 
-    conversations = [tokenizer.encode_conversation(c) for c in load_conversations(post.sft.dataset, post.task)]
+    conversations = [tokenizer.encode_conversation(c) for c in load_conversations(post.sft.dataset, post.task, post.sft.shortcut_share)]
     rows = sft_rows(conversations, cfg.data.seq_len, tokenizer.pad_id, post.sft.packing)
     if post.sft.epochs:
         cfg.trainer.max_steps = max(1, math.ceil(post.sft.epochs * len(rows["input_ids"]) / cfg.data.global_batch_size))

@@ -71,12 +71,20 @@ class SFTConfig:
     """Pack conversations into rows with per-document positions and attention."""
     epochs: float | None = None
     """When set, trainer.max_steps is derived from it (passes over the data)."""
+    shortcut_share: float = 0.0
+    """With ``dataset: task``: this share of the replies answer by the task's shortcut rule, an
+    imperfect cold start that RL has room to improve (as GRPO's own cold start does)."""
 
     def validate(self) -> SFTConfig:
         if not self.dataset:
             raise ConfigError("sft.dataset is empty: use 'task' or a path to a .jsonl of conversations")
         if self.epochs is not None and self.epochs <= 0:
             raise ConfigError(f"sft.epochs={self.epochs} must be > 0 (or null to use trainer.max_steps)")
+        if not 0.0 <= self.shortcut_share <= 1.0:
+            raise ConfigError(f"sft.shortcut_share={self.shortcut_share} must be in [0, 1]")
+        if self.shortcut_share and self.dataset != "task":
+            raise ConfigError(f"sft.shortcut_share={self.shortcut_share} needs sft.dataset=task (the generated "
+                              f"task's replies), not {self.dataset!r}")
         return self
 
 

@@ -54,6 +54,7 @@ def write_conversations(path: str | Path, records: Iterable[Mapping[str, Any]]) 
     return count
 
 
-def load_conversations(dataset: str, task: TaskConfig) -> list[Conversation]:
-    """``dataset`` is ``task`` (generated) or a JSONL path."""
-    return task_conversations(task) if dataset == "task" else read_conversations(dataset)
+def load_conversations(dataset: str, task: TaskConfig, shortcut_share: float = 0.0) -> list[Conversation]:
+    """``dataset`` is ``task`` (generated, ``shortcut_share`` of its replies by the shortcut rule)
+    or a JSONL path."""
+    return task_conversations(task, shortcut_share) if dataset == "task" else read_conversations(dataset)
