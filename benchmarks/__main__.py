@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from benchmarks.headline import parse
+from dsl_lit.utils.machine import cpu_description
 
 ROOT = Path(__file__).resolve().parents[1]
 # module, arguments at the quick size (--full drops them: each script's own defaults)
@@ -29,20 +30,6 @@ BENCHMARKS: list[tuple[str, list[str]]] = [
     ("context_parallel_overhead", ["--seq", "512", "--repeats", "3"]),
     ("data_pipeline_speed", ["--repeats", "1", "--crawl-docs", "1000"]),
 ]
-
-
-def cpu_description() -> str:
-    model = "unknown CPU"
-    flags: set[str] = set()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name") and model == "unknown CPU":
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    native = sorted(flags & {"avx512_bf16", "amx_bf16"})
-    return f"{model}; native bf16: {', '.join(native) if native else 'no'}"
 
 
 def main() -> None:

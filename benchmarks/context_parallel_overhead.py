@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.__main__ import cpu_description
 from benchmarks.headline import headline
 from benchmarks.timing import interleaved_medians
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.ops import cross_entropy
 from dsl_lit.parallel.context_parallel import ContextParallelKeys, apply_context_parallel
+from dsl_lit.utils.machine import cpu_description
 
 
 def _step(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor, keys: ContextParallelKeys | None) -> None:

@@ -37,8 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.__main__ import cpu_description
 from benchmarks.headline import headline
+from dsl_lit.utils.machine import cpu_description
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "data" / "corpus"

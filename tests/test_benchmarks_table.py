@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from benchmarks.__main__ import BENCHMARKS, cpu_description
+from benchmarks.__main__ import BENCHMARKS
 from benchmarks.headline import headline, parse
+from dsl_lit.utils.machine import cpu_description
 
 
 def test_a_headline_reads_back(capsys):
