@@ -1,0 +1,82 @@
+"""Options of ``recipes/reproduce.py``: DeepSeek's method end to end, one stage after another.
+
+The stage names and what each stage feeds the next live in :mod:`dsl_lit.reproduce.stages`; a
+preset (``conf/reproduce/<name>.yaml``) gives the budget of the pretraining, per-stage Hydra
+overrides of the recipes (step counts, model sizes) and the measured seconds per stage that the
+progress line's estimate uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dsl_lit.config.errors import ConfigError
+
+STAGES = ("scaling", "data", "pretrain", "pretrain_no_mtp", "pretrain_no_bias", "yarn", "passkey", "cold_start",
+          "grpo", "rejection_sample", "sft_rs", "distill", "evaluate", "report")
+"""Every stage in the order it runs; ``needs`` in :mod:`dsl_lit.reproduce.stages` says which
+earlier stages each one reads."""
+
+
+@dataclass
+class ReproduceConfig:
+    name: str = "cpu_mini"
+    """The preset's name (``reproduce=<name>``); the run directory is ``outputs/reproduce/<run_name>``."""
+    stages: list[str] | None = None
+    """A subset to run (their inputs must be finished already); null: every stage not yet finished."""
+    pretrain_tokens: int = 400_000
+    """D of the pretraining budget C = M D: the fitted laws give its batch size and lr."""
+    seq_len: int = 128
+    batch_range: list[int] = field(default_factory=lambda: [8, 32])
+    """Clamp of the fitted global batch (sequences): a toy sweep's law extrapolates over decades."""
+    lr_range: list[float] = field(default_factory=lambda: [3e-4, 3e-3])
+    """Clamp of the fitted peak learning rate."""
+    micro_batch_size: int = 8
+    ramp_fraction: float = 0.25
+    """Share of the pretraining tokens under the batch ramp (DeepSeek-V3: 469B of 14.8T, 3%)."""
+    ramp_start_fraction: float = 0.25
+    """The ramp starts at this share of the batch (V3: 3072 of 15360, 20%)."""
+    passkey_lengths: list[int] = field(default_factory=lambda: [128, 256, 512])
+    eval_limit: int | None = None
+    """Documents per lm-eval task (null: all)."""
+    device: str = "cpu"
+    overrides: dict[str, list[str]] = field(default_factory=dict)
+    """Hydra overrides per stage, e.g. ``{pretrain: [trainer.max_steps=100]}``, applied after the
+    wiring (init_from, data dirs, fitted lr and batch), so a preset can change anything."""
+    estimates_s: dict[str, float] = field(default_factory=dict)
+    """Measured seconds per stage, for the progress line's estimate of the time left."""
+
+    def validate(self) -> ReproduceConfig:
+        for key, names in (("stages", self.stages or []), ("overrides", self.overrides),
+                           ("estimates_s", self.estimates_s)):
+            unknown = [n for n in names if n not in STAGES]
+            if unknown:
+                raise ConfigError(f"reproduce.{key} names an unknown stage {unknown[0]!r}; stages are {list(STAGES)}")
+        if self.stages is not None and not self.stages:
+            raise ConfigError("reproduce.stages=[] runs nothing; name stages or use null for all")
+        for stage, values in self.overrides.items():
+            if not isinstance(values, list) or not all(isinstance(v, str) and "=" in v for v in values):
+                raise ConfigError(f"reproduce.overrides.{stage} must be a list of Hydra overrides key=value, got {values!r}")
+        if self.pretrain_tokens < self.seq_len:
+            raise ConfigError(f"reproduce.pretrain_tokens={self.pretrain_tokens} is less than one sequence "
+                              f"(reproduce.seq_len={self.seq_len})")
+        low, high = self._range("batch_range", self.batch_range)
+        if low < self.micro_batch_size or low % self.micro_batch_size or high % self.micro_batch_size:
+            raise ConfigError(f"reproduce.batch_range={self.batch_range} must be multiples of "
+                              f"reproduce.micro_batch_size={self.micro_batch_size}")
+        if self._range("lr_range", self.lr_range)[0] <= 0:
+            raise ConfigError(f"reproduce.lr_range={self.lr_range} must be positive")
+        for key in ("ramp_fraction", "ramp_start_fraction"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ConfigError(f"reproduce.{key}={getattr(self, key)} must be in [0, 1)")
+        if not self.passkey_lengths or min(self.passkey_lengths) < 48:
+            raise ConfigError(f"reproduce.passkey_lengths={self.passkey_lengths} must be lengths of at least 48 tokens")
+        if self.eval_limit is not None and self.eval_limit < 1:
+            raise ConfigError(f"reproduce.eval_limit={self.eval_limit} must be >= 1 or null")
+        return self
+
+    @staticmethod
+    def _range(key: str, values: list) -> tuple:
+        if len(values) != 2 or values[0] > values[1]:
+            raise ConfigError(f"reproduce.{key}={values} must be [low, high] with low <= high")
+        return values[0], values[1]

@@ -1,0 +1,111 @@
+"""The papers' statements a reproduction can check, each beside what this run measured.
+
+A claim reads the finished stages' results (their completion markers) and says "reproduced",
+"not reproduced at this scale" or "not measured" (a stage that did not run). The comparisons are
+the papers' own (with vs without MTP at equal steps, with vs without the bias update, before vs
+after a stage); the thresholds are written in each claim's text, so a reader can disagree with one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+REPRODUCED, NOT_REPRODUCED, NOT_MEASURED = "reproduced", "not reproduced at this scale", "not measured"
+Results = dict[str, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Claim:
+    statement: str
+    source: str
+    check: Callable[[Results], tuple[str, bool]]
+    """From the stages' results: (what was measured, whether it agrees with the statement)."""
+
+    def verdict(self, results: Results) -> tuple[str, str]:
+        try:
+            measured, agrees = self.check(results)
+        except (KeyError, TypeError, ZeroDivisionError):  # a stage it reads did not run or logged nothing
+            return "-", NOT_MEASURED
+        return measured, REPRODUCED if agrees else NOT_REPRODUCED
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.3g}"
+
+
+def _scaling_exponents(r: Results) -> tuple[str, bool]:
+    laws = r["scaling"]["results"]["laws"]["hparams"]
+    b, lr = laws["batch_tokens"]["exponent"], laws["lr"]["exponent"]
+    return f"B_opt ~ C^{_fmt(b)}, lr_opt ~ C^{_fmt(lr)} (paper: C^0.327, C^-0.125)", b > 0 and lr < 0
+
+
+def _allocation(r: Results) -> tuple[str, bool]:
+    m = r["scaling"]["results"]["laws"]["allocation"]["model_scale"]["exponent"]
+    return f"M_opt ~ C^{_fmt(m)} (paper: C^0.524)", m > 0
+
+
+def _mtp(r: Results) -> tuple[str, bool]:
+    with_mtp, without = r["pretrain"]["results"]["val_loss"], r["pretrain_no_mtp"]["results"]["val_loss"]
+    return f"validation loss {_fmt(with_mtp)} with MTP, {_fmt(without)} without, same steps and data", with_mtp < without
+
+
+def _bias(r: Results) -> tuple[str, bool]:
+    with_bias = r["pretrain"]["results"]["load_max_over_mean"]
+    without = r["pretrain_no_bias"]["results"]["load_max_over_mean"]
+    return (f"expert load max/mean {_fmt(with_bias)} with the bias update, {_fmt(without)} without "
+            "(last 20% of steps; 1.0 is perfect)", with_bias < without)
+
+
+def _bias_loss(r: Results) -> tuple[str, bool]:
+    with_bias, without = r["pretrain"]["results"]["val_loss"], r["pretrain_no_bias"]["results"]["val_loss"]
+    return f"validation loss {_fmt(with_bias)} with the bias update, {_fmt(without)} without (within 2%?)", \
+        with_bias <= without * 1.02
+
+
+def _passkey(r: Results) -> tuple[str, bool]:
+    acc = r["passkey"]["results"]["accuracy"]
+    longest = max(acc["yarn"], key=int)
+    before, after = acc["pretrain"][longest], acc["yarn"][longest]
+    return f"passkey accuracy at {longest} tokens: {before:.0%} before, {after:.0%} after YaRN", after > before
+
+
+def _grpo(r: Results) -> tuple[str, bool]:
+    cold, rl = r["cold_start"]["results"]["eval_accuracy"], r["grpo"]["results"]["eval_accuracy"]
+    return f"held-out accuracy {cold:.0%} after the cold start, {rl:.0%} after GRPO", rl > cold
+
+
+def _rejection_sft(r: Results) -> tuple[str, bool]:
+    rl, sft = r["grpo"]["results"]["eval_accuracy"], r["sft_rs"]["results"]["eval_accuracy"]
+    return f"held-out accuracy {sft:.0%} for SFT on the kept samples, {rl:.0%} for the GRPO model (>= 80% of it?)", \
+        sft >= 0.8 * rl
+
+
+def _distill(r: Results) -> tuple[str, bool]:
+    teacher, student = r["grpo"]["results"]["eval_accuracy"], r["distill"]["results"]["eval_accuracy"]
+    return f"held-out accuracy {student:.0%} for the 1-layer student, {teacher:.0%} for its teacher (>= 80% of it?)", \
+        student >= 0.8 * teacher
+
+
+CLAIMS = (
+    Claim("Optimal batch size grows and optimal learning rate shrinks with compute, as power laws",
+          "DeepSeek LLM, sec. 3.1", _scaling_exponents),
+    Claim("The compute-optimal model scale grows with compute", "DeepSeek LLM, sec. 3.2", _allocation),
+    Claim("Multi-token prediction improves the main model at equal training steps", "DeepSeek-V3, sec. 4.5.1 (Table 4)",
+          _mtp),
+    Claim("Auxiliary-loss-free balancing (the bias update) keeps expert load balanced", "DeepSeek-V3, sec. 2.1.2 / 4.5.2",
+          _bias),
+    Claim("... without hurting the model (no worse loss)", "DeepSeek-V3, sec. 4.5.2 (Table 5)", _bias_loss),
+    Claim("YaRN extension makes retrieval work at the longer context", "DeepSeek-V3, sec. 4.3 (Figure 8)", _passkey),
+    Claim("RL with rule-based rewards raises accuracy over the cold-start model", "DeepSeek-R1, sec. 2.3", _grpo),
+    Claim("SFT on rejection-sampled, verified RL outputs carries the RL model's skill", "DeepSeek-R1, sec. 2.3.3",
+          _rejection_sft),
+    Claim("A distilled smaller student keeps most of the teacher's accuracy", "DeepSeek-R1, sec. 2.4 / 4.1",
+          _distill),
+)
+
+
+def claims_table(results: Results) -> list[tuple[str, str, str, str]]:
+    """(statement, source, measured, verdict) per claim."""
+    return [(c.statement, c.source, *c.verdict(results)) for c in CLAIMS]

@@ -1,0 +1,173 @@
+"""One report of a reproduction: ``report.md`` with its PNGs beside it (readable on GitHub),
+drawn from the stages' completion markers and metrics.csv files alone.
+
+Per stage the curves a reader of the papers knows (loss with and without MTP, expert load with
+and without the bias update, the batch ramp, passkey accuracy by length before and after YaRN,
+GRPO reward and held-out accuracy, the R1 models' accuracy), lm-eval on every checkpoint, and the
+papers' statements beside what was measured (:mod:`dsl_lit.reproduce.claims`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from dsl_lit.config.reproduce import STAGES, ReproduceConfig  # noqa: E402
+from dsl_lit.report.metrics import METRICS_FILE, Series, read_metrics  # noqa: E402
+from dsl_lit.reproduce.claims import claims_table  # noqa: E402
+from dsl_lit.reproduce.runner import marker  # noqa: E402
+from dsl_lit.utils.machine import machine_description  # noqa: E402
+
+R1_MODELS = ("cold_start", "grpo", "sft_rs", "distill")
+
+
+def _series(run_dir: Path, stage: str) -> dict[str, Series]:
+    path = run_dir / stage / METRICS_FILE
+    return read_metrics(path) if path.is_file() else {}
+
+
+def _plot(out: Path, name: str, title: str, ylabel: str, curves: list[tuple[str, Series | None]],
+          xlabel: str = "step") -> str | None:
+    curves = [(label, s) for label, s in curves if s is not None and len(s.steps)]
+    if not curves:
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for label, s in curves:
+        ax.plot(s.steps, s.values, "o-" if len(s.steps) < 20 else "-", ms=3, label=label)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, out / name)
+
+
+def _save(fig: plt.Figure, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path.name
+
+
+def _bars(out: Path, name: str, title: str, ylabel: str, groups: dict[str, dict[str, float]]) -> str | None:
+    """Grouped bars: one group per x label, one bar per series."""
+    if not groups:
+        return None
+    labels = sorted({x for g in groups.values() for x in g}, key=lambda x: (len(x), x))
+    width = 0.8 / len(groups)
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for i, (series, values) in enumerate(groups.items()):
+        xs = [j + i * width for j in range(len(labels))]
+        ax.bar(xs, [values.get(x, 0.0) for x in labels], width, label=series)
+    ax.set_xticks([j + width * (len(groups) - 1) / 2 for j in range(len(labels))], labels)
+    ax.set(ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend()
+    return _save(fig, out / name)
+
+
+def _image(name: str | None, alt: str) -> str:
+    return f"![{alt}]({name})\n" if name else f"_{alt}: not drawn (the stage did not run or logged nothing)_\n"
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    def cell(v: Any) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)} min {int(seconds % 60):02d} s"
+
+
+def write_report(run_dir: Path, out: Path, cfg: ReproduceConfig) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    done = {s: m for s in STAGES if (m := marker(run_dir / s)) is not None}
+    r = {s: m["results"] for s, m in done.items()}
+    md = [f"# DeepSeek in miniature: `reproduce={cfg.name}`\n",
+          f"Machine: {machine_description()}.\n",
+          f"Stages finished: {len(done)} of {len(STAGES) - 1} (the report is the last); their time: "
+          f"{_minutes(sum(m['seconds'] for m in done.values()))} in all.\n"]
+    md.append(_table(["stage", "seconds"], [[s, done[s]["seconds"] if s in done else "not run"]
+                                            for s in STAGES if s != "report"]))
+
+    md.append("\n## What the papers say, and what this run measured\n")
+    md.append(_table(["statement", "paper", "measured here", "verdict"],
+                     [list(row) for row in claims_table(done)]))
+
+    md.append("\n## 1. Scaling laws (DeepSeek LLM)\n")
+    if "scaling" in r:
+        hp = r["scaling"]
+        for png in ("hparam_landscape.png", "optima.png", "isoflop.png"):
+            source = run_dir / "scaling" / "sweep" / png
+            if source.is_file():
+                shutil.copyfile(source, out / f"scaling_{png}")
+                md.append(_image(f"scaling_{png}", png))
+        md.append(_table(["", "batch (sequences)", "peak lr"], [
+            ["fitted law at C = M D", hp["batch_fit_sequences"], hp["lr_fit"]],
+            ["the paper's law at the same C", hp["paper_batch_sequences"], hp["paper_lr"]],
+            ["used (clamped to the preset's ranges)", hp["global_batch_size"], hp["lr"]]]))
+        md.append(f"\nC = M D = {hp['model_scale_M']:.3g} FLOPs/token x {hp['tokens_D']:,} tokens = {hp['compute_C']:.3g} "
+                  f"FLOPs; laws from: {hp['source']}; {hp['max_steps']} steps with the ramp "
+                  f"{hp['ramp_start']} -> {hp['global_batch_size']} sequences over {hp['ramp_tokens']:,} tokens.\n")
+        for edge in hp.get("edge_optima", []):
+            md.append(f"- grid edge: {edge}\n")
+
+    md.append("\n## 2. Data pipeline\n")
+    if "data" in r:
+        d = r["data"]
+        md.append(f"{d['documents_in']:,} documents in, {d['documents_out']:,} kept; removed by reason: "
+                  + ", ".join(f"{k} {v}" for k, v in sorted(d["removed"].items())) + ". FIM rate 0.1 (half SPM).\n")
+
+    md.append("\n## 3. Pretraining (DeepSeek-V3 tiny)\n")
+    pre, no_mtp, no_bias = (_series(run_dir, s) for s in ("pretrain", "pretrain_no_mtp", "pretrain_no_bias"))
+    md.append(_image(_plot(out, "pretrain_loss.png", "main-token loss, with and without MTP", "cross-entropy (nats)",
+                           [("train, MTP", pre.get("train/loss")), ("train, no MTP", no_mtp.get("train/loss")),
+                            ("val, MTP", pre.get("val/loss")), ("val, no MTP", no_mtp.get("val/loss"))]), "loss"))
+    md.append(_image(_plot(out, "expert_load.png", "expert load max/mean (worst MoE layer)", "max / mean",
+                           [("bias update", pre.get("moe/load_max_over_mean_worst")),
+                            ("no bias update", no_bias.get("moe/load_max_over_mean_worst"))]), "expert load"))
+    md.append(_image(_plot(out, "batch_ramp.png", "batch ramp", "sequences per step",
+                           [("global batch", pre.get("train/global_batch_size"))]), "batch ramp"))
+    rows = [[s, r[s].get("steps"), r[s].get("train_loss"), r[s].get("val_loss"), r[s].get("load_max_over_mean")]
+            for s in ("pretrain", "pretrain_no_mtp", "pretrain_no_bias", "yarn") if s in r]
+    md.append(_table(["run", "steps", "train loss (last 10%)", "val loss", "load max/mean (last 20%)"], rows))
+
+    md.append("\n## 4. Context extension (YaRN) and passkey retrieval\n")
+    if "passkey" in r:
+        acc = r["passkey"]["accuracy"]
+        md.append(_image(_bars(out, "passkey.png", "passkey accuracy by context length", "accuracy",
+                               {"before YaRN": acc["pretrain"], "after YaRN": acc["yarn"]}), "passkey"))
+        md.append(_table(["context length", "before", "after"],
+                         [[n, acc["pretrain"].get(n), acc["yarn"].get(n)] for n in sorted(acc["yarn"], key=int)]))
+
+    md.append("\n## 5. The R1 pipeline\n")
+    grpo = _series(run_dir, "grpo")
+    md.append(_image(_plot(out, "grpo.png", "GRPO: reward and held-out accuracy", "value",
+                           [("reward/mean", grpo.get("reward/mean")), ("reward/accuracy", grpo.get("reward/accuracy")),
+                            ("held-out accuracy", grpo.get("eval/accuracy"))]), "GRPO"))
+    accuracy = {s: r[s]["eval_accuracy"] for s in R1_MODELS if s in r and r[s].get("eval_accuracy") is not None}
+    md.append(_image(_bars(out, "r1_accuracy.png", "held-out accuracy (greedy)", "accuracy",
+                           {"accuracy": accuracy}), "R1 accuracy"))
+    md.append(_table(["model", "held-out accuracy"], [[s, a] for s, a in accuracy.items()]))
+    if "rejection_sample" in r:
+        rs = r["rejection_sample"]
+        md.append(f"\nRejection sampling kept {rs.get('kept')} of {rs.get('sampled', rs.get('samples'))} samples.\n")
+
+    md.append("\n## 6. lm-eval on each checkpoint\n")
+    if "evaluate" in r:
+        scores = r["evaluate"]["scores"]
+        columns = sorted({(t, m) for s in scores.values() for t, ms in s.items() for m in ms})
+        md.append(_table(["checkpoint", *[f"{t} {m}" for t, m in columns]],
+                         [[s, *[scores[s].get(t, {}).get(m, "") for t, m in columns]] for s in scores]))
+    path = out / "report.md"
+    path.write_text("\n".join(md))
+    (out / "results.json").write_text(json.dumps(r, indent=2, default=str))
+    return path

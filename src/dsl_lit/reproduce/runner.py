@@ -1,0 +1,173 @@
+"""Run the stages of a reproduction in order: each in a directory of its own, finished when its
+completion marker is there, so a rerun skips what is done and resumes what was interrupted (the
+recipes resume from their run directory's latest checkpoint).
+
+Each recipe runs as a child process (its own Hydra app, logging and memory), its output in
+``<stage>/stage.log``; SIGTERM to this process reaches the child, which saves a checkpoint and
+exits, and no marker is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.config.reproduce import STAGES, ReproduceConfig
+
+log = logging.getLogger(__name__)
+
+MARKER = "DONE.json"
+PROJECT_ROOT = Path(__file__).resolve().parents[3]
+
+
+class StageFailed(RuntimeError):
+    """A stage's recipe exited non-zero; the message names its log."""
+
+
+def marker(stage_dir: Path) -> dict[str, Any] | None:
+    path = stage_dir / MARKER
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+@dataclass
+class StageContext:
+    """What a stage sees: its directory, the finished stages' results and a way to run recipes."""
+
+    cfg: ReproduceConfig
+    run_dir: Path
+    name: str
+    commands: list[list[str]] = field(default_factory=list)
+
+    @property
+    def dir(self) -> Path:
+        return self.dir_of(self.name)
+
+    def dir_of(self, stage: str) -> Path:
+        return self.run_dir / stage
+
+    def results(self, stage: str) -> dict[str, Any]:
+        done = marker(self.dir_of(stage))
+        if done is None:
+            raise ConfigError(f"stage {self.name} needs stage {stage}, which has not finished in {self.run_dir}; "
+                              f"run it first (reproduce.stages=[{stage},{self.name}] or null for all)")
+        return done["results"]
+
+    def recipe(self, script: str, args: Sequence[str], run_dir: Path | None = None) -> None:
+        """``python recipes/<script> hydra.run.dir=<run_dir> <args> <the preset's overrides>``."""
+        target = run_dir or self.dir
+        self.run([str(PROJECT_ROOT / "recipes" / script), f"hydra.run.dir={target}", *args])
+
+    def module(self, name: str, args: Sequence[str]) -> None:
+        self.run(["-m", name, *args])
+
+    def run(self, argv: Sequence[str]) -> None:
+        command = [sys.executable, *argv, *self.cfg.overrides.get(self.name, [])]
+        self.commands.append(command[1:])
+        self.dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.dir / "stage.log"
+        env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1"}
+        with log_path.open("a") as out:
+            out.write(f"\n$ {' '.join(command)}\n")
+            out.flush()
+            child = subprocess.Popen(command, cwd=PROJECT_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+            previous = signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGTERM))
+            try:
+                code = child.wait()
+            finally:
+                signal.signal(signal.SIGTERM, previous)
+        if code == 143 or code == -signal.SIGTERM:
+            raise SystemExit(143)  # stopped: the child saved its checkpoint; a rerun resumes
+        if code != 0:
+            tail = "".join(log_path.read_text().splitlines(keepends=True)[-15:])
+            program = argv[1] if argv[0] == "-m" else Path(argv[0]).name
+            raise StageFailed(f"stage {self.name}: {program} exited {code}; log {log_path}:\n{tail}")
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    needs: tuple[str, ...]
+    """Earlier stages whose results or checkpoints it reads."""
+    run: Callable[[StageContext], dict[str, Any]]
+    """Does the work; returns the results kept in the marker (numbers for the report and later stages)."""
+    description: str
+
+
+def fingerprints(cfg: ReproduceConfig, stages: Sequence[Stage]) -> dict[str, str]:
+    """Per stage, a hash of the settings it ran with: the preset's shared fields, its own overrides
+    and the fingerprints of the stages it reads (a changed pretraining changes every stage after it)."""
+    shared = {k: v for k, v in asdict(cfg).items() if k not in ("name", "stages", "overrides", "estimates_s")}
+    prints: dict[str, str] = {}
+    for stage in stages:
+        settings = [shared, cfg.overrides.get(stage.name, []), [prints[n] for n in stage.needs]]
+        prints[stage.name] = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    return prints
+
+
+def selected(cfg: ReproduceConfig, stages: Sequence[Stage], run_dir: Path) -> list[Stage]:
+    """The stages this invocation runs, checked before any runs: a named subset must find the
+    stages it needs finished or in the subset, and a finished stage must have run with these settings."""
+    chosen = [s for s in stages if cfg.stages is None or s.name in cfg.stages]
+    names = {s.name for s in chosen}
+    prints = fingerprints(cfg, stages)
+    for stage in chosen:
+        for need in stage.needs:
+            if need not in names and marker(run_dir / need) is None:
+                raise ConfigError(f"reproduce.stages: stage {stage.name} needs {need}, which has not finished in "
+                                  f"{run_dir}; add it to reproduce.stages")
+    for stage in stages:
+        done = marker(run_dir / stage.name)
+        if done is not None and stage.name != "report" and done.get("fingerprint") != prints[stage.name]:
+            raise ConfigError(f"stage {stage.name} finished in {run_dir} with other settings than "
+                              f"reproduce={cfg.name} gives now; use another run_name=, or move that directory away")
+    return chosen
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+
+
+def run_stages(cfg: ReproduceConfig, stages: Sequence[Stage], run_dir: Path,
+               progress: Callable[[str], None] = print) -> dict[str, dict[str, Any]]:
+    """Run every selected stage not finished yet; returns each stage's results."""
+    assert [s.name for s in stages] == list(STAGES), "the stage table and config.reproduce.STAGES disagree"
+    chosen = selected(cfg, stages, run_dir)
+    prints = fingerprints(cfg, stages)
+    start, spent, estimated = time.monotonic(), 0.0, 0.0
+    results = {}
+    for index, stage in enumerate(chosen, 1):
+        stage_dir = run_dir / stage.name
+        done = marker(stage_dir)
+        if done is not None and stage.name != "report":  # the report is redrawn every time
+            progress(f"stage {index}/{len(chosen)} {stage.name}: finished earlier ({_minutes(done['seconds'])}), skipped")
+            results[stage.name] = done["results"]
+            continue
+        left = sum(cfg.estimates_s.get(s.name, 0.0) for s in chosen[index - 1:] if marker(run_dir / s.name) is None)
+        pace = spent / estimated if estimated else 1.0
+        progress(f"stage {index}/{len(chosen)} {stage.name}: {stage.description} (elapsed "
+                 f"{_minutes(time.monotonic() - start)}, about {_minutes(left * pace)} left)")
+        began = time.monotonic()
+        context = StageContext(cfg, run_dir, stage.name)
+        stage_dir.mkdir(parents=True, exist_ok=True)
+        stage_results = stage.run(context)
+        seconds = time.monotonic() - began
+        spent += seconds
+        estimated += cfg.estimates_s.get(stage.name, seconds)
+        (stage_dir / MARKER).write_text(json.dumps(
+            {"stage": stage.name, "fingerprint": prints[stage.name], "seconds": round(seconds, 1), "results": stage_results,
+             "commands": context.commands}, indent=2, default=str))
+        results[stage.name] = stage_results
+        progress(f"stage {index}/{len(chosen)} {stage.name}: done in {_minutes(seconds)}")
+    progress(f"all {len(chosen)} stages finished in {_minutes(time.monotonic() - start)}; report: {run_dir / 'report' / 'report.md'}")
+    return results

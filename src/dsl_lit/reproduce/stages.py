@@ -1,0 +1,275 @@
+"""The stages of DeepSeek's method in miniature and how each feeds the next.
+
+scaling (DeepSeek LLM's lr x batch sweep, fitted laws) -> data (the pipeline on the bundled corpus,
+FIM packing) -> pretrain (DeepSeek-V3 tiny at the fitted lr and batch, with the batch ramp, MTP and
+bias balancing; two ablations without MTP and without the bias update) -> yarn (context extension
+from the pretrained checkpoint) -> passkey (retrieval by length, before and after) -> the R1
+pipeline from the pretrained checkpoint: cold_start (SFT) -> grpo -> rejection_sample ->
+sft_rs (SFT of the pretrained model on the kept samples) -> distill (a smaller student on the GRPO
+model's verified samples) -> evaluate (lm-eval on each stage's checkpoint) -> report.
+
+Every model stage is one of the project's recipes, run with its checkpoint directory as
+``init_from``; what a stage measured is kept in its completion marker for the next stages and the
+report.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dsl_lit.config.model import ModelConfig
+from dsl_lit.config.reproduce import ReproduceConfig
+from dsl_lit.report.metrics import METRICS_FILE, Series, read_metrics
+from dsl_lit.reproduce.runner import PROJECT_ROOT, Stage, StageContext
+
+PIPELINE_STAGES = "[normalize,exact_dedup,near_dedup,quality_filter,language_filter,decontaminate,train_tokenizer,tokenize_pack]"
+PRETRAIN_MODEL = "deepseek_v3_tiny"
+YARN_FACTOR = 4
+FIM = {"rate": 0.1, "spm_rate": 0.5, "seed": 1234}
+"""DeepSeek-V3's FIM rate 0.1 (PSM and SPM); the seed is data.seed's default, which the data module checks."""
+R1_TASK = "task=largest"  # "the largest of 6 0 4 8": a skill, held-out lists test it (conf/task/largest.yaml)
+EVALUATED = ("pretrain", "yarn", "cold_start", "grpo", "sft_rs", "distill")
+"""The checkpoints lm-eval scores, in the order the method makes them."""
+
+
+# ----------------------------------------------------------------------------------------------
+# What a finished run measured
+
+def last_value(series: dict[str, Series], key: str) -> float | None:
+    s = series.get(key)
+    return float(s.values[-1]) if s is not None and len(s.values) else None
+
+
+def tail_mean(series: dict[str, Series], key: str, share: float = 0.2) -> float | None:
+    """Mean over the last ``share`` of the logged points: a smoother end value than the last one."""
+    s = series.get(key)
+    if s is None or not len(s.values):
+        return None
+    return float(s.values[-max(1, math.ceil(len(s.values) * share)):].mean())
+
+
+def run_summary(run_dir: Path) -> dict[str, Any]:
+    """End numbers of a training run from its metrics.csv."""
+    series = read_metrics(run_dir / METRICS_FILE)
+    return {"steps": int(max(s.steps.max() for s in series.values())) if series else 0,
+            "train_loss": tail_mean(series, "train/loss", 0.1), "val_loss": last_value(series, "val/loss"),
+            "mtp_loss": tail_mean(series, "train/mtp_loss", 0.1),
+            "load_max_over_mean": tail_mean(series, "moe/load_max_over_mean"),
+            "eval_accuracy": last_value(series, "eval/accuracy"),
+            "first_eval_accuracy": float(series["eval/accuracy"].values[0]) if "eval/accuracy" in series else None,
+            "tokens_seen": last_value(series, "perf/tokens_seen")}
+
+
+# ----------------------------------------------------------------------------------------------
+# scaling: the sweep, then the pretraining's batch and lr from the fitted laws
+
+def model_overrides(overrides: list[str]) -> dict[str, Any]:
+    return {k[len("model."):]: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in overrides) if k.startswith("model.")}
+
+
+def pretraining_hparams(laws: dict[str, Any], cfg: ReproduceConfig) -> dict[str, Any]:
+    """Batch (sequences), peak lr, batch ramp and steps of the pretraining for its budget C = M D,
+    from the sweep's fitted laws (or the paper's, when the sweep fitted none), clamped to the
+    preset's ranges: a toy sweep's law is extrapolated over decades of compute."""
+    from dsl_lit.config.data import BatchRampConfig, BatchSchedule
+    from dsl_lit.scaling.laws import PAPER_BATCH, PAPER_LR, PowerLaw, model_scale
+
+    model = ModelConfig.from_name(PRETRAIN_MODEL, **model_overrides(cfg.overrides.get("pretrain", [])))
+    m = model_scale(model, cfg.seq_len)
+    c = m * cfg.pretrain_tokens
+    fitted = laws.get("hparams")
+    batch_law = PowerLaw(**fitted["batch_tokens"]) if fitted else PAPER_BATCH
+    lr_law = PowerLaw(**fitted["lr"]) if fitted else PAPER_LR
+    micro = cfg.micro_batch_size
+    batch_fit, lr_fit = batch_law(c) / cfg.seq_len, lr_law(c)
+    batch = int(min(max(round(batch_fit / micro) * micro, cfg.batch_range[0]), cfg.batch_range[1]))
+    lr = float(min(max(lr_fit, cfg.lr_range[0]), cfg.lr_range[1]))
+    start = max(micro, int(batch * cfg.ramp_start_fraction) // micro * micro)
+    ramp = BatchRampConfig(start=start, tokens=int(cfg.pretrain_tokens * cfg.ramp_fraction), increment=micro) \
+        if start < batch and cfg.ramp_fraction > 0 else BatchRampConfig()
+    schedule, consumed, steps = BatchSchedule(batch, cfg.seq_len, ramp), 0, 0
+    while consumed * cfg.seq_len < cfg.pretrain_tokens:
+        consumed, steps = schedule.advance(consumed, 1), steps + 1
+    return {"source": "fit" if fitted else "paper (the sweep fitted no hparam law)", "model_scale_M": m,
+            "compute_C": c, "tokens_D": cfg.pretrain_tokens, "batch_law": batch_law.to_dict(), "lr_law": lr_law.to_dict(),
+            "batch_fit_sequences": batch_fit, "lr_fit": lr_fit, "paper_batch_sequences": PAPER_BATCH(c) / cfg.seq_len,
+            "paper_lr": PAPER_LR(c), "global_batch_size": batch, "lr": lr, "ramp_start": ramp.start,
+            "ramp_tokens": ramp.tokens, "max_steps": steps, "edge_optima": laws.get("edge_optima", [])}
+
+
+def scaling(ctx: StageContext) -> dict[str, Any]:
+    ctx.recipe("scaling_laws.py", [f"hydra.sweep.dir={ctx.dir / 'sweep'}"])
+    laws = json.loads((ctx.dir / "sweep" / "scaling_laws.json").read_text())
+    return {"laws": laws, **pretraining_hparams(laws, ctx.cfg)}
+
+
+# ----------------------------------------------------------------------------------------------
+# data and pretraining
+
+def data(ctx: StageContext) -> dict[str, Any]:
+    out = data_dir(ctx)
+    ctx.module("data_pipeline", [f"input.path={PROJECT_ROOT / 'data' / 'corpus'}", f"output_dir={out}",
+                                 "quality_filter=bundled", "tokenizer=bundled", f"stages={PIPELINE_STAGES}",
+                                 f"pack.fim_rate={FIM['rate']}", f"pack.fim_spm_rate={FIM['spm_rate']}",
+                                 f"pack.fim_seed={FIM['seed']}"])
+    stats = json.loads((out / "stats.json").read_text())
+    removed: dict[str, int] = {}
+    for stage in stats["stages"].values():
+        for reason, count in stage.get("removed", {}).items():
+            removed[reason.split(":")[0]] = removed.get(reason.split(":")[0], 0) + count
+    return {"documents_in": stats["input"]["documents"], "documents_out": stats["output"]["documents"],
+            "removed": removed, "bytes_out": stats["output"]["bytes"]}
+
+
+def data_dir(ctx: StageContext) -> Path:
+    """The pipeline's output directory (its own: the pipeline writes only into a directory it owns)."""
+    return ctx.dir_of("data") / "pipeline"
+
+
+def data_arguments(ctx: StageContext) -> list[str]:
+    """The pipeline's shards and tokenizer, with the FIM settings they were packed with."""
+    return [f"data.cache_dir={data_dir(ctx)}", f"data.fim_rate={FIM['rate']}", f"data.fim_spm_rate={FIM['spm_rate']}",
+            f"data.seed={FIM['seed']}"]
+
+
+def pretrain_arguments(ctx: StageContext) -> list[str]:
+    hp, cfg = ctx.results("scaling"), ctx.cfg
+    ramp = ([f"data.batch_ramp.start={hp['ramp_start']}", f"data.batch_ramp.tokens={hp['ramp_tokens']}",
+             f"data.batch_ramp.increment={cfg.micro_batch_size}"] if hp["ramp_start"] else [])
+    return [f"model={PRETRAIN_MODEL}", *data_arguments(ctx), f"data.seq_len={cfg.seq_len}",
+            f"data.global_batch_size={hp['global_batch_size']}", f"data.micro_batch_size={cfg.micro_batch_size}",
+            *ramp, f"optim.lr={hp['lr']}", f"trainer.max_steps={hp['max_steps']}", "logger=csv",
+            "trainer.progress_bar=false", f"trainer.accelerator={ctx.cfg.device}"]
+
+
+def pretrain_stage(*ablation: str):
+    def run(ctx: StageContext) -> dict[str, Any]:
+        ctx.recipe("pretrain.py", [*pretrain_arguments(ctx), *ablation])
+        return run_summary(ctx.dir)
+    return run
+
+
+def yarn(ctx: StageContext) -> dict[str, Any]:
+    """V3's context extension (section 4.3) from the pretrained checkpoint: YaRN (factor 4, its
+    beta_fast 32, beta_slow 1, mscale 1) at 4x the sequence length, at the base's final lr
+    (multi_step ends at 10% of the peak), without the batch ramp."""
+    hp, seq = ctx.results("scaling"), ctx.cfg.seq_len
+    rope = (f"{{factor:{YARN_FACTOR},original_max_seq_len:{seq},beta_fast:32,beta_slow:1,mscale:1.0,"
+            "mscale_all_dim:1.0}")
+    ctx.recipe("pretrain.py", [f"init_from={ctx.dir_of('pretrain')}", *data_arguments(ctx),
+                               f"++model.max_seq_len={seq * YARN_FACTOR}", f"++model.rope_scaling={rope}",
+                               f"data.seq_len={seq * YARN_FACTOR}", "data.global_batch_size=4", "data.micro_batch_size=4",
+                               f"optim.lr={hp['lr'] * 0.1}", "schedule=constant", "schedule.warmup_steps=0",
+                               "trainer.max_steps=60", "trainer.val_every_n_steps=20", "data.val_windows=16",
+                               "logger=csv", "trainer.progress_bar=false", f"trainer.accelerator={ctx.cfg.device}"])
+    return run_summary(ctx.dir)
+
+
+def passkey(ctx: StageContext) -> dict[str, Any]:
+    """Retrieval accuracy by context length of the pretrained model and of the YaRN-extended one."""
+    lengths = "[" + ",".join(str(n) for n in ctx.cfg.passkey_lengths) + "]"
+    accuracy = {}
+    for model in ("pretrain", "yarn"):
+        out = ctx.dir / model
+        if not (out / "passkey.json").is_file():
+            ctx.recipe("passkey.py", [f"checkpoint={ctx.dir_of(model)}", f"lengths={lengths}", f"device={ctx.cfg.device}"],
+                       run_dir=out)
+        table = json.loads((out / "passkey.json").read_text())["accuracy"]
+        accuracy[model] = {n: sum(row.values()) / len(row) for n, row in table.items()}
+    return {"accuracy": accuracy}
+
+
+# ----------------------------------------------------------------------------------------------
+# R1: cold start, GRPO, rejection sampling + SFT, distillation; each from a checkpoint
+
+def posttrain_arguments(ctx: StageContext, init_from: str | None) -> list[str]:
+    start = [f"init_from={ctx.dir_of(init_from)}"] if init_from else []
+    return [*start, *data_arguments(ctx), R1_TASK, "logger=csv", "trainer.progress_bar=false",
+            f"trainer.accelerator={ctx.cfg.device}"]
+
+
+def cold_start(ctx: StageContext) -> dict[str, Any]:
+    """R1's cold start: SFT of the pretrained model on the task's R1-format replies, 80% of them
+    answering by a shortcut (an imperfect start that RL can improve on, as the paper's readable but
+    unpolished cold-start data)."""
+    ctx.recipe("sft.py", [*posttrain_arguments(ctx, "pretrain"), "sft.shortcut_share=0.8", "trainer.max_steps=40",
+                          "data.global_batch_size=8", "data.micro_batch_size=8", "optim.lr=1e-3"])
+    return run_summary(ctx.dir)
+
+
+def grpo(ctx: StageContext) -> dict[str, Any]:
+    ctx.recipe("grpo.py", [*posttrain_arguments(ctx, "cold_start"), "checkpoint.every_n_steps=5"])
+    return run_summary(ctx.dir)
+
+
+def rejection_sample(ctx: StageContext) -> dict[str, Any]:
+    ctx.recipe("rejection_sample.py", posttrain_arguments(ctx, "grpo"))
+    return json.loads((ctx.dir / "rejection_stats.json").read_text())
+
+
+def _lines(path: Path) -> int:
+    return sum(1 for line in path.open() if line.strip()) if path.is_file() else 0
+
+
+def sft_rs(ctx: StageContext) -> dict[str, Any]:
+    """R1's second SFT: the pretrained model on the RL model's verified samples."""
+    ctx.recipe("sft.py", [*posttrain_arguments(ctx, "pretrain"), f"sft.dataset={ctx.dir_of('rejection_sample') / 'samples.jsonl'}",
+                          "sft.packing=false", "trainer.max_steps=60", "data.global_batch_size=8", "data.micro_batch_size=8",
+                          "optim.lr=1e-3"])
+    return run_summary(ctx.dir)
+
+
+def distill(ctx: StageContext) -> dict[str, Any]:
+    """R1-Distill: a smaller dense student SFT-ed on the GRPO model's verified samples."""
+    ctx.recipe("distill.py", [*posttrain_arguments(ctx, None), f"teacher_from={ctx.dir_of('grpo')}",
+                              "model=deepseek_llm_tiny", "student.n_layers=1"])
+    return {**run_summary(ctx.dir), "teacher_samples": _lines(ctx.dir / "distill_data.jsonl")}
+
+
+# ----------------------------------------------------------------------------------------------
+# lm-eval on every checkpoint, and the report
+
+def evaluate(ctx: StageContext) -> dict[str, Any]:
+    limit = [f"limit={ctx.cfg.eval_limit}"] if ctx.cfg.eval_limit else []
+    scores = {}
+    for model in EVALUATED:
+        out = ctx.dir / model
+        if not (out / "results.json").is_file():
+            ctx.recipe("evaluate.py", [f"checkpoint={ctx.dir_of(model)}", *limit, "bootstrap_iters=0",
+                                       f"device={ctx.cfg.device}"], run_dir=out)
+        results = json.loads((out / "results.json").read_text())["results"]
+        scores[model] = {task: {k.split(",")[0]: v for k, v in metrics.items()
+                                if isinstance(v, (int, float)) and "stderr" not in k}
+                         for task, metrics in results.items()}
+    return {"scores": scores}
+
+
+def report(ctx: StageContext) -> dict[str, Any]:
+    from dsl_lit.reproduce.report import write_report
+
+    path = write_report(ctx.run_dir, ctx.dir, ctx.cfg)
+    return {"report": str(path)}
+
+
+STAGE_TABLE = (
+    Stage("scaling", (), scaling, "lr x batch sweep, fitted laws -> the pretraining's lr and batch"),
+    Stage("data", (), data, "dedup, filters, decontamination, BBPE, FIM packing of the bundled corpus"),
+    Stage("pretrain", ("scaling", "data"), pretrain_stage(), "DeepSeek-V3 tiny: batch ramp, MTP, bias balancing"),
+    Stage("pretrain_no_mtp", ("scaling", "data"), pretrain_stage("++model.mtp_depth=0"), "ablation: without MTP"),
+    Stage("pretrain_no_bias", ("scaling", "data"), pretrain_stage("objective.bias_update_rate=[0.0,0.0]"),
+          "ablation: without the bias update"),
+    Stage("yarn", ("scaling", "data", "pretrain"), yarn, f"YaRN context extension x{YARN_FACTOR}"),
+    Stage("passkey", ("pretrain", "yarn"), passkey, "passkey retrieval by length, before and after YaRN"),
+    Stage("cold_start", ("data", "pretrain"), cold_start, "R1 cold-start SFT from the pretrained checkpoint"),
+    Stage("grpo", ("data", "cold_start"), grpo, "GRPO with rule rewards"),
+    Stage("rejection_sample", ("data", "grpo"), rejection_sample, "rejection sampling from the GRPO model"),
+    Stage("sft_rs", ("data", "pretrain", "rejection_sample"), sft_rs, "SFT of the pretrained model on the kept samples"),
+    Stage("distill", ("data", "grpo"), distill, "distillation into a smaller dense student"),
+    Stage("evaluate", EVALUATED, evaluate, "lm-eval on each stage's checkpoint"),
+    Stage("report", (), report, "report.md and figures"),
+)
