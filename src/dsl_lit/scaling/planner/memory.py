@@ -26,8 +26,6 @@ from dataclasses import asdict, dataclass
 
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.flops import attention_params
-from dsl_lit.models import spec_of
-from dsl_lit.models.common.block import AttentionShape
 from dsl_lit.parallel.pipeline import split_layers, stages_of_rank
 from dsl_lit.scaling.planner.cluster import GIB, ClusterConfig
 from dsl_lit.scaling.planner.layout import V3_RECIPE, PlanLayout
@@ -58,15 +56,10 @@ class ParamCounts:
         return ParamCounts(self.dense + other.dense, self.experts + other.experts)
 
 
-def attention_of(cfg: ModelConfig) -> AttentionShape:
-    """The attention kind of ``cfg``'s family, which answers the shape questions below."""
-    return spec_of(cfg).composition.attention
-
-
 def block_params(cfg: ModelConfig, layer_id: int, layout: PlanLayout) -> ParamCounts:
     """One block's parameters on one GPU (``layer_id >= n_layers``: an MTP block)."""
     tp = layout.tp
-    norms = 2 * cfg.d_model + attention_of(cfg).norm_params(cfg)
+    norms = 2 * cfg.d_model + cfg.attention_shape.norm_params(cfg)
     dense = attention_params(cfg) / tp + norms
     if cfg.is_moe_layer(layer_id):
         dense += cfg.d_model * cfg.n_routed_experts + 3 * cfg.d_model * cfg.moe_ffn_hidden * cfg.n_shared_experts / tp
@@ -131,7 +124,7 @@ def attention_activations(cfg: ModelConfig, mode: str, tp: int, sp: bool) -> flo
     h = cfg.n_heads / tp
     if mode == "full":
         return d
-    return attention_of(cfg).activation_elements(cfg, mode, h, d, tp)
+    return cfg.attention_shape.activation_elements(cfg, mode, h, d, tp)
 
 
 def ffn_activations(cfg: ModelConfig, layer_id: int, mode: str, layout: PlanLayout, dtype_bytes: int) -> float:
@@ -178,7 +171,7 @@ def deepseek_v3_activations(cfg: ModelConfig, layer_id: int, layout: PlanLayout)
     linear_in, attention_out = (FP8_TILE, E5M6_TILE) if fp8 else (act, act)
     d = cfg.d_model / (tp if sp else 1)
     h = cfg.n_heads / tp
-    kept, out = attention_of(cfg).recipe_kept_elements(cfg, h, tp)
+    kept, out = cfg.attention_shape.recipe_kept_elements(cfg, h, tp)
     attention = (d + kept) * act + out * attention_out + h * FP32
     ffn = d * act
     if not cfg.is_moe_layer(layer_id):

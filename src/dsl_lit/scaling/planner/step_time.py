@@ -55,7 +55,6 @@ from dsl_lit.scaling.planner.layout import V3_RECIPE, PlanLayout
 from dsl_lit.scaling.planner.memory import (
     FP8_TILE,
     FP32,
-    attention_of,
     block_activations,
     compute_bytes,
     optimizer_shard,
@@ -110,7 +109,7 @@ def _fp8_cast_bytes(cfg: ModelConfig, layer_id: int, layout: PlanLayout) -> tupl
         return 0.0, 0.0
     tp, d = layout.tp, cfg.d_model
     h = cfg.n_heads / tp
-    inputs, grads = attention_of(cfg).fp8_cast_elements(cfg, h, d, tp)
+    inputs, grads = cfg.attention_shape.fp8_cast_elements(cfg, h, d, tp)
     retiled = inputs
     if not cfg.is_moe_layer(layer_id):
         f = cfg.ffn_hidden / tp
@@ -127,12 +126,12 @@ def _fp8_cast_bytes(cfg: ModelConfig, layer_id: int, layout: PlanLayout) -> tupl
 
 def _up_projection_params(cfg: ModelConfig) -> float:
     """The up-projection weights (MLA's query and key/value) that ``deepseek_v3`` recomputes."""
-    return attention_of(cfg).up_projection_params(cfg)
+    return cfg.attention_shape.up_projection_params(cfg)
 
 
 def _block_attention_flops(cfg: ModelConfig, seq_len: int) -> float:
     """Forward FLOPs per token of scores and values, without causal halving (as ``dsl_lit.flops``)."""
-    qk, v = attention_of(cfg).score_dims(cfg)
+    qk, v = cfg.attention_shape.score_dims(cfg)
     return 2.0 * cfg.n_heads * (qk + v) * seq_len
 
 
