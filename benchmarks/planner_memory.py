@@ -85,8 +85,8 @@ def estimate(model: str, batch: int, micro: int, seq: int, recompute: str) -> fl
     from dsl_lit.scaling.planner import PlanLayout, estimate_memory
 
     cfg = ModelConfig.from_name(model, max_seq_len=max(seq, 64))
-    layout = PlanLayout(global_batch_size=batch, micro_batch_size=micro, seq_len=seq, recompute=recompute,
-                        precision="fp32", zero1=False)
+    layout = PlanLayout.of(global_batch_size=batch, micro_batch_size=micro, seq_len=seq, recompute=recompute,
+                           precision="fp32", zero1=False)
     return estimate_memory(cfg, layout.validate(cfg)).total
 
 

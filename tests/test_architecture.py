@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from dsl_lit.models.registry import family_names
+from dsl_lit.models.families import family_names
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "dsl_lit"
 MODELS = SRC / "models"
@@ -69,8 +69,8 @@ def test_no_python_file_outside_models_names_a_family_id() -> None:
 
 
 def test_config_reaches_models_only_through_its_one_inversion_point() -> None:
-    """``dsl_lit.config`` imports nothing else from dsl_lit, except ``dsl_lit.models.registry`` inside
-    ``config/model.py``'s ``_registry()``, called when a config is validated or asked a family
+    """``dsl_lit.config`` imports nothing else from dsl_lit, except ``dsl_lit.models.families`` inside
+    ``config/model.py``'s ``_families()``, called when a config is built, validated or asked a family
     question (never when the config is imported)."""
     found = []
     for path in sorted((SRC / "config").rglob("*.py")):
@@ -87,7 +87,22 @@ def test_config_reaches_models_only_through_its_one_inversion_point() -> None:
             for module in modules:
                 if module.startswith("dsl_lit") and not module.startswith("dsl_lit.config"):
                     found.append((path.relative_to(SRC).as_posix(), functions.get(id(node)), module))
-    assert found == [("config/model.py", "_registry", "dsl_lit.models.registry")]
+    assert found == [("config/model.py", "_families", "dsl_lit.models.families")]
+
+
+def test_a_model_config_is_built_and_validated_without_torch() -> None:
+    """The family cards answer what a config asks (presets, checks, attention shape) without torch."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from dsl_lit.config.model import ModelConfig;"
+        "cfgs = [ModelConfig().validate(), ModelConfig.from_name('deepseek_v3_tiny'), ModelConfig.from_name('deepseek_v2_tiny')];"
+        "print([(c.kv_heads, c.rope_dim, c.is_moe, c.mtp_modules) for c in cfgs]);"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or m == 'dsl_lit.models.registry');"
+        "assert not loaded, loaded"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_attention_kinds_answer_the_shape_questions():
@@ -97,7 +112,7 @@ def test_attention_kinds_answer_the_shape_questions():
     import inspect
 
     from dsl_lit.models.common.attention import GroupedQueryAttention
-    from dsl_lit.models.common.block import AttentionShape
+    from dsl_lit.models.common.attention_shape import AttentionShape
     from dsl_lit.models.common.mla import MultiHeadLatentAttention
 
     questions = [name for name, _ in inspect.getmembers(AttentionShape, inspect.isfunction) if not name.startswith("_")]
@@ -107,3 +122,5 @@ def test_attention_kinds_answer_the_shape_questions():
         assert not missing, (kind.__name__, missing)
     planner = Path(__file__).resolve().parents[1] / "src" / "dsl_lit" / "scaling"
     assert not [p.name for p in planner.rglob("*.py") if "latent_attention" in p.read_text(encoding="utf-8")]
+    outside = [p for p in SRC.rglob("*.py") if MODELS not in p.parents]
+    assert not [str(p.relative_to(SRC)) for p in outside if "latent_attention" in p.read_text(encoding="utf-8")]

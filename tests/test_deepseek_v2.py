@@ -81,7 +81,7 @@ def test_deepseek_v2_236b_has_236b_total_and_21b_activated_parameters():
     assert 235.0e9 < model.num_params() < 237.0e9  # the paper: 236B
     assert 21.0e9 < model.num_params(activated=True) < 22.0e9  # the paper: 21B activated per token
     assert not model.mtp and model.config.mtp_modules == 0
-    assert (model.config.rope_dim, model.config.kv_heads, model.config.latent_attention) == (64, 128, True)
+    assert (model.config.rope_dim, model.config.kv_heads, model.config.attention_shape.latent) == (64, 128, True)
 
 
 def _reference_group_limited_greedy(scores: torch.Tensor, n_groups: int, n_keep: int, k: int) -> list[list[int]]:
@@ -180,7 +180,7 @@ def test_greedy_checkpoints_read_without_a_group_limit(tmp_path: Path):
 
 def test_the_family_is_found_through_the_registry():
     spec = family_spec("deepseek_v2")
-    assert {"deepseek_v2_236b", "deepseek_v2_tiny"} <= set(spec.presets)
+    assert {"deepseek_v2_236b", "deepseek_v2_tiny"} <= set(spec.card.presets)
     assert adapter_for_family("deepseek_v2") is adapter_for_model_type("deepseek_v2")
     assert adapter_for_family("deepseek_v3") is not adapter_for_model_type("deepseek_v2")
     plan = spec.tp_plan(ModelConfig.from_name("deepseek_v2_tiny"), 2, False)

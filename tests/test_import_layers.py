@@ -25,7 +25,7 @@ def _imports(path: Path, top_level_only: bool = False) -> set[str]:
 
 
 def test_config_imports_nothing_else_from_dsl_lit():
-    """At import time (its one lazy lookup of the model registry is pinned in test_architecture)."""
+    """At import time (its one lazy lookup of the family cards is pinned in test_architecture)."""
     offenders = {
         str(path.relative_to(SRC)): sorted(m for m in _imports(path, top_level_only=True)
                                           if m.startswith("dsl_lit") and not m.startswith("dsl_lit.config"))
@@ -89,7 +89,7 @@ def test_every_import_points_down_architecture_mds_table():
                       if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.name != "__init__.py"))
     assert sorted(order) == packages, "ARCHITECTURE.md's table and src/dsl_lit differ"
     rank = {name: i for i, name in enumerate(order)}
-    allowed = {("config", "models")}  # config's lazy lookup of the model registry (test_architecture pins it)
+    allowed = {("config", "models")}  # config's lazy lookup of the family cards (test_architecture pins it)
     upward = []
     for path in SRC.rglob("*.py"):
         parts = path.relative_to(SRC).parts

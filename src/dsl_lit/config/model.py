@@ -5,9 +5,10 @@ its fields and what it builds); ``ModelConfig.from_name`` builds a preset and le
 overridden, which is what the Hydra ``model`` group does.
 
 This module imports nothing else from dsl_lit when it is imported. Questions whose answer depends
-on the family (which fields are used, what the model builds) are answered by the family registry,
-reached through :func:`_registry`, the single inversion point of ``dsl_lit.config``: it imports
-``dsl_lit.models.registry`` when a config is validated or asked, never at import time.
+on the family (which fields are used, its presets, its attention's shape) are answered by the
+family's card, reached through :func:`_families`, the single inversion point of ``dsl_lit.config``:
+it imports ``dsl_lit.models.families`` (which loads no torch) when a config is built, validated or
+asked, never at import time.
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ CONTEXT_FIELDS = ("max_seq_len", "rope_scaling")
 YARN_KEYS = ("factor", "original_max_seq_len", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
-def _registry() -> ModuleType:
-    """``dsl_lit.models.registry``, imported on first use: the one place dsl_lit.config reaches
-    above itself (config <- models), so that a family's presets, validation and structure stay in
-    its folder while ``ModelConfig`` can still answer for it."""
-    from dsl_lit.models import registry
+def _families() -> ModuleType:
+    """``dsl_lit.models.families``, imported on first use: the one place dsl_lit.config reaches
+    above itself (config <- models), so that a family's presets, validation and shapes stay in
+    its folder while ``ModelConfig`` can still answer for it. It imports no torch."""
+    from dsl_lit.models import families
 
-    return registry
+    return families
 
 
 @dataclass
@@ -44,13 +45,13 @@ class ModelConfig:
     The attention is grouped-query (``n_kv_heads`` key/value heads) or Multi-head Latent Attention
     (the MLA fields); blocks from ``n_dense_layers`` on are DeepSeekMoE in families with a router
     (the MoE fields), and families with multi-token prediction build ``mtp_depth`` MTP modules.
-    Fields a family does not use are ignored; :attr:`latent_attention`, :attr:`is_moe`,
+    Fields a family does not use are ignored; :attr:`attention_shape`, :attr:`is_moe`,
     :attr:`mtp_modules`, :attr:`rope_dim` and :attr:`kv_heads` say what the model really has.
     """
 
     name: str = "custom"
-    family: str = field(default_factory=lambda: _registry().DEFAULT_FAMILY)
-    """A family id of ``dsl_lit.models.registry`` (which blocks the decoder is built from)."""
+    family: str = field(default_factory=lambda: _families().DEFAULT_FAMILY)
+    """A family id of ``dsl_lit.models.families`` (which blocks the decoder is built from)."""
     vocab_size: int = 102400
     n_layers: int = 30
     d_model: int = 4096
@@ -113,24 +114,25 @@ class ModelConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def _family(self) -> Any:
-        """This config's ``FamilySpec`` (see :func:`_registry`)."""
-        return _registry().family_spec(self.family)
+        """This config's ``FamilyCard`` (see :func:`_families`)."""
+        return _families().family_card(self.family)
 
     @property
-    def latent_attention(self) -> bool:
-        """Whether the family's attention expands keys and values from a latent (MLA)."""
-        return self._family().latent_attention
+    def attention_shape(self) -> Any:
+        """The family's attention shape (``models/common/attention_shape.py: AttentionShape``): the
+        shape questions (FLOPs, KV and activation sizes) are asked of it."""
+        return self._family().attention
 
     @property
     def rope_dim(self) -> int:
         """Width of the rotary tables: the whole head (GQA) or the decoupled rope part (MLA)."""
-        return self.qk_rope_head_dim if self.latent_attention else self.head_dim
+        return self.attention_shape.rope_dim(self)
 
     @property
     def kv_heads(self) -> int:
         """Key/value heads the attention computes (what tensor parallelism splits): ``n_kv_heads``
         for grouped-query attention, one per query head for MLA."""
-        return self.n_heads if self.latent_attention else self.n_kv_heads
+        return self.attention_shape.kv_heads(self)
 
     @property
     def is_moe(self) -> bool:
@@ -151,7 +153,7 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{prefix}.{name}={value!r} must be a positive integer")
-        _registry().family_spec(self.family, prefix).validate(self, prefix)
+        _families().family_card(self.family, prefix).validate(self, prefix)
         self._validate_common(prefix)
         return self
 
@@ -175,7 +177,7 @@ class ModelConfig:
     def from_name(cls, name: str, **overrides: Any) -> ModelConfig:
         """Build a preset by name (presets live in their family's folder), with field overrides
         (unknown fields raise ConfigError)."""
-        presets = _registry().presets()
+        presets = _families().presets()
         if name not in presets:
             raise ConfigError(f"model.name={name!r} is not a known preset; choose one of {sorted(presets)}")
         known = {f.name for f in dataclasses.fields(cls)}

@@ -163,20 +163,38 @@ def check_context_parallel_seq_len(cp: int, seq_len: int) -> None:
         )
 
 
+def check_world_size(dp: int, tp: int, pp: int, cp: int, world_size: int,
+                     world: str = "the world size trainer.devices x trainer.num_nodes",
+                     fix: str = "leave parallel.dp=null to use what tp, pp and cp leave") -> None:
+    """The degrees multiply to the world size (``world`` names where the processes come from)."""
+    if dp * tp * pp * cp != world_size:
+        raise ConfigError(
+            f"parallel.dp={dp} x tp={tp} x pp={pp}{f' x cp={cp}' if cp > 1 else ''} must equal {world} = "
+            f"{world_size}; {fix}"
+        )
+
+
+def check_heads(model: ModelConfig, tp: int) -> None:
+    """Tensor parallelism splits the attention heads."""
+    if model.n_heads % tp:
+        raise ConfigError(f"parallel.tp={tp} does not divide model.n_heads={model.n_heads}; pick a divisor")
+
+
+def check_ep_over_dp(ep: int, dp: int) -> None:
+    """Experts shard over data-parallel ranks."""
+    if dp % ep:
+        raise ConfigError(f"parallel.ep={ep} does not divide the data-parallel size {dp}: experts shard over dp ranks")
+
+
 def validate_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int) -> int:
     """Check the layout; return the data-parallel size."""
     tp, pp, ep, cp = parallel.tp, parallel.pp, parallel.ep, parallel.cp
     dp = parallel.dp or ParallelLayout.derive_dp(world_size, tp, pp, cp=cp)
-    if dp * tp * pp * cp != world_size:
-        raise ConfigError(
-            f"parallel.dp={dp} x tp={tp} x pp={pp}{f' x cp={cp}' if cp > 1 else ''} must equal the world size trainer.devices x "
-            f"trainer.num_nodes = {world_size}; leave parallel.dp=null to use what tp, pp and cp leave"
-        )
+    check_world_size(dp, tp, pp, cp, world_size)
     if cp > 1:
         check_context_parallel(parallel)
     if tp > 1:
-        if model.n_heads % tp:
-            raise ConfigError(f"parallel.tp={tp} does not divide model.n_heads={model.n_heads}; pick a divisor")
+        check_heads(model, tp)
         if model.kv_heads % tp and tp % model.kv_heads:
             raise ConfigError(
                 f"parallel.tp={tp} and model.n_kv_heads={model.n_kv_heads}: one must divide the other "
@@ -214,8 +232,7 @@ def validate_layout(parallel: ParallelConfig, model: ModelConfig, world_size: in
         )
     if ep > 1:
         check_expert_parallel(model, ep)
-        if dp % ep:
-            raise ConfigError(f"parallel.ep={ep} does not divide the data-parallel size {dp}: experts shard over dp ranks")
+        check_ep_over_dp(ep, dp)
         if parallel.zero1:
             raise ConfigError(
                 f"parallel.zero1=true with parallel.ep={ep} is not implemented yet: ZeRO-1's reduce-scatter over dp "

@@ -1,17 +1,44 @@
 """Pure-PyTorch DeepSeek models. Nothing here imports Lightning or knows about parallelism.
 
 ``common/`` holds the layers every family shares, one folder per family (``deepseek_llm/``,
-``deepseek_v3/``, with DeepSeek-V2 beside V3) holds what makes it that family, and
-:mod:`dsl_lit.models.registry` is the one place a family id is looked up.
+``deepseek_v3/``, with DeepSeek-V2 beside V3) holds what makes it that family,
+:mod:`dsl_lit.models.families` is the one place a family id is looked up (its card: no torch) and
+:mod:`dsl_lit.models.registry` says what each family builds.
+
+Importing this package loads no torch, so that ``dsl_lit.config`` reaches the family cards without
+it: :func:`build_model` and the names of :data:`_LAZY` import the model code on first use.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from dsl_lit.config.model import ModelConfig
-from dsl_lit.models.common.transformer import Transformer
-from dsl_lit.models.registry import FamilySpec, family_spec, spec_of
+
+if TYPE_CHECKING:
+    from dsl_lit.models.common.transformer import Transformer
+    from dsl_lit.models.registry import FamilySpec, family_spec, spec_of
+
+_LAZY = {
+    "Transformer": "dsl_lit.models.common.transformer",
+    "FamilySpec": "dsl_lit.models.registry",
+    "family_spec": "dsl_lit.models.registry",
+    "spec_of": "dsl_lit.models.registry",
+}
+"""Name -> the module (importing torch) that defines it."""
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)
 
 
 def build_model(cfg: ModelConfig) -> Transformer:
     """The one constructor every recipe uses: the decoder of ``cfg``'s family."""
+    from dsl_lit.models.registry import spec_of
+
     return spec_of(cfg).build(cfg)
 
 

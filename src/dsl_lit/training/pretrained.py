@@ -47,7 +47,7 @@ def model_group(cfg: ModelConfig) -> dict[str, Any]:
     the family with every field overridden (so a checkpoint of this run can be exported)."""
     values = dataclasses.asdict(cfg)
     values.pop("name")
-    return {"name": spec_of(cfg).base_preset, **values}
+    return {"name": spec_of(cfg).card.base_preset, **values}
 
 
 @dataclasses.dataclass

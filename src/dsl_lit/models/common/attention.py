@@ -10,13 +10,13 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dsl_lit.config.model import ModelConfig
+from dsl_lit.models.common.attention_shape import GroupedQueryShape
 from dsl_lit.models.common.kv_cache import KVCache
 from dsl_lit.models.common.layers import apply_rope
 
@@ -131,52 +131,9 @@ def eager_causal_attention(
     return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)
 
 
-class GroupedQueryAttention(nn.Module):
-    """Multi-head attention with ``n_kv_heads`` shared key/value heads and RoPE on q and k."""
-
-    latent: ClassVar[bool] = False
-    """Keys and values are projected per kv head, not expanded from a shared latent (see MLA)."""
-
-    @staticmethod
-    def matmul_params(cfg: ModelConfig) -> int:
-        """Weights of wq, wk, wv and wo: what FLOPs and pipeline stage costs count."""
-        return cfg.d_model * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
-
-    @staticmethod
-    def score_dims(cfg: ModelConfig) -> tuple[int, int]:
-        """Per-head widths of q/k and of v (both ``head_dim``), for the attention FLOPs."""
-        return cfg.head_dim, cfg.head_dim
-
-    # -- shape questions the cluster planner asks (``AttentionShape`` in models/common/block.py) ------
-    @staticmethod
-    def norm_params(cfg: ModelConfig) -> int:
-        """Norm weights inside the attention (none: its input norm belongs to the block)."""
-        return 0
-
-    @staticmethod
-    def up_projection_params(cfg: ModelConfig) -> float:
-        """Weights DeepSeek-V3's recipe recomputes in backward (MLA's up-projections): none here."""
-        return 0.0
-
-    @staticmethod
-    def activation_elements(cfg: ModelConfig, mode: str, h: float, d: float, tp: int) -> float:
-        """Elements per token the attention keeps for backward under ``mode`` (selective | none),
-        block input included; ``h`` heads and ``d`` residual width on this rank."""
-        hd, kv = cfg.head_dim, max(1.0, cfg.n_kv_heads / tp)
-        if mode == "selective":  # x; q, k, v projections; attention output; wo output
-            return 2 * d + h * hd + 2 * kv * hd + h * hd
-        # x, norm output, q and k after rotary, v, attention output, wo's contiguous input
-        return 2 * d + 3 * h * hd + 2 * kv * hd
-
-    @staticmethod
-    def recipe_kept_elements(cfg: ModelConfig, h: float, tp: int) -> tuple[float, float]:
-        """(kept, output) elements per token under DeepSeek-V3's recompute recipe: q, k, v kept."""
-        return (h + 2 * max(1.0, cfg.n_kv_heads / tp)) * cfg.head_dim, h * cfg.head_dim
-
-    @staticmethod
-    def fp8_cast_elements(cfg: ModelConfig, h: float, d: float, tp: int) -> tuple[float, float]:
-        """(distinct linear inputs cast to FP8, linear outputs whose gradient is cast) per token."""
-        return d + h * cfg.head_dim, (h + 2 * max(1.0, cfg.n_kv_heads / tp)) * cfg.head_dim + d
+class GroupedQueryAttention(GroupedQueryShape, nn.Module):
+    """Multi-head attention with ``n_kv_heads`` shared key/value heads and RoPE on q and k; its shape
+    answers are :class:`GroupedQueryShape`'s."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int = 0) -> None:
         super().__init__()

@@ -9,67 +9,34 @@ checkpoints address ``layers.<i>.attention`` and ``layers.<i>.feed_forward`` in 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from dsl_lit.config.model import ModelConfig
+from dsl_lit.models.common.attention_shape import AttentionShape
 from dsl_lit.models.common.kv_cache import KVCache
 from dsl_lit.models.common.layers import RMSNorm, SwiGLU
 from dsl_lit.models.common.moe import MoE, TopKRouter
 
 
-class AttentionShape(Protocol):
-    """What the rest of the code asks an attention kind about its shapes, instead of branching on
-    which kind it is (FLOPs, pipeline stage costs, the cluster planner's memory and time). Both
-    :class:`GroupedQueryAttention` and :class:`MultiHeadLatentAttention` answer, as static methods of
-    the module class; a new attention kind answers them too."""
-
-    latent: ClassVar[bool]
+class AttentionKind(AttentionShape, Protocol):
+    """An attention module class: it answers the shape questions (``attention_shape.py``) and builds
+    the module."""
 
     def __call__(self, cfg: ModelConfig, layer_id: int = 0) -> nn.Module:
         """Build the module."""
-
-    @staticmethod
-    def matmul_params(cfg: ModelConfig) -> int:
-        """Weights of its projections."""
-
-    @staticmethod
-    def score_dims(cfg: ModelConfig) -> tuple[int, int]:
-        """Per-head widths of q/k and of v."""
-
-    @staticmethod
-    def norm_params(cfg: ModelConfig) -> int:
-        """Norm weights inside it."""
-
-    @staticmethod
-    def up_projection_params(cfg: ModelConfig) -> float:
-        """Weights DeepSeek-V3's recompute recipe recomputes in backward."""
-
-    @staticmethod
-    def activation_elements(cfg: ModelConfig, mode: str, h: float, d: float, tp: int) -> float:
-        """Elements per token kept for backward (``mode``: selective | none)."""
-
-    @staticmethod
-    def recipe_kept_elements(cfg: ModelConfig, h: float, tp: int) -> tuple[float, float]:
-        """(kept, output) elements per token under DeepSeek-V3's recompute recipe."""
-
-    @staticmethod
-    def fp8_cast_elements(cfg: ModelConfig, h: float, d: float, tp: int) -> tuple[float, float]:
-        """(linear inputs cast to FP8, linear outputs whose gradient is cast) per token."""
 
 
 @dataclass(frozen=True)
 class Composition:
     """Which modules a family's decoder is built from (the rest of the decoder is shared)."""
 
-    attention: AttentionShape
+    attention: AttentionKind
     router: type[TopKRouter] | None = None
     """The MoE router of blocks from ``n_dense_layers`` on; None: a dense family (every block a
     SwiGLU, the MoE fields of the config ignored)."""
-    mtp: bool = False
-    """Whether the family builds ``mtp_depth`` multi-token-prediction modules (else it ignores the field)."""
 
 
 class TransformerBlock(nn.Module):

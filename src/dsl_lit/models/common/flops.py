@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsl_lit.config.model import ModelConfig
-from dsl_lit.models.common.attention import GroupedQueryAttention
-from dsl_lit.models.common.mla import MultiHeadLatentAttention
+from dsl_lit.models.common.attention_shape import AttentionShape
 
 
 def ffn_params_per_token(cfg: ModelConfig, layer_id: int) -> int:
@@ -28,7 +27,7 @@ class DecoderFlops:
     """Per-token counts of a decoder whose blocks use ``attention``; MTP modules and MoE layers as
     the config says (``cfg.mtp_modules``, ``cfg.is_moe_layer``)."""
 
-    attention: type[GroupedQueryAttention] | type[MultiHeadLatentAttention]
+    attention: AttentionShape
 
     def attention_params(self, cfg: ModelConfig) -> int:
         """Projection weights of one attention block."""

@@ -12,13 +12,12 @@ Names follow DeepSeek's reference code: wq / wq_a, q_norm, wq_b, wkv_a, kv_norm,
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 from torch import nn
 
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.models.common.attention import causal_attention, query_positions
+from dsl_lit.models.common.attention_shape import LatentAttentionShape
 from dsl_lit.models.common.kv_cache import KVCache
 from dsl_lit.models.common.layers import RMSNorm, apply_rope, yarn_softmax_scale
 
@@ -27,77 +26,9 @@ LATENT_NORM_EPS = 1e-6
 ``rms_norm_eps`` says; matching it keeps checkpoints exact."""
 
 
-class MultiHeadLatentAttention(nn.Module):
-    """MLA: ``forward(x, rope, cache, key_valid)`` as grouped-query attention's, latents cached."""
-
-    latent: ClassVar[bool] = True
-    """Keys and values are expanded from one compressed latent per token (what ``latent_attention``
-    on the config reports: the rotary tables cover ``qk_rope_head_dim`` and every head has its own key)."""
-
-    @staticmethod
-    def matmul_params(cfg: ModelConfig) -> int:
-        """Weights of the projections, low-rank paths included: what FLOPs and pipeline stage costs count."""
-        h = cfg.n_heads
-        if cfg.q_lora_rank is None:
-            q = cfg.d_model * h * cfg.qk_head_dim
-        else:
-            q = cfg.d_model * cfg.q_lora_rank + cfg.q_lora_rank * h * cfg.qk_head_dim
-        kv = cfg.d_model * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * h * (
-            cfg.qk_nope_head_dim + cfg.v_head_dim
-        )
-        return q + kv + h * cfg.v_head_dim * cfg.d_model
-
-    @staticmethod
-    def score_dims(cfg: ModelConfig) -> tuple[int, int]:
-        """q/k heads are nope + rope wide, v heads ``v_head_dim``: the widths the attention FLOPs use."""
-        return cfg.qk_head_dim, cfg.v_head_dim
-
-    # -- shape questions the cluster planner asks (``AttentionShape`` in models/common/block.py) ------
-    @staticmethod
-    def norm_params(cfg: ModelConfig) -> int:
-        """The kv latent's norm and the query latent's (when there is one)."""
-        return cfg.kv_lora_rank + (cfg.q_lora_rank or 0)
-
-    @staticmethod
-    def up_projection_params(cfg: ModelConfig) -> float:
-        """The up-projection weights (query and key/value) DeepSeek-V3's recipe recomputes."""
-        kv = cfg.kv_lora_rank * cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-        return kv + (cfg.q_lora_rank * cfg.n_heads * cfg.qk_head_dim if cfg.q_lora_rank else 0)
-
-    @staticmethod
-    def activation_elements(cfg: ModelConfig, mode: str, h: float, d: float, tp: int) -> float:
-        """Elements per token the attention keeps for backward under ``mode`` (selective | none),
-        block input included; ``h`` heads and ``d`` residual width on this rank."""
-        qk, v, nope, rope = cfg.qk_head_dim, cfg.v_head_dim, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-        latent = cfg.kv_lora_rank + rope
-        if mode == "selective":  # x; wq_a, wq_b (or wq), wkv_a, wkv_b outputs; attention output; wo output
-            queries = (cfg.q_lora_rank or 0) + h * qk
-            return 2 * d + queries + latent + h * (nope + v) + h * v
-        # x, norm output; query path (+ its norm); latent, its norm; wkv_b output; q and k concatenated,
-        # v made contiguous, attention output, wo's contiguous input
-        queries = 2 * cfg.q_lora_rank + h * qk if cfg.q_lora_rank else h * qk
-        return 2 * d + queries + latent + cfg.kv_lora_rank + h * (nope + v) + 2 * h * qk + 3 * h * v
-
-    @staticmethod
-    def recipe_kept_elements(cfg: ModelConfig, h: float, tp: int) -> tuple[float, float]:
-        """(kept, output) elements per token under DeepSeek-V3's recompute recipe: the latents the
-        up-projections start from (and the queries when there is no query latent)."""
-        latents = (cfg.q_lora_rank or 0) + cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        queries = 0.0 if cfg.q_lora_rank else h * cfg.qk_head_dim
-        return latents + queries, h * cfg.v_head_dim
-
-    @staticmethod
-    def fp8_cast_elements(cfg: ModelConfig, h: float, d: float, tp: int) -> tuple[float, float]:
-        """(distinct linear inputs cast to FP8, linear outputs whose gradient is cast) per token."""
-        latent_kv = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        up_kv = h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-        if cfg.q_lora_rank:
-            inputs = d + cfg.q_lora_rank + cfg.kv_lora_rank + h * cfg.v_head_dim
-            grads = cfg.q_lora_rank + h * cfg.qk_head_dim + latent_kv + up_kv + d
-        else:
-            inputs = d + cfg.kv_lora_rank + h * cfg.v_head_dim
-            grads = h * cfg.qk_head_dim + latent_kv + up_kv + d
-        return inputs, grads
+class MultiHeadLatentAttention(LatentAttentionShape, nn.Module):
+    """MLA: ``forward(x, rope, cache, key_valid)`` as grouped-query attention's, latents cached; its
+    shape answers are :class:`LatentAttentionShape`'s."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int = 0) -> None:
         super().__init__()

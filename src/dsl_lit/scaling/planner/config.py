@@ -18,7 +18,7 @@ from dsl_lit.config.model import ModelConfig
 from dsl_lit.config.parallel import ParallelLayout
 from dsl_lit.config.schema import dataclass_from_dict
 from dsl_lit.scaling.planner.cluster import ClusterConfig
-from dsl_lit.scaling.planner.layout import PlanLayout
+from dsl_lit.scaling.planner.layout import PARALLEL_FIELDS, PlanLayout
 
 
 @dataclass
@@ -44,7 +44,8 @@ class PlanOptions:
         return self
 
 
-PARALLEL_KEYS = ("dp", "tp", "pp", "ep", "zero1", "pp_schedule", "pp_virtual_stages", "sequence_parallel")
+PARALLEL_KEYS = tuple(k for k in PARALLEL_FIELDS if k != "cp")
+"""The ``parallel`` keys the planner reads (it plans cp = 1)."""
 
 
 def plan_inputs(cfg: DictConfig) -> tuple[ModelConfig, PlanLayout, ClusterConfig, PlanOptions]:
@@ -68,7 +69,8 @@ def plan_inputs(cfg: DictConfig) -> tuple[ModelConfig, PlanLayout, ClusterConfig
     tp, pp = int(parallel.get("tp", 1)), int(parallel.get("pp", 1))
     parallel["dp"] = parallel.get("dp") or ParallelLayout.derive_dp(
         cluster.world_size, tp, pp, world=f"the cluster's {cluster.world_size} GPUs")
-    layout = PlanLayout(**parallel, global_batch_size=options.global_batch_size,
-                        micro_batch_size=options.micro_batch_size, seq_len=options.seq_len,
-                        precision=options.precision, recompute=options.recompute, moments_dtype=options.moments_dtype)
+    layout = PlanLayout.of(**parallel, global_batch_size=options.global_batch_size,
+                           micro_batch_size=options.micro_batch_size, seq_len=options.seq_len,
+                           precision=options.precision, recompute=options.recompute,
+                           moments_dtype=options.moments_dtype)
     return model, layout.validate(model, cluster.world_size), cluster, options

@@ -26,8 +26,6 @@ from dataclasses import asdict, dataclass
 
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.flops import attention_params
-from dsl_lit.models import spec_of
-from dsl_lit.models.common.block import AttentionShape
 from dsl_lit.parallel.pipeline import split_layers, stages_of_rank
 from dsl_lit.scaling.planner.cluster import GIB, ClusterConfig
 from dsl_lit.scaling.planner.layout import V3_RECIPE, PlanLayout
@@ -58,42 +56,37 @@ class ParamCounts:
         return ParamCounts(self.dense + other.dense, self.experts + other.experts)
 
 
-def attention_of(cfg: ModelConfig) -> AttentionShape:
-    """The attention kind of ``cfg``'s family, which answers the shape questions below."""
-    return spec_of(cfg).composition.attention
-
-
 def block_params(cfg: ModelConfig, layer_id: int, layout: PlanLayout) -> ParamCounts:
     """One block's parameters on one GPU (``layer_id >= n_layers``: an MTP block)."""
-    tp = layout.tp
-    norms = 2 * cfg.d_model + attention_of(cfg).norm_params(cfg)
+    tp = layout.parallel.tp
+    norms = 2 * cfg.d_model + cfg.attention_shape.norm_params(cfg)
     dense = attention_params(cfg) / tp + norms
     if cfg.is_moe_layer(layer_id):
         dense += cfg.d_model * cfg.n_routed_experts + 3 * cfg.d_model * cfg.moe_ffn_hidden * cfg.n_shared_experts / tp
         routed = 3 * cfg.d_model * cfg.moe_ffn_hidden * cfg.n_routed_experts
-        return ParamCounts(dense, routed / (layout.ep if layout.ep > 1 else tp))
+        return ParamCounts(dense, routed / (layout.parallel.ep if layout.parallel.ep > 1 else tp))
     return ParamCounts(dense + 3 * cfg.d_model * cfg.ffn_hidden / tp, 0.0)
 
 
 def stage_layers_of(cfg: ModelConfig, layout: PlanLayout) -> list[list[int]]:
-    return split_layers(cfg, layout.n_stages) if layout.pp > 1 else [list(range(cfg.n_layers))]
+    return split_layers(cfg, layout.n_stages) if layout.parallel.pp > 1 else [list(range(cfg.n_layers))]
 
 
 def stages_on_rank(rank: int, layout: PlanLayout) -> list[int]:
-    if layout.pp == 1:
+    if layout.parallel.pp == 1:
         return [0]
-    if layout.pp_schedule == "DualPipe":  # both directions: stage r of one, stage pp-1-r of the other
-        return [rank, layout.pp - 1 - rank]
-    if layout.pp_schedule in ("GPipe", "1F1B", "ZB1P"):
+    if layout.parallel.pp_schedule == "DualPipe":  # both directions: stage r of one, stage pp-1-r of the other
+        return [rank, layout.parallel.pp - 1 - rank]
+    if layout.parallel.pp_schedule in ("GPipe", "1F1B", "ZB1P"):
         return [rank]
-    return stages_of_rank(rank, layout.pp, layout.chunks_per_rank, layout.pp_schedule)
+    return stages_of_rank(rank, layout.parallel.pp, layout.chunks_per_rank, layout.parallel.pp_schedule)
 
 
 def stage_params(cfg: ModelConfig, layout: PlanLayout, layers: list[int], first: bool, last: bool) -> ParamCounts:
     counts = ParamCounts()
     for i in layers:
         counts = counts + block_params(cfg, i, layout)
-    vocab = cfg.d_model * cfg.vocab_size / layout.tp
+    vocab = cfg.d_model * cfg.vocab_size / layout.parallel.tp
     if first:
         counts.dense += vocab
     if last:
@@ -118,10 +111,10 @@ def optimizer_shard(params: ParamCounts, layout: PlanLayout) -> float:
     """Parameters whose master weights and moments this GPU keeps: ZeRO-1 divides each by the
     ranks holding a replica (dp; dp / ep for routed experts; twice that under DualPipe, whose
     stages live on two ranks)."""
-    if not layout.zero1:
+    if not layout.parallel.zero1:
         return params.dense + params.experts
-    copies = 2 if layout.pp_schedule == "DualPipe" else 1
-    return params.dense / (layout.dp * copies) + params.experts / (max(1, layout.dp // layout.ep) * copies)
+    copies = 2 if layout.parallel.pp_schedule == "DualPipe" else 1
+    return params.dense / (layout.parallel.dp * copies) + params.experts / (max(1, layout.parallel.dp // layout.parallel.ep) * copies)
 
 
 # -- activations ------------------------------------------------------------------------------------
@@ -131,12 +124,12 @@ def attention_activations(cfg: ModelConfig, mode: str, tp: int, sp: bool) -> flo
     h = cfg.n_heads / tp
     if mode == "full":
         return d
-    return attention_of(cfg).activation_elements(cfg, mode, h, d, tp)
+    return cfg.attention_shape.activation_elements(cfg, mode, h, d, tp)
 
 
 def ffn_activations(cfg: ModelConfig, layer_id: int, mode: str, layout: PlanLayout, dtype_bytes: int) -> float:
     """Elements per token one FFN sub-block keeps (the residual stream at its input included)."""
-    tp, sp = layout.tp, layout.sequence_parallel
+    tp, sp = layout.parallel.tp, layout.parallel.sequence_parallel
     d = cfg.d_model / (tp if sp else 1)
     if mode == "full":
         return 0.0  # the block's input is counted once, with attention
@@ -145,7 +138,7 @@ def ffn_activations(cfg: ModelConfig, layer_id: int, mode: str, layout: PlanLayo
         # selective: w1, w3 and w2 outputs; none: h, norm output, w1, silu, w3, product
         return 2 * f + d if mode == "selective" else 2 * d + 4 * f
     k, e = cfg.n_activated_experts, cfg.n_routed_experts
-    f_routed = cfg.moe_ffn_hidden / (1 if layout.ep > 1 else tp)
+    f_routed = cfg.moe_ffn_hidden / (1 if layout.parallel.ep > 1 else tp)
     f_shared = cfg.n_shared_experts * cfg.moe_ffn_hidden / tp
     router = 3 * e * FP32 / dtype_bytes  # fp32 logits, scores, biased scores
     if mode == "selective":  # router logits; grouped w1/w3, w2 outputs; shared w1/w3, w2 outputs
@@ -172,18 +165,18 @@ def deepseek_v3_activations(cfg: ModelConfig, layer_id: int, layout: PlanLayout)
       gradient comes from tensors already kept and expert outputs are not stored.
 
     Without FP8 the same tensors are kept in the compute dtype."""
-    tp, sp = layout.tp, layout.sequence_parallel
+    tp, sp = layout.parallel.tp, layout.parallel.sequence_parallel
     act = compute_bytes(layout)
     fp8 = layout.precision == "fp8"
     linear_in, attention_out = (FP8_TILE, E5M6_TILE) if fp8 else (act, act)
     d = cfg.d_model / (tp if sp else 1)
     h = cfg.n_heads / tp
-    kept, out = attention_of(cfg).recipe_kept_elements(cfg, h, tp)
+    kept, out = cfg.attention_shape.recipe_kept_elements(cfg, h, tp)
     attention = (d + kept) * act + out * attention_out + h * FP32
     ffn = d * act
     if not cfg.is_moe_layer(layer_id):
         return attention + ffn + 2 * cfg.ffn_hidden / tp * linear_in
-    k, f_routed = cfg.n_activated_experts, cfg.moe_ffn_hidden / (1 if layout.ep > 1 else tp)
+    k, f_routed = cfg.n_activated_experts, cfg.moe_ffn_hidden / (1 if layout.parallel.ep > 1 else tp)
     f_shared = cfg.n_shared_experts * cfg.moe_ffn_hidden / tp
     ffn += cfg.n_routed_experts * FP32 + k * (FP32 + 8)  # scores; top-k weights (fp32) and indices (int64)
     ffn += k * (cfg.d_model + 2 * f_routed) * linear_in + 2 * f_shared * linear_in
@@ -195,7 +188,7 @@ def block_activations(cfg: ModelConfig, layer_id: int, mode: str, layout: PlanLa
     if mode == V3_RECIPE:
         return deepseek_v3_activations(cfg, layer_id, layout)
     size = compute_bytes(layout)
-    elements = attention_activations(cfg, mode, layout.tp, layout.sequence_parallel)
+    elements = attention_activations(cfg, mode, layout.parallel.tp, layout.parallel.sequence_parallel)
     elements += ffn_activations(cfg, layer_id, mode, layout, size)
     return elements * size
 
@@ -206,10 +199,10 @@ def in_flight(rank: int, layout: PlanLayout) -> float:
     1F1B / ZB1P: pp - rank warm-up micro-batches; GPipe: all m; Interleaved1F1B with v chunks:
     Megatron's pp v + pp - 1 - 2 rank; DualPipe: pp + 1 stage-micro-batches (DeepSeek-V3's table),
     DualPipeV: 2 pp + 1 half-stage chunks (the same table with PP = 2 pp stages)."""
-    pp, m, v = layout.pp, layout.micro_batches, layout.chunks_per_rank
+    pp, m, v = layout.parallel.pp, layout.micro_batches, layout.chunks_per_rank
     if pp == 1:
         return 1.0
-    schedule = layout.pp_schedule
+    schedule = layout.parallel.pp_schedule
     if schedule == "GPipe":
         return float(m * v)
     if schedule in ("1F1B", "ZB1P"):
@@ -227,7 +220,7 @@ def moe_buffers(cfg: ModelConfig, layout: PlanLayout) -> float:
     run a forward and a backward chunk's all-to-alls at once, so twice that."""
     tokens = layout.micro_batch_size * layout.seq_len
     dispatch = FP8_TILE if layout.precision == "fp8" else compute_bytes(layout)
-    overlapped = layout.pp > 1 and layout.pp_schedule in ("DualPipe", "DualPipeV")
+    overlapped = layout.parallel.pp > 1 and layout.parallel.pp_schedule in ("DualPipe", "DualPipeV")
     copies = tokens * cfg.n_activated_experts * cfg.d_model
     return copies * (dispatch + compute_bytes(layout)) * (2 if overlapped else 1)
 
@@ -267,7 +260,7 @@ def estimate_memory(cfg: ModelConfig, layout: PlanLayout, cluster: ClusterConfig
     master_bytes = 0 if fp32 else FP32
     moment_bytes = 2 * (FP32 if layout.moments_dtype == "fp32" else 2)
     estimates = []
-    for rank in range(layout.pp):
+    for rank in range(layout.parallel.pp):
         stages = stages_on_rank(rank, layout)
         params = rank_params(cfg, layout, rank)
         n = params.dense + params.experts
@@ -278,7 +271,7 @@ def estimate_memory(cfg: ModelConfig, layout: PlanLayout, cluster: ClusterConfig
         depth = cfg.mtp_modules
         logits = 0.0
         if holds_last:
-            head = tokens * cfg.vocab_size / layout.tp * size * (1 + depth)
+            head = tokens * cfg.vocab_size / layout.parallel.tp * size * (1 + depth)
             mtp = sum(tokens * block_activations(cfg, cfg.n_layers + k, layout.recompute, layout) for k in range(depth))
             logits = head + mtp + tokens * 2 * cfg.d_model * size  # final norm input and output
         rank_layers = [i for s in stages for i in stage_layers[s]]

@@ -3,7 +3,6 @@ and the search for the fastest layout that fits."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +36,7 @@ class Plan:
     @property
     def tokens_per_gpu_per_s(self) -> float:
         tokens = self.layout.global_batch_size * self.layout.seq_len
-        return tokens / self.step.total / self.layout.world_size
+        return tokens / self.step.total / self.layout.parallel.world_size
 
     @property
     def mfu(self) -> float:
@@ -54,8 +53,8 @@ class Plan:
         return {
             "model": self.model.name,
             "cluster": self.cluster.name,
-            "gpus": self.layout.world_size,
-            "layout": dataclasses.asdict(self.layout),
+            "gpus": self.layout.parallel.world_size,
+            "layout": self.layout.to_dict(),
             "runtime_issue": self.layout.runtime_issue(self.model),
             "memory_per_gpu_gib": self.memory_per_gpu_gib,
             "memory_breakdown_gib": self.memory.gib(),
@@ -70,9 +69,10 @@ class Plan:
     def table(self) -> str:
         """A human-readable summary: layout, memory and time breakdowns, headline figures."""
         lay = self.layout
+        par = lay.parallel
         lines = [
-            f"{self.model.name} on {lay.world_size} x {self.cluster.gpu} ({self.cluster.name})",
-            f"layout: dp {lay.dp} x tp {lay.tp} x pp {lay.pp} (ep {lay.ep}), {lay.pp_schedule}, zero1={lay.zero1}, "
+            f"{self.model.name} on {par.world_size} x {self.cluster.gpu} ({self.cluster.name})",
+            f"layout: dp {par.dp} x tp {par.tp} x pp {par.pp} (ep {par.ep}), {par.pp_schedule}, zero1={par.zero1}, "
             f"{lay.micro_batches} micro-batches of {lay.micro_batch_size} x {lay.seq_len}, recompute {lay.recompute}, "
             f"{lay.precision}",
         ]
@@ -121,9 +121,9 @@ def search_layouts(model: ModelConfig, base: PlanLayout, cluster: ClusterConfig,
         dp = ParallelLayout.derive_dp(world, tp, pp)
         eps = [e for e in _divisors(dp) if model.is_moe and model.n_routed_experts % e == 0] or [1]
         for ep in eps:
-            layout = dataclasses.replace(base, dp=dp, tp=tp, pp=pp, ep=ep, pp_schedule=schedule, recompute=recompute,
-                                         micro_batch_size=micro,
-                                         pp_virtual_stages=2 if schedule in ("Interleaved1F1B", "DualPipeV") else 1)
+            layout = base.replace(dp=dp, tp=tp, pp=pp, ep=ep, pp_schedule=schedule, recompute=recompute,
+                                  micro_batch_size=micro,
+                                  pp_virtual_stages=2 if schedule in ("Interleaved1F1B", "DualPipeV") else 1)
             try:
                 plan = make_plan(model, layout, cluster)
             except (ConfigError, ValueError):

@@ -16,8 +16,8 @@ def search_table(plans: list[Plan]) -> str:
     lines = [f"{'dp':>5}{'tp':>4}{'pp':>4}{'ep':>4} {'schedule':<16}{'recompute':<10}{'mb':>3}{'GiB':>7}{'step s':>8}"
              f"{'tok/GPU/s':>10}{'MFU':>7}{'GPU-h/T':>9}"]
     for p in plans:
-        lay = p.layout
-        lines.append(f"{lay.dp:>5}{lay.tp:>4}{lay.pp:>4}{lay.ep:>4} {lay.pp_schedule:<16}{lay.recompute:<10}"
+        lay, par = p.layout, p.layout.parallel
+        lines.append(f"{par.dp:>5}{par.tp:>4}{par.pp:>4}{par.ep:>4} {par.pp_schedule:<16}{lay.recompute:<10}"
                      f"{lay.micro_batch_size:>3}{p.memory_per_gpu_gib:>7.1f}{p.step.total:>8.2f}"
                      f"{p.tokens_per_gpu_per_s:>10.0f}{p.mfu:>7.1%}{p.gpu_hours_per_trillion_tokens:>9.0f}")
     return "\n".join(lines)

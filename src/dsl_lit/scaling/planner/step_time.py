@@ -55,7 +55,6 @@ from dsl_lit.scaling.planner.layout import V3_RECIPE, PlanLayout
 from dsl_lit.scaling.planner.memory import (
     FP8_TILE,
     FP32,
-    attention_of,
     block_activations,
     compute_bytes,
     optimizer_shard,
@@ -108,15 +107,15 @@ def _fp8_cast_bytes(cfg: ModelConfig, layer_id: int, layout: PlanLayout) -> tupl
     (each routed copy), ``grads`` linear outputs whose gradient is cast."""
     if layout.precision != "fp8":
         return 0.0, 0.0
-    tp, d = layout.tp, cfg.d_model
+    tp, d = layout.parallel.tp, cfg.d_model
     h = cfg.n_heads / tp
-    inputs, grads = attention_of(cfg).fp8_cast_elements(cfg, h, d, tp)
+    inputs, grads = cfg.attention_shape.fp8_cast_elements(cfg, h, d, tp)
     retiled = inputs
     if not cfg.is_moe_layer(layer_id):
         f = cfg.ffn_hidden / tp
         inputs, retiled, grads = inputs + d + f, retiled + d + f, grads + 2 * f + d
     else:
-        k, f_routed = cfg.n_activated_experts, cfg.moe_ffn_hidden / (1 if layout.ep > 1 else tp)
+        k, f_routed = cfg.n_activated_experts, cfg.moe_ffn_hidden / (1 if layout.parallel.ep > 1 else tp)
         f_shared = cfg.n_shared_experts * cfg.moe_ffn_hidden / tp
         inputs += d + f_shared + k * f_routed
         retiled += d + f_shared + k * (d + f_routed)
@@ -127,12 +126,12 @@ def _fp8_cast_bytes(cfg: ModelConfig, layer_id: int, layout: PlanLayout) -> tupl
 
 def _up_projection_params(cfg: ModelConfig) -> float:
     """The up-projection weights (MLA's query and key/value) that ``deepseek_v3`` recomputes."""
-    return attention_of(cfg).up_projection_params(cfg)
+    return cfg.attention_shape.up_projection_params(cfg)
 
 
 def _block_attention_flops(cfg: ModelConfig, seq_len: int) -> float:
     """Forward FLOPs per token of scores and values, without causal halving (as ``dsl_lit.flops``)."""
-    qk, v = attention_of(cfg).score_dims(cfg)
+    qk, v = cfg.attention_shape.score_dims(cfg)
     return 2.0 * cfg.n_heads * (qk + v) * seq_len
 
 
@@ -146,16 +145,16 @@ def _bandwidth(cluster: ClusterConfig, group: int, span: int) -> float:
 
 def _all_to_all_seconds(cfg: ModelConfig, layout: PlanLayout, cluster: ClusterConfig, tokens: int) -> float:
     """One MoE layer's four all-to-alls (dispatch, combine; forward and backward) for ``tokens``."""
-    if layout.ep == 1 or not cfg.is_moe:
+    if layout.parallel.ep == 1 or not cfg.is_moe:
         return 0.0
     eff, d, k = cluster.efficiency, cfg.d_model, cfg.n_activated_experts
     dispatch = 1 + 4 / 128 if layout.precision == "fp8" else 2  # FP8 values + one fp32 scale per 128
     per_copy = (dispatch + 2) * d * 2  # dispatch + combine, forward and backward
-    span = layout.tp * layout.ep  # ep ranks are dp ranks, tp apart
+    span = layout.parallel.tp * layout.parallel.ep  # ep ranks are dp ranks, tp apart
     nodes = max(1, span // cluster.gpus_per_node)
     nvlink = cluster.nvlink_gbps * 1e9 * eff.nvlink
     if nodes == 1:
-        return tokens * k * (layout.ep - 1) / layout.ep * per_copy / nvlink
+        return tokens * k * (layout.parallel.ep - 1) / layout.parallel.ep * per_copy / nvlink
     limited = cfg.n_expert_groups == nodes and cfg.n_limited_groups < cfg.n_expert_groups
     per_token_nodes = cfg.n_limited_groups if limited else min(k, nodes)
     ib_copies = per_token_nodes * (nodes - 1) / nodes
@@ -166,20 +165,20 @@ def _all_to_all_seconds(cfg: ModelConfig, layout: PlanLayout, cluster: ClusterCo
 def estimate_step_time(cfg: ModelConfig, layout: PlanLayout, cluster: ClusterConfig) -> StepTime:
     eff = cluster.efficiency
     tokens = layout.micro_batch_size * layout.seq_len
-    tp, size = layout.tp, compute_bytes(layout)
+    tp, size = layout.parallel.tp, compute_bytes(layout)
     gemm_peak = cluster.peak_flops(_gemm_dtype(layout)) * eff.gemm
     block_peak = cluster.peak_flops("fp8") * eff.fp8_gemm if layout.precision == "fp8" else gemm_peak
     attention_peak = cluster.peak_flops(_gemm_dtype(layout)) * eff.attention
     hbm = cluster.hbm_tbps * 1e12 * eff.hbm
-    overlapped = layout.pp_schedule in ("DualPipe", "DualPipeV") and layout.pp > 1
-    slowdown = cluster.sms / (cluster.sms - cluster.comm_sms) if overlapped and layout.ep > 1 else 1.0
+    overlapped = layout.parallel.pp_schedule in ("DualPipe", "DualPipeV") and layout.parallel.pp > 1
+    slowdown = cluster.sms / (cluster.sms - cluster.comm_sms) if overlapped and layout.parallel.ep > 1 else 1.0
     tp_bw = _bandwidth(cluster, tp, 1)
     tp_seconds_per_block = 4 * 2 * (tp - 1) / tp * tokens * cfg.d_model * size / tp_bw * (1 - eff.tp_overlap)
 
     stage_layers = stage_layers_of(cfg, layout)
     last = len(stage_layers) - 1
     ranks = []
-    for rank in range(layout.pp):
+    for rank in range(layout.parallel.pp):
         stages = stages_on_rank(rank, layout)
         blocks = [i for s in stages for i in stage_layers[s]]
         if last in stages:
@@ -209,14 +208,14 @@ def estimate_step_time(cfg: ModelConfig, layout: PlanLayout, cluster: ClusterCon
 
     m = layout.micro_batches
     chunks = layout.chunks_per_rank
-    passes = m / 2 if layout.pp_schedule == "DualPipe" else m  # each of DualPipe's two chunks sees half
+    passes = m / 2 if layout.parallel.pp_schedule == "DualPipe" else m  # each of DualPipe's two chunks sees half
     if overlapped:  # a chunk's all-to-all runs under the paired chunk's compute
         ep_exposed = max(0.0, ep_comm - (forward + backward))
     else:
         ep_exposed = ep_comm
     pp_boundary = 0.0
-    if layout.pp > 1:
-        pp_bw = _bandwidth(cluster, layout.pp, layout.tp * layout.dp)
+    if layout.parallel.pp > 1:
+        pp_bw = _bandwidth(cluster, layout.parallel.pp, layout.parallel.tp * layout.parallel.dp)
         pp_boundary = 0.0 if overlapped else 2 * chunks * tokens * cfg.d_model * size / pp_bw
     f, b, w = ((forward + tp_comm / 2) / chunks, (backward + tp_comm / 2) / chunks, weight_grad / chunks)
     bubble = _bubble(layout, f, b, w)
@@ -225,12 +224,12 @@ def estimate_step_time(cfg: ModelConfig, layout: PlanLayout, cluster: ClusterCon
     params = rank_params(cfg, layout, busiest)
     dense_params, expert_params = params.dense, params.experts
     dp_comm = 0.0
-    for count, group in ((dense_params, layout.dp), (expert_params, max(1, layout.dp // layout.ep))):
+    for count, group in ((dense_params, layout.parallel.dp), (expert_params, max(1, layout.parallel.dp // layout.parallel.ep))):
         if group == 1 or count == 0:
             continue
-        bw = _bandwidth(cluster, group, layout.tp)
+        bw = _bandwidth(cluster, group, layout.parallel.tp)
         fraction = (group - 1) / group
-        if layout.zero1:
+        if layout.parallel.zero1:
             reduce_scatter = fraction * count * FP32 / bw
             all_gather = fraction * count * (FP32 if layout.precision == "fp32" else 2) / bw
             dp_comm += max(0.0, reduce_scatter - backward / chunks) + all_gather
@@ -250,10 +249,10 @@ def estimate_step_time(cfg: ModelConfig, layout: PlanLayout, cluster: ClusterCon
 
 def _bubble(layout: PlanLayout, f: float, b: float, w: float) -> float:
     """Idle time of a rank per step, per schedule (f, b, w: one chunk's times)."""
-    pp = layout.pp
+    pp = layout.parallel.pp
     if pp == 1:
         return 0.0
-    schedule = layout.pp_schedule
+    schedule = layout.parallel.pp_schedule
     if schedule in ("GPipe", "1F1B", "Interleaved1F1B"):
         return (pp - 1) * (f + b)  # per chunk: Interleaved's (pp-1)(F+B)/v
     if schedule == "ZB1P":

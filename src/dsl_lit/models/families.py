@@ -1,0 +1,86 @@
+"""The family table: every family id (``ModelConfig.family``) and its card, without torch.
+
+A family's card (:class:`FamilyCard`, ``CARD`` in the module :data:`_FAMILY_CARDS` names) says what
+a config needs to know about the family: its presets, the checks of its fields, its attention
+shape (``models/common/attention_shape.py``), whether it has a router and MTP. It imports no
+torch, so ``dsl_lit.config`` builds and validates a ``ModelConfig`` through it without loading the
+model code. What the family builds (its modules, tensor-parallel plan, Hugging Face adapters) is
+its ``FamilySpec`` (``dsl_lit.models.registry``), in the module the card names.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.config.model import ModelConfig
+from dsl_lit.models.common.attention_shape import AttentionShape
+
+_FAMILY_CARDS: dict[str, str] = {
+    "deepseek_llm": "dsl_lit.models.deepseek_llm.card",
+    "deepseek_v3": "dsl_lit.models.deepseek_v3.card",
+    "deepseek_v2": "dsl_lit.models.deepseek_v3.v2_card",
+}
+"""Family id -> the module holding its ``CARD``."""
+
+DEFAULT_FAMILY = "deepseek_llm"
+"""The family of a ``ModelConfig()`` that names none."""
+
+
+@dataclass(frozen=True)
+class FamilyCard:
+    """What a config needs to know about one model family (no torch)."""
+
+    name: str
+    """The family id, ``ModelConfig.family``."""
+    presets: Mapping[str, Mapping[str, Any]]
+    """Preset name -> field values (``ModelConfig.from_name``; the family is added)."""
+    base_preset: str
+    """The preset a config from elsewhere (a Hugging Face directory) is recorded under, every field
+    overridden, so that ``ModelConfig.from_name`` rebuilds it."""
+    attention: AttentionShape
+    """The shape of its attention (the module its spec builds answers the same)."""
+    moe: bool
+    """Whether blocks from ``n_dense_layers`` on are DeepSeekMoE (the spec's composition has a router)."""
+    mtp: bool
+    """Whether the family builds ``mtp_depth`` multi-token-prediction modules (else it ignores the field)."""
+    validate: Callable[[ModelConfig, str], None]
+    """Raise ConfigError naming ``<prefix>.<field>`` for the family's fields (the fields every family
+    shares are checked by ``ModelConfig.validate``)."""
+    spec_module: str
+    """The module holding the family's ``SPEC`` (``dsl_lit.models.registry.FamilySpec``; imports torch)."""
+
+
+def family_names() -> tuple[str, ...]:
+    return tuple(_FAMILY_CARDS)
+
+
+@cache
+def _load(name: str) -> FamilyCard:
+    card = importlib.import_module(_FAMILY_CARDS[name]).CARD
+    if not isinstance(card, FamilyCard) or card.name != name:
+        raise TypeError(f"{_FAMILY_CARDS[name]}.CARD must be the FamilyCard named {name!r}")
+    return card
+
+
+def family_card(name: str, prefix: str = "model") -> FamilyCard:
+    """The card of family ``name``; ConfigError naming ``<prefix>.family`` if there is none."""
+    if name not in _FAMILY_CARDS:
+        raise ConfigError(f"{prefix}.family={name!r} is unknown; choose one of {family_names()}")
+    return _load(name)
+
+
+@cache
+def presets() -> dict[str, dict[str, Any]]:
+    """Every family's presets: name -> field values, ``family`` included."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in family_names():
+        for preset, values in _load(name).presets.items():
+            if preset in out:
+                raise ValueError(f"preset {preset!r} is defined by two families ({out[preset]['family']}, {name})")
+            out[preset] = {"family": name, **values}
+    return out
