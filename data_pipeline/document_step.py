@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from data_pipeline.shard_io import REMOVED_SCHEMA, removed_file, shard_file, table_of, write_table
+from data_pipeline.io.shards import REMOVED_SCHEMA, removed_file, shard_file, table_of, write_table
 
 
 @dataclass

@@ -23,10 +23,10 @@ import datasets
 from data_pipeline import peak_memory
 from data_pipeline.config import PipelineConfig
 from data_pipeline.executors import Executor, make_executor
-from data_pipeline.ingest import InputFiles, file_identities, find_inputs, input_listing, plan_units
-from data_pipeline.input_splits import CACHE_FILE
-from data_pipeline.output_dir import MARKER, claim_output_dir
-from data_pipeline.shard_io import marker_path, write_json
+from data_pipeline.stages.ingest import InputFiles, file_identities, find_inputs, input_listing, plan_units
+from data_pipeline.io.input_splits import CACHE_FILE
+from data_pipeline.io.output_dir import MARKER, claim_output_dir
+from data_pipeline.io.shards import marker_path, write_json
 from data_pipeline.stage import Step
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.data.corpus import listing_digest

@@ -1,7 +1,7 @@
 """Stage ``language_filter``: keep documents in the listed languages, scored by py3langid.
 
 Why py3langid: its naive Bayes model ships inside the pip package (no download at run time) and it
-needs only numpy; :mod:`data_pipeline.language_id` runs it on a whole batch at once with the same
+needs only numpy; :mod:`data_pipeline.filters.language_id` runs it on a whole batch at once with the same
 answers and scores. Kept documents carry ``language`` and ``language_score`` columns.
 """
 
@@ -14,8 +14,8 @@ from typing import Any
 import pyarrow as pa
 
 from data_pipeline.document_step import Verdicts, map_documents, write_split
-from data_pipeline.language_id import batch_identifier
-from data_pipeline.shard_io import read_documents, shard_file
+from data_pipeline.filters.language_id import batch_identifier
+from data_pipeline.io.shards import read_documents, shard_file
 from data_pipeline.stage import Stage, Step, check_fraction
 from dsl_lit.config.errors import ConfigError
 

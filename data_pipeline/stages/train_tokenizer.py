@@ -3,7 +3,7 @@
 Why specs: a tokenizer meant to stand in for DeepSeek's must pre-tokenize, decode and place its
 added tokens exactly as the release does; only the vocabulary and merges are learned from the
 corpus. ``tokenizer.spec`` picks the released DeepSeek LLM or DeepSeek-V3 spec
-(``data_pipeline/tokenizer_spec.py``), or ``bundled``: the demo's own pre-tokenizer (below) and 15
+(``data_pipeline/tokenizer/spec.py``), or ``bundled``: the demo's own pre-tokenizer (below) and 15
 special tokens at ids 0..14. The output directory loads with
 ``transformers.AutoTokenizer.from_pretrained`` (no transformers import is needed here) and carries
 ``meta.json`` with the ids and the padded embedding size the model needs. Stage
@@ -26,9 +26,9 @@ from typing import Any
 import pyarrow.parquet as pq
 from tokenizers import Regex, pre_tokenizers, trainers
 
-from data_pipeline.shard_io import building_dir, shard_file
+from data_pipeline.io.shards import building_dir, shard_file
 from data_pipeline.stage import Stage, Step
-from data_pipeline.tokenizer_spec import (
+from data_pipeline.tokenizer.spec import (
     BUNDLED,
     SPEC_NAMES,
     TokenizerSpec,

@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from data_pipeline.dedup_apply import mark_duplicates
-from data_pipeline.doc_keys import column_of_keys, make_keys, shard_of
-from data_pipeline.shard_io import shard_file, write_npy
+from data_pipeline.dedup.apply import mark_duplicates
+from data_pipeline.dedup.doc_keys import column_of_keys, make_keys, shard_of
+from data_pipeline.io.shards import shard_file, write_npy
 from data_pipeline.stage import Stage, Step
 from dsl_lit.config.errors import ConfigError
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from data_pipeline.document_step import Verdicts, map_documents, text_bytes, write_split
-from data_pipeline.shard_io import read_documents, shard_file, table_of
+from data_pipeline.io.shards import read_documents, shard_file, table_of
 from data_pipeline.stage import Stage, Step
 from dsl_lit.config.errors import ConfigError
 

@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from data_pipeline.dedup_apply import mark_duplicates
-from data_pipeline.doc_keys import make_keys, row_of
-from data_pipeline.lsh_bands import lsh_shape
-from data_pipeline.minhash import EMPTY, MinHasher, band_hashes
-from data_pipeline.near_dedup_cluster import cluster_unit, duplicates_of_shard, merge_unit, split_by_partition
-from data_pipeline.near_dedup_index import (
+from data_pipeline.dedup.apply import mark_duplicates
+from data_pipeline.dedup.doc_keys import make_keys, row_of
+from data_pipeline.dedup.lsh_bands import lsh_shape
+from data_pipeline.dedup.minhash import EMPTY, MinHasher, band_hashes
+from data_pipeline.dedup.near_dedup_cluster import cluster_unit, duplicates_of_shard, merge_unit, split_by_partition
+from data_pipeline.dedup.near_dedup_index import (
     INDEX_DIR,
     NearDedupIndex,
     index_key_offsets,
@@ -30,7 +30,7 @@ from data_pipeline.near_dedup_index import (
     load_indexes,
     write_index,
 )
-from data_pipeline.shard_io import shard_file, write_npy
+from data_pipeline.io.shards import shard_file, write_npy
 from data_pipeline.stage import Stage, Step, check_fraction
 from dsl_lit.config.errors import ConfigError
 

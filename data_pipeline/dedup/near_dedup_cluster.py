@@ -21,15 +21,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from data_pipeline.doc_keys import ROW_BITS, column_of_keys
-from data_pipeline.lsh_bands import lsh_shape
-from data_pipeline.minhash import jaccard_of_signatures, mix64, shingle_hashes
-from data_pipeline.near_dedup_index import NearDedupIndex, index_key_offsets, index_row, load_indexes
-from data_pipeline.shard_io import read_marker, write_npy, write_table
-from data_pipeline.union_find import connected_components
+from data_pipeline.dedup.doc_keys import ROW_BITS, column_of_keys
+from data_pipeline.dedup.lsh_bands import lsh_shape
+from data_pipeline.dedup.minhash import jaccard_of_signatures, mix64, shingle_hashes
+from data_pipeline.dedup.near_dedup_index import NearDedupIndex, index_key_offsets, index_row, load_indexes
+from data_pipeline.io.shards import read_marker, write_npy, write_table
+from data_pipeline.dedup.union_find import connected_components
 
 if TYPE_CHECKING:
-    from data_pipeline.near_dedup import NearDedupConfig
+    from data_pipeline.stages.near_dedup import NearDedupConfig
 
 DUPLICATES_FILE = "duplicates.parquet"
 

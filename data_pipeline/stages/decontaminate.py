@@ -34,11 +34,11 @@ import pyarrow.parquet as pq
 import yaml
 
 from data_pipeline.document_step import Verdicts, write_split
-from data_pipeline.shard_io import read_documents, shard_file
+from data_pipeline.io.shards import read_documents, shard_file
 from data_pipeline.stage import Stage, Step
 from dsl_lit.config.errors import ConfigError
 
-BUNDLED_TASKS = Path(__file__).resolve().parents[1] / "data" / "eval_tasks"
+BUNDLED_TASKS = Path(__file__).resolve().parents[2] / "data" / "eval_tasks"
 """The project's own lm-eval tasks: the default evaluation sets."""
 _WORD = re.compile(r"[^\W_]+")
 

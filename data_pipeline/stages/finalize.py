@@ -11,7 +11,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from data_pipeline.shard_io import building_dir, link_or_copy, removed_file, shard_file
+from data_pipeline.io.shards import building_dir, link_or_copy, removed_file, shard_file
 from data_pipeline.stage import Stage, Step
 
 

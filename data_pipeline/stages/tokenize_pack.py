@@ -38,9 +38,9 @@ import numpy as np
 import pyarrow.compute as pc
 from tokenizers import Tokenizer
 
-from data_pipeline.fim import encode_documents, fim_token_ids, plan_document
-from data_pipeline.packed_writer import PackedShardWriter
-from data_pipeline.shard_io import building_dir, link_or_copy, read_documents, shard_file, table_of
+from data_pipeline.tokenizer.fim import encode_documents, fim_token_ids, plan_document
+from data_pipeline.io.packed_writer import PackedShardWriter
+from data_pipeline.io.shards import building_dir, link_or_copy, read_documents, shard_file, table_of
 from data_pipeline.stage import Stage, Step
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.data.format import (
@@ -125,7 +125,7 @@ def _mapped_batches(tokenized: datasets.Dataset) -> Iterator[tuple[np.ndarray, n
 
 @dataclass(frozen=True)
 class FIMSettings:
-    """``pack.fim_rate`` / ``fim_spm_rate`` / ``fim_seed`` (:mod:`data_pipeline.fim`)."""
+    """``pack.fim_rate`` / ``fim_spm_rate`` / ``fim_seed`` (:mod:`data_pipeline.tokenizer.fim`)."""
 
     rate: float = 0.0
     spm_rate: float = 0.0

@@ -23,7 +23,7 @@ from data_pipeline.filters.fineweb import FineWebConfig, fineweb
 from data_pipeline.filters.gopher_quality import GopherQualityConfig, gopher_quality_batch
 from data_pipeline.filters.gopher_repetition import GopherRepetitionConfig, gopher_repetition_batch
 from data_pipeline.filters.words import Words
-from data_pipeline.shard_io import read_documents, shard_file, table_of
+from data_pipeline.io.shards import read_documents, shard_file, table_of
 from data_pipeline.stage import Stage, Step
 
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from data_pipeline.doc_keys import make_keys
+from data_pipeline.dedup.doc_keys import make_keys
 from data_pipeline.document_step import Verdicts, write_split
-from data_pipeline.shard_io import read_documents, shard_file
+from data_pipeline.io.shards import read_documents, shard_file
 
 
 def mark_duplicates(

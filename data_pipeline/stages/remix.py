@@ -19,9 +19,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from data_pipeline.doc_keys import make_keys
+from data_pipeline.dedup.doc_keys import make_keys
 from data_pipeline.document_step import Verdicts, write_split
-from data_pipeline.shard_io import read_documents, shard_file, write_npy, write_table
+from data_pipeline.io.shards import read_documents, shard_file, write_npy, write_table
 from data_pipeline.stage import Stage, Step
 from dsl_lit.config.errors import ConfigError
 
