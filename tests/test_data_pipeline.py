@@ -22,8 +22,8 @@ import data_pipeline.stages.quality_filter as quality_filter
 from data_pipeline import registry
 from data_pipeline.config import load_config
 from data_pipeline.document_step import Verdicts, write_split
-from data_pipeline.runner import plan, run
 from data_pipeline.io.shards import read_documents, shard_file
+from data_pipeline.runner import plan, run
 from data_pipeline.stage import Stage, Step
 from dsl_lit.config.errors import ConfigError
 from tests.forked_python import run_python

@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from data_pipeline.context import Context
 from data_pipeline.document_step import Verdicts, write_split
 from data_pipeline.io.input_splits import json_line_ranges, parquet_row_ranges, scan_all
 from data_pipeline.stage import Stage, Step
@@ -317,7 +318,7 @@ def read_unit(cfg: InputConfig, unit: dict[str, Any]) -> _Collector:
     return out
 
 
-def run_unit(ctx: Any, unit: int) -> dict[str, Any]:
+def run_unit(ctx: Context, unit: int) -> dict[str, Any]:
     collected = read_unit(ctx.config, ctx.input_units[unit])
     schema = pa.schema([(k, pa.string()) for k in collected.rows])
     table = pa.Table.from_pydict(collected.rows, schema=schema)

@@ -13,6 +13,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from data_pipeline.context import Context
 from data_pipeline.document_step import Verdicts, map_documents, write_split
 from data_pipeline.filters.language_id import batch_identifier
 from data_pipeline.io.shards import read_documents, shard_file
@@ -49,7 +50,7 @@ def _identify_batch(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
     return {"language": [lang for lang, _ in found], "language_score": [s for _, s in found]}
 
 
-def run_unit(ctx: Any, unit: int) -> dict[str, Any]:
+def run_unit(ctx: Context, unit: int) -> dict[str, Any]:
     cfg: LanguageFilterConfig = ctx.config
     docs = read_documents(ctx.docs_dir / shard_file(unit))
     docs = map_documents(docs, _identify_batch, {"language": pa.string(), "language_score": pa.float64()})

@@ -26,6 +26,7 @@ from typing import Any
 import pyarrow.parquet as pq
 from tokenizers import Regex, pre_tokenizers, trainers
 
+from data_pipeline.context import Context
 from data_pipeline.io.shards import building_dir, shard_file
 from data_pipeline.stage import Stage, Step
 from data_pipeline.tokenizer.spec import (
@@ -236,7 +237,7 @@ def _kept_texts(kept_dir: Path, num_shards: int, counter: list[int]) -> Iterator
                 yield text
 
 
-def train_unit(ctx: Any, unit: int) -> dict[str, Any]:
+def train_unit(ctx: Context, unit: int) -> dict[str, Any]:
     cfg: TokenizerConfig = ctx.config
     counter = [0]
     start = time.perf_counter()
