@@ -65,7 +65,7 @@ def bench_pack(texts: list[str], spec: str, repeats: int, tmp: Path) -> list[str
     from tokenizers import Tokenizer
 
     from data_pipeline.stages.tokenize_pack import tokenize_pack
-    from data_pipeline.stages.train_tokenizer import tokenizer_spec, train_tokenizer
+    from data_pipeline.tokenizer.training import tokenizer_spec, train_tokenizer
 
     os.environ["TOKENIZERS_PARALLELISM"] = "true"
     tokenizer_dir = train_tokenizer(texts, 8192, tmp / "tokenizer", spec=tokenizer_spec(spec))

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 from data_pipeline.io.packed_writer import PackedShardWriter
 from data_pipeline.io.sources import load_documents
 from data_pipeline.stages.tokenize_pack import tokenize_pack
-from data_pipeline.stages.train_tokenizer import train_tokenizer
+from data_pipeline.tokenizer.training import train_tokenizer
 from dsl_lit.data.format import file_sha256, token_dtype
 from dsl_lit.data.packed import PackedTokens
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from data_pipeline.io.sources import load_documents
-from data_pipeline.stages.train_tokenizer import tokenizer_spec, train_tokenizer
+from data_pipeline.tokenizer.training import tokenizer_spec, train_tokenizer
 from dsl_lit.config import TrainConfig
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig

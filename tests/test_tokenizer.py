@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from data_pipeline.io.sources import load_documents
-from data_pipeline.stages.train_tokenizer import (
+from data_pipeline.tokenizer.training import (
     build_pre_tokenizer,
     padded_vocab_size,
     sample_texts,
