@@ -11,16 +11,23 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "dsl_lit"
 
 
-def _imports(path: Path, top_level_only: bool = False) -> set[str]:
+def _imports(path: Path, top_level_only: bool = False, run_time_only: bool = False) -> set[str]:
     """Every module a file imports (absolute names), at any depth (lazy imports included) or only
-    at module level."""
+    at module level; ``run_time_only``: less what sits under ``if TYPE_CHECKING:`` (names of types).
+    ``from data_pipeline import x`` counts as ``data_pipeline.x``."""
     names: set[str] = set()
     tree = ast.parse(path.read_text(encoding="utf-8"))
+    if run_time_only:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+                node.body = []
     for node in (tree.body if top_level_only else ast.walk(tree)):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
+            if node.module == "data_pipeline":
+                names.update(f"data_pipeline.{alias.name}" for alias in node.names)
     return names
 
 
@@ -127,23 +134,6 @@ PIPELINE_DSL_LIT_SURFACE = {
 }
 
 
-def _runtime_imports(path: Path) -> set[str]:
-    """Like ``_imports``, less what sits under ``if TYPE_CHECKING:``."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
-            node.body = []
-    names: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            if node.module == "data_pipeline":
-                names.update(f"data_pipeline.{alias.name}" for alias in node.names)
-    return names
-
-
 def test_pipeline_rooms_import_down_and_dsl_lit_only_its_surface():
     tier = {room: i for i, rooms in enumerate(PIPELINE_TIERS) for room in rooms}
     rooms = {p.name.removesuffix(".py") for p in PIPELINE.iterdir()
@@ -155,7 +145,7 @@ def test_pipeline_rooms_import_down_and_dsl_lit_only_its_surface():
         mine = parts[0].removesuffix(".py")
         if mine == "__init__":
             continue
-        for module in _runtime_imports(path):
+        for module in _imports(path, run_time_only=True):
             if module.startswith("data_pipeline."):
                 target = module.split(".")[1]
                 if target != mine and tier[target] < tier[mine]:
