@@ -64,8 +64,8 @@ def bench_pack(texts: list[str], spec: str, repeats: int, tmp: Path) -> list[str
     import pyarrow as pa
     from tokenizers import Tokenizer
 
-    from data_pipeline.tokenize_pack import tokenize_pack
-    from data_pipeline.train_tokenizer import tokenizer_spec, train_tokenizer
+    from data_pipeline.stages.tokenize_pack import tokenize_pack
+    from data_pipeline.tokenizer.training import tokenizer_spec, train_tokenizer
 
     os.environ["TOKENIZERS_PARALLELISM"] = "true"
     tokenizer_dir = train_tokenizer(texts, 8192, tmp / "tokenizer", spec=tokenizer_spec(spec))
@@ -108,11 +108,11 @@ def child(stage: str, texts_file: Path) -> None:
     import data_pipeline
 
     if stage == "quality":
-        from data_pipeline.quality_filter import QualityFilterConfig, _Judge
+        from data_pipeline.stages.quality_filter import QualityFilterConfig, _Judge
 
         fn = _Judge(QualityFilterConfig())
     else:
-        from data_pipeline.language_filter import _identify_batch as fn
+        from data_pipeline.stages.language_filter import _identify_batch as fn
     fn({"text": texts[:50]})  # lazy tables and models
     digest = hashlib.sha256()
     cpu, wall = time.process_time(), time.perf_counter()

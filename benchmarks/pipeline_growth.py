@@ -35,8 +35,8 @@ def measure(corpus: Path, output_dir: Path, num_proc: int, rows_per_shard: int) 
     """One pipeline run, timed step by step; per stage: documents in, wall seconds, peak MiB."""
     from data_pipeline.config import load_config
     from data_pipeline.executors.local import LocalExecutor
+    from data_pipeline.io.shards import read_marker
     from data_pipeline.runner import plan, run
-    from data_pipeline.shard_io import read_marker
 
     class TimedExecutor(LocalExecutor):
         def __init__(self, num_proc: int) -> None:

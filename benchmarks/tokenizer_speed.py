@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from data_pipeline.sources import load_documents
+from data_pipeline.io.sources import load_documents
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus"
 
@@ -27,7 +27,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         texts = list(load_documents(sorted(CORPUS.glob("*.jsonl.gz")), cache_dir=Path(tmp) / "hf")["text"])
         size = sum(len(t.encode("utf-8")) for t in texts) / 1e6
-        from data_pipeline.train_tokenizer import train_tokenizer
+        from data_pipeline.tokenizer.training import train_tokenizer
 
         start = time.perf_counter()
         out = train_tokenizer(texts, args.vocab, Path(tmp) / "tok", max_bytes=args.max_bytes or None)

@@ -55,7 +55,7 @@ def main(hydra_cfg: DictConfig) -> None:
 
 def refuse_dangling_output_dir(argv: list[str]) -> None:
     """Before Hydra (which creates ``<output_dir>/logs/`` first): a dangling-link output_dir is one line."""
-    from data_pipeline.output_dir import dangling_link_problem
+    from data_pipeline.io.output_dir import dangling_link_problem
 
     for arg in argv:
         if arg.startswith("output_dir="):

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from data_pipeline.executors import ExecutorConfig
-from data_pipeline.finalize import Finalize
-from data_pipeline.ingest import Ingest, InputConfig
 from data_pipeline.registry import STAGES
 from data_pipeline.stage import Stage
+from data_pipeline.stages.finalize import Finalize
+from data_pipeline.stages.ingest import Ingest, InputConfig
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.schema import dataclass_from_dict
 

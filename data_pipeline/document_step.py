@@ -18,7 +18,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from data_pipeline.shard_io import REMOVED_SCHEMA, removed_file, shard_file, table_of, write_table
+from data_pipeline.context import Context
+from data_pipeline.io.shards import REMOVED_SCHEMA, removed_file, shard_file, table_of, write_table
 
 
 @dataclass
@@ -68,7 +69,7 @@ def text_bytes(table: pa.Table) -> int:
 
 
 def write_split(
-    ctx: Any, unit: int, dataset: datasets.Dataset, verdicts: Verdicts, bytes_in: int | None = None
+    ctx: Context, unit: int, dataset: datasets.Dataset, verdicts: Verdicts, bytes_in: int | None = None
 ) -> dict[str, Any]:
     """Write ``shard-<unit>`` (kept rows) and ``removed-<unit>`` to the step dir; return the unit's counts.
 

@@ -6,16 +6,16 @@ and listing the classes explicitly keeps the set of stages greppable (no import-
 
 from __future__ import annotations
 
-from data_pipeline.decontaminate import Decontaminate
-from data_pipeline.exact_dedup import ExactDedup
-from data_pipeline.language_filter import LanguageFilter
-from data_pipeline.near_dedup import NearDedup
-from data_pipeline.normalize import Normalize
-from data_pipeline.quality_filter import QualityFilter
-from data_pipeline.remix import Remix
 from data_pipeline.stage import Stage
-from data_pipeline.tokenize_pack import TokenizePack
-from data_pipeline.train_tokenizer import TrainTokenizer
+from data_pipeline.stages.decontaminate import Decontaminate
+from data_pipeline.stages.exact_dedup import ExactDedup
+from data_pipeline.stages.language_filter import LanguageFilter
+from data_pipeline.stages.near_dedup import NearDedup
+from data_pipeline.stages.normalize import Normalize
+from data_pipeline.stages.quality_filter import QualityFilter
+from data_pipeline.stages.remix import Remix
+from data_pipeline.stages.tokenize_pack import TokenizePack
+from data_pipeline.stages.train_tokenizer import TrainTokenizer
 
 STAGES: dict[str, type[Stage]] = {
     stage.name: stage

@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from data_pipeline.shard_io import read_marker, write_json
+from data_pipeline.io.shards import read_marker, write_json
 
 STATS_FILE = "stats.json"
 _COUNTS = ("docs_in", "docs_out", "bytes_in", "bytes_out")

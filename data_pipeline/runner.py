@@ -14,7 +14,7 @@ import hashlib
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,36 +22,19 @@ import datasets
 
 from data_pipeline import peak_memory
 from data_pipeline.config import PipelineConfig
+from data_pipeline.context import Context
 from data_pipeline.executors import Executor, make_executor
-from data_pipeline.ingest import InputFiles, file_identities, find_inputs, input_listing, plan_units
-from data_pipeline.input_splits import CACHE_FILE
-from data_pipeline.output_dir import MARKER, claim_output_dir
-from data_pipeline.shard_io import marker_path, write_json
+from data_pipeline.io.input_splits import CACHE_FILE
+from data_pipeline.io.output_dir import MARKER, claim_output_dir
+from data_pipeline.io.shards import marker_path, write_json
 from data_pipeline.stage import Step
+from data_pipeline.stages.ingest import InputFiles, file_identities, find_inputs, input_listing, plan_units
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.data.corpus import listing_digest
 
 log = logging.getLogger(__name__)
 
 PIPELINE_VERSION = 1  # bump when a step's output format changes: older work directories are not reused
-
-
-@dataclass
-class Context:
-    """What a unit needs to run; picklable, so worker processes receive it whole."""
-
-    cfg: PipelineConfig
-    config: Any  # the settings of the stage this step belongs to
-    output_dir: Path
-    step_name: str
-    stage: str
-    step_dir: Path
-    docs_dir: Path | None  # the document shards this step reads (the latest document step's output)
-    dirs: dict[str, Path] = field(default_factory=dict)  # every earlier step's directory, by name
-    document_steps: list[tuple[str, str, Path]] = field(default_factory=list)  # (name, stage, dir)
-    num_shards: int = 0
-    input_units: list[dict[str, Any]] = field(default_factory=list)
-    corpus: dict[str, str] = field(default_factory=dict)  # the input's path and content fingerprint
 
 
 @dataclass

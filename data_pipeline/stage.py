@@ -11,10 +11,10 @@ marker and feed stats.json.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from data_pipeline.context import RunUnit
 from dsl_lit.config.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 class Step:
     name: str
     stage: str
-    run_unit: Callable[[Any, int], dict[str, Any]]
+    run_unit: RunUnit
     units: int | None = None  # None: one unit per document shard; else this many units
     writes_documents: bool = False  # the step's output shards are the next step's documents
     settings: Any = None  # what the outputs depend on besides the inputs (fingerprinted)
@@ -68,7 +68,7 @@ class Stage:
 
     def step(
         self,
-        run_unit: Callable[[Any, int], dict[str, Any]],
+        run_unit: RunUnit,
         part: str | None = None,
         units: int | None = None,
         writes_documents: bool = False,

@@ -13,7 +13,7 @@ import numpy as np
 
 
 def shingle_set(words: list[str], n: int = 5) -> set[tuple[str, ...]]:
-    """Word n-grams as data_pipeline.minhash shingles them (a shorter text is one shingle)."""
+    """Word n-grams as data_pipeline.dedup.minhash shingles them (a shorter text is one shingle)."""
     if len(words) < n:
         return {tuple(words)} if words else set()
     return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}

@@ -18,12 +18,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import data_pipeline.quality_filter as quality_filter
+import data_pipeline.stages.quality_filter as quality_filter
 from data_pipeline import registry
 from data_pipeline.config import load_config
 from data_pipeline.document_step import Verdicts, write_split
+from data_pipeline.io.shards import read_documents, shard_file
 from data_pipeline.runner import plan, run
-from data_pipeline.shard_io import read_documents, shard_file
 from data_pipeline.stage import Stage, Step
 from dsl_lit.config.errors import ConfigError
 from tests.forked_python import run_python

@@ -11,13 +11,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from data_pipeline.config import load_config
-from data_pipeline.lsh_bands import candidate_probability, choose_bands
-from data_pipeline.minhash import MinHasher, jaccard_of_signatures, shingle_hashes, words
-from data_pipeline.near_dedup_cluster import components, partition_of
+from data_pipeline.dedup.lsh_bands import candidate_probability, choose_bands
+from data_pipeline.dedup.minhash import MinHasher, jaccard_of_signatures, shingle_hashes, words
+from data_pipeline.dedup.near_dedup_cluster import components, partition_of
+from data_pipeline.dedup.union_find import connected_components
+from data_pipeline.io.shards import read_marker
 from data_pipeline.runner import plan, run
-from data_pipeline.shard_io import read_marker
 from data_pipeline.synthetic import jaccard, planted_corpus
-from data_pipeline.union_find import connected_components
 
 TARGETS = [0.3, 0.45, 0.6, 0.7, 0.8, 0.85, 0.88, 0.9, 0.93, 0.96, 0.99]
 

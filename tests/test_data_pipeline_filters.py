@@ -15,10 +15,10 @@ from data_pipeline.filters.c4 import C4Config, c4
 from data_pipeline.filters.fineweb import FineWebConfig, fineweb
 from data_pipeline.filters.gopher_quality import GopherQualityConfig, gopher_quality
 from data_pipeline.filters.gopher_repetition import GopherRepetitionConfig, gopher_repetition
-from data_pipeline.language_filter import identify
-from data_pipeline.normalize import NormalizeConfig, normalize_text
-from data_pipeline.quality_filter import QualityFilterConfig, judge
 from data_pipeline.runner import run
+from data_pipeline.stages.language_filter import identify
+from data_pipeline.stages.normalize import NormalizeConfig, normalize_text
+from data_pipeline.stages.quality_filter import QualityFilterConfig, judge
 from dsl_lit.data.packed import PackedTokens
 
 rng = np.random.default_rng(0)

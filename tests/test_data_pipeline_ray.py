@@ -21,8 +21,8 @@ import ray
 from data_pipeline import registry
 from data_pipeline.config import load_config
 from data_pipeline.document_step import Verdicts, write_split
+from data_pipeline.io.shards import read_documents, read_marker, shard_file
 from data_pipeline.runner import plan, run
-from data_pipeline.shard_io import read_documents, read_marker, shard_file
 from data_pipeline.stage import Stage, Step
 from data_pipeline.synthetic import planted_corpus
 from dsl_lit.config.errors import ConfigError

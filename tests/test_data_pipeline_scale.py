@@ -11,9 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import data_pipeline.input_splits as input_splits
+import data_pipeline.io.input_splits as input_splits
 from data_pipeline.config import load_config
-from data_pipeline.input_splits import CACHE_FILE, json_line_ranges, scan_json_lines
+from data_pipeline.io.input_splits import CACHE_FILE, json_line_ranges, scan_json_lines
 from data_pipeline.runner import plan, run
 from data_pipeline.synthetic import planted_corpus
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from data_pipeline.fim import encode_documents, fim_token_ids, plan_document
-from data_pipeline.tokenizer_spec import load_spec
-from data_pipeline.train_tokenizer import train_tokenizer
+from data_pipeline.tokenizer.fim import encode_documents, fim_token_ids, plan_document
+from data_pipeline.tokenizer.spec import load_spec
+from data_pipeline.tokenizer.training import train_tokenizer
 from dsl_lit.config.data import DataConfig
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.data.format import FIM_BEGIN_TOKEN, FIM_END_TOKEN, FIM_HOLE_TOKEN

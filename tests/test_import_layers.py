@@ -11,16 +11,23 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "dsl_lit"
 
 
-def _imports(path: Path, top_level_only: bool = False) -> set[str]:
+def _imports(path: Path, top_level_only: bool = False, run_time_only: bool = False) -> set[str]:
     """Every module a file imports (absolute names), at any depth (lazy imports included) or only
-    at module level."""
+    at module level; ``run_time_only``: less what sits under ``if TYPE_CHECKING:`` (names of types).
+    ``from data_pipeline import x`` counts as ``data_pipeline.x``."""
     names: set[str] = set()
     tree = ast.parse(path.read_text(encoding="utf-8"))
+    if run_time_only:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+                node.body = []
     for node in (tree.body if top_level_only else ast.walk(tree)):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
+            if node.module == "data_pipeline":
+                names.update(f"data_pipeline.{alias.name}" for alias in node.names)
     return names
 
 
@@ -103,3 +110,47 @@ def test_every_import_points_down_architecture_mds_table():
             if target != mine and rank[target] < rank[mine] and (mine, target) not in allowed:
                 upward.append(f"{path.relative_to(SRC)} -> {module}")
     assert not upward, upward
+
+
+PIPELINE = SRC.parents[1] / "data_pipeline"
+# The rooms of data_pipeline/, top to bottom (ARCHITECTURE.md): a module imports its own tier or one
+# below it at run time (imports under ``if TYPE_CHECKING:`` name types only and are not counted).
+PIPELINE_TIERS = (
+    ("__main__", "runner", "config", "registry", "report", "executors"),  # the program
+    ("stages",),
+    ("dedup", "filters", "tokenizer", "document_step", "stage"),
+    ("io", "peak_memory", "synthetic"),
+    ("context",),
+)
+# What the pipeline uses of dsl_lit: the formats both sides read or write and the config errors.
+PIPELINE_DSL_LIT_SURFACE = {
+    "dsl_lit.config.errors",  # ConfigError: a refused setting exits with code 2, as the recipes do
+    "dsl_lit.config.schema",  # dataclass_from_dict: the same field-naming messages as every config
+    "dsl_lit.data.format",  # the packed-shard and tokenizer-directory layout the trainer reads
+    "dsl_lit.data.corpus",  # the corpus fingerprint the data module compares with shards/meta.json
+    "dsl_lit.data.tokenizer_dir",  # meta.json of a tokenizer directory, written here, read there
+    "dsl_lit.data.chat_template",  # the bounded Jinja sandbox (decontaminate renders eval prompts)
+    "dsl_lit.utils.fs",  # publish_dir: a directory appears whole or not at all
+}
+
+
+def test_pipeline_rooms_import_down_and_dsl_lit_only_its_surface():
+    tier = {room: i for i, rooms in enumerate(PIPELINE_TIERS) for room in rooms}
+    rooms = {p.name.removesuffix(".py") for p in PIPELINE.iterdir()
+             if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.name != "__init__.py")}
+    assert rooms == set(tier), "PIPELINE_TIERS and data_pipeline/ differ"
+    upward, outside = [], []
+    for path in PIPELINE.rglob("*.py"):
+        parts = path.relative_to(PIPELINE).parts
+        mine = parts[0].removesuffix(".py")
+        if mine == "__init__":
+            continue
+        for module in _imports(path, run_time_only=True):
+            if module.startswith("data_pipeline."):
+                target = module.split(".")[1]
+                if target != mine and tier[target] < tier[mine]:
+                    upward.append(f"{path.relative_to(PIPELINE)} -> {module}")
+        outside += [f"{path.relative_to(PIPELINE)} -> {m}" for m in _imports(path)
+                    if m.split(".")[0] == "dsl_lit" and m not in PIPELINE_DSL_LIT_SURFACE]
+    assert not upward, upward
+    assert not outside, outside

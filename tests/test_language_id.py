@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from py3langid.langid import MODEL_FILE, LanguageIdentifier
 
-import data_pipeline.language_id as language_id
-from data_pipeline.language_filter import MAX_CHARS, identify_batch
+import data_pipeline.filters.language_id as language_id
+from data_pipeline.stages.language_filter import MAX_CHARS, identify_batch
 from tests.messy_documents import messy_documents
 
 ROOT = Path(__file__).resolve().parents[1]

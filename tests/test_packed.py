@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from data_pipeline.packed_writer import PackedShardWriter
-from data_pipeline.sources import load_documents
-from data_pipeline.tokenize_pack import tokenize_pack
-from data_pipeline.train_tokenizer import train_tokenizer
+from data_pipeline.io.packed_writer import PackedShardWriter
+from data_pipeline.io.sources import load_documents
+from data_pipeline.stages.tokenize_pack import tokenize_pack
+from data_pipeline.tokenizer.training import train_tokenizer
 from dsl_lit.data.format import file_sha256, token_dtype
 from dsl_lit.data.packed import PackedTokens
 

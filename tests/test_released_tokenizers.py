@@ -21,10 +21,10 @@ import pytest
 from tokenizers import Tokenizer, models
 
 from data_pipeline.config import load_config
+from data_pipeline.io.sources import load_documents
 from data_pipeline.runner import run
-from data_pipeline.sources import load_documents
-from data_pipeline.tokenizer_spec import load_spec, reserved_token, untrained_tokenizer
-from data_pipeline.train_tokenizer import tokenizer_spec, train_tokenizer
+from data_pipeline.tokenizer.spec import load_spec, reserved_token, untrained_tokenizer
+from data_pipeline.tokenizer.training import tokenizer_spec, train_tokenizer
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.data.format import TOKENIZER_FILE
 from dsl_lit.data.packed import PackedTokens

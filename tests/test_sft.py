@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from data_pipeline.sources import load_documents
-from data_pipeline.train_tokenizer import tokenizer_spec, train_tokenizer
+from data_pipeline.io.sources import load_documents
+from data_pipeline.tokenizer.training import tokenizer_spec, train_tokenizer
 from dsl_lit.config import TrainConfig
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig

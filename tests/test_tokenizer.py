@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from data_pipeline.sources import load_documents
-from data_pipeline.train_tokenizer import (
+from data_pipeline.io.sources import load_documents
+from data_pipeline.tokenizer.training import (
     build_pre_tokenizer,
     padded_vocab_size,
     sample_texts,
@@ -147,7 +147,7 @@ def test_training_is_deterministic_and_atomic(corpus_texts: list[str], tmp_path:
     ],
 )
 def test_tokenizer_settings_are_checked_naming_the_field(settings: dict, message: str | None) -> None:
-    from data_pipeline.train_tokenizer import TokenizerConfig
+    from data_pipeline.stages.train_tokenizer import TokenizerConfig
     from dsl_lit.config.errors import ConfigError
 
     config = TokenizerConfig(**{"padded_vocab_size": None, **settings})

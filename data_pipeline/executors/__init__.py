@@ -16,9 +16,10 @@ from dsl_lit.config.errors import ConfigError
 
 if TYPE_CHECKING:
     from data_pipeline.config import PipelineConfig
+    from data_pipeline.context import Context
     from data_pipeline.stage import Step
 
-UnitFn = Callable[["Step", Any, int], dict[str, Any]]
+UnitFn = Callable[["Step", "Context", int], dict[str, Any]]
 """``run_unit(step, ctx, unit)``: computes one unit and writes its marker (data_pipeline.runner)."""
 
 KINDS = ("local", "ray")
@@ -54,7 +55,7 @@ class ExecutorConfig:
 
 
 class Executor(Protocol):
-    def run(self, fn: UnitFn, step: Step, ctx: Any, units: list[int]) -> None:
+    def run(self, fn: UnitFn, step: Step, ctx: Context, units: list[int]) -> None:
         """Run ``fn(step, ctx, u)`` for every ``u`` in ``units``; raise if one fails for good."""
 
     def close(self) -> None:

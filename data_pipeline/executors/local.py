@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any
 
+from data_pipeline.context import Context
 from data_pipeline.executors import UnitFn
 from data_pipeline.stage import Step
 
@@ -20,7 +20,7 @@ class LocalExecutor:
         self.num_proc = num_proc
         self._pool: ProcessPoolExecutor | None = None
 
-    def run(self, fn: UnitFn, step: Step, ctx: Any, units: list[int]) -> None:
+    def run(self, fn: UnitFn, step: Step, ctx: Context, units: list[int]) -> None:
         if self.num_proc == 1 or len(units) == 1:
             for unit in units:
                 fn(step, ctx, unit)

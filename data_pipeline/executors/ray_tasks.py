@@ -16,6 +16,7 @@ import os
 import socket
 from typing import Any
 
+from data_pipeline.context import Context
 from data_pipeline.executors import ExecutorConfig, UnitFn
 from data_pipeline.stage import Step
 from dsl_lit.config.errors import ConfigError
@@ -67,7 +68,7 @@ def _check_reachable(address: str, timeout: float) -> None:
         )
 
 
-def _in_directory(cwd: str, fn: UnitFn, step: Step, ctx: Any, unit: int) -> dict[str, Any]:
+def _in_directory(cwd: str, fn: UnitFn, step: Step, ctx: Context, unit: int) -> dict[str, Any]:
     """Run the unit from the driver's working directory: relative paths mean the same on every node."""
     os.chdir(cwd)
     return fn(step, ctx, unit)
@@ -100,7 +101,7 @@ class RayExecutor:
         )
         self._cwd = os.getcwd()
 
-    def run(self, fn: UnitFn, step: Step, ctx: Any, units: list[int]) -> None:
+    def run(self, fn: UnitFn, step: Step, ctx: Context, units: list[int]) -> None:
         ray = self._ray
         ctx_ref = ray.put(ctx)  # one copy in the object store, not one per unit
         pending = {self._task.remote(self._cwd, fn, step, ctx_ref, u): u for u in units}

@@ -38,7 +38,7 @@ SHARDS_DIR = "shards"
 
 # The bundled demo tokenizer's special tokens, in id order 0..14: DeepSeek's names for bos/eos/pad,
 # fill-in-the-middle and the chat roles, R1's reasoning tags, and place holders. This set is ours;
-# the released tokenizers' added tokens (ids, special flags) are in data_pipeline/tokenizer_specs/.
+# the released tokenizers' added tokens (ids, special flags) are in data_pipeline/tokenizer/specs/.
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 EOS_TOKEN = "<｜end▁of▁sentence｜>"
 PAD_TOKEN = "<｜▁pad▁｜>"

@@ -3,7 +3,7 @@
 Why: pretraining reads fixed-length windows at random offsets of one long token stream (documents
 are packed without cross-document masks, as in DeepSeek-V3). Raw little-endian arrays let every
 DataLoader worker map the same pages without copying or parsing. The pipeline writes the format
-(``data_pipeline.packed_writer``); this side only reads it.
+(``data_pipeline.io.packed_writer``); this side only reads it.
 """
 
 from __future__ import annotations

@@ -9,13 +9,14 @@ from typing import Any
 
 import numpy as np
 
-from data_pipeline.doc_keys import make_keys
+from data_pipeline.context import Context
+from data_pipeline.dedup.doc_keys import make_keys
 from data_pipeline.document_step import Verdicts, write_split
-from data_pipeline.shard_io import read_documents, shard_file
+from data_pipeline.io.shards import read_documents, shard_file
 
 
 def mark_duplicates(
-    ctx: Any, unit: int, keys: np.ndarray, reasons_of: list[str], originals: list[str]
+    ctx: Context, unit: int, keys: np.ndarray, reasons_of: list[str], originals: list[str]
 ) -> dict[str, Any]:
     """Remove the rows with ``keys`` from shard ``unit``; row ``keys[i]`` duplicates ``originals[i]``."""
     docs = read_documents(ctx.docs_dir / shard_file(unit))

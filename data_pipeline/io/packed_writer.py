@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from data_pipeline.shard_io import make_temp_dir
+from data_pipeline.io.shards import make_temp_dir
 from dsl_lit.data.format import FORMAT_VERSION, META_FILE, index_name, shard_name, token_dtype
 from dsl_lit.utils.fs import publish_dir
 

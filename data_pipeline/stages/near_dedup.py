@@ -17,12 +17,18 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from data_pipeline.dedup_apply import mark_duplicates
-from data_pipeline.doc_keys import make_keys, row_of
-from data_pipeline.lsh_bands import lsh_shape
-from data_pipeline.minhash import EMPTY, MinHasher, band_hashes
-from data_pipeline.near_dedup_cluster import cluster_unit, duplicates_of_shard, merge_unit, split_by_partition
-from data_pipeline.near_dedup_index import (
+from data_pipeline.context import Context
+from data_pipeline.dedup.apply import mark_duplicates
+from data_pipeline.dedup.doc_keys import make_keys, row_of
+from data_pipeline.dedup.lsh_bands import lsh_shape
+from data_pipeline.dedup.minhash import EMPTY, MinHasher, band_hashes
+from data_pipeline.dedup.near_dedup_cluster import (
+    cluster_unit,
+    duplicates_of_shard,
+    merge_unit,
+    split_by_partition,
+)
+from data_pipeline.dedup.near_dedup_index import (
     INDEX_DIR,
     NearDedupIndex,
     index_key_offsets,
@@ -30,7 +36,7 @@ from data_pipeline.near_dedup_index import (
     load_indexes,
     write_index,
 )
-from data_pipeline.shard_io import shard_file, write_npy
+from data_pipeline.io.shards import shard_file, write_npy
 from data_pipeline.stage import Stage, Step, check_fraction
 from dsl_lit.config.errors import ConfigError
 
@@ -77,7 +83,7 @@ def _hasher(cfg: NearDedupConfig) -> MinHasher:
     return MinHasher(num_perm=cfg.num_perm, ngram=cfg.ngram, seed=cfg.seed, scheme=cfg.scheme)
 
 
-def signatures_unit(ctx: Any, unit: int) -> dict[str, Any]:
+def signatures_unit(ctx: Context, unit: int) -> dict[str, Any]:
     cfg: NearDedupConfig = ctx.config
     bands, rows = lsh_shape(cfg)
     hasher = _hasher(cfg)
@@ -92,7 +98,7 @@ def signatures_unit(ctx: Any, unit: int) -> dict[str, Any]:
     return {"documents": len(texts), "without_shingles": int((~has).sum())}
 
 
-def buckets_unit(ctx: Any, band: int) -> dict[str, Any]:
+def buckets_unit(ctx: Context, band: int) -> dict[str, Any]:
     """Candidate pairs of one band: (first key, other key) for every group sharing the band hash,
     grouped by the cluster partition of the first key."""
     sig_dir = ctx.dirs["near_dedup.signatures"]
@@ -120,7 +126,7 @@ def buckets_unit(ctx: Any, band: int) -> dict[str, Any]:
     return {"pairs": int(pairs.shape[0])}
 
 
-def apply_unit(ctx: Any, unit: int) -> dict[str, Any]:
+def apply_unit(ctx: Context, unit: int) -> dict[str, Any]:
     dups = duplicates_of_shard(ctx, unit)
     reasons = [
         "near_duplicate_of_index" if x else "near_duplicate" for x in dups.column("of_index").to_pylist()
@@ -129,7 +135,7 @@ def apply_unit(ctx: Any, unit: int) -> dict[str, Any]:
     return mark_duplicates(ctx, unit, keys, reasons, dups.column("duplicate_of").to_pylist())
 
 
-def save_index_unit(ctx: Any, unit: int) -> dict[str, Any]:
+def save_index_unit(ctx: Context, unit: int) -> dict[str, Any]:
     """Signatures of the documents this run kept, published as ``output_dir/near_dedup_index``."""
     cfg: NearDedupConfig = ctx.config
     sig_dir = ctx.dirs["near_dedup.signatures"]

@@ -33,12 +33,13 @@ from typing import Any
 import pyarrow.parquet as pq
 import yaml
 
+from data_pipeline.context import Context
 from data_pipeline.document_step import Verdicts, write_split
-from data_pipeline.shard_io import read_documents, shard_file
+from data_pipeline.io.shards import read_documents, shard_file
 from data_pipeline.stage import Stage, Step
 from dsl_lit.config.errors import ConfigError
 
-BUNDLED_TASKS = Path(__file__).resolve().parents[1] / "data" / "eval_tasks"
+BUNDLED_TASKS = Path(__file__).resolve().parents[2] / "data" / "eval_tasks"
 """The project's own lm-eval tasks: the default evaluation sets."""
 _WORD = re.compile(r"[^\W_]+")
 
@@ -207,7 +208,7 @@ def contamination(text: str, index: dict[int, dict[tuple[str, ...], str]]) -> st
 _INDEXES: dict[str, dict[int, dict[tuple[str, ...], str]]] = {}
 
 
-def run_unit(ctx: Any, unit: int) -> dict[str, Any]:
+def run_unit(ctx: Context, unit: int) -> dict[str, Any]:
     cfg: DecontaminateConfig = ctx.config
     key = json.dumps(dc.asdict(cfg), sort_keys=True)
     if key not in _INDEXES:  # once per process: every unit of the step shares it

@@ -38,10 +38,11 @@ import numpy as np
 import pyarrow.compute as pc
 from tokenizers import Tokenizer
 
-from data_pipeline.fim import encode_documents, fim_token_ids, plan_document
-from data_pipeline.packed_writer import PackedShardWriter
-from data_pipeline.shard_io import building_dir, link_or_copy, read_documents, shard_file, table_of
+from data_pipeline.context import Context
+from data_pipeline.io.packed_writer import PackedShardWriter
+from data_pipeline.io.shards import building_dir, link_or_copy, read_documents, shard_file, table_of
 from data_pipeline.stage import Stage, Step
+from data_pipeline.tokenizer.fim import encode_documents, fim_token_ids, plan_document
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.data.format import (
     META_FILE,
@@ -125,7 +126,7 @@ def _mapped_batches(tokenized: datasets.Dataset) -> Iterator[tuple[np.ndarray, n
 
 @dataclass(frozen=True)
 class FIMSettings:
-    """``pack.fim_rate`` / ``fim_spm_rate`` / ``fim_seed`` (:mod:`data_pipeline.fim`)."""
+    """``pack.fim_rate`` / ``fim_spm_rate`` / ``fim_seed`` (:mod:`data_pipeline.tokenizer.fim`)."""
 
     rate: float = 0.0
     spm_rate: float = 0.0
@@ -246,13 +247,13 @@ class PackConfig:
         return FIMSettings(self.fim_rate, self.fim_spm_rate, self.fim_seed)
 
 
-def given_tokenizer(ctx: Any) -> Path | None:
+def given_tokenizer(ctx: Context) -> Path | None:
     """``tokenizer.path`` (a ready tokenizer), or None when the run trains its own."""
     path = ctx.cfg.sections["tokenizer"].path
     return None if path is None else Path(path)
 
 
-def pack_unit(ctx: Any, unit: int) -> dict[str, Any]:
+def pack_unit(ctx: Context, unit: int) -> dict[str, Any]:
     tokenizer_dir = given_tokenizer(ctx) or ctx.output_dir / TOKENIZER_DIR
     if not (tokenizer_dir / TOKENIZER_FILE).is_file():
         raise FileNotFoundError(f"{tokenizer_dir} missing: run the train_tokenizer stage first, or set "
@@ -291,7 +292,7 @@ def copy_tokenizer(source: Path, target: Path) -> dict[str, Any]:
     return meta
 
 
-def merge_unit(ctx: Any, unit: int) -> dict[str, Any]:
+def merge_unit(ctx: Context, unit: int) -> dict[str, Any]:
     """Link every part's shard files into ``output_dir/shards`` as one packed dataset (after copying
     a given tokenizer to ``output_dir/tokenizer``)."""
     part_dir = ctx.dirs["tokenize_pack"]

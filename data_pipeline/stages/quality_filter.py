@@ -17,13 +17,14 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from data_pipeline.context import Context
 from data_pipeline.document_step import Verdicts, map_documents, text_bytes, write_split
 from data_pipeline.filters.c4 import C4Config, c4
 from data_pipeline.filters.fineweb import FineWebConfig, fineweb
 from data_pipeline.filters.gopher_quality import GopherQualityConfig, gopher_quality_batch
 from data_pipeline.filters.gopher_repetition import GopherRepetitionConfig, gopher_repetition_batch
 from data_pipeline.filters.words import Words
-from data_pipeline.shard_io import read_documents, shard_file, table_of
+from data_pipeline.io.shards import read_documents, shard_file, table_of
 from data_pipeline.stage import Stage, Step
 
 
@@ -97,7 +98,7 @@ class _Judge:
         return {"text": [t for _, t in judged], "_reason": [r for r, _ in judged]}
 
 
-def run_unit(ctx: Any, unit: int) -> dict[str, Any]:
+def run_unit(ctx: Context, unit: int) -> dict[str, Any]:
     docs = read_documents(ctx.docs_dir / shard_file(unit))
     bytes_in = text_bytes(table_of(docs))
     docs = map_documents(docs, _Judge(ctx.config), {"_reason": pa.string()})

@@ -21,15 +21,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from data_pipeline.doc_keys import ROW_BITS, column_of_keys
-from data_pipeline.lsh_bands import lsh_shape
-from data_pipeline.minhash import jaccard_of_signatures, mix64, shingle_hashes
-from data_pipeline.near_dedup_index import NearDedupIndex, index_key_offsets, index_row, load_indexes
-from data_pipeline.shard_io import read_marker, write_npy, write_table
-from data_pipeline.union_find import connected_components
+from data_pipeline.context import Context
+from data_pipeline.dedup.doc_keys import ROW_BITS, column_of_keys
+from data_pipeline.dedup.lsh_bands import lsh_shape
+from data_pipeline.dedup.minhash import jaccard_of_signatures, mix64, shingle_hashes
+from data_pipeline.dedup.near_dedup_index import NearDedupIndex, index_key_offsets, index_row, load_indexes
+from data_pipeline.dedup.union_find import connected_components
+from data_pipeline.io.shards import read_marker, write_npy, write_table
 
 if TYPE_CHECKING:
-    from data_pipeline.near_dedup import NearDedupConfig
+    from data_pipeline.stages.near_dedup import NearDedupConfig
 
 DUPLICATES_FILE = "duplicates.parquet"
 
@@ -50,7 +51,7 @@ def split_by_partition(pairs: np.ndarray, partitions: int) -> tuple[np.ndarray, 
     return pairs[order], offsets.astype(np.int64)
 
 
-def _partition_pairs(ctx: Any, partition: int) -> np.ndarray:
+def _partition_pairs(ctx: Context, partition: int) -> np.ndarray:
     """This partition's candidate pairs from every band, each pair once."""
     bucket_dir = ctx.dirs["near_dedup.buckets"]
     parts = []
@@ -62,7 +63,7 @@ def _partition_pairs(ctx: Any, partition: int) -> np.ndarray:
     return np.unique(pairs, axis=0) if pairs.size else np.zeros((0, 2), dtype=np.int64)
 
 
-def _shingle_sets(ctx: Any, keys: np.ndarray) -> dict[int, np.ndarray]:
+def _shingle_sets(ctx: Context, keys: np.ndarray) -> dict[int, np.ndarray]:
     """Unique shingle hashes of this run's documents ``keys`` (their texts read by row group)."""
     cfg: NearDedupConfig = ctx.config
     texts = column_of_keys(ctx.docs_dir, keys, column="text")
@@ -77,7 +78,7 @@ def _shingle_sets(ctx: Any, keys: np.ndarray) -> dict[int, np.ndarray]:
     return out
 
 
-def _signatures_of(ctx: Any, keys: np.ndarray, indexes: list[NearDedupIndex]) -> np.ndarray:
+def _signatures_of(ctx: Context, keys: np.ndarray, indexes: list[NearDedupIndex]) -> np.ndarray:
     sig_dir = ctx.dirs["near_dedup.signatures"]
     out = np.empty((keys.size, ctx.config.num_perm), dtype=np.uint32)
     offsets = index_key_offsets(indexes)
@@ -94,7 +95,7 @@ def _signatures_of(ctx: Any, keys: np.ndarray, indexes: list[NearDedupIndex]) ->
     return out
 
 
-def _similarities(ctx: Any, pairs: np.ndarray, indexes: list[NearDedupIndex]) -> np.ndarray:
+def _similarities(ctx: Context, pairs: np.ndarray, indexes: list[NearDedupIndex]) -> np.ndarray:
     """Jaccard of each candidate pair: exact on shingle sets, or the MinHash estimate (always for
     pairs with an indexed document, whose text was not kept)."""
     cfg: NearDedupConfig = ctx.config
@@ -121,7 +122,7 @@ def components(edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return nodes, nodes[connected_components(nodes.size, inverse.reshape(-1, 2))]
 
 
-def cluster_unit(ctx: Any, partition: int) -> dict[str, Any]:
+def cluster_unit(ctx: Context, partition: int) -> dict[str, Any]:
     """Verify one partition's candidate pairs; write the forest of its verified components."""
     pairs = _partition_pairs(ctx, partition)
     verified = pairs[_similarities(ctx, pairs, load_indexes(ctx.config)) >= ctx.config.threshold]
@@ -131,7 +132,7 @@ def cluster_unit(ctx: Any, partition: int) -> dict[str, Any]:
     return {"candidate_pairs": int(pairs.shape[0]), "verified_pairs": int(verified.shape[0])}
 
 
-def merge_unit(ctx: Any, unit: int) -> dict[str, Any]:
+def merge_unit(ctx: Context, unit: int) -> dict[str, Any]:
     """Every partition's forest merged: each duplicate with the first document of its cluster,
     sorted by key (``duplicates_of_shard`` reads one shard's rows by their row groups)."""
     cfg: NearDedupConfig = ctx.config
@@ -171,7 +172,7 @@ def merge_unit(ctx: Any, unit: int) -> dict[str, Any]:
     }
 
 
-def duplicates_of_shard(ctx: Any, shard: int) -> pa.Table:
+def duplicates_of_shard(ctx: Context, shard: int) -> pa.Table:
     """The rows of ``merge``'s duplicates that lie in ``shard`` (only their row groups are read)."""
     low, high = shard << ROW_BITS, (shard + 1) << ROW_BITS
     path = ctx.dirs["near_dedup.merge"] / DUPLICATES_FILE

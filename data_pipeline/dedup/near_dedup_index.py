@@ -17,12 +17,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from data_pipeline.lsh_bands import lsh_shape
-from data_pipeline.shard_io import building_dir
+from data_pipeline.dedup.lsh_bands import lsh_shape
+from data_pipeline.io.shards import building_dir
 from dsl_lit.config.errors import ConfigError
 
 if TYPE_CHECKING:
-    from data_pipeline.near_dedup import NearDedupConfig
+    from data_pipeline.stages.near_dedup import NearDedupConfig
 
 INDEX_DIR = "near_dedup_index"
 _COMPATIBLE = ("num_perm", "ngram", "seed", "scheme")

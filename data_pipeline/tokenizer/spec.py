@@ -3,7 +3,7 @@
 Why specs as data: a from-scratch tokenizer that is to stand in for DeepSeek's must split text the
 same way (normalizer, the exact Split/Digits/ByteLevel pre-tokenizer sequence), decode the same
 way, and put every added token at its released id with its released ``special`` flag; only the
-vocabulary and merges are learned. ``tokenizer_specs/<name>.json`` holds those facts as published
+vocabulary and merges are learned. ``specs/<name>.json`` holds those facts as published
 with DeepSeek LLM 7B base and DeepSeek-V3 (``tests/test_released_tokenizers.py`` checks them against
 the reference copy of the releases); ``bundled`` is this project's demo tokenizer, built in code.
 
@@ -26,7 +26,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from dsl_lit.data.format import DEEPSEEK_SPECIAL_TOKENS
 
-SPECS_DIR = Path(__file__).resolve().parent / "tokenizer_specs"
+SPECS_DIR = Path(__file__).resolve().parent / "specs"
 RELEASED = ("deepseek_llm", "deepseek_v3")
 BUNDLED = "bundled"
 SPEC_NAMES = (BUNDLED, *RELEASED)
@@ -73,7 +73,7 @@ class TokenizerSpec:
 
 
 def load_spec(name: str) -> TokenizerSpec:
-    """A released spec from ``tokenizer_specs/<name>.json``."""
+    """A released spec from ``specs/<name>.json``."""
     if name not in RELEASED:
         raise ValueError(f"unknown released tokenizer spec {name!r}; known: {list(RELEASED)}")
     raw = json.loads((SPECS_DIR / f"{name}.json").read_text(encoding="utf-8"))

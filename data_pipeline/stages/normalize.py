@@ -11,8 +11,9 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
+from data_pipeline.context import Context
 from data_pipeline.document_step import Verdicts, map_documents, text_bytes, write_split
-from data_pipeline.shard_io import read_documents, shard_file, table_of
+from data_pipeline.io.shards import read_documents, shard_file, table_of
 from data_pipeline.stage import Stage, Step
 from dsl_lit.config.errors import ConfigError
 
@@ -56,7 +57,7 @@ def normalize_text(text: str, cfg: NormalizeConfig) -> str:
     return text.strip() if cfg.strip else text
 
 
-def run_unit(ctx: Any, unit: int) -> dict[str, Any]:
+def run_unit(ctx: Context, unit: int) -> dict[str, Any]:
     cfg: NormalizeConfig = ctx.config
     docs = read_documents(ctx.docs_dir / shard_file(unit))
     bytes_in = text_bytes(table_of(docs))

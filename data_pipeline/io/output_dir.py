@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from data_pipeline.shard_io import write_json
+from data_pipeline.io.shards import write_json
 from dsl_lit.config.errors import ConfigError
 
 MARKER = ".data_pipeline.json"

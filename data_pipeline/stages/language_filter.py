@@ -1,7 +1,7 @@
 """Stage ``language_filter``: keep documents in the listed languages, scored by py3langid.
 
 Why py3langid: its naive Bayes model ships inside the pip package (no download at run time) and it
-needs only numpy; :mod:`data_pipeline.language_id` runs it on a whole batch at once with the same
+needs only numpy; :mod:`data_pipeline.filters.language_id` runs it on a whole batch at once with the same
 answers and scores. Kept documents carry ``language`` and ``language_score`` columns.
 """
 
@@ -13,9 +13,10 @@ from typing import Any
 
 import pyarrow as pa
 
+from data_pipeline.context import Context
 from data_pipeline.document_step import Verdicts, map_documents, write_split
-from data_pipeline.language_id import batch_identifier
-from data_pipeline.shard_io import read_documents, shard_file
+from data_pipeline.filters.language_id import batch_identifier
+from data_pipeline.io.shards import read_documents, shard_file
 from data_pipeline.stage import Stage, Step, check_fraction
 from dsl_lit.config.errors import ConfigError
 
@@ -49,7 +50,7 @@ def _identify_batch(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
     return {"language": [lang for lang, _ in found], "language_score": [s for _, s in found]}
 
 
-def run_unit(ctx: Any, unit: int) -> dict[str, Any]:
+def run_unit(ctx: Context, unit: int) -> dict[str, Any]:
     cfg: LanguageFilterConfig = ctx.config
     docs = read_documents(ctx.docs_dir / shard_file(unit))
     docs = map_documents(docs, _identify_batch, {"language": pa.string(), "language_score": pa.float64()})

@@ -3,7 +3,7 @@
 Why our own readers instead of ``datasets.load_dataset("json")``: that loader stops at the first bad
 line or invalid UTF-8 byte, and one broken record must not cost a whole crawl file. Each range of
 at most ``input.rows_per_shard`` rows of an input file (lines of JSON lines, rows of Parquet or of
-a saved dataset; ``data_pipeline.input_splits``), or group of ``.txt`` files, is one unit and
+a saved dataset; ``data_pipeline.io.input_splits``), or group of ``.txt`` files, is one unit and
 becomes one shard, so the shard layout depends only on the input listing and the config.
 """
 
@@ -25,8 +25,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from data_pipeline.context import Context
 from data_pipeline.document_step import Verdicts, write_split
-from data_pipeline.input_splits import json_line_ranges, parquet_row_ranges, scan_all
+from data_pipeline.io.input_splits import json_line_ranges, parquet_row_ranges, scan_all
 from data_pipeline.stage import Stage, Step
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.data.corpus import CONTENT_BUDGET_BYTES, DOCUMENT_SUFFIXES, document_files, file_listing
@@ -317,7 +318,7 @@ def read_unit(cfg: InputConfig, unit: dict[str, Any]) -> _Collector:
     return out
 
 
-def run_unit(ctx: Any, unit: int) -> dict[str, Any]:
+def run_unit(ctx: Context, unit: int) -> dict[str, Any]:
     collected = read_unit(ctx.config, ctx.input_units[unit])
     schema = pa.schema([(k, pa.string()) for k in collected.rows])
     table = pa.Table.from_pydict(collected.rows, schema=schema)

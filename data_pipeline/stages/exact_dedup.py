@@ -15,9 +15,10 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from data_pipeline.dedup_apply import mark_duplicates
-from data_pipeline.doc_keys import column_of_keys, make_keys, shard_of
-from data_pipeline.shard_io import shard_file, write_npy
+from data_pipeline.context import Context
+from data_pipeline.dedup.apply import mark_duplicates
+from data_pipeline.dedup.doc_keys import column_of_keys, make_keys, shard_of
+from data_pipeline.io.shards import shard_file, write_npy
 from data_pipeline.stage import Stage, Step
 from dsl_lit.config.errors import ConfigError
 
@@ -41,7 +42,7 @@ def text_digests(texts: list[str]) -> np.ndarray:
     return np.frombuffer(raw, dtype="<u8").reshape(len(texts), 2)
 
 
-def hash_unit(ctx: Any, unit: int) -> dict[str, Any]:
+def hash_unit(ctx: Context, unit: int) -> dict[str, Any]:
     texts = pq.read_table(ctx.docs_dir / shard_file(unit), columns=["text"]).column("text").to_pylist()
     digests = text_digests(texts)
     records = np.empty(len(texts), dtype=HASH_DTYPE)
@@ -54,7 +55,7 @@ def hash_unit(ctx: Any, unit: int) -> dict[str, Any]:
     return {"documents": len(texts)}
 
 
-def resolve_unit(ctx: Any, unit: int) -> dict[str, Any]:
+def resolve_unit(ctx: Context, unit: int) -> dict[str, Any]:
     """Partition ``unit`` of every shard: each hash's smallest key is kept, the others are duplicates."""
     hash_dir = ctx.dirs["exact_dedup.hash"]
     parts = []
@@ -73,7 +74,7 @@ def resolve_unit(ctx: Any, unit: int) -> dict[str, Any]:
     return {"duplicates": int(dups.size)}
 
 
-def apply_unit(ctx: Any, unit: int) -> dict[str, Any]:
+def apply_unit(ctx: Context, unit: int) -> dict[str, Any]:
     resolve_dir = ctx.dirs["exact_dedup.resolve"]
     found = []
     for p in range(ctx.config.partitions):

@@ -19,9 +19,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from data_pipeline.doc_keys import make_keys
+from data_pipeline.context import Context
+from data_pipeline.dedup.doc_keys import make_keys
 from data_pipeline.document_step import Verdicts, write_split
-from data_pipeline.shard_io import read_documents, shard_file, write_npy, write_table
+from data_pipeline.io.shards import read_documents, shard_file, write_npy, write_table
 from data_pipeline.stage import Stage, Step
 from dsl_lit.config.errors import ConfigError
 
@@ -50,7 +51,7 @@ class RemixConfig:
         return self
 
 
-def weigh_unit(ctx: Any, unit: int) -> dict[str, Any]:
+def weigh_unit(ctx: Context, unit: int) -> dict[str, Any]:
     cfg: RemixConfig = ctx.config
     table = pq.read_table(ctx.docs_dir / shard_file(unit))
     if cfg.field not in table.column_names:
@@ -70,7 +71,7 @@ def weigh_unit(ctx: Any, unit: int) -> dict[str, Any]:
     return {"documents": table.num_rows}
 
 
-def plan_unit(ctx: Any, unit: int) -> dict[str, Any]:
+def plan_unit(ctx: Context, unit: int) -> dict[str, Any]:
     """Copies per document for every shard, and the before/after report."""
     cfg: RemixConfig = ctx.config
     weigh_dir = ctx.dirs["remix.weigh"]
@@ -117,7 +118,7 @@ def plan_unit(ctx: Any, unit: int) -> dict[str, Any]:
     return {"unit": cfg.unit, "field": cfg.field, "total": int(total), "groups": report}
 
 
-def apply_unit(ctx: Any, unit: int) -> dict[str, Any]:
+def apply_unit(ctx: Context, unit: int) -> dict[str, Any]:
     copies = np.load(ctx.dirs["remix.plan"] / f"copies-{unit:05d}.npy")
     docs = read_documents(ctx.docs_dir / shard_file(unit))
     reasons = [None if c > 0 else "remix_downsampled" for c in copies.tolist()]

@@ -11,17 +11,18 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from data_pipeline.shard_io import building_dir, link_or_copy, removed_file, shard_file
+from data_pipeline.context import Context
+from data_pipeline.io.shards import building_dir, link_or_copy, removed_file, shard_file
 from data_pipeline.stage import Stage, Step
 
 
-def _publish(ctx: Any, name: str, files: list[tuple[Path, str]]) -> None:
+def _publish(ctx: Context, name: str, files: list[tuple[Path, str]]) -> None:
     with building_dir(ctx.output_dir / name) as tmp:
         for src, dst in files:
             link_or_copy(src, tmp / dst)
 
 
-def run_unit(ctx: Any, unit: int) -> dict[str, Any]:
+def run_unit(ctx: Context, unit: int) -> dict[str, Any]:
     last_dir = ctx.document_steps[-1][2]
     kept = [(last_dir / shard_file(s), shard_file(s)) for s in range(ctx.num_shards)]
     removed = []

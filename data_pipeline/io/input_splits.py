@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from data_pipeline.shard_io import write_json
+from data_pipeline.io.shards import write_json
 
 CACHE_FILE = ".data_pipeline.input_lines.json"  # beside the output directory's marker
 _CHUNK = 1 << 24

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from data_pipeline.shard_io import shard_file
+from data_pipeline.io.shards import shard_file
 
 ROW_BITS = 32
 
