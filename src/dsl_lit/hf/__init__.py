@@ -13,7 +13,8 @@ by tensor, region by region, for processes that hold part of a model.
 from dsl_lit.hf.io import adapter_for_family, adapter_for_model_type, from_pretrained, save_pretrained
 from dsl_lit.models.common.hf_adapter import HFAdapter
 from dsl_lit.models.deepseek_llm.hf_adapter import DeepSeekLLMAdapter
-from dsl_lit.models.deepseek_v3.hf_adapter import DeepSeekV2Adapter, DeepSeekV3Adapter
+from dsl_lit.models.deepseek_v3.hf_adapter import DeepSeekV3Adapter
+from dsl_lit.models.deepseek_v3.v2_hf_adapter import DeepSeekV2Adapter
 
 __all__ = [
     "DeepSeekLLMAdapter",
