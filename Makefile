@@ -1,7 +1,7 @@
 # The two commands of the README. Both set up .venv first (scripts/setup.sh, idempotent).
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-fast lint
+.PHONY: setup demo reproduce test test-fast lint
 
 setup:
 	@scripts/setup.sh
@@ -15,6 +15,14 @@ demo: setup
 	$(PY) -m data_pipeline input.path=data/corpus output_dir=$(DEMO_DATA) quality_filter=bundled tokenizer=bundled \
 		'stages=[normalize,exact_dedup,near_dedup,quality_filter,language_filter,decontaminate,train_tokenizer,tokenize_pack]'
 	$(PY) recipes/pretrain.py data.cache_dir=$(DEMO_DATA)
+
+# DeepSeek's method end to end on the bundled corpus (recipes/reproduce.py, conf/reproduce/cpu_mini.yaml):
+# scaling laws -> data pipeline -> V3 pretraining (+ ablations) -> YaRN -> R1 (cold start, GRPO,
+# rejection sampling + SFT, distillation) -> lm-eval -> outputs/reproduce/cpu_mini/report/report.md.
+# A rerun skips finished stages and resumes an interrupted one; ARGS= passes overrides, e.g.
+# make reproduce ARGS="reproduce=gpu_small"
+reproduce: setup
+	$(PY) recipes/reproduce.py $(ARGS)
 
 # Every torch process of the suite on one thread (OMP_NUM_THREADS=1): the tiny models' ops gain little
 # from a second thread, and the cores serve one test each instead. One pytest run on every core

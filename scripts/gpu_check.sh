@@ -9,6 +9,9 @@
 #    time on the one GPU;
 # 2. benchmarks/gpu_train_step.py: train-step time, tokens/s, MFU, peak memory and first-step time
 #    of dense ~1B and V3-style MoE ~0.8B, ours vs transformers, eager vs compile, bf16 vs FP8.
+# 3. with REPRODUCE=1, `make reproduce` on the GPU: recipes/reproduce.py reproduce=gpu_small (under an
+#    hour; its data and evaluate stages need `datasets` and `lm-eval`, so a machine set up with
+#    TORCH=cuda make setup, or those two stages run elsewhere first: the run dir carries them).
 # Each part runs under its own timeout; logs go to $GPU_CHECK_OUT (default gpu_check/).
 #
 # Without package access (an image with CUDA torch, lightning, transformers, triton but no hydra,
@@ -62,4 +65,11 @@ timeout "${GPU_BENCH_TIMEOUT:-260}" "$PY" -m benchmarks.gpu_train_step \
   --moe-variants "ours bf16,ours bf16 compile,ours fp8_rowwise compile,transformers bf16" \
   2>&1 | tee "$OUT/gpu_train_step.log" || status=1
 echo "benchmark: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu_train_step.log"
+
+if [ "${REPRODUCE:-0}" = 1 ]; then
+  start=$(date +%s)
+  timeout "${GPU_REPRODUCE_TIMEOUT:-3600}" "$PY" recipes/reproduce.py reproduce=gpu_small \
+    2>&1 | tee "$OUT/reproduce.log" || status=1
+  echo "reproduce: $(( $(date +%s) - start )) s" | tee -a "$OUT/reproduce.log"
+fi
 exit $status

@@ -68,7 +68,7 @@ def edit_config_json(path: Path, **changes: object) -> None:
 # (--dist loadgroup would group single tests, but pytest-xdist 3.8 marks a group by rewriting
 # item._nodeid, which pytest 9 no longer reads: its groups are silently split.) Measured lengths on 2
 # cores, longest first; files with slow tests not listed follow them.
-LONGEST_SLOW_FILES = ("test_parallel_e2e", "test_preemption", "test_posttrain_recipes", "test_evaluation",
+LONGEST_SLOW_FILES = ("test_reproduce", "test_parallel_e2e", "test_preemption", "test_posttrain_recipes", "test_evaluation",
                       "test_multi_node", "test_lazy_loading", "test_fault_tolerance", "test_data_pipeline_ray",
                       "test_batch_ramp", "test_checkpoint_integrity", "test_fp8", "test_pipeline")
 

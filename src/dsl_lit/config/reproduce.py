@@ -40,6 +40,7 @@ class ReproduceConfig:
     eval_limit: int | None = None
     """Documents per lm-eval task (null: all)."""
     device: str = "cpu"
+    """cpu or cuda: where every stage trains, samples and evaluates."""
     overrides: dict[str, list[str]] = field(default_factory=dict)
     """Hydra overrides per stage, e.g. ``{pretrain: [trainer.max_steps=100]}``, applied after the
     wiring (init_from, data dirs, fitted lr and batch), so a preset can change anything."""
@@ -71,9 +72,16 @@ class ReproduceConfig:
                 raise ConfigError(f"reproduce.{key}={getattr(self, key)} must be in [0, 1)")
         if not self.passkey_lengths or min(self.passkey_lengths) < 48:
             raise ConfigError(f"reproduce.passkey_lengths={self.passkey_lengths} must be lengths of at least 48 tokens")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"reproduce.device={self.device!r} must be cpu or cuda")
         if self.eval_limit is not None and self.eval_limit < 1:
             raise ConfigError(f"reproduce.eval_limit={self.eval_limit} must be >= 1 or null")
         return self
+
+    @property
+    def accelerator(self) -> str:
+        """Lightning's name for :attr:`device` (``trainer.accelerator``)."""
+        return "gpu" if self.device == "cuda" else "cpu"
 
     @staticmethod
     def _range(key: str, values: list) -> tuple:

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from dsl_lit.scaling.laws import PAPER_BATCH, PAPER_LR, PAPER_MODEL_SCALE
+
 REPRODUCED, NOT_REPRODUCED, NOT_MEASURED = "reproduced", "not reproduced at this scale", "not measured"
 Results = dict[str, dict[str, Any]]
 
@@ -35,15 +37,22 @@ def _fmt(x: float) -> str:
     return f"{x:.3g}"
 
 
+SIGNIFICANT = 0.1
+"""A fitted exponent agrees when it has the paper's sign and at least this share of its size: a
+sweep whose optimum does not move between budgets fits ~1e-16, which is no law."""
+
+
 def _scaling_exponents(r: Results) -> tuple[str, bool]:
     laws = r["scaling"]["results"]["laws"]["hparams"]
     b, lr = laws["batch_tokens"]["exponent"], laws["lr"]["exponent"]
-    return f"B_opt ~ C^{_fmt(b)}, lr_opt ~ C^{_fmt(lr)} (paper: C^0.327, C^-0.125)", b > 0 and lr < 0
+    agrees = b >= SIGNIFICANT * PAPER_BATCH.exponent and lr <= SIGNIFICANT * PAPER_LR.exponent
+    return (f"B_opt ~ C^{_fmt(b)}, lr_opt ~ C^{_fmt(lr)} (paper: C^{PAPER_BATCH.exponent}, C^{PAPER_LR.exponent})",
+            agrees)
 
 
 def _allocation(r: Results) -> tuple[str, bool]:
     m = r["scaling"]["results"]["laws"]["allocation"]["model_scale"]["exponent"]
-    return f"M_opt ~ C^{_fmt(m)} (paper: C^0.524)", m > 0
+    return f"M_opt ~ C^{_fmt(m)} (paper: C^{PAPER_MODEL_SCALE.exponent})", m >= SIGNIFICANT * PAPER_MODEL_SCALE.exponent
 
 
 def _mtp(r: Results) -> tuple[str, bool]:
@@ -60,7 +69,7 @@ def _bias(r: Results) -> tuple[str, bool]:
 
 def _bias_loss(r: Results) -> tuple[str, bool]:
     with_bias, without = r["pretrain"]["results"]["val_loss"], r["pretrain_no_bias"]["results"]["val_loss"]
-    return f"validation loss {_fmt(with_bias)} with the bias update, {_fmt(without)} without (within 2%?)", \
+    return f"validation loss {_fmt(with_bias)} with the bias update, {_fmt(without)} without (at most 2% higher?)", \
         with_bias <= without * 1.02
 
 
@@ -79,13 +88,13 @@ def _grpo(r: Results) -> tuple[str, bool]:
 def _rejection_sft(r: Results) -> tuple[str, bool]:
     rl, sft = r["grpo"]["results"]["eval_accuracy"], r["sft_rs"]["results"]["eval_accuracy"]
     return f"held-out accuracy {sft:.0%} for SFT on the kept samples, {rl:.0%} for the GRPO model (>= 80% of it?)", \
-        sft >= 0.8 * rl
+        rl > 0 and sft >= 0.8 * rl
 
 
 def _distill(r: Results) -> tuple[str, bool]:
     teacher, student = r["grpo"]["results"]["eval_accuracy"], r["distill"]["results"]["eval_accuracy"]
     return f"held-out accuracy {student:.0%} for the 1-layer student, {teacher:.0%} for its teacher (>= 80% of it?)", \
-        student >= 0.8 * teacher
+        teacher > 0 and student >= 0.8 * teacher
 
 
 CLAIMS = (

@@ -26,6 +26,8 @@ from dsl_lit.reproduce.runner import marker  # noqa: E402
 from dsl_lit.utils.machine import machine_description  # noqa: E402
 
 R1_MODELS = ("cold_start", "grpo", "sft_rs", "distill")
+EVAL_METRICS = ("acc", "acc_norm", "exact_match", "bits_per_byte")
+"""The bundled tasks' metrics the lm-eval table shows (not sample counts or derived perplexities)."""
 
 
 def _series(run_dir: Path, stage: str) -> dict[str, Series]:
@@ -164,7 +166,7 @@ def write_report(run_dir: Path, out: Path, cfg: ReproduceConfig) -> Path:
     md.append("\n## 6. lm-eval on each checkpoint\n")
     if "evaluate" in r:
         scores = r["evaluate"]["scores"]
-        columns = sorted({(t, m) for s in scores.values() for t, ms in s.items() for m in ms})
+        columns = sorted({(t, m) for s in scores.values() for t, ms in s.items() for m in ms if m in EVAL_METRICS})
         md.append(_table(["checkpoint", *[f"{t} {m}" for t, m in columns]],
                          [[s, *[scores[s].get(t, {}).get(m, "") for t, m in columns]] for s in scores]))
     path = out / "report.md"

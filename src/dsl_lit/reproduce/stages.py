@@ -69,7 +69,9 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
 # scaling: the sweep, then the pretraining's batch and lr from the fitted laws
 
 def model_overrides(overrides: list[str]) -> dict[str, Any]:
-    return {k[len("model."):]: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in overrides) if k.startswith("model.")}
+    """``model.<field>`` values among Hydra overrides (``+``/``++`` prefixes allowed)."""
+    pairs = ((k.lstrip("+"), v) for k, v in (o.split("=", 1) for o in overrides))
+    return {k[len("model."):]: yaml.safe_load(v) for k, v in pairs if k.startswith("model.")}
 
 
 def pretraining_hparams(laws: dict[str, Any], cfg: ReproduceConfig) -> dict[str, Any]:
@@ -144,7 +146,7 @@ def pretrain_arguments(ctx: StageContext) -> list[str]:
     return [f"model={PRETRAIN_MODEL}", *data_arguments(ctx), f"data.seq_len={cfg.seq_len}",
             f"data.global_batch_size={hp['global_batch_size']}", f"data.micro_batch_size={cfg.micro_batch_size}",
             *ramp, f"optim.lr={hp['lr']}", f"trainer.max_steps={hp['max_steps']}", "logger=csv",
-            "trainer.progress_bar=false", f"trainer.accelerator={ctx.cfg.device}"]
+            "trainer.progress_bar=false", f"trainer.accelerator={ctx.cfg.accelerator}"]
 
 
 def pretrain_stage(*ablation: str):
@@ -166,7 +168,7 @@ def yarn(ctx: StageContext) -> dict[str, Any]:
                                f"data.seq_len={seq * YARN_FACTOR}", "data.global_batch_size=4", "data.micro_batch_size=4",
                                f"optim.lr={hp['lr'] * 0.1}", "schedule=constant", "schedule.warmup_steps=0",
                                "trainer.max_steps=60", "trainer.val_every_n_steps=20", "data.val_windows=16",
-                               "logger=csv", "trainer.progress_bar=false", f"trainer.accelerator={ctx.cfg.device}"])
+                               "logger=csv", "trainer.progress_bar=false", f"trainer.accelerator={ctx.cfg.accelerator}"])
     return run_summary(ctx.dir)
 
 
@@ -190,15 +192,15 @@ def passkey(ctx: StageContext) -> dict[str, Any]:
 def posttrain_arguments(ctx: StageContext, init_from: str | None) -> list[str]:
     start = [f"init_from={ctx.dir_of(init_from)}"] if init_from else []
     return [*start, *data_arguments(ctx), R1_TASK, "logger=csv", "trainer.progress_bar=false",
-            f"trainer.accelerator={ctx.cfg.device}"]
+            f"trainer.accelerator={ctx.cfg.accelerator}"]
 
 
 def cold_start(ctx: StageContext) -> dict[str, Any]:
     """R1's cold start: SFT of the pretrained model on the task's R1-format replies, 80% of them
     answering by a shortcut (an imperfect start that RL can improve on, as the paper's readable but
     unpolished cold-start data)."""
-    ctx.recipe("sft.py", [*posttrain_arguments(ctx, "pretrain"), "sft.shortcut_share=0.8", "trainer.max_steps=40",
-                          "data.global_batch_size=8", "data.micro_batch_size=8", "optim.lr=1e-3"])
+    ctx.recipe("sft.py", [*posttrain_arguments(ctx, "pretrain"), "sft.shortcut_share=0.8", "trainer.max_steps=60",
+                          "data.global_batch_size=8", "data.micro_batch_size=8", "optim.lr=3e-3"])
     return run_summary(ctx.dir)
 
 

@@ -1,0 +1,242 @@
+"""`make reproduce` (recipes/reproduce.py): every stage of the method feeds the next, a run killed
+mid-GRPO resumes to the same numbers, subsets and changed settings are refused early, and the
+report's claims are judged by their written thresholds."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.config.reproduce import STAGES, ReproduceConfig
+from dsl_lit.reproduce.claims import NOT_MEASURED, NOT_REPRODUCED, REPRODUCED, claims_table
+from dsl_lit.reproduce.runner import MARKER, StageContext, selected
+from dsl_lit.reproduce.stages import EVALUATED, STAGE_TABLE, pretraining_hparams
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = [sys.executable, str(ROOT / "recipes" / "reproduce.py"), "reproduce=smoke"]
+ENV = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+
+
+def reproduce(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*RECIPE, f"hydra.run.dir={run_dir}", *overrides], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=900)
+
+
+def metrics(run_dir: Path) -> dict[int, dict[str, float]]:
+    with (run_dir / "metrics.csv").open() as f:
+        return {int(r["step"]): {k: float(v) for k, v in r.items() if v and k not in ("step", "epoch")}
+                for r in csv.DictReader(f) if r.get("train/loss")}
+
+
+@pytest.fixture(scope="module")
+def interrupted_run(tmp_path_factory) -> tuple[Path, str]:
+    """The smoke chain, stopped by SIGTERM once GRPO has saved its first checkpoint, then rerun."""
+    run_dir = tmp_path_factory.mktemp("reproduce") / "smoke"
+    first_checkpoint = run_dir / "grpo" / "checkpoints" / "step-2" / "meta.json"
+    with open(run_dir.parent / "first.log", "w") as out:
+        child = subprocess.Popen([*RECIPE, f"hydra.run.dir={run_dir}"], cwd=ROOT, env=ENV, stdout=out,
+                                 stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 900
+        while not first_checkpoint.is_file() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        child.send_signal(signal.SIGTERM)
+        code = child.wait(timeout=300)
+    first = (run_dir.parent / "first.log").read_text()
+    assert code == 143, first[-3000:]  # stopped, not failed
+    assert not (run_dir / "grpo" / MARKER).exists() and (run_dir / "cold_start" / MARKER).is_file()
+    rerun = reproduce(run_dir)
+    assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-3000:]
+    return run_dir, rerun.stdout + rerun.stderr
+
+
+@pytest.mark.slow
+def test_every_stage_feeds_the_next_and_the_report_has_every_section(interrupted_run):
+    run_dir, log = interrupted_run
+    for index, stage in enumerate(STAGES[:8], 1):  # finished before the stop: skipped
+        assert f"stage {index}/14 {stage}: finished earlier" in log
+    assert "stage 9/14 grpo: GRPO" in log and "about" in log and "elapsed" in log
+    assert "resuming from" in (run_dir / "grpo" / "stage.log").read_text()
+    done = {s: json.loads((run_dir / s / MARKER).read_text()) for s in STAGES}
+
+    def resolved(stage: str) -> dict:
+        return yaml.safe_load((run_dir / stage / "resolved_config.yaml").read_text())
+
+    # checkpoints chain through init_from (and teacher_from); the data stage's shards and tokenizer everywhere
+    assert resolved("yarn")["init_from"] == str(run_dir / "pretrain")
+    assert resolved("cold_start")["init_from"] == str(run_dir / "pretrain")
+    assert resolved("grpo")["init_from"] == str(run_dir / "cold_start")
+    assert resolved("sft_rs")["init_from"] == str(run_dir / "pretrain")
+    assert resolved("sft_rs")["post"]["sft"]["dataset"] == str(run_dir / "rejection_sample" / "samples.jsonl")
+    assert "teacher_from=" + str(run_dir / "grpo") in " ".join(done["distill"]["commands"][0])
+    for stage in ("pretrain", "pretrain_no_mtp", "pretrain_no_bias", "yarn"):
+        assert resolved(stage)["data"]["cache_dir"] == str(run_dir / "data" / "pipeline")
+    # the fitted lr and batch (with its ramp) are what pretraining ran with
+    hp = done["scaling"]["results"]
+    pre = resolved("pretrain")
+    assert pre["optim"]["lr"] == hp["lr"] and pre["data"]["global_batch_size"] == hp["global_batch_size"] == 8
+    assert pre["data"]["batch_ramp"] == {"start": 4, "tokens": hp["ramp_tokens"], "increment": 4}
+    ramp = {int(s): r["train/global_batch_size"] for s, r in metrics(run_dir / "pretrain").items()}
+    assert ramp[0] == 4 and ramp[max(ramp)] == 8
+    # the ablations differ from pretraining in their one setting only
+    assert resolved("pretrain_no_mtp")["model"]["mtp_depth"] == 0 and pre["model"]["mtp_depth"] == 1
+    assert resolved("pretrain_no_bias")["objective"]["bias_update_rate"] == [0.0, 0.0]
+    assert resolved("yarn")["model"]["rope_scaling"]["factor"] == 4 and resolved("yarn")["data"]["seq_len"] == 512
+    assert set(done["passkey"]["results"]["accuracy"]) == {"pretrain", "yarn"}
+    assert set(done["evaluate"]["results"]["scores"]) == set(EVALUATED)
+    for model in EVALUATED:
+        assert "acc" in done["evaluate"]["results"]["scores"][model]["dsl_kjv_next_sentence"]
+    # one report, its figures beside it
+    report = (run_dir / "report" / "report.md").read_text()
+    for heading in ("What the papers say", "1. Scaling laws", "2. Data pipeline", "3. Pretraining",
+                    "4. Context extension", "5. The R1 pipeline", "6. lm-eval"):
+        assert heading in report
+    for png in ("pretrain_loss.png", "expert_load.png", "batch_ramp.png", "passkey.png", "grpo.png",
+                "r1_accuracy.png", "scaling_hparam_landscape.png"):
+        assert f"]({png})" in report and (run_dir / "report" / png).stat().st_size > 5000
+    verdicts = [line.rsplit("|", 2)[-2].strip() for line in report.split("## 1.")[0].splitlines()
+                if line.startswith("| ") and "DeepSeek" in line]
+    assert len(verdicts) == 9 and set(verdicts) <= {REPRODUCED, NOT_REPRODUCED}
+
+
+@pytest.mark.slow
+def test_a_run_killed_mid_grpo_ends_with_the_numbers_of_one_never_stopped(interrupted_run):
+    run_dir, _ = interrupted_run
+    resumed = run_dir.parent / "grpo_resumed"
+    shutil.move(run_dir / "grpo", resumed)
+    again = reproduce(run_dir, "reproduce.stages=[grpo]")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming from" not in (run_dir / "grpo" / "stage.log").read_text()
+    expected, actual = metrics(run_dir / "grpo"), metrics(resumed)
+    assert sorted(actual) == sorted(expected) == [0, 1, 2, 3]
+    for step, row in expected.items():
+        for key in ("train/loss", "reward/mean", "train/grad_norm", "completion/length"):
+            assert actual[step][key] == pytest.approx(row[key], rel=1e-5, abs=1e-7), (step, key)
+    first = json.loads((resumed / MARKER).read_text())["results"]
+    second = json.loads((run_dir / "grpo" / MARKER).read_text())["results"]
+    assert first["eval_accuracy"] == second["eval_accuracy"]
+    assert first["train_loss"] == pytest.approx(second["train_loss"], rel=1e-5)
+
+
+def test_bad_subsets_and_changed_settings_are_refused_before_any_stage_runs(tmp_path):
+    cfg = ReproduceConfig(stages=["grpo"]).validate()
+    with pytest.raises(ConfigError, match="stage grpo needs data, which has not finished"):
+        selected(cfg, STAGE_TABLE, tmp_path)
+    with pytest.raises(ConfigError, match="unknown stage 'grop'"):
+        ReproduceConfig(stages=["grop"]).validate()
+    with pytest.raises(ConfigError, match="reproduce.overrides.pretrain must be a list of Hydra overrides"):
+        ReproduceConfig(overrides={"pretrain": "trainer.max_steps=3"}).validate()
+    # a stage finished with other settings (here: another pretraining budget) is not silently reused
+    (tmp_path / "scaling").mkdir()
+    (tmp_path / "scaling" / MARKER).write_text(json.dumps({"fingerprint": "0" * 16, "seconds": 1, "results": {}}))
+    with pytest.raises(ConfigError, match="stage scaling finished in .* with other settings"):
+        selected(ReproduceConfig().validate(), STAGE_TABLE, tmp_path)
+    # and the recipe says so in one line, exit 2, having run nothing
+    result = reproduce(tmp_path / "run", "reproduce.stages=[grpo]")
+    assert result.returncode == 2 and "stage grpo needs" in result.stderr
+    assert not (tmp_path / "run" / "grpo").exists()
+
+
+def test_pretraining_batch_and_lr_come_from_the_fit_clamped_with_a_ramp_that_spends_the_tokens():
+    cfg = ReproduceConfig(pretrain_tokens=400_000, seq_len=128, batch_range=[16, 32], micro_batch_size=4).validate()
+    laws = {"hparams": {"batch_tokens": {"coefficient": 1.0, "exponent": 0.3}, "lr": {"coefficient": 0.5,
+                                                                                       "exponent": -0.15}}}
+    hp = pretraining_hparams(laws, cfg)
+    c = hp["compute_C"]
+    assert hp["batch_fit_sequences"] == pytest.approx(c**0.3 / 128) and hp["lr_fit"] == pytest.approx(0.5 * c**-0.15)
+    assert 16 <= hp["global_batch_size"] <= 32 and hp["global_batch_size"] % 4 == 0
+    assert hp["lr"] == pytest.approx(min(max(hp["lr_fit"], 3e-4), 3e-3))
+    assert hp["ramp_start"] == hp["global_batch_size"] // 4 // 4 * 4 and hp["ramp_tokens"] == 100_000
+    # the steps spend D: one step fewer would not
+    from dsl_lit.config.data import BatchRampConfig, BatchSchedule
+
+    schedule = BatchSchedule(hp["global_batch_size"], 128, BatchRampConfig(hp["ramp_start"], hp["ramp_tokens"], 4))
+    assert schedule.advance(0, hp["max_steps"]) * 128 >= 400_000 > schedule.advance(0, hp["max_steps"] - 1) * 128
+    # no fitted law (a sweep of one budget): the paper's
+    assert pretraining_hparams({}, cfg)["source"].startswith("paper")
+
+
+def _done(results: dict) -> dict:
+    return {stage: {"results": r} for stage, r in results.items()}
+
+
+def test_claims_are_judged_by_their_written_thresholds():
+    flat = {"hparams": {"batch_tokens": {"exponent": 1e-16}, "lr": {"exponent": 3e-16}},
+            "allocation": {"model_scale": {"exponent": 0.6}}}
+    table = {row[0]: row[3] for row in claims_table(_done({"scaling": {"laws": flat}}))}
+    assert table["Optimal batch size grows and optimal learning rate shrinks with compute, as power laws"] == NOT_REPRODUCED
+    assert table["The compute-optimal model scale grows with compute"] == REPRODUCED
+    assert table["Multi-token prediction improves the main model at equal training steps"] == NOT_MEASURED
+    results = {"pretrain": {"val_loss": 4.0, "load_max_over_mean": 1.2}, "pretrain_no_mtp": {"val_loss": 4.1},
+               "pretrain_no_bias": {"val_loss": 4.05, "load_max_over_mean": 2.5},
+               "grpo": {"eval_accuracy": 0.0}, "cold_start": {"eval_accuracy": 0.0}, "distill": {"eval_accuracy": 0.0},
+               "sft_rs": {"eval_accuracy": 0.0}}
+    table = {row[0]: (row[2], row[3]) for row in claims_table(_done(results))}
+    assert table["Multi-token prediction improves the main model at equal training steps"][1] == REPRODUCED
+    assert table["Auxiliary-loss-free balancing (the bias update) keeps expert load balanced"] == (
+        "expert load max/mean 1.2 with the bias update, 2.5 without (last 20% of steps; 1.0 is perfect)", REPRODUCED)
+    # a teacher that solves nothing leaves nothing to keep: not a reproduction
+    assert table["A distilled smaller student keeps most of the teacher's accuracy"][1] == NOT_REPRODUCED
+    assert table["RL with rule-based rewards raises accuracy over the cold-start model"][1] == NOT_REPRODUCED
+
+
+class _Recorded(Exception):
+    pass
+
+
+class _RecordingContext(StageContext):
+    """Records the command a stage would run instead of running it."""
+
+    def run(self, argv):  # noqa: D102
+        self.commands.append([*argv, *self.cfg.overrides.get(self.name, [])])
+        raise _Recorded
+
+
+@pytest.mark.parametrize("preset", ["cpu_mini", "smoke", "gpu_small"])
+def test_every_presets_stage_commands_compose_and_validate(preset, tmp_path):
+    """Each training stage's command line (wiring + the preset's overrides) composes under Hydra
+    and validates as its recipe would, for the GPU preset too (which no CPU run exercises)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from dsl_lit.config.schema import dataclass_from_dict
+    from dsl_lit.config.train import TrainConfig
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        raw = compose("reproduce", overrides=[f"reproduce={preset}"])
+        cfg = dataclass_from_dict(ReproduceConfig, OmegaConf.to_container(raw.reproduce, resolve=True),
+                                  "reproduce").validate()
+        (tmp_path / "scaling").mkdir()
+        hp = pretraining_hparams({}, cfg)
+        (tmp_path / "scaling" / MARKER).write_text(json.dumps({"results": hp, "seconds": 0}))
+        checked = []
+        for stage in STAGE_TABLE:
+            if stage.name in ("scaling", "data", "passkey", "evaluate", "report"):
+                continue
+            ctx = _RecordingContext(cfg, tmp_path, stage.name)
+            with pytest.raises(_Recorded):
+                stage.run(ctx)
+            script, *args = ctx.commands[0]
+            # checkpoints do not exist here: their architecture would replace the model group
+            overrides = [a for a in args if not a.startswith(("hydra.run.dir=", "init_from=", "teacher_from="))]
+            hydra_cfg = compose(Path(script).stem, overrides=overrides)
+            train = TrainConfig.from_hydra(hydra_cfg, run_dir=str(tmp_path / stage.name),
+                                           post_training=stage.name not in ("pretrain", "pretrain_no_mtp",
+                                                                            "pretrain_no_bias", "yarn"))
+            assert train.trainer.accelerator == cfg.accelerator
+            checked.append(stage.name)
+            if stage.name == "pretrain":
+                assert train.data.global_batch_size == hp["global_batch_size"] and train.optim.lr == hp["lr"]
+                if preset == "gpu_small":  # the model the budget was computed for is the one trained
+                    assert (train.model.d_model, train.model.n_layers, train.precision.name) == (768, 12, "bf16")
+    assert len(checked) == 9
