@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from dsl_lit.checkpoint.reader import find_checkpoint, read_model_weights
-from dsl_lit.data.passkey import PasskeyCorpus, write_corpus
+from dsl_lit.tasks.passkey import PasskeyCorpus, write_corpus
 from tests.forked_python import run_python
 from tests.test_pretrain_e2e import ROOT, losses
 

@@ -22,7 +22,6 @@ from dsl_lit.config.posttrain import (
     SamplingConfig,
     TaskConfig,
 )
-from dsl_lit.data import arithmetic
 from dsl_lit.data.chat import ChatTokenizer
 from dsl_lit.data.format import ASSISTANT_TOKEN, BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, USER_TOKEN
 from dsl_lit.models import ModelConfig
@@ -31,6 +30,7 @@ from dsl_lit.posttrain.grpo.dapo import GroupSelection, informative_groups, over
 from dsl_lit.posttrain.grpo.data import prompt_rows
 from dsl_lit.posttrain.grpo.rollout import Rollouts, training_rows
 from dsl_lit.posttrain.rewards import WeightedRewards
+from dsl_lit.tasks import arithmetic
 from tests.conftest import compose_config
 
 

@@ -16,9 +16,9 @@ from torch import nn
 
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.passkey import PasskeyConfig
-from dsl_lit.data.passkey import CORPORA, KEY_LENGTH, QUESTION, SHIPPED_DIR, key_sentence, write_corpus
 from dsl_lit.evaluation.passkey import passkey_accuracy, passkey_prompt, with_context
 from dsl_lit.models import ModelConfig, build_model
+from dsl_lit.tasks.passkey import CORPORA, KEY_LENGTH, QUESTION, SHIPPED_DIR, key_sentence, write_corpus
 
 
 def word_tokenizer() -> Tokenizer:

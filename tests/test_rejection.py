@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from dsl_lit.config.posttrain import RejectionConfig, SamplingConfig, TaskConfig
-from dsl_lit.data import arithmetic
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.posttrain.rejection.data import RejectionStats, rejection_sample, select
 from dsl_lit.posttrain.rewards import WeightedRewards
+from dsl_lit.tasks import arithmetic
 from tests.test_sft import tokenizer  # noqa: F401  (fixture)
 
 GOOD, WRONG, UNFORMATTED = "<think>2 + 3 = 5</think><answer>5</answer>", "<think>2 + 3 = 6</think><answer>6</answer>", "5"

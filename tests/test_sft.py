@@ -23,7 +23,6 @@ from dsl_lit.config import TrainConfig
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.config.posttrain import GRPOConfig, TaskConfig
-from dsl_lit.data.arithmetic import problems
 from dsl_lit.data.chat import ChatTokenizer
 from dsl_lit.data.conversations import task_conversations
 from dsl_lit.data.datamodule import PretrainDataModule
@@ -32,6 +31,7 @@ from dsl_lit.data.sft import IGNORE, document, packed_rows, padded_rows, sft_row
 from dsl_lit.models import ModelConfig
 from dsl_lit.ops import cross_entropy
 from dsl_lit.posttrain import SFTModule
+from dsl_lit.tasks.arithmetic import problems
 from tests.conftest import ROOT, compose_config
 from tests.forked_python import run_python
 from tests.numerics import assert_close_fp32

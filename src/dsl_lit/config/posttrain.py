@@ -19,7 +19,7 @@ ADVANTAGE_SCALES = ("group", "batch", "none")
 REWARDS = ("accuracy", "format", "language")
 """Names of the rule rewards (``dsl_lit.posttrain.rewards.REWARD_FUNCTIONS`` has one function per name)."""
 TASK_OPERATIONS = ("+", "-", "*", "largest")
-"""Operations the generated arithmetic task can draw (``dsl_lit.data.arithmetic``): binary ones on two
+"""Operations the generated arithmetic task can draw (``dsl_lit.tasks.arithmetic``): binary ones on two
 operands, ``largest`` over ``task.list_length`` of them."""
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dsl_lit.config.posttrain import TaskConfig
-from dsl_lit.data import arithmetic
+from dsl_lit.tasks import arithmetic
 
 Conversation = list[dict[str, str]]
 
@@ -19,7 +19,7 @@ Conversation = list[dict[str, str]]
 def task_conversations(task: TaskConfig, shortcut_share: float = 0.0) -> list[Conversation]:
     """The task's training problems as user question + R1-format reference reply; a
     ``shortcut_share`` of the replies (drawn from the task's seed) answer with
-    :func:`~dsl_lit.data.arithmetic.shortcut_answer` instead."""
+    :func:`~dsl_lit.tasks.arithmetic.shortcut_answer` instead."""
     train, _ = arithmetic.split(task)
     rng = random.Random(f"{task.seed}/shortcut")
     replies = [arithmetic.reply(p, arithmetic.shortcut_answer(p) if rng.random() < shortcut_share else None)

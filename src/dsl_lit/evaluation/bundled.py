@@ -29,7 +29,7 @@ from typing import Any
 
 from dsl_lit.config.posttrain import TaskConfig
 from dsl_lit.config.resolvers import PROJECT_ROOT
-from dsl_lit.data import arithmetic
+from dsl_lit.tasks import arithmetic
 
 CORPUS_DIR = PROJECT_ROOT / "data" / "corpus"
 BUNDLED_TASKS_DIR = PROJECT_ROOT / "data" / "eval_tasks"

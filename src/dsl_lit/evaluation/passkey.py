@@ -19,8 +19,8 @@ import torch
 from tokenizers import Tokenizer
 from torch import nn
 
-from dsl_lit.data.passkey import filler, prompt_text, random_key
 from dsl_lit.models import Transformer, build_model
+from dsl_lit.tasks.passkey import filler, prompt_text, random_key
 
 
 @dataclass

@@ -65,7 +65,7 @@ def held_out_evaluation(setup: PostTrainSetup) -> dict[str, Any]:
     """The ``PostTrainModule`` arguments that make a run log held-out greedy accuracy on the task
     (``task.eval_problems`` held-out problems, replies of up to ``grpo.sampling.max_new_tokens``),
     so that each R1 stage's accuracy is measured alike; ``task.eval_problems=0`` turns it off."""
-    from dsl_lit.data import arithmetic
+    from dsl_lit.tasks import arithmetic
 
     _, held_out = arithmetic.split(setup.post.task)
     eval_set = [(setup.tokenizer.encode_prompt(arithmetic.prompt(p)), p) for p in held_out]
@@ -83,10 +83,10 @@ def sample_to_file(setup: PostTrainSetup, output: Path) -> dict[str, Any]:
     process of ``trainer.devices`` x ``trainer.num_nodes`` (each the whole model: ``parallel`` is
     for training), write the kept conversations to ``output`` (JSONL, rank 0) and the counts
     beside it; returns the counts (on every rank)."""
-    from dsl_lit.data import arithmetic
     from dsl_lit.data.rows import RowsDataModule
     from dsl_lit.posttrain import RejectionSamplingModule
     from dsl_lit.posttrain.rejection.data import summary_of, write_samples
+    from dsl_lit.tasks import arithmetic
 
     cfg, post = setup.cfg, setup.post
     cfg = replace(cfg, parallel=ParallelConfig(), checkpoint=replace(cfg.checkpoint, every_n_steps=0, every_minutes=0))

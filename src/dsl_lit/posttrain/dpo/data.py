@@ -12,10 +12,10 @@ import random
 import torch
 
 from dsl_lit.config.posttrain import TaskConfig
-from dsl_lit.data import arithmetic
 from dsl_lit.data.chat import ChatTokenizer, prompt_and_reply
 from dsl_lit.data.rows import Rows
 from dsl_lit.data.sft import check_targets, document, padded_rows
+from dsl_lit.tasks import arithmetic
 
 
 def task_pairs(task: TaskConfig, num_pairs: int) -> list[dict]:

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from dsl_lit.data import arithmetic
 from dsl_lit.data.chat import ChatTokenizer
 from dsl_lit.data.rows import Rows
+from dsl_lit.tasks import arithmetic
 
 
 def encode_prompts(problems: Sequence[dict[str, Any]], tokenizer: ChatTokenizer) -> list[list[int]]:

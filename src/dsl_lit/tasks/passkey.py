@@ -8,7 +8,7 @@ One text format serves both sides, so a model is asked exactly what it was train
 - the evaluation prompts (:func:`prompt_text`), padded with filler to a target length in tokens,
   with the key at a chosen depth (``dsl_lit.evaluation.passkey`` scores them).
 
-Regenerate the shipped corpora with ``python -m dsl_lit.data.passkey``: the output is a function
+Regenerate the shipped corpora with ``python -m dsl_lit.tasks.passkey``: the output is a function
 of the seed only (``tests/test_passkey.py`` checks the shipped files against it).
 """
 
