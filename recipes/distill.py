@@ -19,10 +19,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from dsl_lit.config.errors import ConfigError
-from dsl_lit.data.conversations import read_conversations
-from dsl_lit.data.rows import RowsDataModule
-from dsl_lit.data.sft import sft_rows
 from dsl_lit.posttrain import SFTModule
+from dsl_lit.posttrain.chat.conversations import read_conversations
+from dsl_lit.posttrain.chat.datamodule import RowsDataModule
+from dsl_lit.posttrain.chat.rows import sft_rows
 from dsl_lit.posttrain.run import (
     cold_start_sft,
     fit,

@@ -12,8 +12,8 @@ import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from dsl_lit.data.rows import RowsDataModule
 from dsl_lit.posttrain import DPOModule
+from dsl_lit.posttrain.chat.datamodule import RowsDataModule
 from dsl_lit.posttrain.dpo.data import collate_pairs, preference_rows, task_pairs
 from dsl_lit.posttrain.run import fit, module_kwargs, setup_posttrain
 from dsl_lit.training.runs import exits_on_config_error

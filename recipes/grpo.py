@@ -20,8 +20,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from dsl_lit.checkpoint.directory import latest_checkpoint
-from dsl_lit.data.rows import RowsDataModule
 from dsl_lit.posttrain import GRPOModule
+from dsl_lit.posttrain.chat.datamodule import RowsDataModule
 from dsl_lit.posttrain.grpo.data import prompt_rows
 from dsl_lit.posttrain.rewards import build_rewards
 from dsl_lit.posttrain.run import cold_start_sft, fit, held_out_evaluation, module_kwargs, setup_posttrain

@@ -15,10 +15,10 @@ import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from dsl_lit.data.conversations import load_conversations
-from dsl_lit.data.rows import RowsDataModule
-from dsl_lit.data.sft import sft_rows
 from dsl_lit.posttrain import SFTModule
+from dsl_lit.posttrain.chat.conversations import load_conversations
+from dsl_lit.posttrain.chat.datamodule import RowsDataModule
+from dsl_lit.posttrain.chat.rows import sft_rows
 from dsl_lit.posttrain.run import fit, held_out_evaluation, module_kwargs, setup_posttrain
 from dsl_lit.training.runs import exits_on_config_error
 

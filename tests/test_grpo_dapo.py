@@ -22,10 +22,10 @@ from dsl_lit.config.posttrain import (
     SamplingConfig,
     TaskConfig,
 )
-from dsl_lit.data.chat import ChatTokenizer
 from dsl_lit.data.format import ASSISTANT_TOKEN, BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, USER_TOKEN
 from dsl_lit.models import ModelConfig
 from dsl_lit.posttrain import GRPOModule
+from dsl_lit.posttrain.chat.tokenizer import ChatTokenizer
 from dsl_lit.posttrain.grpo.dapo import GroupSelection, informative_groups, overlong_penalty
 from dsl_lit.posttrain.grpo.data import prompt_rows
 from dsl_lit.posttrain.grpo.rollout import Rollouts, training_rows

@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from dsl_lit.config.posttrain import PostTrainConfig
-from dsl_lit.data.chat import ChatTokenizer
+from dsl_lit.posttrain.chat.tokenizer import ChatTokenizer
 from dsl_lit.posttrain.rejection.data import rejection_sample
 from dsl_lit.tasks import arithmetic
 from dsl_lit.training.pretrained import load_pretrained

@@ -23,14 +23,14 @@ from dsl_lit.config import TrainConfig
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.config.posttrain import GRPOConfig, TaskConfig
-from dsl_lit.data.chat import ChatTokenizer
-from dsl_lit.data.conversations import task_conversations
 from dsl_lit.data.datamodule import PretrainDataModule
 from dsl_lit.data.format import ASSISTANT_TOKEN, USER_TOKEN
-from dsl_lit.data.sft import IGNORE, document, packed_rows, padded_rows, sft_rows
 from dsl_lit.models import ModelConfig
 from dsl_lit.ops import cross_entropy
 from dsl_lit.posttrain import SFTModule
+from dsl_lit.posttrain.chat.conversations import task_conversations
+from dsl_lit.posttrain.chat.rows import IGNORE, document, packed_rows, padded_rows, sft_rows
+from dsl_lit.posttrain.chat.tokenizer import ChatTokenizer
 from dsl_lit.tasks.arithmetic import problems
 from tests.conftest import ROOT, compose_config
 from tests.forked_python import run_python
@@ -334,7 +334,7 @@ def test_a_template_that_never_shows_the_assistant_trains_on_nothing_and_is_refu
     with pytest.raises(ConfigError, match="sft train: none of the 4 conversations has a target token"):
         sft_rows(conversations, seq_len=128, pad_id=tokenizer.pad_id, packing=True)
     good = ChatTokenizer.from_dir(v3_dir)
-    with caplog.at_level(logging.INFO, logger="dsl_lit.data.sft"):
+    with caplog.at_level(logging.INFO, logger="dsl_lit.posttrain.chat.rows"):
         sft_rows([good.encode_conversation(c) for c in task_conversations(TaskConfig(num_problems=40))[:4]],
                  seq_len=128, pad_id=good.pad_id, packing=True)
     assert re.search(r"sft train: \d+ target \(assistant\) tokens in 4 conversations", caplog.text)

@@ -23,11 +23,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dsl_lit.data.chat import ChatTokenizer
-from dsl_lit.data.sft import document_mask
 from dsl_lit.inference.generation import generate, positions_from_mask
 from dsl_lit.models import build_model
 from dsl_lit.parallel.pipeline_inference import PipelinedInference
+from dsl_lit.posttrain.chat.rows import document_mask
+from dsl_lit.posttrain.chat.tokenizer import ChatTokenizer
 from dsl_lit.posttrain.logps import token_logps
 from dsl_lit.posttrain.rewards import accuracy_reward
 from dsl_lit.training.causal_lm import Batch, CausalLMModule

@@ -15,8 +15,8 @@ from omegaconf import DictConfig
 from dsl_lit.config import ParallelConfig, TrainConfig
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.posttrain import PostTrainConfig
-from dsl_lit.data.chat import ChatTokenizer
 from dsl_lit.data.datamodule import PretrainDataModule
+from dsl_lit.posttrain.chat.tokenizer import ChatTokenizer
 from dsl_lit.training.build import (  # also registers ${project_root:}
     build_trainer,
     module_arguments,
@@ -83,8 +83,8 @@ def sample_to_file(setup: PostTrainSetup, output: Path) -> dict[str, Any]:
     process of ``trainer.devices`` x ``trainer.num_nodes`` (each the whole model: ``parallel`` is
     for training), write the kept conversations to ``output`` (JSONL, rank 0) and the counts
     beside it; returns the counts (on every rank)."""
-    from dsl_lit.data.rows import RowsDataModule
     from dsl_lit.posttrain import RejectionSamplingModule
+    from dsl_lit.posttrain.chat.datamodule import RowsDataModule
     from dsl_lit.posttrain.rejection.data import summary_of, write_samples
     from dsl_lit.tasks import arithmetic
 
@@ -110,10 +110,10 @@ def cold_start_sft(hydra_cfg: DictConfig, run_dir: Path, steps: int, lr: float, 
     (random) model on the task's reference replies (a ``shortcut_share`` of them answering with the
     task's shortcut rule), as a run of its own in ``<run_dir>/cold_start`` (resumable); returns that run dir,
     whose latest checkpoint is the next stage's ``init_from``. Single process only."""
-    from dsl_lit.data.conversations import task_conversations
-    from dsl_lit.data.rows import RowsDataModule
-    from dsl_lit.data.sft import sft_rows
     from dsl_lit.posttrain import SFTModule
+    from dsl_lit.posttrain.chat.conversations import task_conversations
+    from dsl_lit.posttrain.chat.datamodule import RowsDataModule
+    from dsl_lit.posttrain.chat.rows import sft_rows
 
     if hydra_cfg.trainer.devices * hydra_cfg.trainer.num_nodes > 1:
         raise ConfigError("the cold start runs in this process: with several devices run recipes/sft.py first "

@@ -12,9 +12,9 @@ import random
 import torch
 
 from dsl_lit.config.posttrain import TaskConfig
-from dsl_lit.data.chat import ChatTokenizer, prompt_and_reply
-from dsl_lit.data.rows import Rows
-from dsl_lit.data.sft import check_targets, document, padded_rows
+from dsl_lit.posttrain.chat.datamodule import Rows
+from dsl_lit.posttrain.chat.rows import check_targets, document, padded_rows
+from dsl_lit.posttrain.chat.tokenizer import ChatTokenizer, prompt_and_reply
 from dsl_lit.tasks import arithmetic
 
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from dsl_lit.data.chat import ChatTokenizer
-from dsl_lit.data.rows import Rows
+from dsl_lit.posttrain.chat.datamodule import Rows
+from dsl_lit.posttrain.chat.tokenizer import ChatTokenizer
 from dsl_lit.tasks import arithmetic
 
 

@@ -37,10 +37,10 @@ from typing import Any
 import torch
 
 from dsl_lit.config.posttrain import GRPOConfig, SamplingConfig
-from dsl_lit.data.chat import ChatTokenizer
 from dsl_lit.inference.generation import generate
 from dsl_lit.parallel.grad_sync import local
 from dsl_lit.parallel.pipeline_inference import PipelinedInference
+from dsl_lit.posttrain.chat.tokenizer import ChatTokenizer
 from dsl_lit.posttrain.grpo.dapo import GroupSelection, overlong_penalty
 from dsl_lit.posttrain.grpo.data import encode_prompts, prompts_of
 from dsl_lit.posttrain.grpo.loss import grpo_loss

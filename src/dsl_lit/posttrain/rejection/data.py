@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from dsl_lit.config.posttrain import RejectionConfig
-from dsl_lit.data.chat import ChatTokenizer, prompt_and_reply
-from dsl_lit.data.conversations import write_conversations
 from dsl_lit.inference.generation import generate
+from dsl_lit.posttrain.chat.conversations import write_conversations
+from dsl_lit.posttrain.chat.tokenizer import ChatTokenizer, prompt_and_reply
 from dsl_lit.posttrain.rewards import WeightedRewards
 
 log = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from dsl_lit.config.posttrain import RejectionConfig
-from dsl_lit.data.chat import ChatTokenizer
 from dsl_lit.models import ModelConfig, build_model
+from dsl_lit.posttrain.chat.tokenizer import ChatTokenizer
 from dsl_lit.posttrain.rejection.data import RejectionSampler, RejectionStats, batch_generator
 from dsl_lit.training.pretrained import StartingWeights
 

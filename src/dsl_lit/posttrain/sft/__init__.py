@@ -1,1 +1,1 @@
-"""Post-training method ``sft``: its LightningModule (``module``); chat data lives in ``dsl_lit.data``."""
+"""Post-training method ``sft``: its LightningModule (``module``); chat data lives in ``dsl_lit.posttrain.chat``."""

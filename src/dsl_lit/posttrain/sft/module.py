@@ -1,6 +1,6 @@
 """Supervised fine-tuning: next-token loss on the assistant's tokens only.
 
-Rows come from :mod:`dsl_lit.data.sft` with the prompt tokens' labels at -100; the loss is the
+Rows come from :mod:`dsl_lit.posttrain.chat.rows` with the prompt tokens' labels at -100; the loss is the
 mean over the step's target tokens (as pretraining's). Packed rows carry per-document positions and
 an attention mask, so packing changes throughput, not the loss, under any layout (a pipeline's
 stages receive them with their micro-batch).

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from dsl_lit.config.errors import ConfigError
-from dsl_lit.data.chat import EncodedConversation
+from dsl_lit.posttrain.chat.tokenizer import EncodedConversation
 
 log = logging.getLogger(__name__)
 IGNORE = -100
