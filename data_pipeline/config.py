@@ -2,8 +2,9 @@
 
 Why dataclasses behind the Hydra YAML: a typo or an out-of-range value fails at start-up with a
 message naming the field (``near_dedup.threshold``) and the fix, not hours later in a worker. Each
-stage's settings dataclass lives in the stage's own file; this module only assembles them, by the
-section names the registered stages declare (``data_pipeline/registry.py``).
+stage's settings dataclass lives in the stage's own file (or in the room below that reads it too:
+``dedup/near_dedup_config.py``); this module only assembles them, by the section names the
+registered stages declare (``data_pipeline/registry.py``).
 """
 
 from __future__ import annotations
