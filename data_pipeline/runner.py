@@ -131,7 +131,7 @@ def run(cfg: PipelineConfig, executor: Executor | None = None) -> dict[str, Any]
     here, before anything is written: a cluster that cannot be reached leaves no output_dir behind).
     """
     own = executor is None
-    executor = make_executor(cfg) if executor is None else executor
+    executor = make_executor(cfg.executor, cfg.num_proc) if executor is None else executor
     try:
         planned = claim_and_plan(cfg)
         for i, p in enumerate(planned):
