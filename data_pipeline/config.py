@@ -55,11 +55,11 @@ class PipelineConfig:
         """The run's stages in order: ingest, the document stages as listed, finalize, then the
         stages that read ``kept/`` (tokenizer training and packing)."""
         chosen = [STAGES[name] for name in self.stages]
-        made = [stage(self.sections[stage.section_name()], self) for stage in chosen]
+        made = [stage(self.sections[stage.section_name()], self.sections) for stage in chosen]
         return [
-            Ingest(self.input, self),
+            Ingest(self.input, self.sections),
             *[s for s in made if not s.after_finalize],
-            Finalize(None, self),
+            Finalize(None, self.sections),
             *[s for s in made if s.after_finalize],
         ]
 

@@ -67,8 +67,9 @@ def plan(cfg: PipelineConfig, inputs: InputFiles | None = None) -> list[Planned]
         ).hexdigest()
         step_dir = output_dir / "work" / f"{position:02d}-{step.name}-{fingerprint[:12]}"
         ctx = Context(
-            cfg=cfg,
             config=stage.config,
+            sections=cfg.sections,
+            run_stages=cfg.stages,
             output_dir=output_dir,
             step_name=step.name,
             stage=step.stage,
