@@ -2,8 +2,9 @@
 
 Why dataclasses behind the Hydra YAML: a typo or an out-of-range value fails at start-up with a
 message naming the field (``near_dedup.threshold``) and the fix, not hours later in a worker. Each
-stage's settings dataclass lives in the stage's own file; this module only assembles them, by the
-section names the registered stages declare (``data_pipeline/registry.py``).
+stage's settings dataclass lives in the stage's own file (or in the room below that reads it too:
+``dedup/near_dedup_config.py``); this module only assembles them, by the section names the
+registered stages declare (``data_pipeline/registry.py``).
 """
 
 from __future__ import annotations
@@ -54,11 +55,11 @@ class PipelineConfig:
         """The run's stages in order: ingest, the document stages as listed, finalize, then the
         stages that read ``kept/`` (tokenizer training and packing)."""
         chosen = [STAGES[name] for name in self.stages]
-        made = [stage(self.sections[stage.section_name()], self) for stage in chosen]
+        made = [stage(self.sections[stage.section_name()], self.sections) for stage in chosen]
         return [
-            Ingest(self.input, self),
+            Ingest(self.input, self.sections),
             *[s for s in made if not s.after_finalize],
-            Finalize(None, self),
+            Finalize(None, self.sections),
             *[s for s in made if s.after_finalize],
         ]
 

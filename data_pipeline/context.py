@@ -3,8 +3,9 @@ a step's unit function.
 
 Why a module of its own: every stage's unit functions take a ``Context`` (``run_unit(ctx, unit)``),
 the runner builds it and the executors ship it to worker processes or Ray tasks; none of them
-should import the runner (or each other) for the type. It imports nothing of the pipeline at run
-time.
+should import the runner (or each other) for the type. It imports nothing of the pipeline, not
+even for annotations: what a unit reads of the run-wide config (other stages' settings, the list of
+stages) is copied into the context, so the modules below ``config`` never point up at it.
 """
 
 from __future__ import annotations
@@ -12,18 +13,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from data_pipeline.config import PipelineConfig
+from typing import Any
 
 
 @dataclass
 class Context:
     """What a unit needs to run; picklable, so worker processes receive it whole."""
 
-    cfg: PipelineConfig
     config: Any  # the settings of the stage this step belongs to
+    sections: dict[str, Any]  # every stage's settings by section name (tokenize_pack reads ``tokenizer``)
+    run_stages: list[str]  # the run's ``stages=[...]`` as configured (recorded in shards/meta.json)
     output_dir: Path
     step_name: str
     stage: str

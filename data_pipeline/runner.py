@@ -67,8 +67,9 @@ def plan(cfg: PipelineConfig, inputs: InputFiles | None = None) -> list[Planned]
         ).hexdigest()
         step_dir = output_dir / "work" / f"{position:02d}-{step.name}-{fingerprint[:12]}"
         ctx = Context(
-            cfg=cfg,
             config=stage.config,
+            sections=cfg.sections,
+            run_stages=cfg.stages,
             output_dir=output_dir,
             step_name=step.name,
             stage=step.stage,
@@ -131,7 +132,7 @@ def run(cfg: PipelineConfig, executor: Executor | None = None) -> dict[str, Any]
     here, before anything is written: a cluster that cannot be reached leaves no output_dir behind).
     """
     own = executor is None
-    executor = make_executor(cfg) if executor is None else executor
+    executor = make_executor(cfg.executor, cfg.num_proc) if executor is None else executor
     try:
         planned = claim_and_plan(cfg)
         for i, p in enumerate(planned):

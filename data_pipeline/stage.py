@@ -12,13 +12,10 @@ marker and feed stats.json.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from data_pipeline.context import RunUnit
 from dsl_lit.config.errors import ConfigError
-
-if TYPE_CHECKING:
-    from data_pipeline.config import PipelineConfig
 
 
 @dataclass(frozen=True)
@@ -42,6 +39,10 @@ class Stage:
     reads the published ``kept/`` documents and runs after every document stage.
     ``needs_settings``: the section has no usable defaults; the hint says how to set it.
     ``comes_after``: stages that, when also selected, must be listed before this one.
+
+    A stage is made with its own settings and ``sections``, every stage's settings by section name
+    (``PipelineConfig.sections``), for a stage whose outputs depend on another's settings
+    (``tokenize_pack`` on ``tokenizer``).
     """
 
     name: ClassVar[str]
@@ -51,9 +52,9 @@ class Stage:
     needs_settings: ClassVar[str | None] = None
     comes_after: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, config: Any, pipeline: PipelineConfig) -> None:
+    def __init__(self, config: Any, sections: dict[str, Any]) -> None:
         self.config = config
-        self.pipeline = pipeline
+        self.sections = sections
 
     @classmethod
     def section_name(cls) -> str:

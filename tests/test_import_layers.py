@@ -14,7 +14,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "dsl_lit"
 def _imports(path: Path, top_level_only: bool = False, run_time_only: bool = False) -> set[str]:
     """Every module a file imports (absolute names), at any depth (lazy imports included) or only
     at module level; ``run_time_only``: less what sits under ``if TYPE_CHECKING:`` (names of types).
-    ``from data_pipeline import x`` counts as ``data_pipeline.x``."""
+    ``from data_pipeline... import x`` also counts as ``data_pipeline....x`` (``x`` may be a module)."""
     names: set[str] = set()
     tree = ast.parse(path.read_text(encoding="utf-8"))
     if run_time_only:
@@ -26,8 +26,8 @@ def _imports(path: Path, top_level_only: bool = False, run_time_only: bool = Fal
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
-            if node.module == "data_pipeline":
-                names.update(f"data_pipeline.{alias.name}" for alias in node.names)
+            if node.module.split(".")[0] == "data_pipeline":
+                names.update(f"{node.module}.{alias.name}" for alias in node.names)
     return names
 
 
@@ -154,3 +154,50 @@ def test_pipeline_rooms_import_down_and_dsl_lit_only_its_surface():
                     if m.split(".")[0] == "dsl_lit" and m not in PIPELINE_DSL_LIT_SURFACE]
     assert not upward, upward
     assert not outside, outside
+
+
+def _pipeline_import_graph() -> dict[str, set[str]]:
+    """Every data_pipeline module (a package by its own name) -> the data_pipeline modules it
+    imports: at any depth, lazy ones and those under ``if TYPE_CHECKING:`` included. A module's
+    import of its own package (``executors/local.py`` of ``executors/__init__.py``) is not counted:
+    that is the package's interface, which may name its modules."""
+    modules = {}
+    for path in PIPELINE.rglob("*.py"):
+        parts = path.relative_to(PIPELINE.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        graph[name] = set()
+        for target in _imports(path):
+            while target and target not in modules:  # data_pipeline.stage.Stage -> data_pipeline.stage
+                target = target.rpartition(".")[0]
+            if target and target != name and not name.startswith(target + "."):
+                graph[name].add(target)
+    return graph
+
+
+def _import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that reach each other by imports (strongly connected, two or more)."""
+    reach: dict[str, set[str]] = {}
+    for start in graph:
+        seen, todo = set(), [start]
+        while todo:
+            for module in graph[todo.pop()] - seen:
+                seen.add(module)
+                todo.append(module)
+        reach[start] = seen
+    groups = {frozenset(m for m in reach[start] if start in reach[m]) for start in graph if start in reach[start]}
+    return sorted(sorted(group) for group in groups)
+
+
+def test_pipeline_imports_close_no_circle_type_only_imports_included():
+    """No data_pipeline module reaches itself through imports, not even through the ones that only
+    name types: a type-only import of a module above (a stage's base importing the config that
+    imports every stage) is the same tangle for a reader and for refactoring. Settings a lower room
+    reads live there (``dedup/near_dedup_config.py``); ``Context`` and ``Stage`` are handed the
+    sections and the stage list, not the ``PipelineConfig``."""
+    graph = _pipeline_import_graph()
+    assert {"data_pipeline.config", "data_pipeline.context", "data_pipeline.stages.near_dedup"} <= set(graph)
+    assert "data_pipeline.registry" in graph["data_pipeline.config"]  # edges are found at all
+    circles = _import_circles(graph)
+    assert not circles, circles

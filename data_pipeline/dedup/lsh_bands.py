@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from data_pipeline.stages.near_dedup import NearDedupConfig
+    from data_pipeline.dedup.near_dedup_config import NearDedupConfig
 
 
 def candidate_probability(similarity: float | np.ndarray, bands: int, rows: int) -> np.ndarray:

@@ -30,7 +30,7 @@ from data_pipeline.dedup.union_find import connected_components
 from data_pipeline.io.shards import read_marker, write_npy, write_table
 
 if TYPE_CHECKING:
-    from data_pipeline.stages.near_dedup import NearDedupConfig
+    from data_pipeline.dedup.near_dedup_config import NearDedupConfig
 
 DUPLICATES_FILE = "duplicates.parquet"
 

@@ -22,7 +22,7 @@ from data_pipeline.io.shards import building_dir
 from dsl_lit.config.errors import ConfigError
 
 if TYPE_CHECKING:
-    from data_pipeline.stages.near_dedup import NearDedupConfig
+    from data_pipeline.dedup.near_dedup_config import NearDedupConfig
 
 INDEX_DIR = "near_dedup_index"
 _COMPATIBLE = ("num_perm", "ngram", "seed", "scheme")

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 from dsl_lit.config.errors import ConfigError
 
 if TYPE_CHECKING:
-    from data_pipeline.config import PipelineConfig
     from data_pipeline.context import Context
     from data_pipeline.stage import Step
 
@@ -62,12 +61,13 @@ class Executor(Protocol):
         """Release processes or the cluster connection this executor opened."""
 
 
-def make_executor(cfg: PipelineConfig) -> Executor:
-    """The executor ``cfg.executor`` names (connecting to the cluster for ``ray``)."""
-    if cfg.executor.kind == "ray":
+def make_executor(cfg: ExecutorConfig, num_proc: int) -> Executor:
+    """The executor ``cfg`` names (connecting to the cluster for ``ray``); ``num_proc``: the local
+    executor's worker processes."""
+    if cfg.kind == "ray":
         from data_pipeline.executors.ray_tasks import RayExecutor
 
-        return RayExecutor(cfg.executor)
+        return RayExecutor(cfg)
     from data_pipeline.executors.local import LocalExecutor
 
-    return LocalExecutor(cfg.num_proc)
+    return LocalExecutor(num_proc)

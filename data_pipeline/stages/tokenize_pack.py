@@ -249,7 +249,7 @@ class PackConfig:
 
 def given_tokenizer(ctx: Context) -> Path | None:
     """``tokenizer.path`` (a ready tokenizer), or None when the run trains its own."""
-    path = ctx.cfg.sections["tokenizer"].path
+    path = ctx.sections["tokenizer"].path
     return None if path is None else Path(path)
 
 
@@ -317,7 +317,7 @@ def merge_unit(ctx: Context, unit: int) -> dict[str, Any]:
         assert merged is not None
         merged["shards"] = shards
         merged["corpus"] = ctx.corpus  # what the data module checks its data.corpus_dir against
-        merged["stages"] = ctx.cfg.stages
+        merged["stages"] = ctx.run_stages
         (tmp / META_FILE).write_text(json.dumps(merged, indent=2) + "\n", encoding="utf-8")
     return {"documents": merged["num_documents"], "tokens": merged["num_tokens"], "shards": len(shards)}
 
@@ -335,7 +335,7 @@ class TokenizePack(Stage):
     def settings(self) -> dict[str, Any]:
         """The packing and the tokenizer's settings (and a given tokenizer's content): another
         tokenizer means other tokens."""
-        tokenizer = self.pipeline.sections["tokenizer"]
+        tokenizer = self.sections["tokenizer"]
         settings = {"pack": asdict(self.config), "tokenizer": asdict(tokenizer)}
         if tokenizer.path is not None:
             settings["tokenizer_sha256"] = file_sha256(Path(tokenizer.path) / TOKENIZER_FILE)
