@@ -81,8 +81,13 @@ def _passkey(r: Results) -> tuple[str, bool]:
 
 
 def _grpo(r: Results) -> tuple[str, bool]:
+    """Judged on held-out greedy accuracy; the sampled accuracy on the training prompts (the
+    reward's own) is shown beside it, since it moves first."""
     cold, rl = r["cold_start"]["results"]["eval_accuracy"], r["grpo"]["results"]["eval_accuracy"]
-    return f"held-out accuracy {cold:.0%} after the cold start, {rl:.0%} after GRPO", rl > cold
+    first, last = r["grpo"]["results"].get("sampled_accuracy_first"), r["grpo"]["results"].get("sampled_accuracy_last")
+    sampled = f"; sampled accuracy on training prompts {first:.0%} -> {last:.0%} (first/last 20% of steps)" \
+        if first is not None and last is not None else ""
+    return f"held-out greedy accuracy {cold:.0%} after the cold start, {rl:.0%} after GRPO{sampled}", rl > cold
 
 
 def _rejection_sft(r: Results) -> tuple[str, bool]:
