@@ -104,6 +104,10 @@ class CausalLMModule(L.LightningModule):
         lazy = isinstance(self.initial_state, StartingWeights)
         with torch.device("meta") if lazy else contextlib.nullcontext():
             self.model = build_model(self.model_config)
+        if not self.trains_mtp:
+            # kept as they are (post-training): frozen, so the optimizer holds no state for them that
+            # a checkpoint would lack (AdamW makes state on a parameter's first gradient only)
+            self.model.mtp.requires_grad_(False)
         trainer = self._trainer
         if not getattr(trainer.strategy if trainer is not None else None, "applies_model_transforms", False):
             # a strategy of Lightning's own (or none): the transforms without a layout, here
