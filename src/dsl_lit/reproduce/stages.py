@@ -215,10 +215,12 @@ def cold_start(ctx: StageContext) -> dict[str, Any]:
 
 
 def grpo(ctx: StageContext) -> dict[str, Any]:
-    """GRPO from the cold start. lr 5e-4, 60 steps: measured on this 4-layer MoE, 2e-4 (the dense
-    demo's) left the policy where it was in 40 steps (KL ~0.02) and 1e-3 collapsed it (accuracy 0)."""
-    ctx.recipe("grpo.py", [*posttrain_arguments(ctx, "cold_start"), "optim.lr=5e-4", "trainer.max_steps=60",
-                           "checkpoint.every_n_steps=5"])
+    """GRPO from the cold start with the recipe's own settings (lr 2e-4, 40 steps). Measured on this
+    4-layer MoE at lr 5e-4 for 60 steps: sampled accuracy 8% -> 37% while held-out greedy accuracy
+    stayed at 31% and the reasoning degenerated (a kept sample: "<think>the largarg7 8 of 9 8 2
+    9</think><answer>9</answer>"), so rejection sampling accepted 1.6% of samples, not 23%; at 1e-3
+    accuracy collapsed to 0."""
+    ctx.recipe("grpo.py", [*posttrain_arguments(ctx, "cold_start"), "checkpoint.every_n_steps=5"])
     series = read_metrics(ctx.dir / METRICS_FILE)
     return {**run_summary(ctx.dir), "sampled_accuracy_first": head_mean(series, "reward/accuracy"),
             "sampled_accuracy_last": tail_mean(series, "reward/accuracy")}
