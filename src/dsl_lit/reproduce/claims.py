@@ -91,9 +91,12 @@ def _grpo(r: Results) -> tuple[str, bool]:
 
 
 def _rejection_sft(r: Results) -> tuple[str, bool]:
+    """Only a skill RL added can be carried: a GRPO model no better than its cold start has none."""
+    cold = r["cold_start"]["results"]["eval_accuracy"]
     rl, sft = r["grpo"]["results"]["eval_accuracy"], r["sft_rs"]["results"]["eval_accuracy"]
-    return f"held-out accuracy {sft:.0%} for SFT on the kept samples, {rl:.0%} for the GRPO model (>= 80% of it?)", \
-        rl > 0 and sft >= 0.8 * rl
+    gained = "" if rl > cold else f"; GRPO gained nothing over its cold start ({cold:.0%}), so there was no skill to carry"
+    return (f"held-out accuracy {sft:.0%} for SFT on the kept samples, {rl:.0%} for the GRPO model (>= 80% of it?)"
+            f"{gained}", rl > cold and sft >= 0.8 * rl)
 
 
 def _distill(r: Results) -> tuple[str, bool]:
