@@ -25,7 +25,7 @@ import yaml
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.config.reproduce import ReproduceConfig
 from dsl_lit.report.metrics import METRICS_FILE, Series, read_metrics
-from dsl_lit.reproduce.runner import PROJECT_ROOT, Stage, StageContext
+from dsl_lit.reproduce.runner import PROJECT_ROOT, Stage, StageContext, StageFailed
 
 PIPELINE_STAGES = "[normalize,exact_dedup,near_dedup,quality_filter,language_filter,decontaminate,train_tokenizer,tokenize_pack]"
 PRETRAIN_MODEL = "deepseek_v3_tiny"
@@ -228,7 +228,13 @@ def grpo(ctx: StageContext) -> dict[str, Any]:
 
 def rejection_sample(ctx: StageContext) -> dict[str, Any]:
     ctx.recipe("rejection_sample.py", posttrain_arguments(ctx, "grpo"))
-    return json.loads((ctx.dir / "rejection_stats.json").read_text())
+    stats = json.loads((ctx.dir / "rejection_stats.json").read_text())
+    if not stats["kept"]:  # sft_rs would train on nothing: stop here, saying why
+        raise StageFailed(f"stage rejection_sample: none of {stats['samples']} samples of the GRPO model was "
+                          "accepted (finished with end-of-sentence and, verifying, rewarded); train the earlier "
+                          "stages longer, or pass rejection.min_reward / rejection.verify=false in "
+                          "reproduce.overrides.rejection_sample")
+    return stats
 
 
 def _lines(path: Path) -> int:
