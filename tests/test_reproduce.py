@@ -113,19 +113,21 @@ def test_every_stage_feeds_the_next_and_the_report_has_every_section(interrupted
 @pytest.mark.slow
 def test_a_run_killed_mid_grpo_ends_with_the_numbers_of_one_never_stopped(interrupted_run):
     run_dir, _ = interrupted_run
-    resumed = run_dir.parent / "grpo_resumed"
-    shutil.move(run_dir / "grpo", resumed)
-    again = reproduce(run_dir, "reproduce.stages=[grpo]")
+    resumed = run_dir / "grpo"
+    # a copy of the run without GRPO: it runs again there, never stopped
+    fresh = run_dir.parent / "grpo_never_stopped"
+    shutil.copytree(run_dir, fresh, ignore=lambda d, names: ["grpo"] if Path(d) == run_dir else [])
+    again = reproduce(fresh, "reproduce.stages=[grpo]")
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "resuming from" not in (run_dir / "grpo" / "stage.log").read_text()
-    expected, actual = metrics(run_dir / "grpo"), metrics(resumed)
+    assert "resuming from" not in (fresh / "grpo" / "stage.log").read_text()
+    expected, actual = metrics(fresh / "grpo"), metrics(resumed)
     assert sorted(actual) == sorted(expected) == [0, 1, 2, 3]
     for step, row in expected.items():
         for key in ("train/loss", "reward/mean", "train/grad_norm", "completion/length"):
             assert actual[step][key] == pytest.approx(row[key], rel=1e-5, abs=1e-7), (step, key)
     first = json.loads((resumed / MARKER).read_text())["results"]
-    second = json.loads((run_dir / "grpo" / MARKER).read_text())["results"]
-    assert first["eval_accuracy"] == second["eval_accuracy"]
+    second = json.loads((fresh / "grpo" / MARKER).read_text())["results"]
+    assert first["eval_accuracy"] is not None and first["eval_accuracy"] == second["eval_accuracy"]
     assert first["train_loss"] == pytest.approx(second["train_loss"], rel=1e-5)
 
 
@@ -142,6 +144,19 @@ def test_bad_subsets_and_changed_settings_are_refused_before_any_stage_runs(tmp_
     (tmp_path / "scaling" / MARKER).write_text(json.dumps({"fingerprint": "0" * 16, "seconds": 1, "results": {}}))
     with pytest.raises(ConfigError, match="stage scaling finished in .* with other settings"):
         selected(ReproduceConfig().validate(), STAGE_TABLE, tmp_path)
+    # a new eval_limit touches the evaluation only: the finished pretraining still stands
+    from dsl_lit.reproduce.runner import fingerprints
+
+    before, after = fingerprints(ReproduceConfig(), STAGE_TABLE), fingerprints(ReproduceConfig(eval_limit=4), STAGE_TABLE)
+    assert [s for s in STAGES if before[s] != after[s]] == ["evaluate"]
+    bigger = ReproduceConfig(overrides={"pretrain": ["++model.n_layers=6"]})  # another model: another batch and lr
+    changed = [s for s in STAGES if fingerprints(bigger, STAGE_TABLE)[s] != before[s]]
+    assert changed[:4] == ["scaling", "pretrain", "pretrain_no_mtp", "pretrain_no_bias"] and "data" not in changed
+    # an interrupted stage's checkpoints were made with its settings: resuming them under others is refused
+    (tmp_path / "started" / "data").mkdir(parents=True)
+    (tmp_path / "started" / "data" / "STARTED.json").write_text(json.dumps({"fingerprint": "1" * 16}))
+    with pytest.raises(ConfigError, match="stage data started in .* with other settings"):
+        selected(ReproduceConfig().validate(), STAGE_TABLE, tmp_path / "started")
     # and the recipe says so in one line, exit 2, having run nothing
     result = reproduce(tmp_path / "run", "reproduce.stages=[grpo]")
     assert result.returncode == 2 and "stage grpo needs" in result.stderr

@@ -32,7 +32,7 @@ def natural_key(name: str) -> list[object]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def _lines(series: dict[str, Series], keys: list[str], path: Path, title: str, ylabel: str,
+def plot_lines(series: dict[str, Series], keys: list[str], path: Path, title: str, ylabel: str,
            log_y: bool = False) -> Path | None:
     keys = [k for k in keys if k in series]
     if not keys:
@@ -46,10 +46,10 @@ def _lines(series: dict[str, Series], keys: list[str], path: Path, title: str, y
         ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
-def _save(fig: plt.Figure, path: Path) -> Path:
+def save_figure(fig: plt.Figure, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -57,15 +57,15 @@ def _save(fig: plt.Figure, path: Path) -> Path:
 
 
 def plot_loss(series: dict[str, Series], out: Path) -> Path | None:
-    return _lines(series, ["train/loss", "val/loss"], out / "loss.png", "next-token loss", "cross-entropy (nats)")
+    return plot_lines(series, ["train/loss", "val/loss"], out / "loss.png", "next-token loss", "cross-entropy (nats)")
 
 
 def plot_lr(series: dict[str, Series], out: Path) -> Path | None:
-    return _lines(series, ["train/lr"], out / "lr.png", "learning rate", "lr")
+    return plot_lines(series, ["train/lr"], out / "lr.png", "learning rate", "lr")
 
 
 def plot_grad_norm(series: dict[str, Series], out: Path) -> Path | None:
-    return _lines(series, ["train/grad_norm"], out / "grad_norm.png", "gradient norm (before clipping)", "norm",
+    return plot_lines(series, ["train/grad_norm"], out / "grad_norm.png", "gradient norm (before clipping)", "norm",
                   log_y=True)
 
 
@@ -82,7 +82,7 @@ def plot_throughput(series: dict[str, Series], out: Path) -> Path | None:
         right = ax.twinx()
         right.plot(mfu.steps, 100 * mfu.values, "--", color="tab:orange", label="MFU")
         right.set_ylabel("MFU (%, dashed)", color="tab:orange")
-    return _save(fig, out / "throughput.png")
+    return save_figure(fig, out / "throughput.png")
 
 
 def plot_aux_losses(series: dict[str, Series], out: Path) -> Path | None:
@@ -100,7 +100,7 @@ def plot_aux_losses(series: dict[str, Series], out: Path) -> Path | None:
         ax.set(xlabel="step", title=title)
         ax.grid(alpha=0.3)
         ax.legend()
-    return _save(fig, out / "aux_losses.png")
+    return save_figure(fig, out / "aux_losses.png")
 
 
 def plot_expert_load(series: dict[str, Series], out: Path) -> Path | None:
@@ -118,7 +118,7 @@ def plot_expert_load(series: dict[str, Series], out: Path) -> Path | None:
     ax.set_yticks(range(len(layers)), [k.removeprefix(LOAD_PREFIX) for k in layers])
     ax.set(xlabel="step", title="expert load: max / mean per MoE layer (1.0 = balanced)")
     fig.colorbar(image, ax=ax, label="max / mean")
-    return _save(fig, out / "expert_load.png")
+    return save_figure(fig, out / "expert_load.png")
 
 
 def plot_eval(series: dict[str, Series], out: Path) -> Path | None:
@@ -137,7 +137,7 @@ def plot_eval(series: dict[str, Series], out: Path) -> Path | None:
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(keys):]:
         ax.set_visible(False)
-    return _save(fig, out / "eval.png")
+    return save_figure(fig, out / "eval.png")
 
 
 RL_REWARDS = ("reward/mean", "reward/accuracy", "reward/accuracy_pass_at_group", "reward/format")
@@ -161,7 +161,7 @@ def plot_rl(series: dict[str, Series], out: Path) -> Path | None:
         ax.grid(alpha=0.3)
         if len(keys) > 1:
             ax.legend(fontsize=8)
-    return _save(fig, out / "rl.png")
+    return save_figure(fig, out / "rl.png")
 
 
 FIGURES: tuple[Callable[[dict[str, Series], Path], Path | None], ...] = (

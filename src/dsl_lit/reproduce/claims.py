@@ -100,9 +100,12 @@ def _rejection_sft(r: Results) -> tuple[str, bool]:
 
 
 def _distill(r: Results) -> tuple[str, bool]:
+    """As for SFT on rejection samples: a teacher no better than its cold start has no skill to keep."""
+    cold = r["cold_start"]["results"]["eval_accuracy"]
     teacher, student = r["grpo"]["results"]["eval_accuracy"], r["distill"]["results"]["eval_accuracy"]
-    return f"held-out accuracy {student:.0%} for the 1-layer student, {teacher:.0%} for its teacher (>= 80% of it?)", \
-        teacher > 0 and student >= 0.8 * teacher
+    gained = "" if teacher > cold else f"; the teacher is no better than its cold start ({cold:.0%})"
+    return (f"held-out accuracy {student:.0%} for the smaller student, {teacher:.0%} for its teacher (>= 80% of it?)"
+            f"{gained}", teacher > cold and student >= 0.8 * teacher)
 
 
 CLAIMS = (

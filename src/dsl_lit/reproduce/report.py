@@ -14,16 +14,14 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+import matplotlib.pyplot as plt
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from dsl_lit.config.reproduce import STAGES, ReproduceConfig  # noqa: E402
-from dsl_lit.report.metrics import METRICS_FILE, Series, read_metrics  # noqa: E402
-from dsl_lit.reproduce.claims import claims_table  # noqa: E402
-from dsl_lit.reproduce.runner import marker  # noqa: E402
-from dsl_lit.utils.machine import machine_description  # noqa: E402
+from dsl_lit.config.reproduce import STAGES, ReproduceConfig
+from dsl_lit.report.figures import plot_lines, save_figure
+from dsl_lit.report.metrics import METRICS_FILE, Series, read_metrics
+from dsl_lit.reproduce.claims import claims_table
+from dsl_lit.reproduce.runner import marker
+from dsl_lit.utils.machine import machine_description
 
 R1_MODELS = ("cold_start", "grpo", "sft_rs", "distill")
 EVAL_METRICS = ("acc", "acc_norm", "exact_match", "bits_per_byte")
@@ -35,25 +33,11 @@ def _series(run_dir: Path, stage: str) -> dict[str, Series]:
     return read_metrics(path) if path.is_file() else {}
 
 
-def _plot(out: Path, name: str, title: str, ylabel: str, curves: list[tuple[str, Series | None]],
-          xlabel: str = "step") -> str | None:
-    curves = [(label, s) for label, s in curves if s is not None and len(s.steps)]
-    if not curves:
-        return None
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    for label, s in curves:
-        ax.plot(s.steps, s.values, "o-" if len(s.steps) < 20 else "-", ms=3, label=label)
-    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    return _save(fig, out / name)
-
-
-def _save(fig: plt.Figure, path: Path) -> str:
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path.name
+def _plot(out: Path, name: str, title: str, ylabel: str, curves: list[tuple[str, Series | None]]) -> str | None:
+    """Lines of several runs in one figure (the run report's line plot, one series per label)."""
+    series = {label: s for label, s in curves if s is not None and len(s.steps)}
+    path = plot_lines(series, list(series), out / name, title, ylabel)
+    return path.name if path else None
 
 
 def _bars(out: Path, name: str, title: str, ylabel: str, groups: dict[str, dict[str, float]]) -> str | None:
@@ -70,7 +54,7 @@ def _bars(out: Path, name: str, title: str, ylabel: str, groups: dict[str, dict[
     ax.set(ylabel=ylabel, title=title)
     ax.grid(alpha=0.3, axis="y")
     ax.legend()
-    return _save(fig, out / name)
+    return save_figure(fig, out / name).name
 
 
 def _image(name: str | None, alt: str) -> str:
@@ -91,7 +75,7 @@ def _minutes(seconds: float) -> str:
 
 def write_report(run_dir: Path, out: Path, cfg: ReproduceConfig) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    done = {s: m for s in STAGES if (m := marker(run_dir / s)) is not None}
+    done = {s: m for s in STAGES if s != "report" and (m := marker(run_dir / s)) is not None}
     r = {s: m["results"] for s, m in done.items()}
     md = [f"# DeepSeek in miniature: `reproduce={cfg.name}`\n",
           f"Machine: {machine_description()}.\n",
@@ -133,9 +117,9 @@ def write_report(run_dir: Path, out: Path, cfg: ReproduceConfig) -> Path:
     md.append(_image(_plot(out, "pretrain_loss.png", "main-token loss, with and without MTP", "cross-entropy (nats)",
                            [("train, MTP", pre.get("train/loss")), ("train, no MTP", no_mtp.get("train/loss")),
                             ("val, MTP", pre.get("val/loss")), ("val, no MTP", no_mtp.get("val/loss"))]), "loss"))
-    md.append(_image(_plot(out, "expert_load.png", "expert load max/mean (worst MoE layer)", "max / mean",
-                           [("bias update", pre.get("moe/load_max_over_mean_worst")),
-                            ("no bias update", no_bias.get("moe/load_max_over_mean_worst"))]), "expert load"))
+    md.append(_image(_plot(out, "expert_load.png", "expert load max/mean (mean over MoE layers)", "max / mean",
+                           [("bias update", pre.get("moe/load_max_over_mean")),
+                            ("no bias update", no_bias.get("moe/load_max_over_mean"))]), "expert load"))
     md.append(_image(_plot(out, "batch_ramp.png", "batch ramp", "sequences per step",
                            [("global batch", pre.get("train/global_batch_size"))]), "batch ramp"))
     rows = [[s, r[s].get("steps"), r[s].get("train_loss"), r[s].get("val_loss"), r[s].get("load_max_over_mean")]

@@ -35,9 +35,25 @@ class StageFailed(RuntimeError):
     """A stage's recipe exited non-zero; the message names its log."""
 
 
-def marker(stage_dir: Path) -> dict[str, Any] | None:
-    path = stage_dir / MARKER
-    return json.loads(path.read_text()) if path.is_file() else None
+STARTED = "STARTED.json"
+"""Written before a stage runs: the settings an interrupted stage's checkpoints were made with."""
+
+
+def marker(stage_dir: Path, name: str = MARKER) -> dict[str, Any] | None:
+    path = stage_dir / name
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        raise ConfigError(f"{path} is not JSON (a write cut off?); move {stage_dir} away to rerun that stage") from None
+
+
+def write_marker(stage_dir: Path, content: dict[str, Any], name: str = MARKER) -> None:
+    """Atomically: a kill mid-write leaves the old marker or none, never half of one."""
+    temporary = stage_dir / f".{name}.tmp"
+    temporary.write_text(json.dumps(content, indent=2, default=str))
+    os.replace(temporary, stage_dir / name)
 
 
 @dataclass
@@ -77,17 +93,28 @@ class StageContext:
         self.dir.mkdir(parents=True, exist_ok=True)
         log_path = self.dir / "stage.log"
         env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1"}
-        with log_path.open("a") as out:
-            out.write(f"\n$ {' '.join(command)}\n")
-            out.flush()
-            child = subprocess.Popen(command, cwd=PROJECT_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
-            previous = signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGTERM))
-            try:
+        stop: list[int] = []
+        child: subprocess.Popen | None = None
+
+        def forward(signum: int, _frame: Any) -> None:  # SIGTERM/SIGINT: the child saves and exits
+            stop.append(signum)
+            if child is not None:
+                child.send_signal(signal.SIGTERM)
+
+        previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}  # before the child exists
+        try:
+            with log_path.open("a") as out:
+                out.write(f"\n$ {' '.join(command)}\n")
+                out.flush()
+                child = subprocess.Popen(command, cwd=PROJECT_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+                if stop:  # signalled while it started
+                    child.send_signal(signal.SIGTERM)
                 code = child.wait()
-            finally:
-                signal.signal(signal.SIGTERM, previous)
-        if code == 143 or code == -signal.SIGTERM:
-            raise SystemExit(143)  # stopped: the child saved its checkpoint; a rerun resumes
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        if stop or code == 143 or code == -signal.SIGTERM:
+            raise SystemExit(143)  # stopped: no marker; the child saved its checkpoint and a rerun resumes
         if code != 0:
             tail = "".join(log_path.read_text().splitlines(keepends=True)[-15:])
             program = argv[1] if argv[0] == "-m" else Path(argv[0]).name
@@ -102,15 +129,22 @@ class Stage:
     run: Callable[[StageContext], dict[str, Any]]
     """Does the work; returns the results kept in the marker (numbers for the report and later stages)."""
     description: str
+    reads: tuple[str, ...] = ()
+    """The preset's fields it uses (``ReproduceConfig``; ``overrides.<stage>`` for another stage's
+    overrides): with its own overrides and its inputs' fingerprints, what decides whether a finished
+    stage still stands."""
 
 
 def fingerprints(cfg: ReproduceConfig, stages: Sequence[Stage]) -> dict[str, str]:
-    """Per stage, a hash of the settings it ran with: the preset's shared fields, its own overrides
-    and the fingerprints of the stages it reads (a changed pretraining changes every stage after it)."""
-    shared = {k: v for k, v in asdict(cfg).items() if k not in ("name", "stages", "overrides", "estimates_s")}
+    """Per stage, a hash of the settings it runs with: the preset's fields it reads, its own overrides
+    and the fingerprints of the stages it reads (a changed pretraining changes every stage after it;
+    a new eval_limit changes only the evaluation)."""
+    fields = asdict(cfg)
     prints: dict[str, str] = {}
     for stage in stages:
-        settings = [shared, cfg.overrides.get(stage.name, []), [prints[n] for n in stage.needs]]
+        read = {key: (cfg.overrides.get(key.split(".", 1)[1], []) if key.startswith("overrides.") else fields[key])
+                for key in stage.reads}
+        settings = [read, cfg.overrides.get(stage.name, []), [prints[n] for n in stage.needs]]
         prints[stage.name] = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     return prints
 
@@ -127,10 +161,15 @@ def selected(cfg: ReproduceConfig, stages: Sequence[Stage], run_dir: Path) -> li
                 raise ConfigError(f"reproduce.stages: stage {stage.name} needs {need}, which has not finished in "
                                   f"{run_dir}; add it to reproduce.stages")
     for stage in stages:
-        done = marker(run_dir / stage.name)
-        if done is not None and stage.name != "report" and done.get("fingerprint") != prints[stage.name]:
-            raise ConfigError(f"stage {stage.name} finished in {run_dir} with other settings than "
-                              f"reproduce={cfg.name} gives now; use another run_name=, or move that directory away")
+        if stage.name == "report":
+            continue
+        for name, state in ((MARKER, "finished"), (STARTED, "started")):
+            earlier = marker(run_dir / stage.name, name)
+            if earlier is not None and earlier.get("fingerprint") != prints[stage.name]:
+                raise ConfigError(f"stage {stage.name} {state} in {run_dir} with other settings than "
+                                  f"reproduce={cfg.name} gives now; use another run_name=, or move that directory away")
+            if earlier is not None:
+                break
     return chosen
 
 
@@ -160,13 +199,13 @@ def run_stages(cfg: ReproduceConfig, stages: Sequence[Stage], run_dir: Path,
         began = time.monotonic()
         context = StageContext(cfg, run_dir, stage.name)
         stage_dir.mkdir(parents=True, exist_ok=True)
+        write_marker(stage_dir, {"stage": stage.name, "fingerprint": prints[stage.name]}, STARTED)
         stage_results = stage.run(context)
         seconds = time.monotonic() - began
         spent += seconds
         estimated += cfg.estimates_s.get(stage.name, seconds)
-        (stage_dir / MARKER).write_text(json.dumps(
-            {"stage": stage.name, "fingerprint": prints[stage.name], "seconds": round(seconds, 1), "results": stage_results,
-             "commands": context.commands}, indent=2, default=str))
+        write_marker(stage_dir, {"stage": stage.name, "fingerprint": prints[stage.name], "seconds": round(seconds, 1),
+                                 "results": stage_results, "commands": context.commands})
         results[stage.name] = stage_results
         progress(f"stage {index}/{len(chosen)} {stage.name}: done in {_minutes(seconds)}")
     progress(f"all {len(chosen)} stages finished in {_minutes(time.monotonic() - start)}; report: {run_dir / 'report' / 'report.md'}")

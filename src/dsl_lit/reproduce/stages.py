@@ -115,7 +115,7 @@ def pretraining_hparams(laws: dict[str, Any], cfg: ReproduceConfig) -> dict[str,
 
 
 def scaling(ctx: StageContext) -> dict[str, Any]:
-    ctx.recipe("scaling_laws.py", [f"hydra.sweep.dir={ctx.dir / 'sweep'}"])
+    ctx.recipe("scaling_laws.py", [f"hydra.sweep.dir={ctx.dir / 'sweep'}", f"trainer.accelerator={ctx.cfg.accelerator}"])
     laws = json.loads((ctx.dir / "sweep" / "scaling_laws.json").read_text())
     return {"laws": laws, **pretraining_hparams(laws, ctx.cfg)}
 
@@ -281,20 +281,28 @@ def report(ctx: StageContext) -> dict[str, Any]:
     return {"report": str(path)}
 
 
+HPARAMS = ("pretrain_tokens", "seq_len", "batch_range", "lr_range", "micro_batch_size", "ramp_fraction",
+           "ramp_start_fraction", "overrides.pretrain", "device")
+"""What the scaling stage's batch and lr for the pretraining depend on (the pretrained model's size too)."""
+TRAINS = ("seq_len", "micro_batch_size", "device")
+R1 = ("device",)
+
 STAGE_TABLE = (
-    Stage("scaling", (), scaling, "lr x batch sweep, fitted laws -> the pretraining's lr and batch"),
+    Stage("scaling", (), scaling, "lr x batch sweep, fitted laws -> the pretraining's lr and batch", HPARAMS),
     Stage("data", (), data, "dedup, filters, decontamination, BBPE, FIM packing of the bundled corpus"),
-    Stage("pretrain", ("scaling", "data"), pretrain_stage(), "DeepSeek-V3 tiny: batch ramp, MTP, bias balancing"),
-    Stage("pretrain_no_mtp", ("scaling", "data"), pretrain_stage("++model.mtp_depth=0"), "ablation: without MTP"),
+    Stage("pretrain", ("scaling", "data"), pretrain_stage(), "DeepSeek-V3 tiny: batch ramp, MTP, bias balancing", TRAINS),
+    Stage("pretrain_no_mtp", ("scaling", "data"), pretrain_stage("++model.mtp_depth=0"), "ablation: without MTP", TRAINS),
     Stage("pretrain_no_bias", ("scaling", "data"), pretrain_stage("objective.bias_update_rate=[0.0,0.0]"),
-          "ablation: without the bias update"),
-    Stage("yarn", ("scaling", "data", "pretrain"), yarn, f"YaRN context extension x{YARN_FACTOR}"),
-    Stage("passkey", ("pretrain", "yarn"), passkey, "passkey retrieval by length, before and after YaRN"),
-    Stage("cold_start", ("data", "pretrain"), cold_start, "R1 cold-start SFT from the pretrained checkpoint"),
-    Stage("grpo", ("data", "cold_start"), grpo, "GRPO with rule rewards"),
-    Stage("rejection_sample", ("data", "grpo"), rejection_sample, "rejection sampling from the GRPO model"),
-    Stage("sft_rs", ("data", "pretrain", "rejection_sample"), sft_rs, "SFT of the pretrained model on the kept samples"),
-    Stage("distill", ("data", "grpo"), distill, "distillation into a smaller dense student"),
-    Stage("evaluate", EVALUATED, evaluate, "lm-eval on each stage's checkpoint"),
+          "ablation: without the bias update", TRAINS),
+    Stage("yarn", ("scaling", "data", "pretrain"), yarn, f"YaRN context extension x{YARN_FACTOR}", ("seq_len", "device")),
+    Stage("passkey", ("pretrain", "yarn"), passkey, "passkey retrieval by length, before and after YaRN",
+          ("passkey_lengths", "device")),
+    Stage("cold_start", ("data", "pretrain"), cold_start, "R1 cold-start SFT from the pretrained checkpoint", R1),
+    Stage("grpo", ("data", "cold_start"), grpo, "GRPO with rule rewards", R1),
+    Stage("rejection_sample", ("data", "grpo"), rejection_sample, "rejection sampling from the GRPO model", R1),
+    Stage("sft_rs", ("data", "pretrain", "rejection_sample"), sft_rs, "SFT of the pretrained model on the kept samples",
+          R1),
+    Stage("distill", ("data", "grpo"), distill, "distillation into a smaller dense student", R1),
+    Stage("evaluate", EVALUATED, evaluate, "lm-eval on each stage's checkpoint", ("eval_limit", "device")),
     Stage("report", (), report, "report.md and figures"),
 )
