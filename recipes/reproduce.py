@@ -21,7 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from dsl_lit.config.reproduce import ReproduceConfig
 from dsl_lit.config.schema import dataclass_from_dict
-from dsl_lit.reproduce.runner import StageFailed, run_stages, selected
+from dsl_lit.reproduce.preflight import check_commands
+from dsl_lit.reproduce.runner import StageFailed, run_stages
 from dsl_lit.reproduce.stages import STAGE_TABLE
 from dsl_lit.training.runs import exits_on_config_error
 
@@ -34,7 +35,7 @@ def main(hydra_cfg: DictConfig) -> None:
     values = OmegaConf.to_container(hydra_cfg.reproduce, resolve=True)
     cfg = dataclass_from_dict(ReproduceConfig, values, "reproduce").validate()
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    selected(cfg, STAGE_TABLE, run_dir)  # a subset missing its inputs stops here, before any stage runs
+    check_commands(cfg, STAGE_TABLE, run_dir)  # every stage's command composes and validates, before any runs
     try:
         run_stages(cfg, STAGE_TABLE, run_dir, progress=log.info)
     except StageFailed as error:

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hydra import compose
 
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.reproduce import STAGES, ReproduceConfig
 from dsl_lit.reproduce.claims import NOT_MEASURED, NOT_REPRODUCED, REPRODUCED, claims_table
-from dsl_lit.reproduce.runner import MARKER, StageContext, selected
+from dsl_lit.reproduce.runner import MARKER, selected
 from dsl_lit.reproduce.stages import EVALUATED, STAGE_TABLE, pretraining_hparams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -206,53 +207,36 @@ def test_claims_are_judged_by_their_written_thresholds():
     assert table["RL with rule-based rewards raises accuracy over the cold-start model"][1] == NOT_REPRODUCED
 
 
-class _Recorded(Exception):
-    pass
-
-
-class _RecordingContext(StageContext):
-    """Records the command a stage would run instead of running it."""
-
-    def run(self, argv):  # noqa: D102
-        self.commands.append([*argv, *self.cfg.overrides.get(self.name, [])])
-        raise _Recorded
-
-
 @pytest.mark.parametrize("preset", ["cpu_mini", "smoke", "gpu_small"])
 def test_every_presets_stage_commands_compose_and_validate(preset, tmp_path):
     """Each training stage's command line (wiring + the preset's overrides) composes under Hydra
-    and validates as its recipe would, for the GPU preset too (which no CPU run exercises)."""
-    from hydra import compose, initialize_config_dir
+    and validates as its recipe would, for the GPU preset too (which no CPU run exercises): the
+    check recipes/reproduce.py runs at start-up."""
+    from hydra import initialize_config_dir
     from omegaconf import OmegaConf
 
     from dsl_lit.config.schema import dataclass_from_dict
-    from dsl_lit.config.train import TrainConfig
+    from dsl_lit.reproduce.preflight import check_commands
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         raw = compose("reproduce", overrides=[f"reproduce={preset}"])
         cfg = dataclass_from_dict(ReproduceConfig, OmegaConf.to_container(raw.reproduce, resolve=True),
                                   "reproduce").validate()
-        (tmp_path / "scaling").mkdir()
-        hp = pretraining_hparams({}, cfg)
-        (tmp_path / "scaling" / MARKER).write_text(json.dumps({"results": hp, "seconds": 0}))
-        checked = []
-        for stage in STAGE_TABLE:
-            if stage.name in ("scaling", "data", "passkey", "evaluate", "report"):
-                continue
-            ctx = _RecordingContext(cfg, tmp_path, stage.name)
-            with pytest.raises(_Recorded):
-                stage.run(ctx)
-            script, *args = ctx.commands[0]
-            # checkpoints do not exist here: their architecture would replace the model group
-            overrides = [a for a in args if not a.startswith(("hydra.run.dir=", "init_from=", "teacher_from="))]
-            hydra_cfg = compose(Path(script).stem, overrides=overrides)
-            train = TrainConfig.from_hydra(hydra_cfg, run_dir=str(tmp_path / stage.name),
-                                           post_training=stage.name not in ("pretrain", "pretrain_no_mtp",
-                                                                            "pretrain_no_bias", "yarn"))
-            assert train.trainer.accelerator == cfg.accelerator
-            checked.append(stage.name)
-            if stage.name == "pretrain":
-                assert train.data.global_batch_size == hp["global_batch_size"] and train.optim.lr == hp["lr"]
-                if preset == "gpu_small":  # the model the budget was computed for is the one trained
-                    assert (train.model.d_model, train.model.n_layers, train.precision.name) == (768, 12, "bf16")
-    assert len(checked) == 9
+        configs = check_commands(cfg, STAGE_TABLE, tmp_path)
+    assert sorted(configs) == sorted(set(STAGES) - {"data", "passkey", "evaluate", "report"})
+    hp = pretraining_hparams({}, cfg)  # no finished scaling stage here: the paper's laws stand in
+    for name, train in configs.items():
+        if name != "scaling":
+            assert train.trainer.accelerator == cfg.accelerator, name
+    pre = configs["pretrain"]
+    assert pre.data.global_batch_size == hp["global_batch_size"] and pre.optim.lr == hp["lr"]
+    if preset == "gpu_small":  # the model the budget was computed for is the one trained
+        assert (pre.model.d_model, pre.model.n_layers, pre.precision.name) == (768, 12, "bf16")
+
+
+def test_a_typo_in_a_late_stages_overrides_stops_the_run_before_the_first_stage(tmp_path):
+    result = reproduce(tmp_path / "run", "reproduce.overrides.distill=['studnet.n_layers=2']")
+    assert result.returncode == 2, result.stderr[-2000:]
+    error = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "stage distill (recipes/distill.py with reproduce.overrides.distill)" in error[0]
+    assert "studnet" in error[0] and not (tmp_path / "run" / "scaling").exists()

@@ -1,0 +1,90 @@
+"""Before any stage runs: every stage's command line (its wiring plus the preset's overrides) is
+composed by Hydra and validated as its recipe would validate it, so a typo in
+``reproduce.overrides.distill`` stops the run at start-up, not after the pretraining.
+
+The commands are recorded, not run: a stage function is called with a context whose ``run``
+keeps the argument list and stops the stage there. Checkpoints named by ``init_from`` do not exist
+yet, so those arguments are left out (their architecture would replace the model group).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hydra import compose
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from dsl_lit.config.errors import ConfigError
+from dsl_lit.config.reproduce import ReproduceConfig
+from dsl_lit.reproduce.runner import MARKER, Stage, StageContext, marker
+
+NOT_RECIPES = ("data", "passkey", "evaluate", "report")
+"""Stages whose programs take no training config (the pipeline, passkey, lm-eval, the report)."""
+PRETRAINING = ("pretrain.py",)
+SWEEP = "scaling_laws.py"
+FROM_CHECKPOINTS = ("hydra.run.dir=", "hydra.sweep.dir=", "init_from=", "teacher_from=")
+
+
+class _Recorded(Exception):
+    """Raised by the recording context once a stage has built its command."""
+
+
+class RecordingContext(StageContext):
+    """Keeps the command a stage would run instead of running it."""
+
+    def run(self, argv: Sequence[str]) -> None:
+        self.commands.append([*argv, *self.cfg.overrides.get(self.name, [])])
+        raise _Recorded
+
+
+def stage_commands(cfg: ReproduceConfig, stages: Sequence[Stage], run_dir: Path) -> dict[str, list[str]]:
+    """Each training stage's recipe command (script, then arguments), wired as it would run now:
+    the scaling stage's batch and lr from its marker when it has finished, else from the paper's laws."""
+    from dsl_lit.reproduce.stages import pretraining_hparams
+
+    finished = marker(run_dir / "scaling")
+    with tempfile.TemporaryDirectory() as scratch:
+        root = Path(scratch)
+        (root / "scaling").mkdir()
+        results = finished["results"] if finished else pretraining_hparams({}, cfg)
+        (root / "scaling" / MARKER).write_text(json.dumps({"results": results, "seconds": 0}, default=str))
+        commands = {}
+        for stage in stages:
+            if stage.name in NOT_RECIPES:
+                continue
+            context = RecordingContext(cfg, root, stage.name)
+            try:
+                stage.run(context)
+            except _Recorded:
+                commands[stage.name] = context.commands[0]
+    return commands
+
+
+def check_commands(cfg: ReproduceConfig, stages: Sequence[Stage], run_dir: Path) -> dict[str, Any]:
+    """Compose and validate every training stage's command; a one-line ConfigError naming the stage
+    otherwise. Returns the validated ``TrainConfig`` per stage. Needs Hydra initialised with
+    ``conf/`` (inside a recipe, or ``initialize_config_dir``)."""
+    from dsl_lit.config.train import TrainConfig
+    from dsl_lit.scaling.sweep import sweep_from_config
+
+    configs: dict[str, Any] = {}
+    for name, (script, *arguments) in stage_commands(cfg, stages, run_dir).items():
+        overrides = [a for a in arguments if not a.startswith(FROM_CHECKPOINTS)]
+        where = f"stage {name} (recipes/{Path(script).name} with reproduce.overrides.{name})"
+        try:
+            composed = compose(Path(script).stem, overrides=overrides)
+            if Path(script).name == SWEEP:  # a multirun: its sweep settings, then one point's training config
+                configs[name] = sweep_from_config(composed)[0].validate()
+                continue
+            configs[name] = TrainConfig.from_hydra(composed, run_dir=str(run_dir / name),
+                                                   post_training=Path(script).name not in PRETRAINING)
+        except (HydraException, OmegaConfBaseException) as error:
+            raise ConfigError(f"{where}: {str(error).splitlines()[0]}") from None
+        except ConfigError as error:
+            raise ConfigError(f"{where}: {error}") from None
+    return configs
