@@ -79,7 +79,7 @@ def test_every_stage_feeds_the_next_and_the_report_has_every_section(interrupted
     assert resolved("grpo")["init_from"] == str(run_dir / "cold_start")
     assert resolved("sft_rs")["init_from"] == str(run_dir / "pretrain")
     assert resolved("sft_rs")["sft"]["dataset"] == str(run_dir / "rejection_sample" / "samples.jsonl")
-    assert "teacher_from=" + str(run_dir / "grpo") in " ".join(done["distill"]["commands"][0])
+    assert f"teacher_from='{run_dir / 'grpo'}'" in done["distill"]["commands"][0]
     for stage in ("pretrain", "pretrain_no_mtp", "pretrain_no_bias", "yarn"):
         assert resolved(stage)["data"]["cache_dir"] == str(run_dir / "data" / "pipeline")
     # the fitted lr and batch (with its ramp) are what pretraining ran with
@@ -240,3 +240,13 @@ def test_a_typo_in_a_late_stages_overrides_stops_the_run_before_the_first_stage(
     error = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(error) == 1 and "stage distill (recipes/distill.py with reproduce.overrides.distill)" in error[0]
     assert "studnet" in error[0] and not (tmp_path / "run" / "scaling").exists()
+
+
+@pytest.mark.parametrize("path", ["/plain/run", "/my runs/it's,[a]=b{c}", "/a\\b", "/ends\\", "q\\'z"])
+def test_paths_reach_the_recipes_as_one_value_whatever_they_hold(path):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from dsl_lit.reproduce.runner import path_override
+
+    override = OverridesParser.create().parse_override(path_override("init_from", path))
+    assert override.key_or_group == "init_from" and override.value() == path

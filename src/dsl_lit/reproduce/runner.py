@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,6 +30,13 @@ log = logging.getLogger(__name__)
 
 MARKER = "DONE.json"
 PROJECT_ROOT = Path(__file__).resolve().parents[3]
+
+
+def path_override(key: str, path: Path | str) -> str:
+    """``key='<path>'``: quoted, so a path with spaces, commas, brackets or ``=`` stays one value to Hydra."""
+    # Hydra's quoted strings: a backslash escapes only a quote or the backslashes before one
+    escaped = re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), str(path))
+    return f"{key}='{escaped}'"
 
 
 class StageFailed(RuntimeError):
@@ -82,7 +90,7 @@ class StageContext:
     def recipe(self, script: str, args: Sequence[str], run_dir: Path | None = None) -> None:
         """``python recipes/<script> hydra.run.dir=<run_dir> <args> <the preset's overrides>``."""
         target = run_dir or self.dir
-        self.run([str(PROJECT_ROOT / "recipes" / script), f"hydra.run.dir={target}", *args])
+        self.run([str(PROJECT_ROOT / "recipes" / script), path_override("hydra.run.dir", target), *args])
 
     def module(self, name: str, args: Sequence[str]) -> None:
         self.run(["-m", name, *args])

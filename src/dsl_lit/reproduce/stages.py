@@ -25,7 +25,7 @@ import yaml
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.config.reproduce import ReproduceConfig
 from dsl_lit.report.metrics import METRICS_FILE, Series, read_metrics
-from dsl_lit.reproduce.runner import PROJECT_ROOT, Stage, StageContext, StageFailed
+from dsl_lit.reproduce.runner import PROJECT_ROOT, Stage, StageContext, StageFailed, path_override
 
 PIPELINE_STAGES = "[normalize,exact_dedup,near_dedup,quality_filter,language_filter,decontaminate,train_tokenizer,tokenize_pack]"
 PRETRAIN_MODEL = "deepseek_v3_tiny"
@@ -115,7 +115,7 @@ def pretraining_hparams(laws: dict[str, Any], cfg: ReproduceConfig) -> dict[str,
 
 
 def scaling(ctx: StageContext) -> dict[str, Any]:
-    ctx.recipe("scaling_laws.py", [f"hydra.sweep.dir={ctx.dir / 'sweep'}", f"trainer.accelerator={ctx.cfg.accelerator}"])
+    ctx.recipe("scaling_laws.py", [path_override("hydra.sweep.dir", ctx.dir / "sweep"), f"trainer.accelerator={ctx.cfg.accelerator}"])
     laws = json.loads((ctx.dir / "sweep" / "scaling_laws.json").read_text())
     return {"laws": laws, **pretraining_hparams(laws, ctx.cfg)}
 
@@ -125,7 +125,7 @@ def scaling(ctx: StageContext) -> dict[str, Any]:
 
 def data(ctx: StageContext) -> dict[str, Any]:
     out = data_dir(ctx)
-    ctx.module("data_pipeline", [f"input.path={PROJECT_ROOT / 'data' / 'corpus'}", f"output_dir={out}",
+    ctx.module("data_pipeline", [path_override("input.path", PROJECT_ROOT / "data" / "corpus"), path_override("output_dir", out),
                                  "quality_filter=bundled", "tokenizer=bundled", f"stages={PIPELINE_STAGES}",
                                  f"pack.fim_rate={FIM['rate']}", f"pack.fim_spm_rate={FIM['spm_rate']}",
                                  f"pack.fim_seed={FIM['seed']}"])
@@ -145,7 +145,7 @@ def data_dir(ctx: StageContext) -> Path:
 
 def data_arguments(ctx: StageContext) -> list[str]:
     """The pipeline's shards and tokenizer, with the FIM settings they were packed with."""
-    return [f"data.cache_dir={data_dir(ctx)}", f"data.fim_rate={FIM['rate']}", f"data.fim_spm_rate={FIM['spm_rate']}",
+    return [path_override("data.cache_dir", data_dir(ctx)), f"data.fim_rate={FIM['rate']}", f"data.fim_spm_rate={FIM['spm_rate']}",
             f"data.seed={FIM['seed']}"]
 
 
@@ -173,7 +173,7 @@ def yarn(ctx: StageContext) -> dict[str, Any]:
     hp, seq = ctx.results("scaling"), ctx.cfg.seq_len
     rope = (f"{{factor:{YARN_FACTOR},original_max_seq_len:{seq},beta_fast:32,beta_slow:1,mscale:1.0,"
             "mscale_all_dim:1.0}")
-    ctx.recipe("pretrain.py", [f"init_from={ctx.dir_of('pretrain')}", *data_arguments(ctx),
+    ctx.recipe("pretrain.py", [path_override("init_from", ctx.dir_of("pretrain")), *data_arguments(ctx),
                                f"++model.max_seq_len={seq * YARN_FACTOR}", f"++model.rope_scaling={rope}",
                                f"data.seq_len={seq * YARN_FACTOR}", "data.global_batch_size=4", "data.micro_batch_size=4",
                                f"optim.lr={hp['lr'] * 0.1}", "schedule=constant", "schedule.warmup_steps=0",
@@ -189,7 +189,7 @@ def passkey(ctx: StageContext) -> dict[str, Any]:
     for model in ("pretrain", "yarn"):
         out = ctx.dir / model
         if not (out / "passkey.json").is_file():
-            ctx.recipe("passkey.py", [f"checkpoint={ctx.dir_of(model)}", f"lengths={lengths}", f"device={ctx.cfg.device}"],
+            ctx.recipe("passkey.py", [path_override("checkpoint", ctx.dir_of(model)), f"lengths={lengths}", f"device={ctx.cfg.device}"],
                        run_dir=out)
         table = json.loads((out / "passkey.json").read_text())["accuracy"]
         accuracy[model] = {n: sum(row.values()) / len(row) for n, row in table.items()}
@@ -200,7 +200,7 @@ def passkey(ctx: StageContext) -> dict[str, Any]:
 # R1: cold start, GRPO, rejection sampling + SFT, distillation; each from a checkpoint
 
 def posttrain_arguments(ctx: StageContext, init_from: str | None) -> list[str]:
-    start = [f"init_from={ctx.dir_of(init_from)}"] if init_from else []
+    start = [path_override("init_from", ctx.dir_of(init_from))] if init_from else []
     return [*start, *data_arguments(ctx), *R1_TASK, "logger=csv", "trainer.progress_bar=false",
             f"trainer.accelerator={ctx.cfg.accelerator}"]
 
@@ -243,7 +243,7 @@ def _lines(path: Path) -> int:
 
 def sft_rs(ctx: StageContext) -> dict[str, Any]:
     """R1's second SFT: the pretrained model on the RL model's verified samples."""
-    ctx.recipe("sft.py", [*posttrain_arguments(ctx, "pretrain"), f"sft.dataset={ctx.dir_of('rejection_sample') / 'samples.jsonl'}",
+    ctx.recipe("sft.py", [*posttrain_arguments(ctx, "pretrain"), path_override("sft.dataset", ctx.dir_of("rejection_sample") / "samples.jsonl"),
                           "sft.packing=false", "trainer.max_steps=60", "data.global_batch_size=8", "data.micro_batch_size=8",
                           "optim.lr=1e-3"])
     return run_summary(ctx.dir)
@@ -251,7 +251,7 @@ def sft_rs(ctx: StageContext) -> dict[str, Any]:
 
 def distill(ctx: StageContext) -> dict[str, Any]:
     """R1-Distill: a smaller dense student SFT-ed on the GRPO model's verified samples."""
-    ctx.recipe("distill.py", [*posttrain_arguments(ctx, None), f"teacher_from={ctx.dir_of('grpo')}",
+    ctx.recipe("distill.py", [*posttrain_arguments(ctx, None), path_override("teacher_from", ctx.dir_of("grpo")),
                               "model=deepseek_llm_tiny", "student.n_layers=1"])
     return {**run_summary(ctx.dir), "teacher_samples": _lines(ctx.dir / "distill_data.jsonl")}
 
@@ -265,7 +265,7 @@ def evaluate(ctx: StageContext) -> dict[str, Any]:
     for model in EVALUATED:
         out = ctx.dir / model
         if not (out / "results.json").is_file():
-            ctx.recipe("evaluate.py", [f"checkpoint={ctx.dir_of(model)}", *limit, "bootstrap_iters=0",
+            ctx.recipe("evaluate.py", [path_override("checkpoint", ctx.dir_of(model)), *limit, "bootstrap_iters=0",
                                        f"device={ctx.cfg.device}"], run_dir=out)
         results = json.loads((out / "results.json").read_text())["results"]
         scores[model] = {task: {k.split(",")[0]: v for k, v in metrics.items()
