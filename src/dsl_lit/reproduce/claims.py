@@ -90,22 +90,22 @@ def _grpo(r: Results) -> tuple[str, bool]:
     return f"held-out greedy accuracy {cold:.0%} after the cold start, {rl:.0%} after GRPO{sampled}", rl > cold
 
 
-def _rejection_sft(r: Results) -> tuple[str, bool]:
-    """Only a skill RL added can be carried: a GRPO model no better than its cold start has none."""
-    cold = r["cold_start"]["results"]["eval_accuracy"]
-    rl, sft = r["grpo"]["results"]["eval_accuracy"], r["sft_rs"]["results"]["eval_accuracy"]
-    gained = "" if rl > cold else f"; GRPO gained nothing over its cold start ({cold:.0%}), so there was no skill to carry"
-    return (f"held-out accuracy {sft:.0%} for SFT on the kept samples, {rl:.0%} for the GRPO model (>= 80% of it?)"
-            f"{gained}", rl > cold and sft >= 0.8 * rl)
+def _keeps_grpo_skill(stage: str, learner: str, reference: str, no_gain: str) -> Callable[[Results], tuple[str, bool]]:
+    """Held-out accuracy of ``stage``, trained on the GRPO model's samples, against the GRPO model's:
+    only a skill RL added can be carried, so a GRPO model no better than its cold start has none."""
+    def check(r: Results) -> tuple[str, bool]:
+        cold = r["cold_start"]["results"]["eval_accuracy"]
+        rl, learned = r["grpo"]["results"]["eval_accuracy"], r[stage]["results"]["eval_accuracy"]
+        gained = "" if rl > cold else "; " + no_gain.format(cold=f"{cold:.0%}")
+        return (f"held-out accuracy {learned:.0%} for {learner}, {rl:.0%} for {reference} (>= 80% of it?){gained}",
+                rl > cold and learned >= 0.8 * rl)
+    return check
 
 
-def _distill(r: Results) -> tuple[str, bool]:
-    """As for SFT on rejection samples: a teacher no better than its cold start has no skill to keep."""
-    cold = r["cold_start"]["results"]["eval_accuracy"]
-    teacher, student = r["grpo"]["results"]["eval_accuracy"], r["distill"]["results"]["eval_accuracy"]
-    gained = "" if teacher > cold else f"; the teacher is no better than its cold start ({cold:.0%})"
-    return (f"held-out accuracy {student:.0%} for the smaller student, {teacher:.0%} for its teacher (>= 80% of it?)"
-            f"{gained}", teacher > cold and student >= 0.8 * teacher)
+_rejection_sft = _keeps_grpo_skill("sft_rs", "SFT on the kept samples", "the GRPO model",
+                                   "GRPO gained nothing over its cold start ({cold}), so there was no skill to carry")
+_distill = _keeps_grpo_skill("distill", "the smaller student", "its teacher",
+                             "the teacher is no better than its cold start ({cold})")
 
 
 CLAIMS = (
