@@ -10,6 +10,7 @@ import atexit
 import contextlib
 import ctypes
 import importlib
+import importlib.util
 import json
 import os
 import random
@@ -178,8 +179,22 @@ def _gang(request: dict) -> None:
         os._exit(status)
 
 
+def preloadable(names: tuple[str, ...] = PRELOAD) -> list[str]:
+    """The libraries of ``names`` that are installed: an image without ``datasets`` (a GPU node with
+    no package access) still gets a zygote, with the rest preloaded, instead of one that fails at
+    start-up before every run falls back to a fresh interpreter."""
+    return [name for name in names if _installed(name.split(".")[0])]
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def main() -> None:
-    for name in PRELOAD:
+    for name in preloadable():
         importlib.import_module(name)
     if threading.active_count() != 1:
         print(f"threads after import: {[t.name for t in threading.enumerate()]}", flush=True)

@@ -107,3 +107,26 @@ def test_a_run_on_several_ranks_forks_each_rank_torchrun_s_way(tmp_path: Path) -
     assert failed.returncode == 5, failed.stderr
     # without hydra.run.dir the ranks could not agree on their run directory: one process
     assert forked_python.ranks_to_fork(args[:-1]) == 1
+
+
+BLOCK_DATASETS = """import sys
+class _Missing:
+    def find_spec(self, name, path=None, target=None):
+        if name == "datasets" or name.startswith("datasets."):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+sys.meta_path.insert(0, _Missing())
+"""
+
+
+def test_the_zygote_starts_where_a_preloaded_library_is_missing(tmp_path: Path) -> None:
+    """A GPU image without ``datasets``: the zygote preloads the rest and serves, rather than failing
+    at start-up and leaving every run to a fresh interpreter."""
+    (tmp_path / "sitecustomize.py").write_text(BLOCK_DATASETS)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    zygote = subprocess.Popen([sys.executable, str(forked_python.ZYGOTE)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert zygote.stdout.readline().strip() == "ready"
+    finally:
+        zygote.stdin.close()
+        zygote.wait(60)
