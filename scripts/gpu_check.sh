@@ -1,75 +1,116 @@
 #!/usr/bin/env bash
-# The GPU check: on one H100/H200, from a fresh clone, in under 8 minutes.
+# The GPU check: what main does on one H100/H200, in about 5 minutes once the machine is up, so that a
+# 15-minute reservation (node start included) holds it with room for a rerun.
 #
 #   TORCH=cuda make setup && scripts/gpu_check.sh          # a machine with package access
 #   scripts/gpu_check.sh                                   # an image without it (see below)
 #
-# 1. the GPU tests (pytest -m gpu: every precision through recipes/pretrain.py, compile on and off,
-#    flash-attn where installed, the grouped expert GEMM, a checkpoint resumed on the GPU), 4 at a
-#    time on the one GPU;
-# 2. benchmarks/gpu_train_step.py: train-step time, tokens/s, MFU, peak memory and first-step time
-#    of dense ~1B and V3-style MoE ~0.8B, ours vs transformers, eager vs compile, bf16 vs FP8.
-# 3. with REPRODUCE=1, `make reproduce` on the GPU: recipes/reproduce.py reproduce=gpu_small (under an
-#    hour; its data and evaluate stages need `datasets` and `lm-eval`, so a machine set up with
-#    TORCH=cuda make setup, or those two stages run elsewhere first: the run dir carries them).
-# Each part runs under its own timeout; logs go to $GPU_CHECK_OUT (default gpu_check/).
+# Parts, each under its own deadline (seconds; override with the variable named), each reporting as it
+# goes, a failure or timeout in one never stopping the next:
+#   1. exclusive GPU tests (GPU_EXCLUSIVE_TIMEOUT=60), alone on the GPU: torchao's modules counted, a
+#      training step with no host sync, MFU floors that catch a fallback to a slow path;
+#   2. recipe GPU tests (GPU_TESTS_TIMEOUT=140), 4 at a time: recipes/pretrain.py for 20 steps per
+#      precision, compile on and off, FP8 losses against bf16, compiled against eager, a checkpoint
+#      resumed, the grouped expert GEMM (backward included); each recipe run has its own deadline
+#      (GPU_RUN_TIMEOUT=110);
+#   3. benchmarks/gpu_train_step.py (GPU_BENCH_TIMEOUT=110): dense ~1B and V3-style MoE ~0.8B, 4 x 2048
+#      tokens, bf16 eager / compile and FP8 + compile; each headline figure printed when measured;
+#   4. with GPU_CHECK_SLOW=1, what takes over a minute: blockwise FP8 (Triton autotune) in the tests and
+#      the benchmark, the transformers rows (GPU_SLOW_TIMEOUT=240);
+#   5. with REPRODUCE=1, `make reproduce` on the GPU: reproduce=gpu_short (GPU_REPRODUCE_TIMEOUT=420).
+# Then one summary table (device, versions, each test pass/fail/timeout with its first error line, each
+# benchmark figure): $OUT/summary.md, also printed. Everything goes under $GPU_CHECK_OUT, else the
+# caller's $OUT, else gpu_check/; recipe run dirs under $GPU_CHECK_RUNS (default $OUT/runs).
 #
 # Without package access (an image with CUDA torch, lightning, transformers, triton but no hydra,
-# torchao, datasets or wandb): bring the wheels of ../shared/gpu/prepare.sh in .gpu-wheels/, and
-# this script installs them into /tmp/site and runs from the source tree.
+# omegaconf or torchao): bring the wheels of ../shared/gpu/prepare.sh in .gpu-wheels/ (3.8 MB) and the
+# bundled corpus's data build .cache/bundled_corpus_v8192 (5.6 MB; README "The GPU check" says how to
+# make it); this script installs the wheels into /tmp/site and runs from the source tree.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${GPU_CHECK_OUT:-gpu_check}
+OUT=${GPU_CHECK_OUT:-${OUT:-gpu_check}}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+RUNS=${GPU_CHECK_RUNS:-$OUT/runs}
 PY=${PY:-.venv/bin/python}
-if [ ! -x "$PY" ]; then
-  PY=python3
-  if [ -d .gpu-wheels ] && ! "$PY" -c "import hydra, torchao" 2>/dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/*.whl
-  fi
+[ -x "$PY" ] || PY=python3
+fail() { echo "scripts/gpu_check.sh: $*" >&2; exit 2; }
+
+# The reasons not to start, each one line, before anything slow.
+"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)" 2>/dev/null
+case $? in
+  0) ;;
+  3) fail "needs a CUDA GPU (torch.cuda.is_available() is False with $PY): run it on the GPU machine" ;;
+  *) fail "$PY cannot import torch: set PY=<a python with CUDA torch>" ;;
+esac
+if ! "$PY" -c "import hydra, omegaconf, torchao" 2>/dev/null && [ -d .gpu-wheels ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/*.whl \
+    || fail "installing .gpu-wheels/*.whl into /tmp/site failed (make them again with ../shared/gpu/prepare.sh)"
   export PYTHONPATH="/tmp/site:$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export WANDB_MODE=offline WANDB_SILENT=true TOKENIZERS_PARALLELISM=false
+for module in hydra omegaconf torchao; do
+  error=$("$PY" -c "import $module" 2>&1) \
+    || fail "cannot import $module (${error##*$'\n'}): bring the wheels of ../shared/gpu/prepare.sh in .gpu-wheels/"
+done
+export WANDB_MODE=offline WANDB_SILENT=true TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 if ! "$PY" -c "import datasets" 2>/dev/null; then
   # no data pipeline here (datasets missing): the tests read the bundled data's build brought along
   export DSL_LIT_CACHE_ROOT=${DSL_LIT_CACHE_ROOT:-$PWD/.cache}
-  if ! ls "$DSL_LIT_CACHE_ROOT"/bundled_corpus_v8192/shards/meta.json >/dev/null 2>&1; then
-    echo "scripts/gpu_check.sh: 'datasets' is not installed and $DSL_LIT_CACHE_ROOT/bundled_corpus_v8192 holds no build:" \
-         "run 'python recipes/pretrain.py trainer.max_steps=1 logger=csv' on a machine with it and bring .cache/ along" >&2
-    exit 2
-  fi
+  ls "$DSL_LIT_CACHE_ROOT"/bundled_corpus_v8192/shards/meta.json >/dev/null 2>&1 \
+    || fail "'datasets' is not installed and $DSL_LIT_CACHE_ROOT/bundled_corpus_v8192 holds no build: run" \
+            "'python recipes/pretrain.py trainer.max_steps=1 logger=csv' on a machine with it and bring .cache/bundled_corpus_v8192 along"
 fi
 
 "$PY" - <<'PYEOF' | tee "$OUT/device.txt"
 import torch
-assert torch.cuda.is_available(), "scripts/gpu_check.sh needs a CUDA GPU (torch.cuda.is_available() is False)"
 print(f"device: {torch.cuda.get_device_name()} (sm{''.join(map(str, torch.cuda.get_device_capability()))}), "
       f"torch {torch.__version__}, CUDA {torch.version.cuda}")
-for name in ("torchao", "lightning", "transformers", "triton", "flash_attn"):
+for name in ("torchao", "lightning", "transformers", "triton", "hydra", "flash_attn"):
     try:
         print(f"{name} {__import__(name).__version__}")
     except Exception as error:
         print(f"{name}: not available ({type(error).__name__})")
 PYEOF
-[ "${PIPESTATUS[0]}" -eq 0 ] || exit 2
 
-status=0
-start=$(date +%s)
-timeout "${GPU_TESTS_TIMEOUT:-200}" "$PY" -m pytest -m gpu -q -n "${GPU_TEST_WORKERS:-4}" --durations=10 tests/test_gpu.py \
-  2>&1 | tee "$OUT/gpu_tests.log" || status=1
-echo "GPU tests: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu_tests.log"
+export DSL_LIT_TEST_RESULTS="$OUT/tests.tsv" GPU_CHECK_RUNS="$RUNS" GPU_RUN_TIMEOUT=${GPU_RUN_TIMEOUT:-110}
+: > "$OUT/tests.tsv"
+: > "$OUT/parts.tsv"
+SLOW=${GPU_CHECK_SLOW:-0}
+long_tests=$([ "$SLOW" = 1 ] && echo "" || echo " and not gpu_long")
 
-start=$(date +%s)
-timeout "${GPU_BENCH_TIMEOUT:-260}" "$PY" -m benchmarks.gpu_train_step \
-  --variants "ours bf16,ours bf16 compile,ours fp8_tensorwise compile,ours fp8_rowwise compile,ours fp8_blockwise,transformers bf16" \
-  --moe-variants "ours bf16,ours bf16 compile,ours fp8_rowwise compile,transformers bf16" \
-  2>&1 | tee "$OUT/gpu_train_step.log" || status=1
-echo "benchmark: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu_train_step.log"
-
-if [ "${REPRODUCE:-0}" = 1 ]; then
+# part NAME SECONDS LOG COMMAND...: run under its deadline, log as it goes, record how it ended
+part() {
+  local name=$1 seconds=$2 log=$3 start status
+  shift 3
   start=$(date +%s)
-  timeout "${GPU_REPRODUCE_TIMEOUT:-3600}" "$PY" recipes/reproduce.py reproduce=gpu_small \
-    2>&1 | tee "$OUT/reproduce.log" || status=1
-  echo "reproduce: $(( $(date +%s) - start )) s" | tee -a "$OUT/reproduce.log"
+  echo "== $name (deadline ${seconds} s)" | tee -a "$OUT/$log"
+  timeout --kill-after=15 "$seconds" "$@" 2>&1 | tee -a "$OUT/$log"
+  status=${PIPESTATUS[0]}
+  case $status in 0) result=passed ;; 124|137) result=timeout ;; *) result="failed (exit $status)" ;; esac
+  printf '%s\t%s\t%s\n' "$name" "$result" "$(( $(date +%s) - start ))" >> "$OUT/parts.tsv"
+  echo "== $name: $result in $(( $(date +%s) - start )) s" | tee -a "$OUT/$log"
+}
+PYTEST=("$PY" -m pytest -v -rfE -p no:cacheprovider tests/test_gpu.py)
+"${PYTEST[@]}" -m "gpu$long_tests" --collect-only -q 2>/dev/null | grep '::' > "$OUT/collected.txt"
+
+part "exclusive GPU tests" "${GPU_EXCLUSIVE_TIMEOUT:-60}" gpu_tests.log \
+  "${PYTEST[@]}" -m "gpu and exclusive$long_tests" --basetemp="$RUNS/exclusive"
+part "recipe GPU tests" "${GPU_TESTS_TIMEOUT:-140}" gpu_tests.log \
+  "${PYTEST[@]}" -m "gpu and not exclusive$long_tests" -n "${GPU_TEST_WORKERS:-4}" --basetemp="$RUNS/tests"
+part "train-step benchmark" "${GPU_BENCH_TIMEOUT:-110}" gpu_train_step.log \
+  "$PY" -m benchmarks.gpu_train_step --repeats 6 \
+  --variants "ours bf16,ours bf16 compile,ours fp8_tensorwise compile" \
+  --moe-variants "ours bf16,ours bf16 compile,ours fp8_rowwise compile"
+if [ "$SLOW" = 1 ]; then
+  part "train-step benchmark, slow rows" "${GPU_SLOW_TIMEOUT:-240}" gpu_train_step.log \
+    "$PY" -m benchmarks.gpu_train_step --repeats 6 \
+    --variants "ours fp8_rowwise compile,ours fp8_blockwise,transformers bf16" --moe-variants "transformers bf16"
 fi
-exit $status
+if [ "${REPRODUCE:-0}" = 1 ]; then
+  part "make reproduce (gpu_short)" "${GPU_REPRODUCE_TIMEOUT:-420}" reproduce.log \
+    "$PY" recipes/reproduce.py reproduce=gpu_short "hydra.run.dir=$RUNS/reproduce"
+fi
+
+"$PY" scripts/gpu_check_summary.py "$OUT" | tee "$OUT/summary.md"
+grep -qv $'\tpassed\t' "$OUT/parts.tsv" && exit 1
+exit 0

@@ -91,3 +91,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if item.get_closest_marker("gpu") is not None:
                 item.add_marker(NO_GPU)
+
+
+def first_error_line(report: pytest.TestReport) -> str:
+    """The line that says what went wrong: the first ``E`` line of the traceback (else its last)."""
+    text = str(report.longrepr).strip().splitlines() if report.longrepr else []
+    errors = [line[1:].strip() for line in text if line.startswith("E ")]
+    return (errors or [line.strip() for line in text[-1:]] or [""])[0][:300].replace("\t", " ")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With ``DSL_LIT_TEST_RESULTS`` set (scripts/gpu_check.sh), append each test's outcome to that
+    file the moment it is known (test, outcome, seconds, first error line; tab-separated), in the
+    process that reports (pytest-xdist's controller), so a run cut by a deadline keeps what finished."""
+    path = os.environ.get("DSL_LIT_TEST_RESULTS")
+    if not path or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    ended = report.when == "call" or (report.when == "setup" and not report.passed) or (
+        report.when == "teardown" and report.failed)
+    if not ended:
+        return
+    error = first_error_line(report) if report.failed else (
+        str(report.longrepr[-1]) if report.skipped and isinstance(report.longrepr, tuple) else "")
+    with open(path, "a") as f:
+        f.write(f"{report.nodeid}\t{report.outcome}\t{report.duration:.0f}\t{error}\n")

@@ -52,16 +52,24 @@ def clip_by_norm_(
 
     ``loss_scale``: the gradients are of a loss multiplied by it (fp16 loss scaling); they are
     unscaled in the same pass and the returned norm is the unscaled one. Non-finite norms leave
-    the gradients untouched (the step will be skipped)."""
+    the gradients untouched (the step will be skipped).
+
+    No host sync: the coefficient stays a device tensor (one ``_foreach_mul_``), as in
+    ``torch.nn.utils.clip_grad_norm_``; reading the norm on the host (``.item()``, ``if norm``) would
+    stall the CPU every step until the GPU finished the backward."""
     norm = norm / loss_scale
-    if not torch.isfinite(norm):
+    if not max_norm and loss_scale == 1.0:
         return norm.float()
-    coef = 1.0 / loss_scale
+    coef = torch.full((), 1.0 / loss_scale, dtype=torch.float64, device=norm.device)
     if max_norm:
-        coef *= min(1.0, max_norm / (norm.item() + 1e-6))
-    if coef != 1.0:
-        for t in tensors:
-            t.mul_(coef)
+        coef = coef * (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    coef = torch.where(torch.isfinite(norm), coef, 1.0).float()
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        by_device.setdefault(local.device, []).append(local)
+    for device, group in by_device.items():
+        torch._foreach_mul_(group, coef.to(device, non_blocking=True))
     return norm.float()
 
 

@@ -36,6 +36,7 @@ from dsl_lit.parallel.step_runner import LocalStepRunner, step_runner_of
 from dsl_lit.precision.loss_scaler import DynamicLossScaler
 from dsl_lit.precision.plugin import AutocastPrecision
 from dsl_lit.training.pretrained import StartingWeights
+from dsl_lit.training.step_checks import PendingStepChecks
 from dsl_lit.utils.materialise import local_target
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,8 @@ class CausalLMModule(L.LightningModule):
         )
         self.model: nn.Module | None = None
         self.tokens_seen = 0
+        self.pending_checks = PendingStepChecks()
+        """Steps whose gradient check is still on the device (see :attr:`step_checks_on_device`)."""
         self.last_expert_load: torch.Tensor | None = None
         """[moe layers, experts] tokens routed in the last step (all ranks), for monitoring."""
 
@@ -186,7 +189,7 @@ class CausalLMModule(L.LightningModule):
         labels = batch["labels"]
         return {
             "targets": self.replica_share((self.targets(labels) != -100).sum()),
-            "sequences": torch.tensor(float(labels.shape[0]), device=labels.device),
+            "sequences": torch.full((), float(labels.shape[0]), device=labels.device),  # a fill, not a host copy
         }
 
     def targets(self, labels: torch.Tensor, k: int = 0) -> torch.Tensor:
@@ -282,26 +285,19 @@ class CausalLMModule(L.LightningModule):
         """
         return self.runner.run(self, batch, self.loss_normalizers(batch))
 
+    step_checks_on_device: bool | None = None
+    """Whether a step's gradient check is read on the host in batches (:mod:`~dsl_lit.training.step_checks`)
+    rather than every step; None: where it saves a host sync (CUDA, no fp16 loss scaling, torch's
+    fused AdamW, which skips a step on the device)."""
+
+    def _checks_on_device(self, optimizer: torch.optim.Optimizer) -> bool:
+        if self.step_checks_on_device is not None:
+            return self.step_checks_on_device
+        fused = isinstance(optimizer, torch.optim.AdamW) and bool(optimizer.defaults.get("fused"))
+        return fused and not self.loss_scaler.enabled and self.device.type == "cuda"
+
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
-        optimizer = self.optimizers()
-        scheduler = self.lr_schedulers()
-        metrics = self.forward_backward(batch)
-        extra = self.step_metrics()  # before the step: global_step moves with optimizer.step()
-        scale = self.loss_scaler.scale
-        grad_norm = self.finish_gradients(optimizer.optimizer, self.optim_config.grad_clip or None, scale)
-        skip = self.loss_scaler.update(float(grad_norm))  # non-finite gradients: no update this step
-        self._guard_bad_steps(skip, metrics)
-        lr = optimizer.param_groups[0]["lr"]
-        progress = self.progress
-        plugin = self.trainer.precision_plugin
-        if skip and isinstance(plugin, AutocastPrecision):
-            plugin.skip_next_step = True  # still counted by Lightning: schedule and data stay in step
-        if not skip or isinstance(plugin, AutocastPrecision):
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        self.update_expert_bias(0.0 if skip else self.objective.bias_update_rate_at(progress))
-        self.tokens_seen += self.tokens_in_batch(batch) * self.runner.dp_size
+        metrics, grad_norm, lr, scale, extra = self.optimizer_step_on(batch)
         self.log("train/global_batch_size", float(batch["input_ids"].shape[0] * self.runner.dp_size))
         sync = self.trainer.world_size > 1
         self.log("train/loss", metrics["loss"], prog_bar=True, sync_dist=sync)
@@ -316,7 +312,58 @@ class CausalLMModule(L.LightningModule):
             self.log(f"train/{name}", value)
         return metrics["loss"]
 
-    def _guard_bad_steps(self, skipped: bool, metrics: Metrics) -> None:
+    def optimizer_step_on(self, batch: Batch) -> tuple[Metrics, torch.Tensor, float, float, dict[str, Any]]:
+        """One optimizer step on ``batch`` (forwards, backwards, gradient reduction and clipping, the
+        update, the schedule, the expert biases), no logging: (metrics, gradient norm, the step's
+        learning rate, loss scale, step metrics). With the checks on the device it makes no host sync."""
+        optimizer = self.optimizers()
+        scheduler = self.lr_schedulers()
+        metrics = self.forward_backward(batch)
+        extra = self.step_metrics()  # before the step: global_step moves with optimizer.step()
+        scale = self.loss_scaler.scale
+        grad_norm = self.finish_gradients(optimizer.optimizer, self.optim_config.grad_clip or None, scale)
+        lr = optimizer.param_groups[0]["lr"]
+        progress = self.progress
+        step = self.trainer.global_step
+        if self._checks_on_device(optimizer.optimizer):
+            finite = torch.isfinite(grad_norm)
+            optimizer.optimizer.found_inf = (~finite).float()  # the fused kernel skips the update itself
+            self.pending_checks.add(step, finite, metrics["loss"])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            self.update_expert_bias(self.objective.bias_update_rate_at(progress) * finite)
+            every = max(1, int(getattr(self.trainer, "log_every_n_steps", 1) or 1))
+            if (step + 1) % every == 0 or self._last_step(step):
+                self.read_step_checks()
+        else:
+            skip = self.loss_scaler.update(float(grad_norm))  # non-finite gradients: no update this step
+            self._guard_bad_steps(skip, metrics, step)
+            plugin = self.trainer.precision_plugin
+            if skip and isinstance(plugin, AutocastPrecision):
+                plugin.skip_next_step = True  # still counted by Lightning: schedule and data stay in step
+            if not skip or isinstance(plugin, AutocastPrecision):
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            self.update_expert_bias(0.0 if skip else self.objective.bias_update_rate_at(progress))
+        self.tokens_seen += self.tokens_in_batch(batch) * self.runner.dp_size
+        return metrics, grad_norm, lr, scale, extra
+
+    def _last_step(self, step: int) -> bool:
+        return self.trainer.max_steps > 0 and step + 1 >= self.trainer.max_steps
+
+    def read_step_checks(self) -> None:
+        """Read the queued steps' checks (one host sync) and apply what :meth:`_guard_bad_steps`
+        applies to each, in order: counts, warnings, the stop after too many bad steps."""
+        for outcome in self.pending_checks.drain():
+            skip = self.loss_scaler.update(0.0 if outcome.finite else math.inf)
+            what = None if outcome.finite else (
+                f"the loss is {outcome.loss}" if not math.isfinite(outcome.loss)
+                else f"the gradient norm is non-finite (loss {outcome.loss}; the update was skipped on the device)")
+            self._guard_bad_steps(skip, {}, outcome.step, what)
+
+    def _guard_bad_steps(self, skipped: bool, metrics: Metrics, step: int, what: str | None = None) -> None:
         """NaN/inf guard: a step with non-finite gradients is skipped (logged, naming what was
         non-finite, and counted); after ``max_bad_steps`` of them in a row the run stops, before any
         update or save from the bad steps, so the last checkpoint on disk is a good one. A run whose
@@ -326,14 +373,13 @@ class CausalLMModule(L.LightningModule):
         self.steps_applied += 0 if skipped else 1
         if not skipped:
             return
-        step = self.trainer.global_step
         scaled = self.loss_scaler.enabled  # fp16's loss scaler skips overflowing steps by design
         stop = bool(self.max_bad_steps) and self.bad_steps_in_a_row >= self.max_bad_steps
-        last = self.trainer.max_steps > 0 and step + 1 >= self.trainer.max_steps
+        last = self._last_step(step)
         all_skipped = last and self.steps_applied == 0 and not scaled
         if scaled and not stop:
             return  # (the report costs a pass over every gradient: only when it is said)
-        what = self.non_finite_report(metrics)
+        what = what or self.non_finite_report(metrics)
         if not scaled:
             log.warning("step %d skipped: %s", step, what)
         if stop:
@@ -396,6 +442,7 @@ class CausalLMModule(L.LightningModule):
 
     # -- exact resume of counters that live outside the optimizer ------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.read_step_checks()  # a run that must stop on bad steps stops before it saves them
         checkpoint["tokens_seen"] = self.tokens_seen
         checkpoint["loss_scaler"] = self.loss_scaler.state_dict()
 

@@ -19,7 +19,7 @@ class PretrainModule(CausalLMModule):
     def loss_normalizers(self, batch: Batch) -> dict[str, torch.Tensor]:
         labels = batch["labels"]
         normalizers = super().loss_normalizers(batch)
-        normalizers["sequences"] = torch.tensor(float(labels.shape[0]), device=labels.device)
+        normalizers["sequences"] = torch.full((), float(labels.shape[0]), device=labels.device)  # a fill, not a host copy
         for k in range(1, self.mtp_depth + 1):
             normalizers[f"mtp_{k}"] = self.replica_share((self.targets(labels, k) != -100).sum())
         return normalizers
