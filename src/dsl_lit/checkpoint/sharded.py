@@ -29,6 +29,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 SEP = "/"
 TENSOR = "<tensor>"
@@ -78,6 +80,38 @@ def insert_tensors(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return obj
 
 
+def plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as the plain ``torch.Tensor`` it wraps (the same storage), if it is a weight wrapper.
+
+    Why: torchao's FP8 training of the routed experts (``precision.fp8.apply_fp8``, torchao backend)
+    keeps each expert weight as a ``Float8TrainingWeightWrapperTensor``: a tensor subclass holding
+    the fp32/bf16 master weight as its one inner tensor, which only changes how matmuls dispatch.
+    The model's state dict (and an EMA's copies of it) hands those wrappers over, and a synchronous
+    save failed on them: safetensors asks the wrapper for a storage it does not have ("Attempted to
+    access the data pointer on an invalid python storage"; an asynchronous save passed only because
+    DCP's CPU staging copies happen to come out plain). So the inner tensor is written, under the
+    same name: the checkpoint loads into a plain model, an FP8 one, or the HF export alike (reading
+    into an FP8 model's wrapper copies into its inner tensor, the weight). Only a wrapper of exactly
+    one inner tensor of its own shape and dtype is unwrapped; any other subclass (an FP8 tensor of
+    data and scales) raises TypeError. DTensors are left to DCP, which writes their local shards.
+    """
+    while is_traceable_wrapper_subclass(tensor) and not isinstance(tensor, DTensor):
+        names, _ = tensor.__tensor_flatten__()
+        inner = getattr(tensor, names[0]) if len(names) == 1 else None
+        if not isinstance(inner, torch.Tensor) or inner.shape != tensor.shape or inner.dtype != tensor.dtype:
+            raise TypeError(
+                f"cannot checkpoint a {type(tensor).__name__} of shape {tuple(tensor.shape)} and dtype "
+                f"{tensor.dtype}: it does not wrap one tensor of its own shape and dtype (inner: {names})"
+            )
+        tensor = inner
+    return tensor
+
+
+def plain_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """:func:`plain_tensor` of each value."""
+    return {key: plain_tensor(value) for key, value in tensors.items()}
+
+
 def _quiet_single_process() -> None:
     """DCP warns on every single-process call that it assumes one process; here that is intended."""
     warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -98,6 +132,7 @@ def save_shards(
     """Every rank writes its shards of ``tensors`` under ``directory`` (a collective over
     ``process_group``). Asynchronous: the tensors are first copied to CPU memory (so training may
     change them), then written by a background thread; returns the future of that write."""
+    tensors = plain_tensors(tensors)  # torchao's FP8 expert weights are wrappers (plain_tensor)
     writer = HuggingFaceStorageWriter(str(directory), save_distributed=True)
     no_dist = _no_dist(process_group)
     if asynchronous:
