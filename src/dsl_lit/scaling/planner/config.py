@@ -34,6 +34,12 @@ class PlanOptions:
     precision: str = "bf16"
     recompute: str = "none"
     moments_dtype: str = "fp32"
+    ep_overlap: bool | None = None
+    """Expert all-to-alls under another micro-batch's compute (null: as the schedule does)."""
+    routed_nodes: int | None = None
+    """Nodes each token's routed copies reach (null: the model's node-limited routing)."""
+    published: bool = False
+    """Also plan the published runs and this project's measured steps, and print the comparison."""
     search: bool = False
     search_runnable_only: bool = False
     top_k: int = 5
@@ -72,5 +78,6 @@ def plan_inputs(cfg: DictConfig) -> tuple[ModelConfig, PlanLayout, ClusterConfig
     layout = PlanLayout.of(**parallel, global_batch_size=options.global_batch_size,
                            micro_batch_size=options.micro_batch_size, seq_len=options.seq_len,
                            precision=options.precision, recompute=options.recompute,
-                           moments_dtype=options.moments_dtype)
+                           moments_dtype=options.moments_dtype, ep_overlap=options.ep_overlap,
+                           routed_nodes=options.routed_nodes)
     return model, layout.validate(model, cluster.world_size), cluster, options

@@ -55,6 +55,15 @@ class PlanLayout:
     precision: str = "bf16"
     """Matmul precision: fp32 | bf16 | fp16 | fp8 (DeepSeek-V3's FP8 GEMMs inside bf16 training)."""
     moments_dtype: str = "fp32"
+    ep_overlap: bool | None = None
+    """Whether a micro-batch's expert all-to-alls run under another micro-batch's compute (None: the
+    schedule decides, as DualPipe and DualPipeV do; True for other schedules is Megatron-Core's
+    ``overlap_moe_expert_parallel_comm``, its 1F1B all-to-all overlap)."""
+
+    routed_nodes: int | None = None
+    """Nodes each token's routed copies go to over InfiniBand (None: the model's node-limited
+    routing, ``n_limited_groups`` when its groups are the EP nodes, else up to k). A benchmark's
+    balanced stand-in router may send fewer (NeMo AutoModel's: one)."""
 
     @classmethod
     def of(cls, *, dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, zero1: bool = True,
@@ -92,6 +101,15 @@ class PlanLayout:
         return parallel.pp_virtual_stages if parallel.pp_schedule == "Interleaved1F1B" else 1
 
     @property
+    def overlaps_all_to_all(self) -> bool:
+        """Whether the expert all-to-alls hide under the paired micro-batch's compute (see :attr:`ep_overlap`)."""
+        if self.parallel.ep == 1:
+            return False
+        if self.ep_overlap is not None:
+            return self.ep_overlap
+        return self.parallel.pp > 1 and self.parallel.pp_schedule in ("DualPipe", "DualPipeV")
+
+    @property
     def n_stages(self) -> int:
         """Distinct stages the layers are cut into (DualPipe's two directions share theirs)."""
         pp = self.parallel.pp
@@ -121,6 +139,8 @@ class PlanLayout:
             raise ConfigError(f"plan.recompute={self.recompute!r} is unknown; choose one of {list(RECOMPUTE_MODES)}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"plan precision {self.precision!r} is unknown; choose one of {PRECISIONS}")
+        if self.routed_nodes is not None and (not isinstance(self.routed_nodes, int) or self.routed_nodes < 1):
+            raise ConfigError(f"plan.routed_nodes={self.routed_nodes!r} must be null or a positive integer")
         if self.moments_dtype not in ("fp32", "bf16"):
             raise ConfigError(f"optim.moments_dtype={self.moments_dtype!r} must be fp32 or bf16")
         if self.global_batch_size % (dp * self.micro_batch_size):
@@ -148,6 +168,8 @@ class PlanLayout:
             return f"parallel.pp_schedule={self.parallel.pp_schedule} is planned only; dsl-lit runs GPipe, 1F1B, Interleaved1F1B, DualPipeV"
         if self.recompute not in MODES:
             return f"plan.recompute={self.recompute} is planned only; dsl-lit's memory.recompute runs {list(MODES)}"
+        if self.ep_overlap and self.parallel.pp_schedule != "DualPipeV":
+            return f"plan.ep_overlap=true under {self.parallel.pp_schedule} is planned only; dsl-lit overlaps the all-to-alls in DualPipeV"
         layout = self.parallel
         if self.precision == "fp8" and layout.tp > 1:
             return "FP8 linears do not take tensor-parallel weights yet"

@@ -118,6 +118,17 @@ def optimizer_shard(params: ParamCounts, layout: PlanLayout) -> float:
 
 
 # -- activations ------------------------------------------------------------------------------------
+def routed_shape(cfg: ModelConfig, layout: PlanLayout) -> tuple[float, float]:
+    """(routed copies per token of the micro-batch, expert hidden width) on one GPU. Without
+    expert parallelism every tp rank runs all k copies on its 1/tp of each expert; with it the
+    experts are whole and the tp ranks split the tokens (Megatron-Core's expert-TP 1 under sequence
+    parallelism), k / tp copies each, as the matmul FLOPs (divided by tp) already assume."""
+    k, tp = cfg.n_activated_experts, layout.parallel.tp
+    if layout.parallel.ep > 1:
+        return k / tp, float(cfg.moe_ffn_hidden)
+    return float(k), cfg.moe_ffn_hidden / tp
+
+
 def attention_activations(cfg: ModelConfig, mode: str, tp: int, sp: bool) -> float:
     """Elements per token one attention sub-block keeps for backward (block input included)."""
     d = cfg.d_model / (tp if sp else 1)
@@ -137,8 +148,8 @@ def ffn_activations(cfg: ModelConfig, layer_id: int, mode: str, layout: PlanLayo
         f = cfg.ffn_hidden / tp
         # selective: w1, w3 and w2 outputs; none: h, norm output, w1, silu, w3, product
         return 2 * f + d if mode == "selective" else 2 * d + 4 * f
-    k, e = cfg.n_activated_experts, cfg.n_routed_experts
-    f_routed = cfg.moe_ffn_hidden / (1 if layout.parallel.ep > 1 else tp)
+    e = cfg.n_routed_experts
+    k, f_routed = routed_shape(cfg, layout)
     f_shared = cfg.n_shared_experts * cfg.moe_ffn_hidden / tp
     router = 3 * e * FP32 / dtype_bytes  # fp32 logits, scores, biased scores
     if mode == "selective":  # router logits; grouped w1/w3, w2 outputs; shared w1/w3, w2 outputs
@@ -176,9 +187,9 @@ def deepseek_v3_activations(cfg: ModelConfig, layer_id: int, layout: PlanLayout)
     ffn = d * act
     if not cfg.is_moe_layer(layer_id):
         return attention + ffn + 2 * cfg.ffn_hidden / tp * linear_in
-    k, f_routed = cfg.n_activated_experts, cfg.moe_ffn_hidden / (1 if layout.parallel.ep > 1 else tp)
+    k, f_routed = routed_shape(cfg, layout)
     f_shared = cfg.n_shared_experts * cfg.moe_ffn_hidden / tp
-    ffn += cfg.n_routed_experts * FP32 + k * (FP32 + 8)  # scores; top-k weights (fp32) and indices (int64)
+    ffn += cfg.n_routed_experts * FP32 + cfg.n_activated_experts * (FP32 + 8)  # scores; top-k weights (fp32) and indices (int64)
     ffn += k * (cfg.d_model + 2 * f_routed) * linear_in + 2 * f_shared * linear_in
     return attention + ffn
 
@@ -217,11 +228,12 @@ def in_flight(rank: int, layout: PlanLayout) -> float:
 def moe_buffers(cfg: ModelConfig, layout: PlanLayout) -> float:
     """Bytes of the all-to-all buffers in use: one micro-batch's k copies per token received by
     dispatch (FP8 under FP8) and sent back by combine (compute dtype); DualPipe and DualPipeV
-    run a forward and a backward chunk's all-to-alls at once, so twice that."""
+    run a forward and a backward chunk's all-to-alls at once (so does any layout with
+    ``ep_overlap``), so twice that."""
     tokens = layout.micro_batch_size * layout.seq_len
     dispatch = FP8_TILE if layout.precision == "fp8" else compute_bytes(layout)
-    overlapped = layout.parallel.pp > 1 and layout.parallel.pp_schedule in ("DualPipe", "DualPipeV")
-    copies = tokens * cfg.n_activated_experts * cfg.d_model
+    overlapped = layout.overlaps_all_to_all
+    copies = tokens * routed_shape(cfg, layout)[0] * cfg.d_model
     return copies * (dispatch + compute_bytes(layout)) * (2 if overlapped else 1)
 
 

@@ -4,13 +4,15 @@ Per micro-batch and rank, forward F and backward B add up
 
 - matmuls: 2 (forward) and 4 (backward) FLOPs per activated weight and token, at the GEMM peak of
   the layout's precision times ``efficiency.gemm`` (``fp8_gemm`` for the blocks' linears under
-  FP8; the head stays bf16, as in DeepSeek-V3); W, the weight-gradient half of B, equals the
-  forward matmul time;
+  FP8; the head stays bf16, as in DeepSeek-V3), the routed experts' grouped GEMMs at
+  ``efficiency.grouped_gemm`` of that; W, the weight-gradient half of B, equals the forward matmul
+  time;
 - attention scores and values: the causal half of ``dsl_lit.flops``' count (kernels skip masked
   tiles), forward once, backward 2.5x (flash attention recomputes the scores), at
   ``efficiency.attention``;
-- memory-bound work (norms, activations, rotary, residuals): ``efficiency.activation_passes`` HBM
-  passes over the bytes backward keeps without recompute, a quarter in forward;
+- memory-bound work (norms, activations, rotary, residuals, MoE permutation):
+  ``efficiency.activation_passes`` HBM passes over the bytes backward keeps without recompute, a
+  quarter in forward;
 - FP8 casts (``precision=fp8``): DeepSeek-V3 quantises in kernels of their own (section 3.5.2:
   BF16 read from HBM, FP8 written back, read again by the GEMM; for the weight gradient the cached
   1x128 tiles are read, transposed and re-quantised to 128x1): per token and linear, its input is
@@ -25,12 +27,15 @@ Per micro-batch and rank, forward F and backward B add up
 Communication beyond that:
 
 - expert parallelism: dispatch (FP8 under FP8 training, else bf16) and combine (bf16) all-to-alls,
-  forward and backward, of k copies per token; across nodes, node-limited routing sends one copy
-  per destination node over InfiniBand (DeepSeek-V3 section 3.2.2: at most
-  ``n_limited_groups`` nodes) and NVLink forwards it. DualPipe and DualPipeV overlap a chunk's
+  forward and backward, of k copies per token (each tp rank dispatches its 1/tp of the tokens);
+  across nodes, node-limited routing sends one copy per destination node over InfiniBand
+  (DeepSeek-V3 section 3.2.2: at most ``n_limited_groups`` nodes; ``plan.routed_nodes`` when a
+  benchmark's router sends fewer) and NVLink forwards it. DualPipe and DualPipeV overlap a chunk's
   all-to-all with the paired chunk's compute (only what exceeds that compute shows), at the price of
-  ``cluster.comm_sms`` SMs taken from compute; other schedules wait for it;
-- pipeline sends of one micro-batch's hidden states per stage boundary (hidden under DualPipe);
+  ``cluster.comm_sms`` SMs taken from compute, and so does any schedule with ``plan.ep_overlap``
+  (Megatron-Core's 1F1B all-to-all overlap); other schedules wait for it;
+- pipeline sends of one micro-batch's hidden states per stage boundary, 1/tp of them per tp rank
+  (hidden under DualPipe and with ``plan.ep_overlap``);
 - data parallelism: ZeRO-1 reduce-scatters gradients (fp32) during the last micro-batch's backward
   (only the excess shows) and all-gathers updated weights after the step; without ZeRO-1 one
   all-reduce. Routed experts' gradients reduce over dp / ep ranks;
@@ -40,8 +45,10 @@ Pipeline bubbles (DeepSeek-V3 report table 2 and the zero-bubble paper, per-chun
 (pp-1)(F+B)/v; ZB1P (pp-1)(F+B-2W); DualPipe (pp/2-1)(F&B+B-3W) with F&B = F+B; DualPipeV the
 same with its 2 pp half-size stages.
 
-Not modelled: expert load imbalance (the bias-based balancing keeps it near 1), smaller GEMMs'
-lower efficiency at small micro-batches, stragglers, failures and restarts.
+Not modelled: expert load imbalance (the bias-based balancing keeps it near 1; published benchmarks
+force balance), smaller GEMMs' lower efficiency at small micro-batches, stragglers, failures and
+restarts. :mod:`.published` holds the model against three published DeepSeek-V3 runs and this
+project's single-GPU steps.
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ from dsl_lit.scaling.planner.memory import (
     compute_bytes,
     optimizer_shard,
     rank_params,
+    routed_shape,
     stage_layers_of,
     stages_on_rank,
 )
@@ -96,7 +104,16 @@ def _gemm_dtype(layout: PlanLayout) -> str:
 
 
 def _block_matmul_params(cfg: ModelConfig, layer_id: int) -> float:
-    return float(attention_params(cfg) + ffn_params_per_token(cfg, layer_id))
+    """Activated matmul weights of one block outside the routed experts (attention, dense FFN or
+    router and shared experts)."""
+    return float(attention_params(cfg) + ffn_params_per_token(cfg, layer_id)) - _routed_matmul_params(cfg, layer_id)
+
+
+def _routed_matmul_params(cfg: ModelConfig, layer_id: int) -> float:
+    """Routed-expert weights one token goes through in one block (k experts' SwiGLU), the grouped GEMMs."""
+    if not cfg.is_moe_layer(layer_id):
+        return 0.0
+    return 3.0 * cfg.d_model * cfg.moe_ffn_hidden * cfg.n_activated_experts
 
 
 def _fp8_cast_bytes(cfg: ModelConfig, layer_id: int, layout: PlanLayout) -> tuple[float, float]:
@@ -115,7 +132,7 @@ def _fp8_cast_bytes(cfg: ModelConfig, layer_id: int, layout: PlanLayout) -> tupl
         f = cfg.ffn_hidden / tp
         inputs, retiled, grads = inputs + d + f, retiled + d + f, grads + 2 * f + d
     else:
-        k, f_routed = cfg.n_activated_experts, cfg.moe_ffn_hidden / (1 if layout.parallel.ep > 1 else tp)
+        k, f_routed = routed_shape(cfg, layout)
         f_shared = cfg.n_shared_experts * cfg.moe_ffn_hidden / tp
         inputs += d + f_shared + k * f_routed
         retiled += d + f_shared + k * (d + f_routed)
@@ -157,6 +174,8 @@ def _all_to_all_seconds(cfg: ModelConfig, layout: PlanLayout, cluster: ClusterCo
         return tokens * k * (layout.parallel.ep - 1) / layout.parallel.ep * per_copy / nvlink
     limited = cfg.n_expert_groups == nodes and cfg.n_limited_groups < cfg.n_expert_groups
     per_token_nodes = cfg.n_limited_groups if limited else min(k, nodes)
+    if layout.routed_nodes is not None:
+        per_token_nodes = min(layout.routed_nodes, nodes)
     ib_copies = per_token_nodes * (nodes - 1) / nodes
     ib = cluster.ib_gbps * 1e9 * eff.ib
     return max(tokens * ib_copies * per_copy / ib, tokens * k * per_copy / nvlink)
@@ -170,8 +189,9 @@ def estimate_step_time(cfg: ModelConfig, layout: PlanLayout, cluster: ClusterCon
     block_peak = cluster.peak_flops("fp8") * eff.fp8_gemm if layout.precision == "fp8" else gemm_peak
     attention_peak = cluster.peak_flops(_gemm_dtype(layout)) * eff.attention
     hbm = cluster.hbm_tbps * 1e12 * eff.hbm
-    overlapped = layout.parallel.pp_schedule in ("DualPipe", "DualPipeV") and layout.parallel.pp > 1
-    slowdown = cluster.sms / (cluster.sms - cluster.comm_sms) if overlapped and layout.parallel.ep > 1 else 1.0
+    dualpipe = layout.parallel.pp_schedule in ("DualPipe", "DualPipeV") and layout.parallel.pp > 1
+    overlapped = layout.overlaps_all_to_all
+    slowdown = cluster.sms / (cluster.sms - cluster.comm_sms) if overlapped else 1.0
     tp_bw = _bandwidth(cluster, tp, 1)
     tp_seconds_per_block = 4 * 2 * (tp - 1) / tp * tokens * cfg.d_model * size / tp_bw * (1 - eff.tp_overlap)
 
@@ -183,7 +203,8 @@ def estimate_step_time(cfg: ModelConfig, layout: PlanLayout, cluster: ClusterCon
         blocks = [i for s in stages for i in stage_layers[s]]
         if last in stages:
             blocks += [cfg.n_layers + k for k in range(cfg.mtp_modules)]
-        fwd_gemm = sum(2 * tokens * _block_matmul_params(cfg, i) for i in blocks) / tp / block_peak
+        fwd_gemm = sum(2 * tokens * (_block_matmul_params(cfg, i) + _routed_matmul_params(cfg, i) / eff.grouped_gemm)
+                       for i in blocks) / tp / block_peak
         head_gemm = 0.0
         if last in stages:
             head_gemm = 2 * tokens * cfg.d_model * cfg.vocab_size * (1 + cfg.mtp_modules) / tp / gemm_peak
@@ -202,7 +223,7 @@ def estimate_step_time(cfg: ModelConfig, layout: PlanLayout, cluster: ClusterCon
             if layout.recompute == V3_RECIPE:
                 backward += len(blocks) * 2 * tokens * _up_projection_params(cfg) / tp / block_peak * slowdown
         moe_layers = sum(1 for i in blocks if cfg.is_moe_layer(i))
-        ep_comm = moe_layers * _all_to_all_seconds(cfg, layout, cluster, tokens)
+        ep_comm = moe_layers * _all_to_all_seconds(cfg, layout, cluster, tokens // tp)
         ranks.append((forward, backward, weight_grad, tp_comm, ep_comm, rank))
     forward, backward, weight_grad, tp_comm, ep_comm, busiest = max(ranks, key=lambda r: r[0] + r[1] + r[3] + r[4])
 
@@ -216,7 +237,10 @@ def estimate_step_time(cfg: ModelConfig, layout: PlanLayout, cluster: ClusterCon
     pp_boundary = 0.0
     if layout.parallel.pp > 1:
         pp_bw = _bandwidth(cluster, layout.parallel.pp, layout.parallel.tp * layout.parallel.dp)
-        pp_boundary = 0.0 if overlapped else 2 * chunks * tokens * cfg.d_model * size / pp_bw
+        # each tp rank sends its 1/tp of the hidden states (sequence parallelism, or Megatron's
+        # scatter-gather of pipeline sends without it); hidden by a schedule that overlaps communication
+        hidden = dualpipe or overlapped
+        pp_boundary = 0.0 if hidden else 2 * chunks * tokens / tp * cfg.d_model * size / pp_bw
     f, b, w = ((forward + tp_comm / 2) / chunks, (backward + tp_comm / 2) / chunks, weight_grad / chunks)
     bubble = _bubble(layout, f, b, w)
 
