@@ -1,15 +1,25 @@
-"""What ``recipes/plan.py`` does with a composed config: plan, print, write ``plan.json`` (and
-search layouts into ``search.json``). Kept here so tests run it without a subprocess."""
+"""What ``recipes/plan.py`` does with a composed config: plan, print, write ``plan.json`` (search
+layouts into ``search.json``, compare with the published runs into ``published.json``). Kept here
+so tests run it without a subprocess."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from omegaconf import DictConfig
 
 from dsl_lit.scaling.planner.config import plan_inputs
 from dsl_lit.scaling.planner.plan import Plan, make_plan, search_layouts
+from dsl_lit.scaling.planner.published import compare, comparison_table
+
+
+def _hydra_compose(overrides: list[str]) -> DictConfig:
+    """``recipes/plan.py``'s config with ``overrides`` (Hydra initialised with ``conf/``, as in a recipe)."""
+    from hydra import compose
+
+    return compose("plan", overrides=overrides)
 
 
 def search_table(plans: list[Plan]) -> str:
@@ -23,8 +33,11 @@ def search_table(plans: list[Plan]) -> str:
     return "\n".join(lines)
 
 
-def write_plan(cfg: DictConfig, out_dir: str | Path) -> Plan:
-    """Validate every group, plan, print the table and write the JSON files into ``out_dir``."""
+def write_plan(cfg: DictConfig, out_dir: str | Path, overrides: Sequence[str] = (),
+               compose: Callable[[list[str]], DictConfig] = _hydra_compose) -> Plan:
+    """Validate every group, plan, print the table and write the JSON files into ``out_dir``.
+    With ``plan.published``, also plan each published run (``compose`` makes its config; the
+    ``cluster.efficiency.*`` ones among ``overrides``, the command line's, apply to every run)."""
     model, layout, cluster, options = plan_inputs(cfg)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -35,4 +48,10 @@ def write_plan(cfg: DictConfig, out_dir: str | Path) -> Plan:
         plans = search_layouts(model, layout, cluster, runnable_only=options.search_runnable_only)[: options.top_k]
         print(f"\nthe fastest {len(plans)} layouts that fit:\n{search_table(plans)}")
         (out / "search.json").write_text(json.dumps([p.to_dict() for p in plans], indent=2))
+    if options.published:
+        extra = [o for o in overrides if o.startswith("cluster.efficiency.")]
+        comparisons = compare(compose, extra=extra)
+        print(f"\nthe planner against published runs and this project's measurements{' with ' + ' '.join(extra) if extra else ''}:\n"
+              f"{comparison_table(comparisons)}")
+        (out / "published.json").write_text(json.dumps([c.to_dict() for c in comparisons], indent=2))
     return plan
