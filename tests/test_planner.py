@@ -1,6 +1,7 @@
 """The cluster planner: validation, the schedules' bubble formulas, memory facts, layout search,
-the recipe, and two checks against reality: DeepSeek-V3's published cost, and a real CPU step's
-measured memory."""
+the recipe, and checks against reality: three published DeepSeek-V3 runs (DeepSeek's own,
+Megatron-Bridge, NeMo AutoModel), Llama 3 405B, this project's measured H200 steps, and a real CPU
+step's measured memory."""
 
 from __future__ import annotations
 
@@ -14,18 +15,18 @@ from dsl_lit.config.model import ModelConfig
 from dsl_lit.flops import training_flops_per_token
 from dsl_lit.scaling.planner import ClusterConfig, PlanLayout, estimate_memory, make_plan, search_layouts
 from dsl_lit.scaling.planner.config import plan_inputs
-from dsl_lit.scaling.planner.memory import in_flight
+from dsl_lit.scaling.planner.memory import in_flight, routed_shape
+from dsl_lit.scaling.planner.published import MEASURED, PUBLISHED, compare, comparison_table
 from dsl_lit.scaling.planner.report import write_plan
 from dsl_lit.scaling.planner.step_time import _bubble
 from tests.conftest import ROOT, compose_config
 
 V3_GPU_HOURS_PER_T = 180_000  # DeepSeek-V3 section 1: 2664K H800 GPU-hours for 14.8T tokens
-V3_TOLERANCE = 0.35
-"""The planner predicts 131.1K (-27%; 141.3K, -22%, with the 1.0-1.2x slower FP8 kernels DeepSeek
-had before DeepGEMM): an ideal steady state. Not modelled: expert load imbalance across EP ranks,
-DualPipe's overlap being per phase rather than per chunk, token permutation around the grouped
-GEMMs, the attention kernel for MLA's 192/128 head dims, stragglers, checkpoints, restarts and the
-batch-size ramp; a tighter bound would need fitting."""
+V3_TOLERANCE = 0.25
+"""The planner predicts 168K (-6%): a steady state with balanced experts. DeepSeek's figure is a
+whole run (batch-size ramp, checkpoints, restarts; the ramp alone costs the planner ~0.5%). Before
+issue 40's calibration (memory-bound passes 4 -> 8 on our H200 step, grouped expert GEMMs at 0.8
+of dense) it predicted 131K (-27%)."""
 
 
 def plan_of(*overrides: str):
@@ -63,7 +64,7 @@ LLAMA3_TOLERANCE = 0.15
 @pytest.mark.parametrize("preset", sorted(LLAMA3_TFLOPS))
 def test_llama3_405b_throughput_against_the_published_tflops(preset):
     """Model TFLOP/s per GPU (``dsl_lit.flops``: 6 per weight and token plus unhalved attention)
-    against Llama 3's Table 4, within 15%: predicted 372 on 16K GPUs (-7%) and 447 on 8K (+4%).
+    against Llama 3's Table 4, within 15%: predicted 380 on 16K GPUs (-5%) and 460 on 8K (+7%).
     The layout is the paper's; 2 virtual pipeline stages per rank are an assumption (its Figure 6),
     and its TFLOP/s may count attention FLOPs another way (halved: 4% fewer). The memory estimate
     does not hold here: it gives 107 GiB where the published run fit in 80 GB (it counts the
@@ -151,3 +152,94 @@ def test_plan_recipe_writes_plan_json_and_searches(tmp_path, capsys):
         assert plan[key] > 0
     assert "GPU-hours / 1T tokens" in capsys.readouterr().out
     assert len(json.loads((tmp_path / "search.json").read_text())) == 3
+
+
+def compose_plan(overrides: list[str]):
+    return compose_config("plan", overrides)
+
+
+@pytest.mark.parametrize("reference", PUBLISHED, ids=lambda r: r.name)
+def test_published_deepseek_v3_runs_within_25_percent(reference):
+    """Each of the three published DeepSeek-V3 runs, planned with its own layout by the same model
+    and constants: DeepSeek's 180K H800 GPU-hours per trillion tokens (predicted 168K, -6%),
+    Megatron-Bridge's 1,297 tokens/s/GPU on 1024 H100 (1,346, +4%), NeMo AutoModel's 1,002 on 256
+    H100 (1,077, +7%)."""
+    (comparison,) = compare(compose_plan, [reference])
+    assert comparison.within and abs(comparison.error) < 0.25, comparison_table([comparison])
+    assert comparison.plan.model.name.startswith("deepseek_v3_671b")
+
+
+def test_published_layouts_are_the_published_ones():
+    deepseek, megatron, automodel = (c.plan for c in compare(compose_plan, PUBLISHED))
+    assert (deepseek.layout.parallel.world_size, deepseek.cluster.gpu, deepseek.layout.precision) == (2048, "H800", "fp8")
+    par = megatron.layout.parallel
+    assert (par.world_size, par.tp, par.pp, par.pp_virtual_stages, par.ep, par.dp) == (1024, 2, 8, 4, 64, 64)
+    assert (megatron.cluster.gpu, megatron.layout.precision, megatron.layout.global_batch_size) == ("H100", "fp8", 8192)
+    assert megatron.layout.overlaps_all_to_all and megatron.step.ep_comm == 0 and megatron.step.pp_comm == 0
+    par = automodel.layout.parallel
+    assert (par.world_size, par.tp, par.pp, par.pp_virtual_stages, par.ep, par.dp) == (256, 1, 4, 8, 64, 64)
+    assert (automodel.layout.precision, automodel.layout.recompute, automodel.model.mtp_modules) == ("bf16", "full", 0)
+    assert not automodel.layout.overlaps_all_to_all and automodel.step.ep_comm > 0  # DeepEP waited for
+
+
+@pytest.mark.parametrize("reference", MEASURED, ids=lambda r: r.name)
+def test_single_gpu_steps_against_our_h200_measurements(reference):
+    """Issue 40's GPU check on one H200 (4 x 2048 tokens, forward + backward + AdamW, compiled):
+    dense ~1B bf16 99.4 ms (predicted 96.2, -3%) and FP8 88.7 ms (81.0, -9%) within 25%; the
+    V3-style MoE 49.2 ms against 31.1 predicted (-37%): our MoE step still has fixed costs the
+    planner does not model (issue 40, item 4), so its band says only that the planner is faster,
+    by less than 2x."""
+    (comparison,) = compare(compose_plan, [reference])
+    assert comparison.within, comparison_table([comparison])
+    assert comparison.plan.layout.parallel.world_size == 1 and comparison.plan.cluster.gpu == "H200"
+
+
+def test_calibration_moves_the_published_runs_the_way_it_should():
+    """The knobs act where they should: fewer memory-bound passes or dense-speed grouped GEMMs make
+    every run faster (the pre-calibration constants put DeepSeek's own at -27%); FP8 at the bf16
+    rate slows only the FP8 runs."""
+    base = {c.reference.name: c.plan.step.total for c in compare(compose_plan, PUBLISHED)}
+    for knob in ("cluster.efficiency.activation_passes=4", "cluster.efficiency.grouped_gemm=1.0"):
+        faster = {c.reference.name: c.plan.step.total for c in compare(compose_plan, PUBLISHED, extra=[knob])}
+        assert all(faster[name] < base[name] for name in base), knob
+    old = compare(compose_plan, PUBLISHED[:1], extra=["cluster.efficiency.activation_passes=4",
+                                                      "cluster.efficiency.grouped_gemm=1.0"])[0]
+    assert old.error == pytest.approx(-0.27, abs=0.01)
+    slow_fp8 = {c.reference.name: c.plan.step.total
+                for c in compare(compose_plan, PUBLISHED, extra=["cluster.efficiency.fp8_gemm=0.375"])}
+    assert [slow_fp8[r.name] > base[r.name] for r in PUBLISHED] == [True, True, False]
+
+
+def test_all_to_all_overlap_and_routed_nodes():
+    """``plan.ep_overlap`` hides the all-to-all of a 1F1B schedule under the paired micro-batch (at
+    the SMs it takes) and is planned only there; ``plan.routed_nodes`` sets the nodes a token's
+    copies reach over InfiniBand; tp ranks split the routed tokens under expert parallelism."""
+    megatron = "plan_experiment=deepseek_v3_671b_megatron_h100"
+    hidden, waiting = plan_of(megatron), plan_of(megatron, "plan.ep_overlap=false")
+    assert hidden.step.ep_comm == 0 < waiting.step.ep_comm
+    assert waiting.step.ep_comm == pytest.approx(waiting.layout.micro_batches * waiting.step.ep_comm_per_micro_batch)
+    assert hidden.step.forward_per_micro_batch > waiting.step.forward_per_micro_batch  # comm SMs taken
+    issue = hidden.layout.replace(recompute="selective").runtime_issue(hidden.model)
+    assert "plan.ep_overlap=true under Interleaved1F1B is planned only" in issue
+    automodel = "plan_experiment=deepseek_v3_671b_automodel_h100"
+    one, limited = plan_of(automodel), plan_of(automodel, "plan.routed_nodes=null")
+    # node-limited routing: 4 of the 8 nodes per token over InfiniBand; one node: NVLink-bound, 3.5x less
+    assert limited.step.ep_comm_per_micro_batch == pytest.approx(3.5 * one.step.ep_comm_per_micro_batch, rel=0.01)
+    with pytest.raises(ConfigError, match=r"plan.routed_nodes=0 must be null or a positive integer"):
+        plan_of(automodel, "plan.routed_nodes=0")
+    assert routed_shape(hidden.model, hidden.layout) == (4.0, 2048.0)  # 8 copies over tp 2, whole experts
+    assert routed_shape(hidden.model, hidden.layout.replace(ep=1)) == (8.0, 1024.0)  # tp-sharded experts
+
+
+def test_plan_recipe_compares_with_the_published_runs(tmp_path, capsys):
+    """``plan.published=true``: the table of every reference run, and published.json; the command
+    line's efficiencies apply to every run."""
+    cfg = compose_config("plan", ["plan_experiment=deepseek_llm_7b", "plan.published=true"])
+    write_plan(cfg, tmp_path, overrides=["plan.published=true", "cluster.efficiency.grouped_gemm=1.0"],
+               compose=compose_plan)
+    rows = json.loads((tmp_path / "published.json").read_text())
+    assert [r["name"] for r in rows] == [r.name for r in (*PUBLISHED, *MEASURED)]
+    assert rows[0]["published"] == V3_GPU_HOURS_PER_T and rows[0]["gpus"] == 2048
+    out = capsys.readouterr().out
+    assert "with cluster.efficiency.grouped_gemm=1.0" in out and "Megatron-Bridge" in out
+    assert rows[0]["predicted"] < 0.95 * compare(compose_plan, PUBLISHED[:1])[0].predicted  # the knob applied
