@@ -41,6 +41,12 @@ class ReproduceConfig:
     """Documents per lm-eval task (null: all)."""
     device: str = "cpu"
     """cpu or cuda: where every stage trains, samples and evaluates."""
+    data_build: str | None = None
+    """A finished data build (a directory with ``tokenizer/`` and ``shards/``: a pipeline run's
+    output, or a data cache such as ``$DSL_LIT_CACHE_ROOT/bundled_corpus_v8192`` that any recipe
+    builds on first use) that the stages read instead of the data stage running the pipeline, which
+    needs ``datasets``; the scaling sweep reads it too (its own 2048-token build needs the
+    pipeline). Null: the data stage runs the pipeline."""
     overrides: dict[str, list[str]] = field(default_factory=dict)
     """Hydra overrides per stage, e.g. ``{pretrain: [trainer.max_steps=100]}``, applied after the
     wiring (init_from, data dirs, fitted lr and batch), so a preset can change anything."""
@@ -74,6 +80,8 @@ class ReproduceConfig:
             raise ConfigError(f"reproduce.passkey_lengths={self.passkey_lengths} must be lengths of at least 48 tokens")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"reproduce.device={self.device!r} must be cpu or cuda")
+        if self.data_build is not None and not str(self.data_build).strip():
+            raise ConfigError("reproduce.data_build='' names no directory; use null to run the data pipeline")
         if self.eval_limit is not None and self.eval_limit < 1:
             raise ConfigError(f"reproduce.eval_limit={self.eval_limit} must be >= 1 or null")
         return self
