@@ -3,7 +3,8 @@ the R1 pipeline -> lm-eval -> one report (``outputs/reproduce/<run>/report/repor
 
     python recipes/reproduce.py                                       # make reproduce: cpu_mini
     python recipes/reproduce.py 'reproduce.stages=[evaluate,report]'  # a subset; its inputs must be finished
-    python recipes/reproduce.py reproduce=gpu_small                   # one GPU
+    python recipes/reproduce.py reproduce=gpu_short                   # one GPU, 6 minutes, no datasets/lm-eval needed
+    python recipes/reproduce.py reproduce=gpu_small                   # one GPU, an hour
 
 Stages and what feeds what: ``dsl_lit/reproduce/stages.py``; presets: ``conf/reproduce/``. A rerun
 skips finished stages and resumes an interrupted one from its checkpoints.
@@ -21,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dsl_lit.config.reproduce import ReproduceConfig
 from dsl_lit.config.schema import dataclass_from_dict
-from dsl_lit.reproduce.preflight import check_commands
+from dsl_lit.reproduce.preflight import check_commands, check_packages
 from dsl_lit.reproduce.runner import StageFailed, run_stages
 from dsl_lit.reproduce.stages import STAGE_TABLE
 from dsl_lit.training.runs import exits_on_config_error
@@ -36,6 +37,7 @@ def main(hydra_cfg: DictConfig) -> None:
     cfg = dataclass_from_dict(ReproduceConfig, values, "reproduce").validate()
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     check_commands(cfg, STAGE_TABLE, run_dir)  # every stage's command composes and validates, before any runs
+    check_packages(cfg, run_dir)  # and the packages the stages need are here (lm-eval's absence skips the evaluation)
     try:
         run_stages(cfg, STAGE_TABLE, run_dir, progress=log.info)
     except StageFailed as error:

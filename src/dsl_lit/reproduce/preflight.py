@@ -88,3 +88,17 @@ def check_commands(cfg: ReproduceConfig, stages: Sequence[Stage], run_dir: Path)
         except ConfigError as error:
             raise ConfigError(f"{where}: {error}") from None
     return configs
+
+
+def check_packages(cfg: ReproduceConfig, run_dir: Path) -> None:
+    """A stage this machine cannot run stops the run at start-up: the data pipeline needs
+    ``datasets`` (``reproduce.data_build`` feeds the stages without it). A missing lm-eval only
+    skips the evaluation, saying so."""
+    from dsl_lit.reproduce.stages import missing_module
+
+    runs_pipeline = cfg.data_build is None and (cfg.stages is None or "data" in cfg.stages) and marker(run_dir / "data") is None
+    missing = missing_module("datasets") if runs_pipeline else None
+    if missing is not None:
+        raise ConfigError(f"stage data runs the data pipeline, which needs datasets ({missing}): install it, or set "
+                          "reproduce.data_build to a finished data build the stages read instead (reproduce=gpu_short "
+                          "reads $DSL_LIT_CACHE_ROOT/bundled_corpus_v8192)")

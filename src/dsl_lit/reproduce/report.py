@@ -20,7 +20,7 @@ from dsl_lit.config.reproduce import STAGES, ReproduceConfig
 from dsl_lit.report.figures import plot_lines, save_figure
 from dsl_lit.report.metrics import METRICS_FILE, Series, read_metrics
 from dsl_lit.reproduce.claims import claims_table
-from dsl_lit.reproduce.runner import marker
+from dsl_lit.reproduce.runner import marker, skipped
 from dsl_lit.utils.machine import machine_description
 
 R1_MODELS = ("cold_start", "grpo", "sft_rs", "distill")
@@ -77,11 +77,13 @@ def write_report(run_dir: Path, out: Path, cfg: ReproduceConfig) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     done = {s: m for s in STAGES if s != "report" and (m := marker(run_dir / s)) is not None}
     r = {s: m["results"] for s, m in done.items()}
+    skipped_here = [s for s in done if skipped(r[s])]
     md = [f"# DeepSeek in miniature: `reproduce={cfg.name}`\n",
           f"Machine: {machine_description()}.\n",
-          f"Stages finished: {len(done)} of {len(STAGES) - 1} (the report is the last); their time: "
+          f"Stages finished: {len(done) - len(skipped_here)} of {len(STAGES) - 1} (the report is the last)"
+          + (f", skipped here: {', '.join(skipped_here)}" if skipped_here else "") + "; their time: "
           f"{_minutes(sum(m['seconds'] for m in done.values()))} in all.\n"]
-    md.append(_table(["stage", "seconds"], [[s, done[s]["seconds"] if s in done else "not run"]
+    md.append(_table(["stage", "seconds"], [[s, "skipped" if s in skipped_here else done[s]["seconds"] if s in done else "not run"]
                                             for s in STAGES if s != "report"]))
 
     md.append("\n## What the papers say, and what this run measured\n")
@@ -109,8 +111,13 @@ def write_report(run_dir: Path, out: Path, cfg: ReproduceConfig) -> Path:
     md.append("\n## 2. Data pipeline\n")
     if "data" in r:
         d = r["data"]
-        md.append(f"{d['documents_in']:,} documents in, {d['documents_out']:,} kept; removed by reason: "
-                  + ", ".join(f"{k} {v}" for k, v in sorted(d["removed"].items())) + ". FIM rate 0.1 (half SPM).\n")
+        fim = d.get("fim", {"rate": 0.1, "spm_rate": 0.5})  # (markers written before the key: the pipeline's)
+        source = (f"The pipeline did not run (`reproduce.data_build`): every stage read the build `{d['build']}`, "
+                  f"made by the stages {', '.join(d['stages'])}. ") if d.get("build") else ""
+        counts = f"{d['documents_in']:,} documents in, " if d.get("documents_in") is not None else ""
+        md.append(f"{source}{counts}{d['documents_out']:,} kept; removed by reason: "
+                  + (", ".join(f"{k} {v}" for k, v in sorted(d["removed"].items())) or "none")
+                  + (f". FIM rate {fim['rate']:g} ({fim['spm_rate']:.0%} of it SPM).\n" if fim else ". No FIM.\n"))
 
     md.append("\n## 3. Pretraining (DeepSeek-V3 tiny)\n")
     pre, no_mtp, no_bias = (_series(run_dir, s) for s in ("pretrain", "pretrain_no_mtp", "pretrain_no_bias"))
@@ -148,7 +155,9 @@ def write_report(run_dir: Path, out: Path, cfg: ReproduceConfig) -> Path:
         md.append(f"\nRejection sampling kept {rs.get('kept')} of {rs.get('sampled', rs.get('samples'))} samples.\n")
 
     md.append("\n## 6. lm-eval on each checkpoint\n")
-    if "evaluate" in r:
+    if "evaluate" in r and skipped(r["evaluate"]):
+        md.append(f"_Not run on this machine: {r['evaluate']['skipped']}._\n")
+    elif "evaluate" in r:
         scores = r["evaluate"]["scores"]
         columns = sorted({(t, m) for s in scores.values() for t, ms in s.items() for m in ms if m in EVAL_METRICS})
         md.append(_table(["checkpoint", *[f"{t} {m}" for t, m in columns]],

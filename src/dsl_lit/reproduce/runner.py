@@ -143,6 +143,11 @@ class Stage:
     stage still stands."""
 
 
+NEW_FIELDS = ("data_build",)
+"""Preset fields added after runs were made: left out of the fingerprints while null, so those runs
+still stand."""
+
+
 def fingerprints(cfg: ReproduceConfig, stages: Sequence[Stage]) -> dict[str, str]:
     """Per stage, a hash of the settings it runs with: the preset's fields it reads, its own overrides
     and the fingerprints of the stages it reads (a changed pretraining changes every stage after it;
@@ -151,7 +156,7 @@ def fingerprints(cfg: ReproduceConfig, stages: Sequence[Stage]) -> dict[str, str
     prints: dict[str, str] = {}
     for stage in stages:
         read = {key: (cfg.overrides.get(key.split(".", 1)[1], []) if key.startswith("overrides.") else fields[key])
-                for key in stage.reads}
+                for key in stage.reads if not (key in NEW_FIELDS and fields[key] is None)}
         settings = [read, cfg.overrides.get(stage.name, []), [prints[n] for n in stage.needs]]
         prints[stage.name] = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     return prints
@@ -181,6 +186,11 @@ def selected(cfg: ReproduceConfig, stages: Sequence[Stage], run_dir: Path) -> li
     return chosen
 
 
+def skipped(results: dict[str, Any]) -> bool:
+    """A stage's results saying it did not run here (``{"skipped": why}``: lm-eval not installed)."""
+    return bool(results.get("skipped"))
+
+
 def _minutes(seconds: float) -> str:
     return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
 
@@ -196,7 +206,8 @@ def run_stages(cfg: ReproduceConfig, stages: Sequence[Stage], run_dir: Path,
     for index, stage in enumerate(chosen, 1):
         stage_dir = run_dir / stage.name
         done = marker(stage_dir)
-        if done is not None and stage.name != "report":  # the report is redrawn every time
+        # the report is redrawn every time, and a stage skipped for a missing package runs once it is there
+        if done is not None and stage.name != "report" and not skipped(done["results"]):
             progress(f"stage {index}/{len(chosen)} {stage.name}: finished earlier ({_minutes(done['seconds'])}), skipped")
             results[stage.name] = done["results"]
             continue
@@ -215,6 +226,9 @@ def run_stages(cfg: ReproduceConfig, stages: Sequence[Stage], run_dir: Path,
         write_marker(stage_dir, {"stage": stage.name, "fingerprint": prints[stage.name], "seconds": round(seconds, 1),
                                  "results": stage_results, "commands": context.commands})
         results[stage.name] = stage_results
-        progress(f"stage {index}/{len(chosen)} {stage.name}: done in {_minutes(seconds)}")
+        if skipped(stage_results):
+            progress(f"stage {index}/{len(chosen)} {stage.name}: skipped: {stage_results['skipped']}")
+        else:
+            progress(f"stage {index}/{len(chosen)} {stage.name}: done in {_minutes(seconds)}")
     progress(f"all {len(chosen)} stages finished in {_minutes(time.monotonic() - start)}; report: {run_dir / 'report' / 'report.md'}")
     return results

@@ -1,8 +1,9 @@
 """The stages of DeepSeek's method in miniature and how each feeds the next.
 
 scaling (DeepSeek LLM's lr x batch sweep, fitted laws) -> data (the pipeline on the bundled corpus,
-FIM packing) -> pretrain (DeepSeek-V3 tiny at the fitted lr and batch, with the batch ramp, MTP and
-bias balancing; two ablations without MTP and without the bias update) -> yarn (context extension
+FIM packing; or a finished build, ``reproduce.data_build``, where the pipeline cannot run) ->
+pretrain (DeepSeek-V3 tiny at the fitted lr and batch, with the batch ramp, MTP and bias
+balancing; two ablations without MTP and without the bias update) -> yarn (context extension
 from the pretrained checkpoint) -> passkey (retrieval by length, before and after) -> the R1
 pipeline from the pretrained checkpoint: cold_start (SFT) -> grpo -> rejection_sample ->
 sft_rs (SFT of the pretrained model on the kept samples) -> distill (a smaller student on the GRPO
@@ -15,13 +16,17 @@ report.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.config.reproduce import ReproduceConfig
 from dsl_lit.report.metrics import METRICS_FILE, Series, read_metrics
@@ -37,6 +42,17 @@ R1_TASK = ("task=largest", "task.num_problems=2000", "task.eval_problems=100")
 given so that every R1 stage (distill.yaml sets its own) scores the same 100 held-out lists."""
 EVALUATED = ("pretrain", "yarn", "cold_start", "grpo", "sft_rs", "distill")
 """The checkpoints lm-eval scores, in the order the method makes them."""
+
+log = logging.getLogger(__name__)
+
+
+def missing_module(name: str) -> str | None:
+    """Why ``name`` cannot be imported (None: it can): a package a stage needs that this machine lacks."""
+    try:
+        importlib.import_module(name)
+    except ImportError as error:
+        return str(error)
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -115,7 +131,11 @@ def pretraining_hparams(laws: dict[str, Any], cfg: ReproduceConfig) -> dict[str,
 
 
 def scaling(ctx: StageContext) -> dict[str, Any]:
-    ctx.recipe("scaling_laws.py", [path_override("hydra.sweep.dir", ctx.dir / "sweep"), f"trainer.accelerator={ctx.cfg.accelerator}"])
+    """The sweep's tiny models read reproduce.data_build when it is given (their own 2048-token
+    build of the bundled corpus would need the pipeline)."""
+    data = build_arguments(ctx.cfg) if ctx.cfg.data_build else []
+    ctx.recipe("scaling_laws.py", [path_override("hydra.sweep.dir", ctx.dir / "sweep"), *data,
+                                   f"trainer.accelerator={ctx.cfg.accelerator}"])
     laws = json.loads((ctx.dir / "sweep" / "scaling_laws.json").read_text())
     return {"laws": laws, **pretraining_hparams(laws, ctx.cfg)}
 
@@ -124,12 +144,28 @@ def scaling(ctx: StageContext) -> dict[str, Any]:
 # data and pretraining
 
 def data(ctx: StageContext) -> dict[str, Any]:
+    if ctx.cfg.data_build:
+        build = carried_build(ctx.cfg.data_build)
+        packed, fim = build["settings"], build["fim"]
+        why = "" if missing_module("datasets") is None else "; it needs datasets, which is not installed here"
+        log.info("data: the pipeline does not run (reproduce.data_build is set%s): every stage reads the build %s "
+                 "(stages %s; %s documents, %s tokens; FIM %s)", why, packed["cache_dir"], ", ".join(build["stages"]),
+                 f"{build['documents']:,}", f"{build['tokens']:,}", fim or "none")
+        stats = Path(packed["cache_dir"]) / "stats.json"
+        counts = pipeline_stats(stats) if stats.is_file() else {"documents_in": None, "documents_out": build["documents"],
+                                                                 "removed": {}, "bytes_out": None}
+        return {**counts, "build": packed["cache_dir"], "stages": build["stages"], "fim": fim, "tokens": build["tokens"]}
     out = data_dir(ctx)
     ctx.module("data_pipeline", [path_override("input.path", PROJECT_ROOT / "data" / "corpus"), path_override("output_dir", out),
                                  "quality_filter=bundled", "tokenizer=bundled", f"stages={PIPELINE_STAGES}",
                                  f"pack.fim_rate={FIM['rate']}", f"pack.fim_spm_rate={FIM['spm_rate']}",
                                  f"pack.fim_seed={FIM['seed']}"])
-    stats = json.loads((out / "stats.json").read_text())
+    return {**pipeline_stats(out / "stats.json"), "fim": FIM}
+
+
+def pipeline_stats(path: Path) -> dict[str, Any]:
+    """Documents in and out of a pipeline run and the removed ones by reason, from its stats.json."""
+    stats = json.loads(path.read_text())
     removed: dict[str, int] = {}
     for stage in stats["stages"].values():
         for reason, count in stage.get("removed", {}).items():
@@ -138,13 +174,59 @@ def data(ctx: StageContext) -> dict[str, Any]:
             "removed": removed, "bytes_out": stats["output"]["bytes"]}
 
 
+@functools.lru_cache(maxsize=8)
+def carried_build(path: str) -> dict[str, Any]:
+    """reproduce.data_build checked as the recipes' data module will check it: the directory holding
+    its tokenizer and shards (a data cache's links into ``builds/<fingerprint>/`` resolved) and the
+    data settings it was made with, which every stage reading it must pass (or the data module would
+    rebuild it, needing the pipeline). A ConfigError naming how to make one otherwise."""
+    from dsl_lit.config.data import DataConfig
+    from dsl_lit.data.cache import stale_reason
+    from dsl_lit.data.format import META_FILE, SHARDS_DIR, TOKENIZER_DIR
+
+    given = Path(path).expanduser()
+    if not ((given / SHARDS_DIR / META_FILE).is_file() and (given / TOKENIZER_DIR / META_FILE).is_file()):
+        raise ConfigError(
+            f"reproduce.data_build={given} holds no finished data build (tokenizer/ and shards/ with their {META_FILE}): "
+            "make one where datasets is installed (DSL_LIT_CACHE_ROOT=<dir> python recipes/pretrain.py "
+            "trainer.max_steps=1 logger=csv builds <dir>/bundled_corpus_v8192) and copy it here, or set "
+            "reproduce.data_build=null to run the data pipeline")
+    build = (given / SHARDS_DIR).resolve().parent
+    packed = json.loads((build / SHARDS_DIR / META_FILE).read_text())
+    tokenizer = json.loads((build / TOKENIZER_DIR / META_FILE).read_text())
+    fim = packed.get("fim") if (packed.get("fim") or {}).get("rate") else None
+    stages = list(packed.get("stages") or [])
+    settings = {"cache_dir": str(build), "tokenizer_vocab_size": tokenizer.get("requested_vocab_size", tokenizer["vocab_size"]),
+                "tokenizer_max_bytes": tokenizer.get("max_bytes"), "decontaminate": "decontaminate" in stages,
+                "fim_rate": fim["rate"] if fim else 0.0, "fim_spm_rate": fim["spm_rate"] if fim else 0.0,
+                "seed": fim["seed"] if fim else FIM["seed"]}
+    reason = stale_reason(DataConfig(corpus_dir=str(PROJECT_ROOT / "data" / "corpus"), **settings))
+    if reason is not None:
+        raise ConfigError(f"reproduce.data_build={given} cannot feed the stages: {reason}")
+    return {"settings": settings, "fim": fim, "stages": stages, "documents": packed["num_documents"],
+            "tokens": packed["num_tokens"]}
+
+
+def build_arguments(cfg: ReproduceConfig) -> list[str]:
+    """The overrides that make a recipe's data module read reproduce.data_build as it is."""
+    settings = carried_build(cfg.data_build)["settings"]
+
+    def value(v: Any) -> str:
+        return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+    return [path_override("data.cache_dir", settings["cache_dir"]),
+            *(f"data.{key}={value(v)}" for key, v in settings.items() if key != "cache_dir")]
+
+
 def data_dir(ctx: StageContext) -> Path:
     """The pipeline's output directory (its own: the pipeline writes only into a directory it owns)."""
     return ctx.dir_of("data") / "pipeline"
 
 
 def data_arguments(ctx: StageContext) -> list[str]:
-    """The pipeline's shards and tokenizer, with the FIM settings they were packed with."""
+    """The pipeline's shards and tokenizer, with the FIM settings they were packed with (or
+    reproduce.data_build's, with its own settings)."""
+    if ctx.cfg.data_build:
+        return build_arguments(ctx.cfg)
     return [path_override("data.cache_dir", data_dir(ctx)), f"data.fim_rate={FIM['rate']}", f"data.fim_spm_rate={FIM['spm_rate']}",
             f"data.seed={FIM['seed']}"]
 
@@ -260,6 +342,12 @@ def distill(ctx: StageContext) -> dict[str, Any]:
 # lm-eval on every checkpoint, and the report
 
 def evaluate(ctx: StageContext) -> dict[str, Any]:
+    """lm-eval on each checkpoint; skipped, saying why, where lm-eval is not installed (the runner
+    prints the reason, the report shows it, and the next run that has lm-eval runs this stage)."""
+    missing = missing_module("lm_eval")
+    if missing is not None:
+        return {"skipped": f"lm_eval cannot be imported ({missing}): the checkpoints are not scored; "
+                           "pip install lm-eval and rerun to score them"}
     limit = [f"limit={ctx.cfg.eval_limit}"] if ctx.cfg.eval_limit else []
     scores = {}
     for model in EVALUATED:
@@ -288,8 +376,8 @@ TRAINS = ("seq_len", "micro_batch_size", "device")
 R1 = ("device",)
 
 STAGE_TABLE = (
-    Stage("scaling", (), scaling, "lr x batch sweep, fitted laws -> the pretraining's lr and batch", HPARAMS),
-    Stage("data", (), data, "dedup, filters, decontamination, BBPE, FIM packing of the bundled corpus"),
+    Stage("scaling", (), scaling, "lr x batch sweep, fitted laws -> the pretraining's lr and batch", (*HPARAMS, "data_build")),
+    Stage("data", (), data, "dedup, filters, decontamination, BBPE, FIM packing of the bundled corpus", ("data_build",)),
     Stage("pretrain", ("scaling", "data"), pretrain_stage(), "DeepSeek-V3 tiny: batch ramp, MTP, bias balancing", TRAINS),
     Stage("pretrain_no_mtp", ("scaling", "data"), pretrain_stage("++model.mtp_depth=0"), "ablation: without MTP", TRAINS),
     Stage("pretrain_no_bias", ("scaling", "data"), pretrain_stage("objective.bias_update_rate=[0.0,0.0]"),
