@@ -207,31 +207,115 @@ def test_claims_are_judged_by_their_written_thresholds():
     assert table["RL with rule-based rewards raises accuracy over the cold-start model"][1] == NOT_REPRODUCED
 
 
-@pytest.mark.parametrize("preset", ["cpu_mini", "smoke", "gpu_small"])
-def test_every_presets_stage_commands_compose_and_validate(preset, tmp_path):
-    """Each training stage's command line (wiring + the preset's overrides) composes under Hydra
-    and validates as its recipe would, for the GPU preset too (which no CPU run exercises): the
-    check recipes/reproduce.py runs at start-up."""
-    from hydra import initialize_config_dir
+def preset(name: str, *overrides: str) -> ReproduceConfig:
+    """``reproduce=<name>`` as recipes/reproduce.py composes and validates it."""
     from omegaconf import OmegaConf
 
     from dsl_lit.config.schema import dataclass_from_dict
-    from dsl_lit.reproduce.preflight import check_commands
 
+    raw = compose("reproduce", overrides=[f"reproduce={name}", *overrides])
+    return dataclass_from_dict(ReproduceConfig, OmegaConf.to_container(raw.reproduce, resolve=True), "reproduce").validate()
+
+
+@pytest.fixture(scope="module")
+def carried_build() -> Path:
+    """The data cache any recipe builds on its first run, ``$DSL_LIT_CACHE_ROOT/bundled_corpus_v8192``:
+    what a GPU machine without ``datasets`` is handed and ``reproduce=gpu_short`` reads."""
+    from dsl_lit.config.data import DataConfig
+    from dsl_lit.data.cache import prepare_cache
+
+    cache = Path(os.environ["DSL_LIT_CACHE_ROOT"]) / "bundled_corpus_v8192"
+    prepare_cache(DataConfig(corpus_dir=str(ROOT / "data" / "corpus"), cache_dir=str(cache)))
+    return cache
+
+
+@pytest.mark.parametrize("name", ["cpu_mini", "smoke", "gpu_small", "gpu_short"])
+def test_every_presets_stage_commands_compose_and_validate(name, tmp_path, request):
+    """Each training stage's command line (wiring + the preset's overrides) composes under Hydra
+    and validates as its recipe would, for the GPU presets too (which no CPU run exercises): the
+    check recipes/reproduce.py runs at start-up."""
+    from hydra import initialize_config_dir
+
+    from dsl_lit.reproduce.preflight import check_commands, stage_commands
+
+    build = request.getfixturevalue("carried_build") if name == "gpu_short" else None
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        raw = compose("reproduce", overrides=[f"reproduce={preset}"])
-        cfg = dataclass_from_dict(ReproduceConfig, OmegaConf.to_container(raw.reproduce, resolve=True),
-                                  "reproduce").validate()
+        cfg = preset(name)
         configs = check_commands(cfg, STAGE_TABLE, tmp_path)
     assert sorted(configs) == sorted(set(STAGES) - {"data", "passkey", "evaluate", "report"})
     hp = pretraining_hparams({}, cfg)  # no finished scaling stage here: the paper's laws stand in
-    for name, train in configs.items():
-        if name != "scaling":
-            assert train.trainer.accelerator == cfg.accelerator, name
+    for stage, train in configs.items():
+        if stage != "scaling":
+            assert train.trainer.accelerator == cfg.accelerator, stage
     pre = configs["pretrain"]
     assert pre.data.global_batch_size == hp["global_batch_size"] and pre.optim.lr == hp["lr"]
-    if preset == "gpu_small":  # the model the budget was computed for is the one trained
+    if name == "gpu_small":  # the model the budget was computed for is the one trained
         assert (pre.model.d_model, pre.model.n_layers, pre.precision.name) == (768, 12, "bf16")
+    if name == "gpu_short":  # a bare GPU image: the carried build everywhere, eager, no W&B
+        assert cfg.data_build == str(build) and cfg.device == "cuda"
+        real = str((build / "shards").resolve().parent)  # the cache's links resolved: its build
+        for stage, train in configs.items():
+            if stage != "scaling":
+                assert train.data.cache_dir == real and train.data.fim_rate == 0.0, stage
+                assert train.trainer.compile is False and not train.logger.wandb.enabled, stage
+        sweep = " ".join(stage_commands(cfg, STAGE_TABLE, tmp_path)["scaling"])
+        assert f"data.cache_dir='{real}'" in sweep and "data.tokenizer_vocab_size=8192" in sweep
+        assert "trainer.compile=false" in sweep
+        assert pre.precision.name == "bf16" and pre.data.seq_len == 256 and hp["global_batch_size"] == 32
+
+
+def test_without_datasets_and_lm_eval_gpu_short_reads_the_carried_build_and_skips_the_evaluation(
+        carried_build, tmp_path, monkeypatch, caplog):
+    """What a bare GPU image does with reproduce=gpu_short: the data stage takes the carried build
+    (one line saying why and which), the evaluation is skipped with one line and the report says
+    so, a later run tries the evaluation again; without a build the missing pipeline stops the run
+    at start-up, and a build that is not there is refused before any stage."""
+    import logging
+
+    from hydra import initialize_config_dir
+
+    from dsl_lit.reproduce.preflight import check_packages
+    from dsl_lit.reproduce.runner import fingerprints, run_stages, write_marker
+    from dsl_lit.reproduce.stages import carried_build as read_build
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = preset("gpu_short", "reproduce.stages=[data,evaluate,report]")
+        without_build = preset("gpu_short", "reproduce.data_build=null")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets / lm_eval: ImportError
+    monkeypatch.setitem(sys.modules, "lm_eval", None)
+    with pytest.raises(ConfigError, match="stage data runs the data pipeline, which needs datasets"):
+        check_packages(without_build, tmp_path)
+    check_packages(cfg, tmp_path)
+    with pytest.raises(ConfigError, match="holds no finished data build"):
+        read_build(str(tmp_path / "nothing"))
+
+    prints = fingerprints(cfg, STAGE_TABLE)  # the checkpoints lm-eval would score: finished
+    for stage in EVALUATED:
+        (tmp_path / stage).mkdir()
+        write_marker(tmp_path / stage, {"fingerprint": prints[stage], "seconds": 1.0,
+                                        "results": {"steps": 10, "val_loss": 5.0, "eval_accuracy": 0.3}})
+    lines: list[str] = []
+    with caplog.at_level(logging.INFO, logger="dsl_lit.reproduce.stages"):
+        run_stages(cfg, STAGE_TABLE, tmp_path, progress=lines.append)
+    build = str((carried_build / "shards").resolve().parent)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data: ")]
+    assert len(said) == 1 and "the pipeline does not run" in said[0] and "datasets, which is not installed" in said[0]
+    assert build in said[0] and "decontaminate, train_tokenizer, tokenize_pack" in said[0]
+    data = json.loads((tmp_path / "data" / MARKER).read_text())["results"]
+    assert data["build"] == build and data["documents_out"] > 1000 and data["fim"] is None
+    evaluate = [line for line in lines if " evaluate: " in line]
+    assert evaluate[1:] == ["stage 2/3 evaluate: skipped: lm_eval cannot be imported (import of lm_eval halted; "
+                            "None in sys.modules): the checkpoints are not scored; pip install lm-eval and rerun "
+                            "to score them"]
+    assert not (tmp_path / "evaluate" / "pretrain").exists()  # no recipe ran
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "skipped here: evaluate" in report and "| evaluate | skipped |" in report
+    assert "_Not run on this machine: lm_eval cannot be imported" in report
+    assert f"every stage read the build `{build}`" in report and "No FIM." in report
+    # the next run (lm-eval installed by then) evaluates: a skipped stage is not a finished one
+    lines.clear()
+    run_stages(cfg, STAGE_TABLE, tmp_path, progress=lines.append)
+    assert "stage 1/3 data: finished earlier" in lines[0] and "stage 2/3 evaluate: skipped: " in "".join(lines)
 
 
 def test_a_typo_in_a_late_stages_overrides_stops_the_run_before_the_first_stage(tmp_path):
