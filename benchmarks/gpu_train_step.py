@@ -18,8 +18,8 @@ autotuning included). Each variant gets a fresh copy of the same weights and is 
     python -m benchmarks.gpu_train_step --smoke   # tiny shapes, any device (the CPU suite runs it)
 
 ``scripts/gpu_check.sh`` runs it after the GPU tests. The headline lines hold the issue's targets:
-dense MFU >= 55% with compile, FP8 tensorwise / rowwise >= 1.3x the bf16 + compile step, MoE MFU
->= 25%, blockwise first step <= 60 s.
+dense MFU >= 55% with compile, FP8 tensorwise >= 1.2x the bf16 + compile step, MoE MFU >= 30%,
+blockwise first step <= 60 s; each printed as soon as its rows are measured.
 """
 
 from __future__ import annotations
@@ -209,6 +209,7 @@ def main() -> None:
           f"{args.batch} x {args.seq} tokens, fwd + bwd + AdamW, bf16 autocast, median of {args.repeats}")
     tokens_per_step = args.batch * args.seq
     results: dict[str, dict[str, Result]] = {}
+    reported: set[str] = set()
     for model_name in args.models.split(","):
         cfg = model_configs(args.smoke)[model_name]
         torch.manual_seed(0)
@@ -228,31 +229,38 @@ def main() -> None:
             ratio = f"{reference.step_s / r.step_s:.2f}x" if reference else "-"
             print(f"{name:<30}{r.step_s * 1e3:>9.1f}{tokens_per_step / r.step_s:>11.0f}{mfu:>8}"
                   f"{r.peak_bytes / 2**30:>10.2f}{r.first_s:>14.1f}{ratio:>15}", flush=True)
-    report_headlines(results, args.seq, tokens_per_step, peak_tflops, args.smoke)
+            # each headline the moment its rows exist: a deadline that cuts the run keeps them
+            report_headlines(results, args.seq, tokens_per_step, peak_tflops, args.smoke, reported)
 
 
 def report_headlines(results: dict[str, dict[str, Result]], seq: int, tokens: int, peak: float | None,
-                     smoke: bool) -> None:
-    """The issue's targets, each where its variants ran."""
-    for model_name, goal in (("dense", ">= 55%"), ("moe", ">= 25%")):
+                     smoke: bool, reported: set[str]) -> None:
+    """The issue's targets, each once, as soon as the variants it compares have run."""
+
+    def once(what: str, value: float, unit: str, goal: str = "") -> None:
+        if what not in reported:
+            reported.add(what)
+            headline(what, value, unit, goal)
+
+    for model_name, goal in (("dense", ">= 55%"), ("moe", ">= 30%")):
         r = results.get(model_name, {}).get("ours bf16 compile")
         if r is not None and peak:
             cfg = model_configs(smoke)[model_name]
-            headline(f"{model_name} MFU, bf16 + compile", 100 * training_flops_per_token(cfg, seq) * tokens
-                     / r.step_s / (peak * 1e12), "%", goal)
-    dense = results.get("dense", {})
-    base = dense.get("ours bf16 compile")
-    for recipe in ("fp8_tensorwise", "fp8_rowwise"):
-        r = dense.get(f"ours {recipe} compile")
-        if base and r:
-            headline(f"dense {recipe} + compile vs bf16 + compile", base.step_s / r.step_s, "x", ">= 1.3x")
-    r = dense.get("ours fp8_blockwise")
-    if r:
-        headline("dense fp8_blockwise first step (Triton autotune)", r.first_s, "s", "<= 60 s")
+            once(f"{model_name} MFU, bf16 + compile", 100 * training_flops_per_token(cfg, seq) * tokens
+                 / r.step_s / (peak * 1e12), "%", goal)
     for model_name, rs in results.items():
+        base = rs.get("ours bf16 compile")
+        for recipe in ("fp8_tensorwise", "fp8_rowwise"):
+            r = rs.get(f"ours {recipe} compile")
+            if base and r:
+                once(f"{model_name} {recipe} + compile vs bf16 + compile", base.step_s / r.step_s, "x",
+                     ">= 1.2x" if (model_name, recipe) == ("dense", "fp8_tensorwise") else "")
+        r = rs.get("ours fp8_blockwise")
+        if r:
+            once(f"{model_name} fp8_blockwise first step (Triton autotune)", r.first_s, "s", "<= 60 s")
         ours, theirs = rs.get("ours bf16"), rs.get("transformers bf16")
         if ours and theirs:
-            headline(f"{model_name} train step vs transformers, bf16 eager", theirs.step_s / ours.step_s, "x")
+            once(f"{model_name} train step vs transformers, bf16 eager", theirs.step_s / ours.step_s, "x")
 
 
 if __name__ == "__main__":

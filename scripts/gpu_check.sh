@@ -32,6 +32,7 @@ OUT=${GPU_CHECK_OUT:-${OUT:-gpu_check}}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 RUNS=${GPU_CHECK_RUNS:-$OUT/runs}
+mkdir -p "$RUNS"
 PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 fail() { echo "scripts/gpu_check.sh: $*" >&2; exit 2; }

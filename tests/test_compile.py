@@ -157,3 +157,41 @@ def test_expert_counts_equal_bincount():
     ids = torch.randint(0, 16, (1000,), generator=torch.Generator().manual_seed(0))
     ids[ids == 3] = 4  # an expert nobody chose
     assert torch.equal(expert_counts(ids, 16), torch.bincount(ids, minlength=16))
+
+
+@pytest.mark.slow
+def test_a_batch_ramp_validation_and_generation_stay_within_the_compiled_graphs():
+    """Compiled blocks (bf16, grouped GEMM, MTP) through what a run does to them: training steps at
+    two micro-batch shapes (a batch ramp), a validation forward (eval, no grad) and a generation
+    (its shapes change every token). No graph break inside a block, and the graphs compiled stay
+    within block kinds x shapes x modes (:func:`compile_blocks`' recompile limit): before, generation
+    compiled a new graph per token length until the shared limit of 8 sent blocks back to eager."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from dsl_lit.inference.generation import generate
+    from dsl_lit.parallel.model_transforms import MODES_PER_KIND, block_kinds
+
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_name("deepseek_v3_tiny", n_layers=2, mtp_depth=1, expert_backend="grouped_mm")
+    model = build_model(cfg).to(torch.bfloat16)
+    compile_blocks(model, shapes=2)
+    kinds = len(block_kinds([*model.layers.values(), *model.mtp.values()]))
+    for rows in (2, 2, 4, 4):  # the ramp's two shapes
+        tokens = torch.randint(0, cfg.vocab_size, (rows, 33))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_and_grads(model, tokens)[0]
+        assert math.isfinite(float(loss))
+        model.zero_grad(set_to_none=True)
+    model.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randint(0, cfg.vocab_size, (4, 32)))
+    graphs_before_generation = dynamo_utils.counters["stats"]["unique_graphs"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=6)
+    assert len(out.sequences) == 2
+    assert sum(dynamo_utils.counters["graph_break"].values()) == 0, dict(dynamo_utils.counters["graph_break"])
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs_before_generation  # generation ran eagerly
+    assert 0 < graphs_before_generation <= kinds * 2 * MODES_PER_KIND, (graphs_before_generation, kinds)
+    assert torch._dynamo.config.recompile_limit >= kinds * 2 * MODES_PER_KIND

@@ -175,6 +175,7 @@ def _last_logits(
     return logits.float()
 
 
+@torch.compiler.set_stance("force_eager")  # compiled blocks (trainer.compile) run eagerly: shapes change every token
 def generate(
     model: nn.Module,
     prompts: Sequence[Sequence[int]] | Sequence[torch.Tensor],

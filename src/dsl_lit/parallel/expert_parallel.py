@@ -32,7 +32,12 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.model import ModelConfig
-from dsl_lit.models.common.moe import MoE, expert_counts, grouped_swiglu
+from dsl_lit.models.common.moe import (
+    MoE,
+    combine_expert_outputs,
+    expert_counts,
+    grouped_swiglu,
+)
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
@@ -100,7 +105,7 @@ def _all_to_all_dispatch(
 ) -> torch.Tensor:
     """``MoE._dispatch`` over ep ranks: sort copies by expert (hence by destination rank), send
     them, run the local experts on what arrived, send the outputs back, scale by the gate and
-    scatter-add. Every rank takes part in both all-to-alls, forward and backward."""
+    scatter-add (:func:`combine_expert_outputs`). Every rank takes part in both all-to-alls, forward and backward."""
     group = self.ep_group
     ep = dist.get_world_size(group)
     n_local = self.n_experts // ep
@@ -127,5 +132,4 @@ def _all_to_all_dispatch(
         out = x * 0 + (w1.sum() + w2.sum() + w3.sum()).to(x.dtype) * 0
     out = out.index_select(0, regroup.argsort())  # back to (source rank, local expert)
     returned = all_to_all_single_autograd(out, send_splits, recv_splits, group)
-    returned = returned * weights.flatten().index_select(0, order).unsqueeze(1).to(returned.dtype)
-    return torch.zeros_like(flat).index_add_(0, token_of, returned)
+    return combine_expert_outputs(returned, weights, order, torch.zeros_like(flat))

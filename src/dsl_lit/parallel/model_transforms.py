@@ -46,18 +46,39 @@ class TransformPlan:
     dispatch runs the local experts' weights directly (the strategy turns it off there)."""
 
 
-def compile_blocks(model: nn.Module) -> int:
+MODES_PER_KIND = 2
+"""Graphs one block kind may need at one shape: training (grad on) and validation (eval, no grad)."""
+
+
+def block_kinds(blocks: list[nn.Module]) -> set[tuple[str, ...]]:
+    """Blocks that trace to different graphs: their module types, child by child (a dense block and
+    an MoE block differ; all MoE blocks are one kind: their parameters are graph inputs)."""
+    return {tuple(type(m).__name__ for m in block.modules()) for block in blocks}
+
+
+def compile_blocks(model: nn.Module, shapes: int = 1) -> int:
     """Compile each transformer block of ``model`` in place (``nn.Module.compile``: names and
     checkpoint keys stay, no ``_orig_mod.``): the main layers and the MTP modules this rank holds.
     Per block, as torchtitan does: the blocks are alike, so one graph serves them all (nn modules are
-    inlined, their parameters are graph inputs) and compile time does not grow with depth."""
+    inlined, their parameters are graph inputs) and compile time does not grow with depth.
+
+    Static shapes (``dynamic=False``): a micro-batch has one shape per batch-ramp stage, and a graph
+    specialised to it is what inductor tunes best; Dynamo's recompile limit (8 by default, shared
+    by every block, since they run the same code) is raised to what the run can need, block kinds x
+    ``shapes`` (the ramp's micro-batch shapes) x :data:`MODES_PER_KIND`, so no block silently falls
+    back to eager. Generation runs the blocks eagerly (``inference.generation``): its shapes change
+    every token."""
+    import torch._dynamo
+
     blocks: list[nn.Module] = []
     for name in ("layers", "mtp"):
         container = getattr(model, name, None)
         if isinstance(container, nn.ModuleDict):
             blocks.extend(container.values())
+    needed = len(block_kinds(blocks)) * max(1, shapes) * MODES_PER_KIND
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, needed)
     for block in blocks:
-        block.compile()
+        block.compile(dynamic=False)
     return len(blocks)
 
 
@@ -89,7 +110,7 @@ def transform_model(
         elif name in steps:
             steps[name]()
         elif name == "compile" and plan.compile and fitting:
-            n = compile_blocks(model)
+            n = compile_blocks(model, shapes=2)  # a batch-ramp stage's micro-batches, and a last partial one
             log.info("trainer.compile: %d transformer blocks compiled (torch.compile, per block)", n)
         else:
             continue

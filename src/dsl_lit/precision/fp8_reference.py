@@ -171,7 +171,7 @@ class Fp8GroupedExperts(GroupedExperts):
         self.token_group_multiple = GROUPED_MM_GROUP_MULTIPLE if pad_tokens else 1
 
     @torch.compiler.disable  # per-expert shapes are data: eager, as the split backend
-    def run_groups(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def run_groups(self, x: torch.Tensor, counts: torch.Tensor, aligned_to: int = 1) -> torch.Tensor:
         outputs = []
         for e, chunk in enumerate(x.split(counts.tolist())):
             if chunk.shape[0]:
