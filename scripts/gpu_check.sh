@@ -17,7 +17,8 @@
 #      tokens, bf16 eager / compile and FP8 + compile; each headline figure printed when measured;
 #   4. with GPU_CHECK_SLOW=1, what takes over a minute: blockwise FP8 (Triton autotune) in the tests and
 #      the benchmark, the transformers rows (GPU_SLOW_TIMEOUT=240);
-#   5. with REPRODUCE=1, `make reproduce` on the GPU: reproduce=gpu_short (GPU_REPRODUCE_TIMEOUT=420).
+#   5. with REPRODUCE=1, `make reproduce` on the GPU: reproduce=gpu_short, ~4 min estimated, outputs in
+#      outputs/reproduce/gpu_short/ (GPU_REPRODUCE_TIMEOUT=420).
 # Then one summary table (device, versions, each test pass/fail/timeout with its first error line, each
 # benchmark figure): $OUT/summary.md, also printed. Everything goes under $GPU_CHECK_OUT, else the
 # caller's $OUT, else gpu_check/; recipe run dirs under $GPU_CHECK_RUNS (default $OUT/runs).
@@ -109,7 +110,7 @@ if [ "$SLOW" = 1 ]; then
 fi
 if [ "${REPRODUCE:-0}" = 1 ]; then
   part "make reproduce (gpu_short)" "${GPU_REPRODUCE_TIMEOUT:-420}" reproduce.log \
-    "$PY" recipes/reproduce.py reproduce=gpu_short "hydra.run.dir=$RUNS/reproduce"
+    "$PY" recipes/reproduce.py reproduce=gpu_short
 fi
 
 "$PY" scripts/gpu_check_summary.py "$OUT" | tee "$OUT/summary.md"
