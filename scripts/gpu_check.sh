@@ -33,7 +33,6 @@ OUT=${GPU_CHECK_OUT:-${OUT:-gpu_check}}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 RUNS=${GPU_CHECK_RUNS:-$OUT/runs}
-mkdir -p "$RUNS"
 PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 fail() { echo "scripts/gpu_check.sh: $*" >&2; exit 2; }
@@ -56,6 +55,7 @@ if ! "$PY" -c "import hydra, omegaconf, torchao" 2>/dev/null; then
       || fail "cannot import $module (${error##*$'\n'}): bring the wheels of ../shared/gpu/prepare.sh in .gpu-wheels/"
   done
 fi
+mkdir -p "$RUNS"  # pytest's --basetemp needs its parent
 export WANDB_MODE=offline WANDB_SILENT=true TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 if ! "$PY" -c "import datasets" 2>/dev/null; then
   # no data pipeline here (datasets missing): the tests read the bundled data's build brought along
