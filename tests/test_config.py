@@ -124,3 +124,20 @@ def test_hydra_full_error_keeps_the_traceback_of_a_config_error():
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" in result.stderr and "ConfigError" in result.stderr, result.stderr[-2000:]
     assert "optim.lr=-1 must be > 0" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "overrides, field, lacks",
+    [
+        (["model=deepseek_llm_tiny", "+model.n_routed_experts=32"], "model.n_routed_experts", "a router"),
+        (["model=deepseek_llm_tiny", "+model.mtp_depth=1"], "model.mtp_depth", "multi-token prediction"),
+        (["model=deepseek_llm_tiny", "+model.kv_lora_rank=64"], "model.kv_lora_rank", "latent attention"),
+        (["model=deepseek_v3_tiny", "+model.n_kv_heads=2"], "model.n_kv_heads", "one key/value head per query head"),
+    ],
+)
+def test_a_field_the_family_does_not_read_is_refused(overrides, field, lacks):
+    """Before: the same model was built and trained without a word (the dense preset stayed dense)."""
+    with pytest.raises(ConfigError, match=rf"^{field.replace('.', '[.]')} is not used by .*{lacks}"):
+        TrainConfig.from_hydra(compose_config(overrides=overrides))
+    TrainConfig.from_hydra(compose_config(overrides=["model=deepseek_v3_tiny", "+model.n_routed_experts=8",
+                                                     "+model.n_expert_groups=2", "+model.n_limited_groups=1"]))

@@ -27,6 +27,17 @@ EXPERT_BACKENDS = ("grouped_mm", "split", "loop")
 CONTEXT_FIELDS = ("max_seq_len", "rope_scaling")
 """Fields that shape no weight: a context-extension stage sets them on top of ``init_from``'s model."""
 YARN_KEYS = ("factor", "original_max_seq_len", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+LATENT_ATTENTION_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                           "rope_interleave")
+"""Fields only Multi-head Latent Attention reads."""
+GROUPED_QUERY_FIELDS = ("n_kv_heads",)
+"""Fields only grouped-query attention reads."""
+MOE_FIELDS = ("n_dense_layers", "n_routed_experts", "n_shared_experts", "n_activated_experts", "moe_ffn_hidden",
+              "n_expert_groups", "n_limited_groups", "score_func", "route_scale", "norm_topk_prob",
+              "seq_balance_alpha", "batch_balance_alpha", "expert_backend")
+"""Fields only families with a router read."""
+MTP_FIELDS = ("mtp_depth",)
+"""Fields only families with multi-token prediction read."""
 
 
 def _families() -> ModuleType:
@@ -146,6 +157,33 @@ class ModelConfig:
     def mtp_modules(self) -> int:
         """Multi-token-prediction modules the model builds: ``mtp_depth`` if the family has MTP."""
         return self.mtp_depth if self._family().mtp else 0
+
+    def unused_fields(self) -> tuple[str, ...]:
+        """The fields this config's family never reads (a value there changes nothing it builds)."""
+        card = self._family()
+        unused: list[str] = []
+        unused += GROUPED_QUERY_FIELDS if card.attention.latent else LATENT_ATTENTION_FIELDS
+        unused += () if card.moe else MOE_FIELDS
+        unused += () if card.mtp else MTP_FIELDS
+        return tuple(unused)
+
+    def refuse_unused(self, fields: Any, prefix: str = "model") -> None:
+        """ConfigError naming the first of ``fields`` (the ones the user set) that this family never
+        reads: ``+model.n_routed_experts=32`` on a dense preset would otherwise train the same dense
+        model without a word."""
+        unused = self.unused_fields()
+        for name in fields:
+            if name in unused:
+                has = {"n_kv_heads": "grouped-query attention"}.get(name) or (
+                    "latent attention (MLA)" if name in LATENT_ATTENTION_FIELDS
+                    else "a router (DeepSeekMoE)" if name in MOE_FIELDS else "multi-token prediction")
+                raise ConfigError(
+                    f"{prefix}.{name} is not used by model.name={self.name} (family {self.family}, which has no "
+                    f"{has}); drop it, or pick a preset of a family that has it (e.g. model=deepseek_v3_tiny)"
+                    if name not in GROUPED_QUERY_FIELDS else
+                    f"{prefix}.{name} is not used by model.name={self.name} (family {self.family}: its latent "
+                    "attention (MLA) has one key/value head per query head); drop it"
+                )
 
     def validate(self, prefix: str = "model") -> ModelConfig:
         """Raise ConfigError naming ``model.<field>`` for values the model cannot be built with."""

@@ -156,6 +156,7 @@ class TrainConfig:
         if "name" not in model_values:
             raise ConfigError("model.name is missing; pick a preset, e.g. model=deepseek_llm_tiny")
         model = ModelConfig.from_name(model_values.pop("name"), **model_values)
+        model.refuse_unused(model_values)
         logger_values = dict(raw.get("logger") or {})
         logger = LoggerConfig(
             wandb=dataclass_from_dict(WandbConfig, dict(logger_values.pop("wandb", None) or {"enabled": False}),
