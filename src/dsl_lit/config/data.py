@@ -103,15 +103,23 @@ class DataConfig:
     corpus_dir: str  # a directory of *.jsonl.gz documents (the bundled corpus: data/corpus)
     cache_dir: str  # the tokenizer and the packed shards are built here, once per corpus content
     tokenizer_vocab_size: int = 8192
+    """Vocabulary of the byte-level BPE tokenizer trained on the corpus (special tokens included)."""
     tokenizer_max_bytes: int | None = None
+    """Train the tokenizer on at most this many bytes of the corpus (null: all of it)."""
     tokenizer_dir: str | None = None
     """A ready tokenizer directory (a model's release: tokenizer.json + tokenizer_config.json) the
     corpus is packed with instead of training one (``tokenizer_vocab_size``/``max_bytes`` unused)."""
     seq_len: int = 256
+    """Tokens per training sequence: the packed stream is cut into windows of this length."""
     global_batch_size: int = 32
+    """Sequences per optimizer step, summed over every data-parallel rank and micro-batch."""
     micro_batch_size: int = 8
+    """Sequences per forward/backward pass on one rank; the step accumulates gradients over
+    ``global_batch_size / (micro_batch_size x data-parallel size)`` of them."""
     num_workers: int = 0
+    """DataLoader worker processes per rank (0: batches are read in the training process)."""
     seed: int = 1234
+    """Seed of the order in which the packed windows are drawn (and of the FIM choices)."""
     batch_ramp: BatchRampConfig = field(default_factory=BatchRampConfig)
     decontaminate: bool = True
     """Before tokenizing, drop corpus documents sharing a word 13-gram with the bundled evaluation

@@ -18,11 +18,18 @@ class OptimConfig:
     """The ``optim`` config group (DeepSeek LLM / V3: AdamW 0.9/0.95, wd 0.1, clip 1.0)."""
 
     lr: float = 4.2e-4
+    """Peak learning rate, reached after ``schedule.warmup_steps`` and then scaled by the schedule
+    (DeepSeek LLM 7B: 4.2e-4; V3: 2.2e-4)."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's (beta1, beta2): decay rates of the first and second moment estimates."""
     weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices and embeddings only (not to norms or biases)."""
     eps: float = 1e-8
+    """Added to the second moment's square root in AdamW's denominator."""
     grad_clip: float = 1.0
+    """Clip the global gradient norm to this before each optimizer step (0: no clipping)."""
     foreach: bool | None = None
+    """torch's multi-tensor (foreach) AdamW kernel; null: torch's choice (or ``fused`` where it applies)."""
     fused: bool | None = None
     """torch's fused AdamW kernel (CUDA and CPU; excludes ``foreach``). ``None``: fused wherever it
     applies (fp32 moments, ``foreach`` unset), as torchtitan's default: on CPU one step of the tiny
@@ -57,12 +64,20 @@ class ScheduleConfig:
     """The ``schedule`` config group. ``total_steps`` defaults to ``trainer.max_steps``."""
 
     name: ScheduleName = "multi_step"
+    """The shape after warmup: ``multi_step`` (DeepSeek LLM), ``cosine``, ``wsd`` (warmup-stable-decay),
+    ``constant``, or ``deepseek_v3_tokens`` (V3's, counted in tokens)."""
     warmup_steps: int = 2000
+    """Optimizer steps of linear warmup from ``optim.lr / warmup_steps`` to ``optim.lr``."""
     total_steps: int | None = None
+    """The steps the schedule spans (null: ``trainer.max_steps``)."""
     milestones: tuple[float, ...] = (0.8, 0.9)
+    """``multi_step``: fractions of ``total_steps`` at which the lr drops ..."""
     factors: tuple[float, ...] = (0.316, 0.1)
+    """... to these multiples of the peak (DeepSeek LLM: x0.316 at 80%, x0.1 at 90%)."""
     min_ratio: float = 0.1
+    """``cosine``, ``wsd``, ``deepseek_v3_tokens``: the final lr as a multiple of the peak."""
     decay_fraction: float = 0.2
+    """``wsd``: the share of ``total_steps``, at the end, over which the lr decays linearly."""
     # -- deepseek_v3_tokens: counted in training tokens (DeepSeek-V3 section 4.2) --------------------------
     stable_tokens: float = 10e12
     """Peak lr after warmup until this many tokens (V3: 10T) ..."""
