@@ -39,6 +39,7 @@ from dsl_lit.training.callbacks.rng_state import RNGStateCallback
 from dsl_lit.training.callbacks.throughput import ThroughputMonitor
 from dsl_lit.training.loggers import RunCSVLogger
 from dsl_lit.training.pretrained import StartingWeights
+from dsl_lit.training.resume_command import stop_hint
 from dsl_lit.training.runs import finish_run
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,7 @@ def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = N
     if ckpt.enabled:
         callbacks.append(StepCheckpoint(checkpoint_dir(cfg), ckpt.every_n_steps, ckpt.every_minutes))
     callbacks.append(RNGStateCallback())
-    callbacks.append(RankFailureReporter(checkpoint_dir(cfg)))
+    callbacks.append(RankFailureReporter(checkpoint_dir(cfg), resume=stop_hint(cfg)))
     callbacks.append(PreemptionHandler())  # before the checkpoint callback (Lightning runs those last)
     # One process: Lightning's single-device strategy. Several: ours (pp x dp x tp mesh, ZeRO-1).
     # Both save and load the same sharded, layout-independent checkpoints.
@@ -193,12 +194,21 @@ def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = N
 
 def fit(cfg: TrainConfig, module: L.LightningModule, datamodule: L.LightningDataModule) -> L.Trainer:
     """Build the trainer and fit, resuming from the run dir's latest checkpoint. A SIGTERM leaves
-    the current step's checkpoint and exits 143 (rerun the same command to resume)."""
+    the current step's checkpoint and exits 143; a bad-step stop (``trainer.max_bad_steps``
+    non-finite steps in a row) exits 1 with the last good checkpoint intact. Either logs one line
+    ending with the run dir and the command that resumes it (:func:`stop_hint`: the run's resolved
+    ``run_name`` pinned; rerunning a command whose ``run_name`` is the default start time would start
+    a new run)."""
     trainer = build_trainer(cfg)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume_path(cfg))
     except SIGTERMException:
-        log.warning("SIGTERM at step %d: checkpoint saved; rerun the same command to resume", trainer.global_step)
+        if trainer.is_global_zero:
+            log.warning("SIGTERM at step %d: checkpoint saved; %s", trainer.global_step, stop_hint(cfg))
         raise SystemExit(143) from None
+    except FloatingPointError as error:  # raised by CausalLMModule._guard_bad_steps, before any bad update or save
+        if trainer.is_global_zero:
+            log.error("stopped at step %d: %s; %s", trainer.global_step, error, stop_hint(cfg))
+        raise SystemExit(1) from None
     finish_run(trainer)
     return trainer

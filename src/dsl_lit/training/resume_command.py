@@ -55,7 +55,7 @@ def resume_command(cfg: Any, argv: Sequence[str] | None = None) -> str:
     pinned (``hydra.run.dir=<job dir>``); in a rank that Lightning's launcher started, the overrides
     that launcher appended are dropped (the launching process's command resumes every rank)."""
     argv = _without_rank_overrides(list(sys.argv if argv is None else argv))
-    run_dir = str(getattr(cfg, "run_dir", "."))
+    run_dir = _hydra_output_dir() or str(getattr(cfg, "run_dir", "."))
     raw = getattr(cfg, "raw", None) or {}
     options, overrides = _split(argv[1:])
     job_overrides = _multirun_job_overrides(options)
@@ -124,6 +124,17 @@ def _multirun_job_overrides(options: Sequence[str]) -> list[str] | None:
             return None
         return list(hydra_cfg.overrides.task)
     except Exception:  # noqa: BLE001 - no Hydra context (a test, a notebook): the command line as given
+        return None
+
+
+def _hydra_output_dir() -> str | None:
+    """The recipe's run dir as Hydra made it (a stage may train in a subfolder of it, e.g. GRPO's
+    ``cold_start``), or None outside a Hydra run."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return str(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else None
+    except Exception:  # noqa: BLE001 - no Hydra context
         return None
 
 
@@ -211,6 +222,8 @@ class ResolveLatestRun(Callback):
         from omegaconf import open_dict, read_write
 
         root = outputs_root(config)
+        if root is None and str(config.hydra.job.get("name", "")).startswith("train_ddp_process_"):
+            return  # a rank Lightning's launcher started: its run dir is the launching process's
         if root is None:
             _exit(f"run_name={LATEST} needs hydra.run.dir to end with ${{run_name}} (it is {config.hydra.run.dir!r})")
         run = latest_run(root)

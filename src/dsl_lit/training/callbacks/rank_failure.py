@@ -54,9 +54,12 @@ def unresponsive_ranks(rank: int, world_size: int, wait_s: float = 5.0) -> list[
 class RankFailureReporter(L.Callback):
     """On a collective failure, log which ranks were lost and where a rerun resumes."""
 
-    def __init__(self, checkpoint_dir: str | Path, wait_s: float = 5.0) -> None:
+    def __init__(self, checkpoint_dir: str | Path, wait_s: float = 5.0, resume: str | None = None) -> None:
+        """``resume``: what the report ends with (the run dir and the command that resumes it,
+        :func:`~dsl_lit.training.resume_command.stop_hint`); default: rerun the same command."""
         self.checkpoint_dir = Path(checkpoint_dir)
         self.wait_s = wait_s
+        self.resume = resume
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if trainer.world_size == 1 or not is_collective_failure(exception) or not dist.is_initialized():
@@ -64,10 +67,11 @@ class RankFailureReporter(L.Callback):
         lost = unresponsive_ranks(trainer.global_rank, trainer.world_size, self.wait_s)
         who = "rank 0 (it hosts the rendezvous store)" if lost is None else (
             "rank(s) " + ", ".join(map(str, lost)) if lost else "no rank (all checked in; a network failure?)")
+        where = f"the latest complete checkpoint in {self.checkpoint_dir}"
         log.error(
-            "rank %d: a collective failed (%s); lost %s. Rerun the same command to resume from the latest "
-            "complete checkpoint in %s", trainer.global_rank, str(exception).splitlines()[0][:200], who,
-            self.checkpoint_dir,
+            "rank %d: a collective failed (%s); lost %s. %s", trainer.global_rank,
+            str(exception).splitlines()[0][:200], who,
+            f"Resume from {where}: {self.resume}" if self.resume else f"Rerun the same command to resume from {where}",
         )
 
     def state_dict(self) -> dict[str, Any]:
