@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 from dsl_lit.config import TrainConfig
 from dsl_lit.data.datamodule import PretrainDataModule
+from dsl_lit.scaling.planner.fits import refuse_what_cannot_fit
 from dsl_lit.training import PretrainModule
 from dsl_lit.training.build import fit, module_arguments, starting_weights
 from dsl_lit.training.runs import check_vocab, exits_on_config_error, save_resolved_config
@@ -26,6 +27,7 @@ def main(hydra_cfg: DictConfig) -> None:
     #    architecture (a checkpoint or an HF directory) replaces the model group.
     cfg = TrainConfig.from_hydra(hydra_cfg, run_dir=HydraConfig.get().runtime.output_dir)
     initial_state = starting_weights(cfg, cfg.init_from)
+    refuse_what_cannot_fit(cfg)  # the planner's memory estimate against this machine: one line, exit 2
     save_resolved_config(cfg)
     L.seed_everything(cfg.trainer.seed, workers=True)
 

@@ -41,3 +41,27 @@ def test_recipes_refuse_bad_input_files_in_one_line(tmp_path):
     (run / "metrics.csv").write_bytes(os.urandom(4096))
     assert_one_line(recipe("report.py", f"run={run}", cwd=tmp_path), "metrics.csv")
     assert not (run / "report").exists()
+
+
+def test_a_model_that_cannot_fit_is_refused_before_it_is_built(tmp_path):
+    """``model=deepseek_v3_671b`` on this machine: one line from the planner's memory estimate, exit 2,
+    no data built and nothing allocated (before: the model grew to the memory limit and died)."""
+    result = recipe("pretrain.py", "model=deepseek_v3_671b", "logger=csv", f"hydra.run.dir={tmp_path / 'run'}",
+                    f"data.cache_dir={tmp_path / 'never_built'}", cwd=tmp_path)
+    assert_one_line(result, "model.name=deepseek_v3_671b needs ~")
+    assert "GiB per process" in result.stderr and "parallel.tp/pp/ep" in result.stderr
+    assert not (tmp_path / "never_built").exists()
+
+
+def test_the_memory_check_follows_the_planners_estimate():
+    from dsl_lit.config import TrainConfig
+    from dsl_lit.config.errors import ConfigError
+    from dsl_lit.scaling.planner.fits import plan_layout_of, refuse_what_cannot_fit
+    from dsl_lit.scaling.planner.memory import estimate_memory
+    from tests.conftest import compose_config
+
+    cfg = TrainConfig.from_hydra(compose_config(overrides=["model=deepseek_llm_tiny"]))
+    needed = estimate_memory(cfg.model, plan_layout_of(cfg)).total
+    refuse_what_cannot_fit(cfg, available=int(needed) + 1)
+    with pytest.raises(ConfigError, match=r"^model\.name=deepseek_llm_tiny needs ~0\.2 GiB per process"):
+        refuse_what_cannot_fit(cfg, available=int(needed) - 1)

@@ -17,6 +17,7 @@ from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.posttrain import PostTrainConfig
 from dsl_lit.data.datamodule import PretrainDataModule
 from dsl_lit.posttrain.chat.tokenizer import ChatTokenizer
+from dsl_lit.scaling.planner.fits import refuse_what_cannot_fit
 from dsl_lit.training.build import (  # also registers ${project_root:}
     build_trainer,
     module_arguments,
@@ -44,6 +45,7 @@ def setup_posttrain(hydra_cfg: DictConfig, run_dir: str, init_from: str | None =
     cfg = TrainConfig.from_hydra(hydra_cfg, run_dir=run_dir, post_training=True)
     post = cfg.post
     initial_state = starting_weights(cfg, init_from or cfg.init_from)
+    refuse_what_cannot_fit(cfg)
     save_resolved_config(cfg)
     datamodule = PretrainDataModule(cfg.data)
     if Path(post.tokenizer_dir).resolve() == datamodule.tokenizer_dir.resolve():
