@@ -55,7 +55,7 @@ def resume_command(cfg: Any, argv: Sequence[str] | None = None) -> str:
     pinned (``hydra.run.dir=<job dir>``); in a rank that Lightning's launcher started, the overrides
     that launcher appended are dropped (the launching process's command resumes every rank)."""
     argv = _without_rank_overrides(list(sys.argv if argv is None else argv))
-    run_dir = _hydra_output_dir() or str(getattr(cfg, "run_dir", "."))
+    run_dir = _recipe_run_dir(str(getattr(cfg, "run_dir", ".")))
     raw = getattr(cfg, "raw", None) or {}
     options, overrides = _split(argv[1:])
     job_overrides = _multirun_job_overrides(options)
@@ -127,15 +127,18 @@ def _multirun_job_overrides(options: Sequence[str]) -> list[str] | None:
         return None
 
 
-def _hydra_output_dir() -> str | None:
-    """The recipe's run dir as Hydra made it (a stage may train in a subfolder of it, e.g. GRPO's
-    ``cold_start``), or None outside a Hydra run."""
+def _recipe_run_dir(run_dir: str) -> str:
+    """The recipe's run dir as Hydra made it when ``run_dir`` lies inside it (a stage may train in a
+    subfolder, e.g. GRPO's ``cold_start``), else ``run_dir``."""
     try:
         from hydra.core.hydra_config import HydraConfig
 
-        return str(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else None
-    except Exception:  # noqa: BLE001 - no Hydra context
-        return None
+        if not HydraConfig.initialized():
+            return run_dir
+        hydra_dir = Path(str(HydraConfig.get().runtime.output_dir)).absolute()
+    except Exception:  # noqa: BLE001 - no Hydra context (a test, a notebook)
+        return run_dir
+    return str(hydra_dir) if Path(run_dir).absolute().is_relative_to(hydra_dir) else run_dir
 
 
 def _run_name(name: Any, run_dir: str) -> str | None:
