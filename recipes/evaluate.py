@@ -13,6 +13,13 @@ Options and their defaults: conf/evaluate.yaml.
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):  # groups and keys explained, before torch loads
+    from dsl_lit.config.help import print_recipe_help
+
+    print_recipe_help(__file__)
+
 from pathlib import Path
 
 import hydra

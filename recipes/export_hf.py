@@ -17,8 +17,14 @@ Options and their defaults: ``conf/export_hf.yaml`` (``key=value`` as with Hydra
 
 from __future__ import annotations
 
-import logging
 import sys
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):  # groups and keys explained, before torch loads
+    from dsl_lit.config.help import print_recipe_help
+
+    print_recipe_help(__file__)
+
+import logging
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -40,8 +46,9 @@ def parse_args(argv: list[str]) -> DictConfig:
     OmegaConf.set_struct(cfg, True)
     usage = f"usage: python recipes/export_hf.py checkpoint=<dir> output=<dir> [key=value ...]; keys: {list(cfg)}"
     if any(arg in ("-h", "--help") for arg in argv):
-        print(__doc__.strip() + "\n\n" + usage + "\n\n" + EXPORT_CONFIG.read_text())
-        raise SystemExit(0)
+        from dsl_lit.config.help import print_recipe_help
+
+        print_recipe_help(__file__, argv)
     bad = [arg for arg in argv if "=" not in arg or arg.startswith("-")]
     if bad:
         raise SystemExit(f"export_hf: error: {bad[0]!r} is not a key=value override\n{usage}")

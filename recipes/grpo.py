@@ -11,6 +11,13 @@ its last checkpoint. A rerun of the same run dir resumes GRPO from its latest ch
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):  # groups and keys explained, before torch loads
+    from dsl_lit.config.help import print_recipe_help
+
+    print_recipe_help(__file__)
+
 import logging
 from pathlib import Path
 

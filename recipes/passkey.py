@@ -11,6 +11,13 @@ run directory (outputs/passkey/<time>/). Options and their defaults: conf/passke
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):  # groups and keys explained, before torch loads
+    from dsl_lit.config.help import print_recipe_help
+
+    print_recipe_help(__file__)
+
 import json
 import logging
 from pathlib import Path

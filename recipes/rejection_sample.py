@@ -12,6 +12,13 @@ is the same for any number), e.g. ``init_from=... trainer.devices=4``.
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):  # groups and keys explained, before torch loads
+    from dsl_lit.config.help import print_recipe_help
+
+    print_recipe_help(__file__)
+
 from pathlib import Path
 
 import hydra

@@ -10,6 +10,13 @@ evaluation metrics (eval/<task>/<metric>); each only when the run logged it.
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):  # groups and keys explained, before torch loads
+    from dsl_lit.config.help import print_recipe_help
+
+    print_recipe_help(__file__)
+
 import csv
 from pathlib import Path
 

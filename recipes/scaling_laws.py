@@ -18,6 +18,13 @@ fitted exponent is 0.
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):  # groups and keys explained, before torch loads
+    from dsl_lit.config.help import print_recipe_help
+
+    print_recipe_help(__file__)
+
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
