@@ -227,7 +227,7 @@ def recipe_config(recipe: Path) -> tuple[Path, str, bool]:
     else ``conf/<file name>.yaml`` (a recipe that parses ``key=value`` itself, as ``export_hf.py``)."""
     conf, name, hydra_main = recipe.resolve().parents[1] / "conf", recipe.stem, False
     for node in ast.walk(ast.parse(recipe.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "main":
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "hydra.main":
             kwargs = {k.arg: k.value.value for k in node.keywords if isinstance(k.value, ast.Constant)}
             name, hydra_main = kwargs.get("config_name") or name, True
             if kwargs.get("config_path"):
@@ -401,7 +401,8 @@ class HelpPage:
                 out += textwrap.wrap(line + ("; also " + ", ".join(others) if others else ""), width=width,
                                      subsequent_indent="      ")
             out.append("")
-        out.append("== Keys: change one with key=value; + marks a key the YAML leaves out (set it with +key=value) ==")
+        out.append("== Keys: change one with key=value" + ("; + marks a key the YAML leaves out (set it with "
+                   "+key=value) ==" if self.hydra_main else " =="))
         for section in self.sections(only):
             out.append("")
             out.append(f"{section.name}:")
