@@ -145,3 +145,6 @@ def test_a_hung_rank_stops_the_others_after_the_collective_timeout(tmp_path):
     assert process.returncode not in (0, None), output[-3000:]
     assert 15 <= seconds < 15 + 45, output[-3000:]
     assert "lost rank(s) 1" in output, output[-3000:]
+    # the report ends with the run dir and the command that resumes it (tests/test_resume_command.py runs one)
+    assert re.search(r"lost rank\(s\) 1\. Resume from the latest complete checkpoint in \S+: run dir \S+; resume with: "
+                     r"\S+ \S+/recipes/pretrain\.py .*hydra\.run\.dir=", output), output[-3000:]
