@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dsl_lit.config.reproduce import ReproduceConfig
 from dsl_lit.config.schema import dataclass_from_dict
-from dsl_lit.reproduce.preflight import check_commands, check_packages
+from dsl_lit.reproduce.preflight import check_commands, check_device, check_packages
 from dsl_lit.reproduce.runner import StageFailed, run_stages
 from dsl_lit.reproduce.stages import STAGE_TABLE
 from dsl_lit.training.runs import exits_on_config_error
@@ -36,6 +36,7 @@ def main(hydra_cfg: DictConfig) -> None:
     values = OmegaConf.to_container(hydra_cfg.reproduce, resolve=True)
     cfg = dataclass_from_dict(ReproduceConfig, values, "reproduce").validate()
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    check_device(cfg)  # a GPU preset needs a GPU here
     check_commands(cfg, STAGE_TABLE, run_dir)  # every stage's command composes and validates, before any runs
     check_packages(cfg, run_dir)  # and the packages the stages need are here (lm-eval's absence skips the evaluation)
     try:

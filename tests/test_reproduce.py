@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from hydra import compose
 
@@ -334,3 +336,25 @@ def test_paths_reach_the_recipes_as_one_value_whatever_they_hold(path):
 
     override = OverridesParser.create().parse_override(path_override("init_from", path))
     assert override.key_or_group == "init_from" and override.value() == path
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("seq_len", -128, "reproduce.seq_len=-128 must be a positive integer"),
+    ("seq_len", 0, "reproduce.seq_len=0 must be a positive integer"),
+    ("micro_batch_size", 0, "reproduce.micro_batch_size=0 must be a positive integer"),
+    ("pretrain_tokens", 10**15, "reproduce.pretrain_tokens=1000000000000000 is over 1e+10"),
+])
+def test_sizes_that_hang_or_crash_the_start_up_are_one_line(field, value, message):
+    """Before: seq_len=-128 hung at start-up (the step-count loop never ended), a huge budget sat
+    silent for minutes, micro_batch_size=0 and seq_len=0 were tracebacks (ZeroDivisionError)."""
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
+        ReproduceConfig(**{field: value}).validate()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")
+def test_a_gpu_preset_is_refused_at_start_up_without_a_gpu(tmp_path):
+    """Before: reproduce=gpu_small on a CPU ran until its first stage failed."""
+    result = reproduce(tmp_path / "run", "reproduce=gpu_short")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "reproduce=gpu_short trains on a GPU (reproduce.device=cuda) and torch sees none here" in result.stderr
+    assert not (tmp_path / "run" / "scaling").exists()

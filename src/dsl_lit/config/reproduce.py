@@ -18,6 +18,11 @@ STAGES = ("scaling", "data", "pretrain", "pretrain_no_mtp", "pretrain_no_bias", 
 earlier stages each one reads."""
 
 
+MAX_PRETRAIN_TOKENS = 10**10
+"""A miniature's ceiling (gpu_small trains ~10^8 tokens): above it the start-up arithmetic of the
+stages' schedules runs for minutes before a line is printed."""
+
+
 @dataclass
 class ReproduceConfig:
     name: str = "cpu_mini"
@@ -64,6 +69,13 @@ class ReproduceConfig:
         for stage, values in self.overrides.items():
             if not isinstance(values, list) or not all(isinstance(v, str) and "=" in v for v in values):
                 raise ConfigError(f"reproduce.overrides.{stage} must be a list of Hydra overrides key=value, got {values!r}")
+        for key in ("seq_len", "micro_batch_size", "pretrain_tokens"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"reproduce.{key}={value!r} must be a positive integer")
+        if self.pretrain_tokens > MAX_PRETRAIN_TOKENS:
+            raise ConfigError(f"reproduce.pretrain_tokens={self.pretrain_tokens} is over {MAX_PRETRAIN_TOKENS:.0e}: "
+                              "make reproduce is DeepSeek in miniature; train at scale with recipes/pretrain.py")
         if self.pretrain_tokens < self.seq_len:
             raise ConfigError(f"reproduce.pretrain_tokens={self.pretrain_tokens} is less than one sequence "
                               f"(reproduce.seq_len={self.seq_len})")

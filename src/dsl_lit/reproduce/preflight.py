@@ -90,6 +90,18 @@ def check_commands(cfg: ReproduceConfig, stages: Sequence[Stage], run_dir: Path)
     return configs
 
 
+def check_device(cfg: ReproduceConfig) -> None:
+    """A GPU preset on a machine whose torch sees no GPU stops at start-up, in one line (before,
+    ``reproduce=gpu_small`` on a CPU ran until its first stage failed)."""
+    if cfg.device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"reproduce={cfg.name} trains on a GPU (reproduce.device=cuda) and torch sees none here "
+                          f"(torch {torch.__version__}): run it on a GPU machine, or use reproduce=cpu_mini")
+
+
 def check_packages(cfg: ReproduceConfig, run_dir: Path) -> None:
     """A stage this machine cannot run stops the run at start-up: the data pipeline needs
     ``datasets`` (``reproduce.data_build`` feeds the stages without it). A missing lm-eval only
