@@ -1,6 +1,6 @@
 """GRPO with rule-based rewards (DeepSeek-R1's reasoning RL). Copy to adapt.
 
-    python recipes/grpo.py                                  # CPU demo: cold-start SFT, then GRPO on arithmetic
+    python recipes/grpo.py                                  # CPU demo: cold-start SFT, then GRPO on task=largest
     python recipes/grpo.py init_from=outputs/sft/<run>      # skip the cold start: start from a checkpoint
     python recipes/grpo.py grpo.group_size=16 grpo.iterations=2 grpo.loss_type=dapo grpo.rewards.language=0.1
 

@@ -169,7 +169,7 @@ class LocalStepRunner:
 
     def generation_group(self, same_calls_on_every_replica: bool = True) -> dist.ProcessGroup | None:
         """The ranks that sample from the sharded model together (None: a rank holds the whole model,
-        or samples from a whole copy of it); see ``DeepSeekStrategy.generation_group``."""
+        or samples from a whole copy of it); see :meth:`MeshStepRunner.generation_group`."""
         return None
 
     def inference_view(self, model: nn.Module) -> nn.Module | PipelinedInference:
