@@ -160,3 +160,33 @@ def test_latest_without_a_run_to_resume_is_one_line_and_exit_2(tmp_path):
         "error: run_name=latest: no run under outputs/pretrain has a complete checkpoint to resume; start one "
         "without run_name=latest (or name a run: run_name=<name>)"]
     assert not (tmp_path / "outputs").exists()  # no run dir named "latest" was made
+
+
+def test_a_multirun_job_resumes_as_a_single_run_of_its_own_overrides(tmp_path, monkeypatch):
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    monkeypatch.chdir(tmp_path)
+    job_dir = tmp_path / "multirun/pretrain/2025-01-02_03-04-05/1"
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", OmegaConf.create({"hydra": {
+        "mode": RunMode.MULTIRUN, "overrides": {"task": ["optim.lr=3e-3"]}, "runtime": {"output_dir": str(job_dir)}}}))
+    run = cfg(job_dir, "2025-01-02_03-04-06")
+    argv = ["r.py", "-m", "optim.lr=1e-3,3e-3", "hydra.job.chdir=false", "hydra.sweep.dir=sweeps"]
+    assert shlex.split(resume_command(run, argv))[1:] == [
+        "r.py", "optim.lr=3e-3", "hydra.job.chdir=false", "hydra.run.dir=multirun/pretrain/2025-01-02_03-04-05/1"]
+
+
+def test_a_stage_in_a_subfolder_of_the_run_resumes_the_recipes_run(tmp_path, monkeypatch):
+    """GRPO's cold start trains in ``<run dir>/cold_start``: the command names the recipe's run."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "outputs/grpo/2025-01-02_03-04-05"
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", OmegaConf.create({"hydra": {
+        "mode": RunMode.RUN, "overrides": {"task": []}, "runtime": {"output_dir": str(run_dir)}}}))
+    stage = cfg(run_dir / "cold_start", "2025-01-02_03-04-05")
+    assert shlex.split(resume_command(stage, ["recipes/grpo.py"]))[2:] == ["run_name=2025-01-02_03-04-05"]
+    assert stop_hint(stage, ["recipes/grpo.py"]).startswith("run dir outputs/grpo/2025-01-02_03-04-05/cold_start; ")

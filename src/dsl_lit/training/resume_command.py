@@ -43,6 +43,8 @@ _RUN_NAME = re.compile(r"^(\+{0,2}run_name=|~run_name(=|$))")
 _VALUE_OPTIONS = frozenset({"-cn", "--config-name", "-cp", "--config-path", "-cd", "--config-dir", "-c", "--cfg",
                             "-p", "--package", "--experimental-rerun"})
 _MULTIRUN = frozenset({"-m", "--multirun"})
+# A multirun's Hydra overrides that a single run of one of its jobs does without.
+_SWEEP_ONLY = ("hydra.sweep", "hydra.sweeper", "hydra.launcher", "hydra.run.dir=", "hydra.mode=", "hydra.job.num=")
 
 
 def resume_command(cfg: Any, argv: Sequence[str] | None = None) -> str:
@@ -60,7 +62,8 @@ def resume_command(cfg: Any, argv: Sequence[str] | None = None) -> str:
     options, overrides = _split(argv[1:])
     job_overrides = _multirun_job_overrides(options)
     if job_overrides is not None:  # a multirun job: its own overrides, its own directory
-        overrides = [*job_overrides, f"hydra.run.dir={_shown(run_dir)}"]
+        kept = [o for o in overrides if o.startswith("hydra.") and not o.startswith(_SWEEP_ONLY)]
+        overrides = [*job_overrides, *kept, f"hydra.run.dir={_shown(run_dir)}"]
     if not _fixed_run_dir(overrides):  # the run dir is named by run_name: pin it
         name = _run_name(raw.get("run_name"), run_dir)
         overrides = [o for o in overrides if not _RUN_NAME.match(o)]
