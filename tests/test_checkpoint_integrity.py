@@ -216,15 +216,23 @@ def test_a_named_checkpoint_that_is_damaged_is_an_error_not_a_fallback(four_step
 
 
 def test_readers_verify_checksums(four_steps, caplog):
-    """The HF export and post-training's init_from read checkpoints through ``find_checkpoint``."""
+    """The HF export, evaluation and init_from read checkpoints through ``find_checkpoint``: a run
+    whose newest checkpoint was written whole and is damaged since is an error naming it and the
+    older step to name instead (before: the older step silently stood in, and a reproduce stage
+    trained on it); an interrupted save (no meta.json) is still skipped for the latest complete one."""
     nan_tensor(four_steps / "step-4")
     assert latest_checkpoint(four_steps) == four_steps / "step-4"  # sizes and headers only
     with caplog.at_level(logging.WARNING):
         assert latest_checkpoint(four_steps, verify=True) == four_steps / "step-2"
-        assert find_checkpoint(four_steps) == four_steps / "step-2"
     assert "step-4" in caplog.text and "checksum" in caplog.text
+    with pytest.raises(FileNotFoundError, match=r"its newest checkpoint step-4 is corrupt \(shards/.*checksum.*"
+                                                r"checkpoint=.*step-2"):
+        find_checkpoint(four_steps)
     with pytest.raises(FileNotFoundError, match="checksum"):
         find_checkpoint(four_steps / "step-4")
+    assert find_checkpoint(four_steps / "step-2") == four_steps / "step-2"
+    (four_steps / "step-4" / "meta.json").unlink()  # an interrupted save instead: skipped, as resuming does
+    assert find_checkpoint(four_steps) == four_steps / "step-2"
 
 
 # -- one directory per step, retention, all broken ---------------------------------------------------

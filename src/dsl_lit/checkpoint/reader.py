@@ -68,9 +68,10 @@ def find_checkpoint(path: str | Path) -> Path:
             raise MissingInputError(f"checkpoint={path} is corrupt: {problem}; pick another step")
         return directory
     # Imported here: it imports Lightning (seconds), which exporting one step directory does not need.
-    from dsl_lit.checkpoint.directory import latest_checkpoint
+    from dsl_lit.checkpoint.directory import latest_checkpoint, step_dirs
 
     root = directory / "checkpoints" if (directory / "checkpoints").is_dir() else directory
+    refuse_a_damaged_newest(path, root, step_dirs(root))
     latest = latest_checkpoint(root, verify=True)
     if latest is None:
         raise MissingInputError(
@@ -79,6 +80,26 @@ def find_checkpoint(path: str | Path) -> Path:
         )
     log.info("checkpoint=%s: using its latest complete checkpoint %s", path, latest)
     return latest
+
+
+def refuse_a_damaged_newest(path: str | Path, root: Path, steps: list[tuple[int, Path]]) -> None:
+    """A run's newest checkpoint that was written whole (its ``meta.json`` is there) and is damaged
+    since is an error, not a fallback: a reader (``init_from``, the HF export, evaluation) of a
+    finished run would otherwise silently take an older step (a reproduce stage trained on
+    pretraining's step 12 when step 15 was corrupt). An interrupted save (no ``meta.json``) is still
+    skipped for the latest complete step, as resuming does."""
+    for _, child in steps:
+        if not (child / "meta.json").exists():
+            continue  # an interrupted save: latest_checkpoint skips it
+        problem = checkpoint_problem(child) or checksum_problem(child)
+        if problem is None:
+            return
+        older = next((c for _, c in steps if c != child and (c / "meta.json").exists()), None)
+        raise MissingInputError(
+            f"checkpoint={path}: its newest checkpoint {child.name} is corrupt ({problem}); an older step would "
+            "silently stand in for it: restore it, or name a step explicitly"
+            + (f" (checkpoint={older} or init_from={older})" if older else "")
+        )
 
 
 def model_config(checkpoint: Path) -> ModelConfig:
