@@ -296,3 +296,33 @@ def test_an_index_may_not_point_outside_its_directory(tmp_path: Path) -> None:
     (child / "linked.safetensors").symlink_to(base / "model.safetensors")
     with pytest.raises(ConfigError, match="outside"):
         from_pretrained(child)
+
+
+def test_a_hugging_face_hub_snapshot_loads_through_its_blob_symlinks(tmp_path: Path) -> None:
+    """The hub cache's layout (``models--org--name/snapshots/<rev>/<file>`` symlinked into
+    ``../../blobs/<hash>``): before, refused as "maps tensors to files outside"; now it loads as the
+    same files copied would, while an index entry that walks out of the snapshot is still refused."""
+    import hashlib
+
+    model = _model()
+    plain = tmp_path / "plain"
+    save_pretrained(model, plain)
+    (plain / "model.safetensors").rename(plain / "model-00001-of-00001.safetensors")
+    names = list(json.loads((plain / "model-00001-of-00001.safetensors").read_bytes()[8:8 + int.from_bytes(
+        (plain / "model-00001-of-00001.safetensors").read_bytes()[:8], "little")]))
+    index = {"metadata": {}, "weight_map": {n: "model-00001-of-00001.safetensors" for n in names if n != "__metadata__"}}
+    (plain / "model.safetensors.index.json").write_text(json.dumps(index))
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot = repo / "snapshots" / "0123abc"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for file in plain.iterdir():
+        blob = repo / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+        blob.write_bytes(file.read_bytes())
+        (snapshot / file.name).symlink_to(Path("../..") / "blobs" / blob.name)
+    torch.testing.assert_close(_logits(from_pretrained(snapshot)[0]), _logits(from_pretrained(plain)[0]), atol=0, rtol=0)
+    (snapshot / "model.safetensors.index.json").unlink()
+    (snapshot / "model.safetensors.index.json").write_text(json.dumps(
+        {**index, "weight_map": dict.fromkeys(index["weight_map"], "../../blobs/" + next((repo / "blobs").iterdir()).name)}))
+    with pytest.raises(ConfigError, match="outside"):
+        from_pretrained(snapshot)

@@ -49,6 +49,16 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+def hub_blobs(directory: Path) -> Path | None:
+    """The ``blobs/`` folder of a Hugging Face hub cache entry when ``directory`` is one of its
+    snapshots (``models--org--name/snapshots/<revision>``, whose files are symlinks into
+    ``../../blobs/``): the same download, so its shards may resolve there. None otherwise."""
+    if directory.parent.name != "snapshots":
+        return None
+    blobs = directory.parent.parent / "blobs"
+    return blobs.resolve() if blobs.is_dir() and not blobs.is_symlink() else None
+
+
 def weight_map(directory: Path) -> dict[str, Path]:
     """Tensor name -> safetensors file holding it, from a single file or a sharded index."""
     single = directory / SAFE_WEIGHTS_NAME
@@ -62,12 +72,16 @@ def weight_map(directory: Path) -> dict[str, Path]:
         if not isinstance(mapping, dict) or not mapping:
             raise ConfigError(f"{index} has no 'weight_map'")
         files = {name: directory / fname for name, fname in mapping.items()}
-        root = directory.resolve()
+        roots = [directory.resolve()]
+        blobs = hub_blobs(directory)
         outside = sorted({fname for fname, path in zip(mapping.values(), files.values())
-                          if not path.resolve().is_relative_to(root)})
+                          if not path.resolve().is_relative_to(roots[0])
+                          and not (blobs is not None and Path(fname).name == fname
+                                   and path.resolve().is_relative_to(blobs))})
         if outside:  # symlinks resolved: a shard list may not reach files the user did not name
             raise ConfigError(f"{index} maps tensors to files outside {directory}: {few(outside)}; "
-                              "every shard must lie in the checkpoint directory")
+                              "every shard must lie in the checkpoint directory (or, for a Hugging Face hub "
+                              "snapshot, in its blobs/)")
         absent = sorted({str(p.name) for p in files.values() if not p.is_file()})
         if absent:
             raise ConfigError(f"{index} names shard(s) that are not in {directory}: {few(absent)}")
