@@ -12,8 +12,14 @@ skips finished stages and resumes an interrupted one from its checkpoints.
 
 from __future__ import annotations
 
-import logging
 import sys
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):  # groups and keys explained, before torch loads
+    from dsl_lit.config.help import print_recipe_help
+
+    print_recipe_help(__file__)
+
+import logging
 from pathlib import Path
 
 import hydra
