@@ -21,6 +21,7 @@ import csv
 from pathlib import Path
 
 import hydra
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from dsl_lit.config.errors import ConfigError
@@ -36,7 +37,7 @@ def main(cfg: DictConfig) -> list[Path]:
         raise ConfigError("run= is required: python recipes/report.py run=outputs/pretrain/<run>")
     run = Path(str(cfg.run))
     if not (run / METRICS_FILE).is_file():
-        raise ConfigError(f"run={cfg.run} holds no {METRICS_FILE}; point it at a run directory (logger.csv=true)")
+        raise ConfigError(f"run={cfg.run} holds no {METRICS_FILE}: {why_no_metrics(run)}")
     try:
         paths = draw_report(run, cfg.output)
     except csv.Error as error:
@@ -47,6 +48,26 @@ def main(cfg: DictConfig) -> list[Path]:
     for path in paths:
         print(path)
     return paths
+
+
+def why_no_metrics(run: Path) -> str:
+    """Why a directory has no metrics.csv: not there, not a run directory, a run made with
+    ``logger.csv=false``, or a run that has not logged a step (yet)."""
+    if not run.is_dir():
+        return "no such directory"
+    config = next((p for p in (run / "resolved_config.yaml", run / ".hydra" / "config.yaml") if p.is_file()), None)
+    if config is None:
+        return "it is not a run directory (no resolved_config.yaml); point run= at outputs/<recipe>/<run>"
+    try:
+        raw = yaml.safe_load(config.read_text())
+        csv_on = (raw.get("logger") or {}).get("csv", True) if isinstance(raw, dict) else True
+    except (yaml.YAMLError, AttributeError):
+        csv_on = True
+    if csv_on is False:
+        return f"the run was made with logger.csv=false ({config.name}); its metrics are in W&B only"
+    checkpoints = sorted((run / "checkpoints").glob("step-*")) if (run / "checkpoints").is_dir() else []
+    return ("the run logged no metrics: it stopped, or is still starting, before its first logged step "
+            "(the last step is always logged)" + (f"; it has {len(checkpoints)} checkpoint(s)" if checkpoints else ""))
 
 
 if __name__ == "__main__":

@@ -7,18 +7,16 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from dsl_lit.checkpoint.directory import DirectoryCheckpointIO, StepCheckpoint
+from dsl_lit.checkpoint.directory import DirectoryCheckpointIO, StepCheckpoint, latest_checkpoint
 from dsl_lit.checkpoint.resume import resume_checkpoint
 from dsl_lit.config import ModelConfig, TrainConfig
 from dsl_lit.config.model import CONTEXT_FIELDS
@@ -34,17 +32,19 @@ from dsl_lit.training.callbacks.ema import EMACallback
 from dsl_lit.training.callbacks.expert_load import ExpertLoadMonitor
 from dsl_lit.training.callbacks.preemption import PreemptionHandler
 from dsl_lit.training.callbacks.profiler import TraceProfiler
+from dsl_lit.training.callbacks.progress import StepProgressBar
 from dsl_lit.training.callbacks.rank_failure import RankFailureReporter
 from dsl_lit.training.callbacks.rng_state import RNGStateCallback
+from dsl_lit.training.callbacks.run_log import RunLog, closing_lines
 from dsl_lit.training.callbacks.throughput import ThroughputMonitor
 from dsl_lit.training.loggers import RunCSVLogger
+from dsl_lit.training.noise import quiet_wandb_logger, silence_known_noise
 from dsl_lit.training.pretrained import StartingWeights
-from dsl_lit.training.resume_command import stop_hint
+from dsl_lit.training.resume_command import resume_command, stop_hint
+from dsl_lit.training.run_info import resolved_view
 from dsl_lit.training.runs import finish_run
 
 log = logging.getLogger(__name__)
-# Lightning warns that manual-optimization checkpoints hold post-step weights: that is what we want.
-warnings.filterwarnings("ignore", message=".*ModelCheckpoint with manual optimization.*")
 
 
 
@@ -91,13 +91,15 @@ def build_loggers(cfg: TrainConfig) -> list[Logger]:
     if wandb_cfg.enabled and wandb_cfg.mode != "disabled":
         # WANDB_MODE from the environment wins, so `wandb login` + WANDB_MODE=online goes online.
         mode = os.environ.get("WANDB_MODE", wandb_cfg.mode)
-        wandb_logger = WandbLogger(
+        wandb_logger = quiet_wandb_logger(WandbLogger(
             project=wandb_cfg.project, entity=wandb_cfg.entity, save_dir=cfg.run_dir,
             offline=mode == "offline", tags=list(wandb_cfg.tags), name=Path(cfg.run_dir).name,
-        )
+        ))
         loggers.append(wandb_logger)
-    for logger in loggers:
-        logger.log_hyperparams(cfg.raw)
+    if loggers:
+        config = resolved_view(cfg)  # the model field by field, parameter counts, layout (run_info)
+        for logger in loggers:
+            logger.log_hyperparams(config)
     return loggers
 
 
@@ -135,6 +137,7 @@ def compiles(cfg: TrainConfig) -> bool:
 
 
 def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = None) -> L.Trainer:
+    silence_known_noise()  # before Lightning and W&B speak (dsl_lit.training.noise lists what)
     callbacks: list[L.Callback] = [
         ThroughputMonitor(
             training_flops_per_token(cfg.model, cfg.data.seq_len), run_precision(cfg).name, cfg.trainer.peak_tflops
@@ -150,13 +153,14 @@ def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = N
     if cfg.memory.ema_decay:
         callbacks.append(EMACallback(cfg.memory.ema_decay, cfg.memory.ema_every_n_steps, cfg.memory.validate_with_ema))
     if cfg.trainer.progress_bar:
-        callbacks.append(TQDMProgressBar(refresh_rate=1))
+        callbacks.append(StepProgressBar(refresh_rate=1))
     ckpt = cfg.checkpoint
     if ckpt.enabled:
         callbacks.append(StepCheckpoint(checkpoint_dir(cfg), ckpt.every_n_steps, ckpt.every_minutes))
     callbacks.append(RNGStateCallback())
     callbacks.append(RankFailureReporter(checkpoint_dir(cfg), resume=stop_hint(cfg)))
     callbacks.append(PreemptionHandler())  # before the checkpoint callback (Lightning runs those last)
+    callbacks.append(RunLog())  # after every callback that logs (its lines read this step's values) and the preemption's
     # One process: Lightning's single-device strategy. Several: ours (pp x dp x tp mesh, ZeRO-1).
     # Both save and load the same sharded, layout-independent checkpoints.
     strategy = (
@@ -210,5 +214,17 @@ def fit(cfg: TrainConfig, module: L.LightningModule, datamodule: L.LightningData
         if trainer.is_global_zero:
             log.error("stopped at step %d: %s; %s", trainer.global_step, error, stop_hint(cfg))
         raise SystemExit(1) from None
+    if trainer.is_global_zero:
+        for line in closing_lines(trainer, next((c for c in trainer.callbacks if isinstance(c, RunLog)), None),
+                                  cfg.run_dir, final_checkpoint(cfg), resume_command(cfg)):
+            log.info(line)
     finish_run(trainer)
     return trainer
+
+
+def final_checkpoint(cfg: TrainConfig) -> str:
+    """The run's latest complete checkpoint, or why there is none (for the closing summary)."""
+    if not cfg.checkpoint.enabled:
+        return "none (checkpoint.every_n_steps=0 and checkpoint.every_minutes=0)"
+    latest = latest_checkpoint(checkpoint_dir(cfg))
+    return str(latest) if latest is not None else f"none complete in {checkpoint_dir(cfg)}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 import traceback
@@ -20,6 +21,7 @@ from dsl_lit.config.resolvers import register_resolvers
 from dsl_lit.data.tokenizer_dir import validate_tokenizer_dir
 
 F = TypeVar("F", bound=Callable[..., Any])
+log = logging.getLogger(__name__)
 
 
 def check_environment(hydra_cfg: Any) -> None:
@@ -63,12 +65,20 @@ def is_launcher_process() -> bool:
 def save_resolved_config(cfg: TrainConfig) -> Path:
     """Write the fully resolved config beside Hydra's ``.hydra/`` (which keeps the unresolved one),
     once it is known to suit the checkpoint the run resumes (``check_resume``: every recipe calls
-    this first, before any data or model)."""
+    this first, before any data or model), and log the run's start-up block. The model is written
+    field by field with its parameter counts, layout and precision
+    (:func:`~dsl_lit.training.run_info.resolved_view`)."""
+    from dsl_lit.training.run_info import resolved_view, startup_lines  # imports build, which imports this
+
     check_resume(cfg)
     path = Path(cfg.run_dir) / "resolved_config.yaml"
     if is_launcher_process():
+        view = resolved_view(cfg)
+        for line in startup_lines(cfg, view["derived"]):
+            log.info(line)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(yaml.safe_dump(cfg.raw, sort_keys=False))
+        path.write_text("# The run's config, resolved: `model` field by field as validated (its preset filled in), "
+                        "`derived` computed from the rest (not a setting).\n" + yaml.safe_dump(view, sort_keys=False))
     return path
 
 
