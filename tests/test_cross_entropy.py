@@ -186,21 +186,186 @@ def test_producer_that_saved_its_output_falls_back():
     torch.testing.assert_close(source.grad, reference.grad)
 
 
-def test_another_consumer_of_the_logits_is_protected_by_the_version_counter():
-    source, targets = _data((3, 4, 25), torch.float32, seed=8)
-    # its backward runs after ours (created before): autograd refuses the overwritten logits
+def _z_loss(logits, targets):
+    """PaLM's z-loss as a copied recipe would write it: from the logits, by autograd."""
+    valid = targets != -100
+    return 1e-2 * logits.float().logsumexp(-1)[valid].square().sum() / valid.sum()
+
+
+# Other ops on the logits, each a function of (logits, targets) -> scalar. The z-loss (logsumexp saves
+# its input and output), a squared-logits penalty, a distillation term (log_softmax saves its output)
+# and a loss on a view of the logits.
+_EXTRA_LOSSES = {
+    "z_loss": _z_loss,
+    "pow2": lambda logits, targets: logits.float().pow(2).mean(),
+    "distill": lambda logits, targets: -(F.log_softmax(logits.float(), -1) * torch.linspace(0, 1, logits.shape[-1])).sum(),
+    "view": lambda logits, targets: logits[:, 1:, :7].float().sum(),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("before", [True, False], ids=["extra-first", "extra-after"])
+@pytest.mark.parametrize("extra", list(_EXTRA_LOSSES))
+def test_another_loss_on_the_same_logits_gets_the_out_of_place_gradient(dtype, before, extra):
+    """A z-loss (or any op) on the logits, whichever order autograd runs the backwards in: the gradient
+    is the out-of-place one, and the logits' buffer still holds it (no second buffer)."""
+    source, targets = _data((3, 4, 25), dtype, seed=8)
+    fn = _EXTRA_LOSSES[extra]
+
+    def run(inplace):
+        source.grad = None
+        logits = source * 1
+        seen = []
+        logits.register_hook(seen.append)  # registered first: must still see the complete gradient
+        other = fn(logits, targets) if before else None
+        loss = cross_entropy(logits, targets, chunk_rows=5, inplace_backward=inplace)
+        (loss + (other if before else fn(logits, targets))).backward()
+        return source.grad.clone(), seen[0], logits
+
+    grad, seen, logits = run(inplace=True)
+    ref_grad, ref_seen, _ = run(inplace=False)
+    if dtype == torch.float32:
+        assert torch.equal(grad, ref_grad)  # the same fp32 sums, bit for bit
+    else:  # ours adds the other term in fp32 and rounds once; autograd rounds, then adds in bf16: an ulp
+        torch.testing.assert_close(grad, ref_grad, rtol=1.6e-2, atol=2**-8 * ref_grad.abs().max().item())
+    assert torch.equal(seen, grad) and seen.data_ptr() == logits.data_ptr()  # written over the logits
+
+
+def test_extra_losses_also_on_a_view_passed_to_the_loss():
+    """``cross_entropy(logits.view(-1, vocab), ...)`` with a z-loss on ``logits``: the write waits for
+    the base's consumers too."""
+    source, targets = _data((3, 4, 25), torch.float32, seed=9)
+
+    def run(inplace):
+        source.grad = None
+        logits = source * 1
+        z = _z_loss(logits, targets)
+        (cross_entropy(logits.view(-1, 25), targets.view(-1), inplace_backward=inplace) + z).backward()
+        return source.grad.clone(), logits
+
+    grad, logits = run(True)
+    assert torch.equal(grad, run(False)[0])
+    assert torch.equal(logits.detach(), grad)  # consumed: the base's buffer holds the gradient
+    # a hook on that view added after the call would see an incomplete gradient: refused
     logits = source * 1
-    z_loss = logits.pow(2).mean()
+    view = logits.view(-1, 25)
+    loss = cross_entropy(view, targets.view(-1))
+    view.register_hook(lambda g: g * 2)
+    with pytest.raises(RuntimeError, match="incomplete gradient"):
+        (loss + _z_loss(logits, targets)).backward()
+
+
+def test_several_losses_on_one_buffer():
+    """Two cross-entropies on the same logits (and one on a view of them): the first is written over
+    the buffer, the others get their own; the gradient is the sum."""
+    source, targets = _data((3, 4, 25), torch.float32, seed=10)
+    other = torch.randint(0, 25, (3, 4), generator=torch.Generator().manual_seed(1))
+
+    def run(inplace):
+        source.grad = None
+        logits = source * 1
+        loss = (cross_entropy(logits, targets, inplace_backward=inplace)
+                + cross_entropy(logits, other, inplace_backward=inplace)
+                + cross_entropy(logits[:2], other[:2], inplace_backward=inplace))
+        loss.backward()
+        return source.grad.clone()
+
+    assert_close_fp32(run(True), run(False), 3 * 25)
+
+
+def test_autograd_grad_writes_at_once_and_captures_the_right_gradient():
+    """``torch.autograd.grad`` (and ``backward(inputs=...)``) may hand out the logits' gradient before
+    any hook runs: the backward writes it at once, as before, so a captured logits gradient is right;
+    an op that saved the logits and runs after it is refused loudly, never wrong."""
+    source, targets = _data((3, 4, 25), torch.float32, seed=11)
+    ref_loss, ref_grad = _reference(source, targets)
+    logits = source * 1
+    logits_grad, source_grad = torch.autograd.grad(cross_entropy(logits, targets), [logits, source])
+    _close_grad(logits_grad, ref_grad)
+    _close_grad(source_grad, ref_grad)
+    assert logits_grad.data_ptr() == logits.data_ptr()  # written over: the same memory as before
+    logits = source * 1
+    z = _z_loss(logits, targets)  # created first: its backward runs after ours
     with pytest.raises(RuntimeError, match="inplace"):
-        (cross_entropy(logits, targets) + z_loss).backward()
-    # its backward runs before ours (created after): correct
+        torch.autograd.grad(cross_entropy(logits, targets) + z, [source])
+    # opting out works there too
+    logits = source * 1
+    z = _z_loss(logits, targets)
+    (got,) = torch.autograd.grad(cross_entropy(logits, targets, inplace_backward=False) + z, [source])
     source.grad = None
     logits = source * 1
-    (cross_entropy(logits, targets) + logits.pow(2).mean()).backward()
+    (cross_entropy(logits, targets, inplace_backward=False) + _z_loss(logits, targets)).backward()
+    assert torch.equal(got, source.grad)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph")
+def test_create_graph_and_retained_graph():
+    source, targets = _data((2, 3, 20), torch.float32, seed=12)
+    _, ref_grad = _reference(source, targets)
+    source.grad = None
+    logits = source * 1
+    loss = cross_entropy(logits, targets)
+    loss.backward(create_graph=True)  # first-order gradient right; no double backward through the kernel
+    _close_grad(source.grad.detach(), ref_grad)
+    source.grad = None
+    logits = source * 1
+    loss = cross_entropy(logits, targets)
+    loss.backward(retain_graph=True)
+    _close_grad(source.grad, ref_grad)
+    with pytest.raises(RuntimeError, match="inplace"):
+        loss.backward()  # the logits now hold their gradient: refused, not wrong
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_z_loss_from_the_kernels_logsumexp(dtype, reduction):
+    """``return_lse=True``: the per-row logsumexp, differentiable; a z-loss built on it has the
+    gradient of the reference (F.cross_entropy + logsumexp on fp32 logits), written in place."""
+    source, targets = _data((3, 6, 40), dtype, seed=13)
+    valid = targets != -100
+    weight = 1e-2
+
+    def z_loss(lse):
+        return weight * torch.where(valid, lse.square(), 0.0).sum() / valid.sum()
+
+    source.grad = None
+    logits = source * 1
+    loss, lse = cross_entropy(logits, targets, reduction=reduction, chunk_rows=4, return_lse=True)
+    assert lse.shape == targets.shape and lse.dtype == torch.float32
+    (loss + z_loss(lse)).backward()
+    grad = source.grad.clone()
+    assert torch.equal(logits.detach(), grad)  # in place: no other buffer
+
     reference = source.detach().clone().requires_grad_()
-    logits = reference * 1
-    (F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") + logits.pow(2).mean()).backward()
-    torch.testing.assert_close(source.grad, reference.grad)
+    flat = reference.float().reshape(-1, 40)
+    ref_loss = F.cross_entropy(flat, targets.reshape(-1), reduction=reduction)
+    ref_lse = flat.logsumexp(-1).view(targets.shape)
+    (ref_loss + z_loss(ref_lse)).backward()
+    assert_close_fp32(loss.detach(), ref_loss.detach(), source.numel())
+    assert_close_fp32(lse.detach(), ref_lse.detach(), 40)
+    _close_grad(grad, reference.grad)
+    # the z-loss alone (the loss unused) and a z-loss only through lse also work
+    source.grad = None
+    logits = source * 1
+    _, lse = cross_entropy(logits, targets, reduction=reduction, return_lse=True)
+    z_loss(lse).backward()
+    reference.grad = None
+    z_loss(reference.float().logsumexp(-1)).backward()
+    _close_grad(source.grad, reference.grad)
+
+
+def test_z_loss_costs_no_memory():
+    """The fused z-loss allocates nothing of the logits' size (the probe of the next test)."""
+    tokens, vocab, chunk = 256, 1000, 16
+    g = torch.Generator().manual_seed(14)
+    data = torch.randn(tokens, vocab, generator=g).to(torch.bfloat16)
+    targets = torch.randint(0, vocab, (tokens,), generator=g)
+    anchor = torch.zeros((), requires_grad=True)
+    logits = _Producer.apply(anchor, data)
+    with _AllocationProbe() as probe:
+        loss, lse = cross_entropy(logits, targets, chunk_rows=chunk, return_lse=True)
+        (loss + 1e-4 * lse.square().sum()).backward()
+    assert max(probe.largest.values()) <= chunk * vocab * 4 < tokens * vocab * 2
 
 
 def test_no_grad_forward_and_bad_reduction():
@@ -347,12 +512,25 @@ def _check_vocab_parallel_head(mesh: DeviceMesh, vocab: int, dtype, reduction, p
 
 def _check_vocab_parallel_guards(mesh: DeviceMesh) -> None:
     source, targets = _data((3, 4, 25), torch.float32, seed=8)
-    # another consumer of the DTensor logits whose backward runs after ours: refused loudly
+    # another consumer of the DTensor logits whose backward runs after ours: the exact gradient, the
+    # local shard still written over
     leaf = distribute_tensor(source.detach(), mesh, [Shard(-1)]).requires_grad_()
     logits = leaf * 1
     z_loss = logits.pow(2).mean().full_tensor()
-    with pytest.raises(RuntimeError, match="inplace"):
-        (cross_entropy(logits, targets) + z_loss).backward()
+    (cross_entropy(logits, targets) + z_loss).backward()
+    reference = source.detach().clone().requires_grad_()
+    (F.cross_entropy(reference.flatten(0, 1), targets.flatten(), reduction="sum") + reference.pow(2).mean()).backward()
+    _close_grad(leaf.grad.full_tensor(), reference.grad)
+    assert torch.equal(logits.detach().to_local(), leaf.grad.to_local())
+    # the fused z-loss: lse the same on every rank, the gradient that of the reference
+    leaf.grad, reference.grad = None, None
+    loss, lse = cross_entropy(leaf * 1, targets, return_lse=True)
+    (loss + 1e-2 * lse.square().sum()).backward()
+    flat = reference.reshape(-1, 25)
+    ref_lse = flat.logsumexp(-1)
+    (F.cross_entropy(flat, targets.flatten(), reduction="sum") + 1e-2 * ref_lse.square().sum()).backward()
+    assert_close_fp32(lse.detach().flatten(), ref_lse.detach(), 25)
+    _close_grad(leaf.grad.full_tensor(), reference.grad)
     # a leaf DTensor (as the user holds it) is not written over, and its gradient is exact
     leaf = distribute_tensor(source.detach(), mesh, [Shard(-1)]).requires_grad_()
     before = leaf.detach().full_tensor()
