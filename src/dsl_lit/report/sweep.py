@@ -107,7 +107,7 @@ def rows(jobs: list[JobSummary]) -> tuple[list[str], list[list[str]]]:
         cells.append("-" if job.steps is None else str(job.steps))
         cells += ["-" if job.values.get(c) is None else f"{job.values[c]:.4f}" for c in COLUMNS]
         cells.append("-" if job.tokens_per_s is None else f"{job.tokens_per_s:,.0f}")
-        table.append(cells + ([job.note] if job.note else []))
+        table.append(cells)
     return header, table
 
 
@@ -131,8 +131,8 @@ def markdown(jobs: list[JobSummary]) -> str:
         return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
 
     out = [line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    for cells in table:
-        out.append(line(cells[:len(header)]) + (f" {cells[len(header)]}" if len(cells) > len(header) else ""))
+    out += [line(cells) for cells in table]
+    out += [f"job {job.num}: {job.note}" for job in jobs if job.note]
     return "\n".join(out + [best(jobs)]) + "\n"
 
 
@@ -150,7 +150,7 @@ def write_summary(sweep_dir: str | Path) -> tuple[Path, str]:
         writer = csv.writer(f)
         writer.writerow([*header, "run_dir", "note"])
         for job, cells in zip(jobs, table):
-            writer.writerow([*cells[:len(header)], str(job.run_dir), job.note])
+            writer.writerow([*cells, str(job.run_dir), job.note])
     return path, text
 
 

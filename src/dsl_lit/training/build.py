@@ -43,6 +43,7 @@ from dsl_lit.training.pretrained import StartingWeights
 from dsl_lit.training.resume_command import resume_command, stop_hint
 from dsl_lit.training.run_info import resolved_view
 from dsl_lit.training.runs import finish_run
+from dsl_lit.utils.sweep import current_job
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +92,11 @@ def build_loggers(cfg: TrainConfig) -> list[Logger]:
     if wandb_cfg.enabled and wandb_cfg.mode != "disabled":
         # WANDB_MODE from the environment wins, so `wandb login` + WANDB_MODE=online goes online.
         mode = os.environ.get("WANDB_MODE", wandb_cfg.mode)
+        job = current_job()
         wandb_logger = quiet_wandb_logger(WandbLogger(
             project=wandb_cfg.project, entity=wandb_cfg.entity, save_dir=cfg.run_dir,
-            offline=mode == "offline", tags=list(wandb_cfg.tags), name=Path(cfg.run_dir).name,
+            offline=mode == "offline", tags=list(wandb_cfg.tags), name=job.name if job else Path(cfg.run_dir).name,
+            group=job.group if job else None,  # a multirun's jobs: named by their swept overrides, grouped by sweep
         ))
         loggers.append(wandb_logger)
     if loggers:
