@@ -3,19 +3,24 @@ mean next-token cross-entropy, and DeepSeek-V3's MTP, balance loss and bias upda
 
 from __future__ import annotations
 
+import copy
 import csv
 
 import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
+from dsl_lit.config import TrainConfig
+from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.objective import ObjectiveConfig
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.models.common.moe import TopKRouter
 from dsl_lit.training import PretrainModule
 from dsl_lit.training.loggers import RunCSVLogger
+from tests.conftest import compose_config
 from tests.numerics import assert_close_fp32
 
 
@@ -147,3 +152,41 @@ def test_csv_logger_appends_and_replaces_rows_after_the_resume_step(tmp_path):
     assert [int(r["step"]) for r in rows] == list(range(8))
     assert [float(r["train/loss"]) for r in rows] == [10, 9, 8, 7, 4, 5, 6, 7]
     assert rows[0]["perf/mfu"] == "" and rows[7]["perf/mfu"] == "0.5"
+
+
+def test_z_loss_is_palms_and_has_the_reference_gradient():
+    """``objective.z_loss_weight``: the objective gains ``w * mean over targets of logsumexp(logits)^2``
+    (``z_loss``, next to the unchanged ``loss``), and the gradients are those of F.cross_entropy +
+    logsumexp on the same logits; micro-batching does not change the update, ``train/z_loss`` is logged."""
+    weight, batch = 1e-2, _batch(5)
+    torch.manual_seed(0)
+    module = PretrainModule(_llm(), OptimConfig(), ScheduleConfig(name="constant", warmup_steps=0), 8, total_steps=1,
+                            objective=ObjectiveConfig(z_loss_weight=weight))
+    module.configure_model()
+    reference = copy.deepcopy(module.model)
+    normalizers = module.loss_normalizers(batch)
+    objective, metrics = module.loss_from_outputs(module.model_outputs(batch["input_ids"]), batch, normalizers)
+    objective.backward()
+    labels = batch["labels"]
+    logits = reference(batch["input_ids"])
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    z_loss = weight * logits.logsumexp(-1)[labels != -100].square().mean()
+    (ce + z_loss).backward()
+    assert_close_fp32(metrics["loss"], ce.detach(), TOKENS, msg="loss")
+    assert_close_fp32(metrics["z_loss"], z_loss.detach(), TOKENS, msg="z_loss")
+    for (name, ours), (_, theirs) in zip(module.model.named_parameters(), reference.named_parameters()):
+        assert_close_fp32(ours.grad, theirs.grad, TOKENS, msg=name)
+
+    objective = ObjectiveConfig(z_loss_weight=weight)
+    whole, split = _fit(_llm(), 8, [batch], objective=objective), _fit(_llm(), 2, [batch], objective=objective)
+    for (name, a), (_, b) in zip(whole.model.state_dict().items(), split.model.state_dict().items()):
+        assert_close_fp32(a, b, TOKENS, msg=name)
+    assert_close_fp32(whole.logged["train/z_loss"], split.logged["train/z_loss"], TOKENS, msg="train/z_loss")
+    assert "train/z_loss" not in _fit_one_step(8, batch).logged  # off by default
+
+
+@pytest.mark.parametrize("value", ["-0.1", "nan"])
+def test_z_loss_weight_is_validated(value):
+    cfg = compose_config("pretrain", [f"objective.z_loss_weight={value}"])
+    with pytest.raises(ConfigError, match=rf"^objective\.z_loss_weight={value} must be a number >= 0"):
+        TrainConfig.from_hydra(cfg, run_dir="unused")

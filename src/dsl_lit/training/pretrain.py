@@ -29,8 +29,17 @@ class PretrainModule(CausalLMModule):
     ) -> tuple[torch.Tensor, Metrics]:
         labels = micro_batch["labels"]
         logits, *mtp_logits = outputs
-        loss = cross_entropy(logits, self.targets(labels)) / normalizers["targets"]
+        targets = self.targets(labels)
+        z_weight = self.objective.z_loss_weight
+        # PaLM's z-loss, z_weight * mean(logsumexp(logits)^2) over the step's targets (train/z_loss),
+        # from the logsumexp the kernel computes anyway: its gradient joins the in-place one, no memory
+        loss, lse = cross_entropy(logits, targets, return_lse=True) if z_weight else (cross_entropy(logits, targets), None)
+        loss = loss / normalizers["targets"]
         objective, metrics = loss, {"loss": loss.detach()}
+        if lse is not None:
+            z_loss = z_weight * torch.where(targets != -100, lse.square(), 0.0).sum() / normalizers["targets"]
+            objective = objective + z_loss
+            metrics["z_loss"] = z_loss.detach()
         if mtp_logits:
             mtp_loss = sum(
                 cross_entropy(logits, self.targets(labels, k)) / normalizers[f"mtp_{k}"]
