@@ -27,8 +27,12 @@ def test_init_from_a_checkpoint_or_its_hf_export_under_any_layout(tmp_path):
 
     fresh = losses(base)
     runs = {}
-    # a different model group on the command line (n_layers=1): init_from's architecture wins
-    for name, source, layout in (("ckpt", step, ["model.n_layers=1"]), ("hf", export, ["model.n_layers=1"]),
+    # a model field on the command line that init_from's architecture would drop: one line, exit 2
+    # (before: the checkpoint's 2 layers trained without a word)
+    refused = run_recipe(tmp_path / "refused", *RUN, f"init_from={step}", "model.n_layers=1", succeed=False)
+    assert refused.returncode == 2
+    assert "model.n_layers=1 is ignored with init_from=" in refused.stderr and "(model.n_layers=2)" in refused.stderr
+    for name, source, layout in (("ckpt", step, []), ("hf", export, []),
                                  ("pp2", base, ["trainer.devices=2", "parallel=pp_1f1b"])):
         run_dir = tmp_path / name
         run_recipe(run_dir, *RUN, "trainer.max_steps=2", "checkpoint.every_n_steps=2", f"init_from={source}", *layout)

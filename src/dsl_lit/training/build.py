@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from dsl_lit.checkpoint.directory import DirectoryCheckpointIO, StepCheckpoint, latest_checkpoint
 from dsl_lit.checkpoint.resume import resume_checkpoint
 from dsl_lit.config import ModelConfig, TrainConfig
+from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.model import CONTEXT_FIELDS
 from dsl_lit.config.precision import PrecisionConfig
 from dsl_lit.flops import training_flops_per_token
@@ -73,6 +74,7 @@ def starting_weights(cfg: TrainConfig, source: str | None) -> StartingWeights | 
     extension = {key: value for key, value in (cfg.raw.get("model") or {}).items() if key in CONTEXT_FIELDS}
     if extension:
         log.info("init_from=%s with this run's %s", source, ", ".join(f"model.{k}={v}" for k, v in extension.items()))
+    refuse_ignored_model_overrides(cfg, group, source)
     group.update(extension)
     values = dict(group)  # from_name takes the fields without the preset name
     cfg.model = ModelConfig.from_name(values.pop("name"), **values)
@@ -82,6 +84,32 @@ def starting_weights(cfg: TrainConfig, source: str | None) -> StartingWeights | 
         params = build_model(cfg.model).num_params()
     log.info("starting from %s (%s, %.1fM parameters)", source, cfg.model.name, params / 1e6)
     return weights
+
+
+def command_line_model_fields() -> list[str]:
+    """The ``model.<field>`` keys set on this run's command line (``+``/``++`` prefixes allowed);
+    empty outside a Hydra run."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return []
+    keys = (o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task if "=" in o)
+    return [k[len("model."):] for k in keys if k.startswith("model.")]
+
+
+def refuse_ignored_model_overrides(cfg: TrainConfig, group: dict[str, Any], source: str) -> None:
+    """A ``model.<field>`` set on the command line together with ``init_from`` that would be
+    dropped (the architecture is the checkpoint's; only :data:`CONTEXT_FIELDS` are the run's own)
+    is a one-line error: before, ``init_from=... +model.n_layers=8`` trained the checkpoint's
+    2 layers without a word."""
+    model = cfg.raw.get("model") or {}
+    for key in command_line_model_fields():
+        if key in CONTEXT_FIELDS or key == "name" or model.get(key) == group.get(key):
+            continue
+        raise ConfigError(
+            f"model.{key}={model.get(key)!r} is ignored with init_from={source}: the architecture is the "
+            f"checkpoint's (model.{key}={group.get(key)!r}); drop it, or train from scratch without init_from"
+        )
 
 
 def build_loggers(cfg: TrainConfig) -> list[Logger]:
