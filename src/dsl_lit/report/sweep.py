@@ -145,12 +145,13 @@ def write_summary(sweep_dir: str | Path) -> tuple[Path, str]:
     tmp = path.with_suffix(".md.tmp")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)
-    header, table = rows(jobs)
-    with (sweep_dir / SUMMARY_CSV).open("w", newline="", encoding="utf-8") as f:
+    keys = varied_keys(jobs)
+    with (sweep_dir / SUMMARY_CSV).open("w", newline="", encoding="utf-8") as f:  # the numbers unrounded
         writer = csv.writer(f)
-        writer.writerow([*header, "run_dir", "note"])
-        for job, cells in zip(jobs, table):
-            writer.writerow([*cells, str(job.run_dir), job.note])
+        writer.writerow(["job", *keys, "steps", *(metric for metric in COLUMNS.values()), THROUGHPUT, "run_dir", "note"])
+        for job in jobs:
+            writer.writerow([job.num, *(_value(job.overrides.get(k)) for k in keys), job.steps,
+                             *(job.values.get(c) for c in COLUMNS), job.tokens_per_s, str(job.run_dir), job.note])
     return path, text
 
 
