@@ -65,3 +65,15 @@ def test_a_module_under_lightnings_own_strategy_transforms_itself():
     module.configure_model()
     assert any(isinstance(m, Fp8Linear) for m in module.model.modules())
     assert "forward" in vars(module.model.layers["0"])  # recompute wraps each block's forward
+
+
+def test_fp8_that_converts_no_layer_is_a_config_error():
+    """Before: an INFO line ("0 Linear layers ... in FP8") and a bf16 run under an FP8 name."""
+    from dsl_lit.config.errors import ConfigError
+    from dsl_lit.models import ModelConfig, build_model
+    from dsl_lit.parallel.model_transforms import TransformPlan, transform_model
+
+    narrow = build_model(ModelConfig.from_name("deepseek_llm_tiny", d_model=72, n_heads=4, n_kv_heads=4,
+                                               ffn_hidden=100, n_layers=1, vocab_size=100))
+    with pytest.raises(ConfigError, match=r"^precision\.fp8=fp8_blockwise converts no layer of this model .*multiples of 128"):
+        transform_model(narrow, TransformPlan(fp8="fp8_blockwise"))

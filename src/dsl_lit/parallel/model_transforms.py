@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from dsl_lit.config.errors import ConfigError
 from dsl_lit.memory.recompute import apply_recompute
-from dsl_lit.precision.fp8 import apply_fp8
+from dsl_lit.precision.fp8 import RECIPES, apply_fp8
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,12 @@ def transform_model(
     applied = []
     for name in TRANSFORM_ORDER:
         if name == "fp8" and plan.fp8:
-            apply_fp8(model, plan.fp8, include_experts=plan.fp8_experts)
+            if not apply_fp8(model, plan.fp8, include_experts=plan.fp8_experts):
+                raise ConfigError(
+                    f"precision.fp8={plan.fp8} converts no layer of this model (a Linear qualifies when its in and out "
+                    f"features are multiples of {RECIPES[plan.fp8].dim_multiple} and it is not the output head): the run "
+                    "would train in bf16 under an FP8 name; widen the model or drop precision.fp8"
+                )
             if not plan.fp8_experts:
                 log.warning("%s: the routed experts stay in high precision under expert parallelism", plan.fp8)
         elif name == "recompute" and plan.recompute != "none":
