@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.report.figures import draw_report
-from dsl_lit.report.metrics import METRICS_FILE
+from dsl_lit.report.metrics import METRICS_FILE, non_finite_steps
 from dsl_lit.training.runs import exits_on_config_error
 
 
@@ -42,9 +42,13 @@ def main(cfg: DictConfig) -> list[Path]:
         paths = draw_report(run, cfg.output)
     except csv.Error as error:
         raise ConfigError(f"run={cfg.run}: {METRICS_FILE} is not a CSV file we can read ({error})") from None
+    for key, (bad, total) in sorted(non_finite_steps(run).items()):
+        print(f"warning: {key} is NaN or inf at {bad} of its {total} steps (not drawn)"
+              + (": the run diverged; see its log for the skipped steps" if key == "train/loss" else ""),
+              file=sys.stderr)
     if not paths:
-        raise ConfigError(f"run={cfg.run}: {METRICS_FILE} holds no step with a metric to draw (empty, or not a "
-                          "metrics file); nothing was written")
+        raise ConfigError(f"run={cfg.run}: {METRICS_FILE} holds no step with a metric to draw (empty, non-finite, or "
+                          "not a metrics file); nothing was written")
     for path in paths:
         print(path)
     return paths

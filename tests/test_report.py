@@ -76,3 +76,17 @@ def test_report_of_a_real_run(tmp_path: Path) -> None:
         assert pixels.shape[0] > 200 and pixels.std() > 10, name  # drawn, not blank
     bad = run_python([sys.executable, str(ROOT / "recipes" / "report.py"), f"run={tmp_path}"], cwd=tmp_path, timeout=300)
     assert bad.returncode == 2 and "holds no metrics.csv" in bad.stderr
+
+
+def test_a_run_whose_losses_are_nan_is_said_not_silently_left_out(tmp_path: Path) -> None:
+    """Before: a column that was NaN at every step drew no figure and the report said nothing."""
+    from dsl_lit.report.metrics import non_finite_steps
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.csv").write_text("step,train/loss,train/lr\n0,nan,0.001\n1,nan,0.002\n2,inf,0.003\n")
+    assert non_finite_steps(run) == {"train/loss": (3, 3)}
+    result = run_python([sys.executable, str(ROOT / "recipes" / "report.py"), f"run={run}"], cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "warning: train/loss is NaN or inf at 3 of its 3 steps (not drawn): the run diverged" in result.stderr
+    assert (run / "report" / "lr.png").is_file() or any((run / "report").glob("*.png"))

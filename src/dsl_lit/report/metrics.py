@@ -24,14 +24,13 @@ class Series:
     values: np.ndarray
 
 
-def read_metrics(path: str | Path) -> dict[str, Series]:
-    """Column -> its (step, value) pairs in step order; non-numeric cells are skipped."""
+def _cells(path: str | Path):
+    """(column, step, value) for every numeric cell of a metrics.csv (``path`` or its run dir)."""
     path = Path(path)
     if path.is_dir():
         path = path / METRICS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} missing: a run directory holds metrics.csv when logger.csv=true")
-    points: dict[str, dict[int, float]] = {}
     with path.open(newline="", encoding="utf-8", errors="replace") as f:  # garbage bytes: rows skipped below
         for row in csv.DictReader(f):
             try:
@@ -42,12 +41,31 @@ def read_metrics(path: str | Path) -> dict[str, Series]:
                 if key in ("step", "epoch") or key is None or cell in (None, ""):
                     continue
                 try:
-                    value = float(cell)
+                    yield key, step, float(cell)
                 except ValueError:
                     continue
-                if math.isfinite(value):
-                    points.setdefault(key, {})[step] = value
+
+
+def read_metrics(path: str | Path) -> dict[str, Series]:
+    """Column -> its (step, value) pairs in step order; non-numeric and non-finite cells are skipped
+    (:func:`non_finite_steps` counts the latter)."""
+    points: dict[str, dict[int, float]] = {}
+    for key, step, value in _cells(path):
+        if math.isfinite(value):
+            points.setdefault(key, {})[step] = value
     return {key: Series(np.array(sorted(p)), np.array([p[s] for s in sorted(p)])) for key, p in points.items()}
+
+
+def non_finite_steps(path: str | Path) -> dict[str, tuple[int, int]]:
+    """Column -> (steps with a NaN or inf value, steps with a value) for the columns that have any:
+    what a figure cannot show, so a report says it (a run whose every loss is NaN drew nothing
+    and said nothing)."""
+    counts: dict[str, list[int]] = {}
+    for key, _, value in _cells(path):
+        count = counts.setdefault(key, [0, 0])
+        count[0] += not math.isfinite(value)
+        count[1] += 1
+    return {key: (bad, total) for key, (bad, total) in counts.items() if bad}
 
 
 def columns_with_prefix(series: dict[str, Series], prefix: str) -> list[str]:
