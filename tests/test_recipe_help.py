@@ -97,7 +97,7 @@ def test_every_recipe_has_a_help_page(recipe: Path):
               if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names]
     assert set(before) <= {"__future__", "sys"}, before
     page = HelpPage(recipe).text()
-    assert page.startswith(f"python recipes/{recipe.name}: ")
+    assert page.startswith(f"recipes/{recipe.name}: ")
     assert "== Keys" in page
 
 

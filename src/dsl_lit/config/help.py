@@ -385,7 +385,7 @@ class HelpPage:
         doc = ast.get_docstring(ast.parse(self.recipe.read_text(encoding="utf-8"))) or ""
         doc = _ROLE.sub(r"`\1`", doc).replace("``", "`")
         script = f"python recipes/{self.recipe.name}" if self.recipe.parent.name == "recipes" else f"python {self.recipe}"
-        out += [f"{script}: {doc}".rstrip(), ""]
+        out += [f"{script.removeprefix('python ')}: {doc}".rstrip(), ""]
         usage = f"Usage: {script}{' [group=option ...]' if self.choices else ''} [key=value ...]"
         if self.hydra_main:
             usage += " [+key=value ...]; -m sweeps comma-separated values (a Hydra multirun)"
