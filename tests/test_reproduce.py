@@ -358,3 +358,15 @@ def test_a_gpu_preset_is_refused_at_start_up_without_a_gpu(tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     assert "reproduce=gpu_short trains on a GPU (reproduce.device=cuda) and torch sees none here" in result.stderr
     assert not (tmp_path / "run" / "scaling").exists()
+
+
+@pytest.mark.parametrize("content, lacks", [("[1, 2]", "a JSON object"), ('{"fingerprint": "ab"}', "a 'results' object"),
+                                            ('{"fingerprint": "ab", "results": [1]}', "a 'results' object")])
+def test_a_marker_that_is_json_but_not_ours_is_one_line(tmp_path, content, lacks):
+    """Before: valid JSON that is not an object, or lacks its results, was a traceback."""
+    from dsl_lit.reproduce.runner import marker
+
+    (tmp_path / "pretrain").mkdir()
+    (tmp_path / "pretrain" / MARKER).write_text(content)
+    with pytest.raises(ConfigError, match=rf"is not a marker this runner wrote \(it lacks {re.escape(lacks)}\); move "):
+        marker(tmp_path / "pretrain")

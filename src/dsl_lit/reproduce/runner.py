@@ -52,9 +52,14 @@ def marker(stage_dir: Path, name: str = MARKER) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
+        content = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
         raise ConfigError(f"{path} is not JSON (a write cut off?); move {stage_dir} away to rerun that stage") from None
+    if not isinstance(content, dict) or (name == MARKER and not isinstance(content.get("results"), dict)):
+        what = "a JSON object" if not isinstance(content, dict) else "a 'results' object"
+        raise ConfigError(f"{path} is not a marker this runner wrote (it lacks {what}); move {stage_dir} away to "
+                          "rerun that stage")
+    return content
 
 
 def write_marker(stage_dir: Path, content: dict[str, Any], name: str = MARKER) -> None:
