@@ -38,6 +38,11 @@ Measured 2026-11-22 on the 2-core dev CPU box (torch 2.13 CPU), 4096 x 102400 bf
     ours (chunked, in-place)      63.8 MiB  0.08     71.8 MiB  0.09         7.27
     |loss ours - naive| / loss = 7.4e-08
 
+A third row, ``ours + fused z-loss``, adds PaLM's z-loss from the kernel's own logsumexp
+(``return_lse=True``, what ``objective.z_loss_weight`` does). Measured 2026-11-27 on the same box
+(shared, so the seconds are noise) at ``--tokens 1024``: 63.7 MiB live extra for both ours and ours +
+z-loss (0.32x of the 200 MiB logits: the one fp32 chunk), 1200.0 MiB for the naive loss.
+
 Target: ours <= 0.25x extra (the gradient is the logits' own buffer; one fp32 chunk of rows at a
 time: ``CHUNK_BYTES`` = 64 MiB), against ~6x for the naive path (an fp32 log-softmax saved for the
 backward, then a full fp32 gradient of it and of the upcast, then the bf16 gradient).
@@ -115,6 +120,13 @@ def ours(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return cross_entropy(logits, targets, reduction="sum")
 
 
+def ours_z_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Ours plus PaLM's z-loss (1e-4 x sum of lse^2) from the kernel's own logsumexp (``return_lse``),
+    as ``objective.z_loss_weight`` computes it: its gradient joins the in-place one."""
+    loss, lse = cross_entropy(logits, targets, reduction="sum", return_lse=True)
+    return loss + 1e-4 * torch.where(targets != -100, lse.square(), 0.0).sum()
+
+
 def measure(fn: Callable, data: torch.Tensor, targets: torch.Tensor) -> tuple[int, int | None, float]:
     """(peak live extra bytes, peak RSS extra bytes or None, loss) of one forward+backward."""
     anchor = torch.zeros((), requires_grad=True)
@@ -158,7 +170,7 @@ def main() -> None:
     size = data.numel() * data.element_size()
     print(f"tokens={args.tokens} vocab={args.vocab} chunk_rows={default_chunk_rows(args.vocab)} "
           f"logits {size / MiB:.1f} MiB bf16, threads={torch.get_num_threads()}")
-    candidates = {"naive F.cross_entropy": naive, "ours (chunked, in-place)": ours}
+    candidates = {"naive F.cross_entropy": naive, "ours (chunked, in-place)": ours, "ours + fused z-loss": ours_z_loss}
     seconds = time_both(candidates, data, targets, args.repeats)
     header = f"{'loss':<26}{'live extra':>12}{'x':>6}{'RSS extra':>13}{'x':>6}{'fwd+bwd s':>13}"
     print(header)
@@ -169,7 +181,7 @@ def main() -> None:
         lives[name] = live
         rss_cells = f"{'n/a':>13}{'':>6}" if rss is None else f"{rss / MiB:>9.1f} MiB{rss / size:>6.2f}"
         print(f"{name:<26}{live / MiB:>8.1f} MiB{live / size:>6.2f}{rss_cells}{seconds[name]:>13.2f}")
-    a, b = losses.values()
+    a, b = losses["naive F.cross_entropy"], losses["ours (chunked, in-place)"]
     headline("chunked cross-entropy: extra memory / the naive loss's", lives["ours (chunked, in-place)"] / lives["naive F.cross_entropy"], "x", "< 0.1x")
     print(f"|loss ours - naive| / loss = {abs(b - a) / abs(a):.1e}")
 
