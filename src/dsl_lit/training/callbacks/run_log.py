@@ -145,7 +145,7 @@ class RunLog(L.Callback):
 
 def _history(run_dir: str | Path) -> dict[str, Any]:
     """The run's whole record from its metrics.csv (every session of a resumed run), or {} without one."""
-    from dsl_lit.report.metrics import read_metrics
+    from dsl_lit.training.metrics_file import read_metrics
 
     try:
         return read_metrics(Path(run_dir))
