@@ -141,3 +141,12 @@ def test_a_field_the_family_does_not_read_is_refused(overrides, field, lacks):
         TrainConfig.from_hydra(compose_config(overrides=overrides))
     TrainConfig.from_hydra(compose_config(overrides=["model=deepseek_v3_tiny", "+model.n_routed_experts=8",
                                                      "+model.n_expert_groups=2", "+model.n_limited_groups=1"]))
+
+
+@pytest.mark.parametrize("key, value", [("chat_template_name", ["default", "tool_use"]), ("tokenizer_dir", ["a", "b"])])
+def test_post_training_names_given_as_lists_are_one_line(key, value):
+    """Before: a list reached the tokenizer code and ended in a traceback."""
+    from dsl_lit.config.posttrain import PostTrainConfig
+
+    with pytest.raises(ConfigError, match=rf"^{key}=\[.*\] must be one name \(a string\), not a list$"):
+        PostTrainConfig.from_raw({"tokenizer_dir": "tok", key: value})

@@ -288,6 +288,9 @@ class PostTrainConfig:
     def from_raw(cls, raw: dict[str, Any]) -> PostTrainConfig:
         values: dict[str, Any] = {"tokenizer_dir": raw.get("tokenizer_dir") or "",
                                   "chat_template_name": raw.get("chat_template_name")}
+        for key, value in values.items():  # top-level keys: no dataclass_from_dict to check their type
+            if value is not None and not isinstance(value, str):
+                raise ConfigError(f"{key}={value!r} must be one name (a string), not a {type(value).__name__}")
         for name, schema in _SECTIONS.items():
             section = dict(raw.get(name) or {})
             if "sampling" in section:
