@@ -363,11 +363,11 @@ def test_named_templates_follow_transformers(v3_dir, tmp_path):
         ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
          r"range\(\) produced more than 1000000 items"),
         ("{{ 'x' * 2000000000 }}", r"str \* int would hold 2000000000 characters"),
-        ("{{ (['x' * 3000000] * 1000000)|join }}", r"list \* int would hold 3000000000000 characters"),
+        ("{{ (['x' * 3000000] * 1000000)|join }}", r"list \* int would hold 3000008000000 characters"),
         ("{% set s = 'x' * 3000000 %}{{ s + s }}", r"str \+ str would hold 6000000 characters"),
-        ("{{ 'x'|center(1000000000) }}", r"the center filter would build up to 1000000000 characters"),
-        ("{{ '%1000000000d'|format(1) }}", r"the format filter would build up to"),
-        ("{{ ('x' * 4000000)|replace('x', 'yy') }}", r"the replace filter would build up to 12000002 characters"),
+        ("{{ 'x'|center(1000000000) }}", r"the center filter would hold 1000000000 characters"),
+        ("{{ '%1000000000d'|format(1) }}", r"the format filter would hold"),
+        ("{{ ('x' * 4000000)|replace('x', 'yy') }}", r"the replace filter would hold 8000000 characters"),
         ("{% set x = 2 ** 2000 %}{{ x * x * x }}", r"a product of integers would exceed 4096 bits"),
         ("{{ 10 ** 10000000 }}", r"10 \*\* 10000000 would exceed 4096 bits"),
         ("{% set s = 'y' * 1000000 %}{% for i in range(10) %}{{ s }}{% endfor %}", r"exceeded 4000000 characters"),
@@ -418,3 +418,26 @@ def test_dpo_pairs_are_checked_for_targets_too(v3_dir, tmp_path):
     tokenizer = ChatTokenizer.from_dir(_with_template(v3_dir, tmp_path, USER_TURNS_ONLY))
     with pytest.raises(ConfigError, match="dpo pairs: none of the 8 conversations has a target token"):
         preference_rows(task_pairs(TaskConfig(num_problems=40), 4), tokenizer, seq_len=128)
+
+
+def test_a_malformed_sft_dataset_is_counted_and_set_aside(tmp_path, caplog):
+    """Bad lines (not JSON, not a conversation) are counted and set aside with one warning; a file
+    with none left, or no file, is one line (before: a JSON error's traceback)."""
+    import json as _json
+    import logging
+
+    from dsl_lit.config.errors import ConfigError
+    from dsl_lit.posttrain.chat.conversations import read_conversations
+
+    good = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join([_json.dumps(good), "{not json", _json.dumps({"messages": "hi"}),
+                               _json.dumps({"messages": [{"role": "user", "content": 3}]}), _json.dumps(good)]) + "\n")
+    with caplog.at_level(logging.WARNING):
+        assert read_conversations(path) == [good["messages"], good["messages"]]
+    assert "3 line(s) set aside: 2 (not JSON); 3 (not an object" in caplog.text
+    (tmp_path / "bad.jsonl").write_text("[1]\n")
+    with pytest.raises(ConfigError, match=r"bad\.jsonl holds no conversation .*; 1 line\(s\) set aside$"):
+        read_conversations(tmp_path / "bad.jsonl")
+    with pytest.raises(ConfigError, match=r"^sft\.dataset=.*missing\.jsonl: no such file"):
+        read_conversations(tmp_path / "missing.jsonl")

@@ -5,15 +5,18 @@ write, and the usual format of chat datasets)."""
 from __future__ import annotations
 
 import json
+import logging
 import random
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.posttrain import TaskConfig
 from dsl_lit.tasks import arithmetic
 
 Conversation = list[dict[str, str]]
+log = logging.getLogger(__name__)
 
 
 def task_conversations(task: TaskConfig, shortcut_share: float = 0.0) -> list[Conversation]:
@@ -27,18 +30,46 @@ def task_conversations(task: TaskConfig, shortcut_share: float = 0.0) -> list[Co
     return [[*arithmetic.prompt(p), {"role": "assistant", "content": r}] for p, r in zip(train, replies)]
 
 
+def _problem(record: Any) -> str | None:
+    """Why a JSONL record is not a conversation (None: it is one)."""
+    if not isinstance(record, dict) or not isinstance(record.get("messages"), list) or not record["messages"]:
+        return "not an object with a non-empty 'messages' list"
+    for message in record["messages"]:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                or not isinstance(message.get("content"), str):
+            return "a message that is not {'role': str, 'content': str}"
+    return None
+
+
 def read_conversations(path: str | Path) -> list[Conversation]:
-    conversations = []
-    with Path(path).open(encoding="utf-8") as f:
+    """The conversations of a JSONL file. A line that is not JSON or not a conversation is counted
+    and set aside (one warning naming the first few lines and why); a file that is missing or holds
+    no conversation is a one-line ConfigError (before: a JSON error's traceback)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"sft.dataset={path}: no such file (use 'task' or a .jsonl of conversations)")
+    conversations: list[Conversation] = []
+    set_aside: list[str] = []
+    with path.open(encoding="utf-8", errors="replace") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            record = json.loads(line)
-            if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
-                raise ValueError(f"{path}:{n}: expected an object with a 'messages' list")
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                set_aside.append(f"{n} (not JSON)")
+                continue
+            problem = _problem(record)
+            if problem is not None:
+                set_aside.append(f"{n} ({problem})")
+                continue
             conversations.append(record["messages"])
+    if set_aside:
+        log.warning("%s: %d line(s) set aside: %s%s", path, len(set_aside), "; ".join(set_aside[:3]),
+                    "; ..." if len(set_aside) > 3 else "")
     if not conversations:
-        raise ValueError(f"{path} holds no conversations")
+        raise ConfigError(f"{path} holds no conversation (each line: {{\"messages\": [{{\"role\": ..., \"content\": ...}}]}})"
+                          + (f"; {len(set_aside)} line(s) set aside" if set_aside else ""))
     return conversations
 
 
