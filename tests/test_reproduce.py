@@ -204,6 +204,12 @@ def test_claims_are_judged_by_their_written_thresholds():
     assert table["Multi-token prediction improves the main model at equal training steps"][1] == REPRODUCED
     assert table["Auxiliary-loss-free balancing (the bias update) keeps expert load balanced"] == (
         "expert load max/mean 1.2 with the bias update, 2.5 without (last 20% of steps; 1.0 is perfect)", REPRODUCED)
+    free = "... without hurting the model (no worse loss)"
+    assert table[free][1] == REPRODUCED  # balanced, and the loss within 2%
+    unbalanced = {**results, "pretrain": {"val_loss": 4.0, "load_max_over_mean": 2.6}}
+    table_unbalanced = {row[0]: (row[2], row[3]) for row in claims_table(_done(unbalanced))}
+    assert table_unbalanced[free][1] == NOT_REPRODUCED  # before: reproduced on the loss alone
+    assert "did not balance the load" in table_unbalanced[free][0]
     # a teacher that solves nothing leaves nothing to keep: not a reproduction
     assert table["A distilled smaller student keeps most of the teacher's accuracy"][1] == NOT_REPRODUCED
     assert table["RL with rule-based rewards raises accuracy over the cold-start model"][1] == NOT_REPRODUCED

@@ -68,9 +68,15 @@ def _bias(r: Results) -> tuple[str, bool]:
 
 
 def _bias_loss(r: Results) -> tuple[str, bool]:
+    """Balancing *without hurting the model*: only a claim where the balancing happened (the
+    load is more even with the bias update) and the loss is no more than 2% higher (before: marked
+    reproduced on the loss alone while the balancing itself had failed)."""
     with_bias, without = r["pretrain"]["results"]["val_loss"], r["pretrain_no_bias"]["results"]["val_loss"]
-    return f"validation loss {_fmt(with_bias)} with the bias update, {_fmt(without)} without (at most 2% higher?)", \
-        with_bias <= without * 1.02
+    description, balanced = _bias(r)
+    not_hurt = with_bias <= without * 1.02
+    return (f"validation loss {_fmt(with_bias)} with the bias update, {_fmt(without)} without (at most 2% higher?)"
+            + ("" if balanced else "; but the bias update did not balance the load, so nothing was balanced for free"),
+            balanced and not_hurt)
 
 
 def _passkey(r: Results) -> tuple[str, bool]:
