@@ -376,3 +376,37 @@ def test_a_marker_that_is_json_but_not_ours_is_one_line(tmp_path, content, lacks
     (tmp_path / "pretrain" / MARKER).write_text(content)
     with pytest.raises(ConfigError, match=rf"is not a marker this runner wrote \(it lacks {re.escape(lacks)}\); move "):
         marker(tmp_path / "pretrain")
+
+
+CHILD = """import pathlib, signal, sys, time
+out = pathlib.Path(sys.argv[1])
+signal.signal(signal.SIGTERM, lambda *_: (out.write_text("SIGTERM"), sys.exit(0)))
+out.with_suffix(".ready").write_text("")
+time.sleep(60)
+"""
+PARENT = """import subprocess, sys, time
+from dsl_lit.reproduce.run_dir_lock import die_with_parent
+subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], preexec_fn=die_with_parent)
+time.sleep(60)
+"""
+
+
+def test_one_run_per_run_dir_and_no_stage_outlives_its_run(tmp_path):
+    """Before: two runs on one run dir collided, and a SIGKILLed run left its stage running."""
+    from dsl_lit.reproduce.run_dir_lock import hold_run_dir
+
+    fd = hold_run_dir(tmp_path)
+    with pytest.raises(ConfigError, match=rf"^another make reproduce \(pid {os.getpid()}\) or one of its stages is running"):
+        hold_run_dir(tmp_path)
+    os.close(fd)
+    os.close(hold_run_dir(tmp_path))  # released with its holder
+    out = tmp_path / "child.txt"
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD, str(out)], cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while not out.with_suffix(".ready").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    parent.kill()
+    parent.wait()
+    while not out.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert out.read_text() == "SIGTERM"

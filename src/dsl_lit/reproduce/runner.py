@@ -25,6 +25,7 @@ from typing import Any
 
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.reproduce import STAGES, ReproduceConfig
+from dsl_lit.reproduce.run_dir_lock import die_with_parent, hold_run_dir
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ class StageContext:
     run_dir: Path
     name: str
     commands: list[list[str]] = field(default_factory=list)
+    lock_fd: int | None = None
+    """The run dir's lock (:mod:`~dsl_lit.reproduce.run_dir_lock`), handed to every stage it starts."""
 
     @property
     def dir(self) -> Path:
@@ -119,7 +122,9 @@ class StageContext:
             with log_path.open("a") as out:
                 out.write(f"\n$ {' '.join(command)}\n")
                 out.flush()
-                child = subprocess.Popen(command, cwd=PROJECT_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+                child = subprocess.Popen(command, cwd=PROJECT_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                         pass_fds=(self.lock_fd,) if self.lock_fd is not None else (),
+                                         preexec_fn=die_with_parent)  # noqa: PLW1509 (no threads start stages)
                 if stop:  # signalled while it started
                     child.send_signal(signal.SIGTERM)
                 code = child.wait()
@@ -206,6 +211,15 @@ def run_stages(cfg: ReproduceConfig, stages: Sequence[Stage], run_dir: Path,
     assert [s.name for s in stages] == list(STAGES), "the stage table and config.reproduce.STAGES disagree"
     chosen = selected(cfg, stages, run_dir)
     prints = fingerprints(cfg, stages)
+    lock_fd = hold_run_dir(run_dir)
+    try:
+        return _run_chosen(cfg, chosen, prints, run_dir, progress, lock_fd)
+    finally:
+        os.close(lock_fd)  # the stages that still hold it (none, normally) keep it until they exit
+
+
+def _run_chosen(cfg: ReproduceConfig, chosen: Sequence[Stage], prints: dict[str, str], run_dir: Path,
+                progress: Callable[[str], None], lock_fd: int) -> dict[str, dict[str, Any]]:
     start, spent, estimated = time.monotonic(), 0.0, 0.0
     results = {}
     for index, stage in enumerate(chosen, 1):
@@ -221,7 +235,7 @@ def run_stages(cfg: ReproduceConfig, stages: Sequence[Stage], run_dir: Path,
         progress(f"stage {index}/{len(chosen)} {stage.name}: {stage.description} (elapsed "
                  f"{_minutes(time.monotonic() - start)}, about {_minutes(left * pace)} left)")
         began = time.monotonic()
-        context = StageContext(cfg, run_dir, stage.name)
+        context = StageContext(cfg, run_dir, stage.name, lock_fd=lock_fd)
         stage_dir.mkdir(parents=True, exist_ok=True)
         write_marker(stage_dir, {"stage": stage.name, "fingerprint": prints[stage.name]}, STARTED)
         stage_results = stage.run(context)
@@ -235,5 +249,7 @@ def run_stages(cfg: ReproduceConfig, stages: Sequence[Stage], run_dir: Path,
             progress(f"stage {index}/{len(chosen)} {stage.name}: skipped: {stage_results['skipped']}")
         else:
             progress(f"stage {index}/{len(chosen)} {stage.name}: done in {_minutes(seconds)}")
-    progress(f"all {len(chosen)} stages finished in {_minutes(time.monotonic() - start)}; report: {run_dir / 'report' / 'report.md'}")
+    report = f"; report: {run_dir / 'report' / 'report.md'}" if any(s.name == "report" for s in chosen) else (
+        " (no report stage in this subset: add report to reproduce.stages for one)")
+    progress(f"all {len(chosen)} stages finished in {_minutes(time.monotonic() - start)}{report}")
     return results
