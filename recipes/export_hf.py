@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> Path:
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return export(str(cfg.checkpoint), str(cfg.output), dtype=cfg.dtype, weights=cfg.weights,
-                      max_shard_size=cfg.max_shard_size, overwrite=bool(cfg.overwrite), fp8=bool(cfg.fp8))
+                      max_shard_size=cfg.max_shard_size, overwrite=bool(cfg.overwrite), fp8=bool(cfg.fp8),
+                      tokenizer_dir=str(cfg.tokenizer_dir) if cfg.tokenizer_dir else None)
     except (ConfigError, OSError) as error:  # a clear one-line error, not a traceback
         raise SystemExit(f"export_hf: error: {error}") from error
 

@@ -45,9 +45,9 @@ def main(hydra_cfg: DictConfig) -> None:
     values = OmegaConf.to_container(hydra_cfg, resolve=True)
     values.pop("run_name", None)
     cfg = dataclass_from_dict(PasskeyConfig, values, "passkey").validate()
-    source = load_eval_model(cfg.checkpoint, device=cfg.device)
+    source = load_eval_model(cfg.checkpoint, device=cfg.device, tokenizer_dir=cfg.tokenizer_dir)  # the run's, or refused
     model = with_context(source.model, max(max(cfg.lengths), source.model.config.max_seq_len), cfg.rope_scaling)
-    tokenizer = Tokenizer.from_file(str(Path(cfg.tokenizer_dir or source.tokenizer_dir) / TOKENIZER_FILE))
+    tokenizer = Tokenizer.from_file(str(Path(source.tokenizer_dir) / TOKENIZER_FILE))
     table = passkey_accuracy(model, tokenizer, cfg.lengths, cfg.depths, cfg.per_depth, cfg.seed, cfg.device)
     out = Path(HydraConfig.get().runtime.output_dir) / "passkey.json"
     result = {"checkpoint": source.info, "rope_scaling": model.config.rope_scaling,

@@ -24,6 +24,7 @@ from dsl_lit.data.datamodule import PretrainDataModule
 from dsl_lit.scaling.planner.fits import refuse_what_cannot_fit
 from dsl_lit.training import PretrainModule
 from dsl_lit.training.build import fit, module_arguments, starting_weights
+from dsl_lit.training.run_tokenizer import record_run_tokenizer
 from dsl_lit.training.runs import check_vocab, exits_on_config_error, save_resolved_config
 
 
@@ -41,6 +42,7 @@ def main(hydra_cfg: DictConfig) -> None:
     # 2. Data: builds the tokenizer and packed shards on first use.
     datamodule = PretrainDataModule(cfg.data)
     check_vocab(cfg, datamodule)
+    record_run_tokenizer(cfg, datamodule.tokenizer_dir, initial_state)  # init_from's or refused; copied to the run dir
 
     # 3. The objective and fit (resuming from the run dir's latest checkpoint; SIGTERM exits 143).
     fit(cfg, PretrainModule(**module_arguments(cfg), initial_state=initial_state), datamodule)

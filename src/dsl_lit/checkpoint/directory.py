@@ -6,6 +6,8 @@
 - ``trainer_state.pt``: the rest of the checkpoint dict (loop, scheduler and data positions, loss
   scaler, RNG states), written by rank 0 (``torch.load(weights_only=True)``);
 - ``config.yaml``: the resolved run config;
+- ``tokenizer/``: a copy of the run's tokenizer (``<run dir>/tokenizer``, when the run recorded one:
+  :mod:`dsl_lit.checkpoint.tokenizer`), its hash in ``meta.json``'s ``tokenizer``;
 - ``meta.json``: written last, naming every file with its size and checksum
   (:mod:`dsl_lit.checkpoint.integrity`); a directory is published by an atomic rename only once
   complete, and a step saved again (after a resume fell back past it) replaces its directory the
@@ -63,6 +65,8 @@ from dsl_lit.checkpoint.sharded import (
     save_shards,
     split_tensors,
 )
+from dsl_lit.checkpoint.tokenizer import META_KEY as TOKENIZER_KEY
+from dsl_lit.checkpoint.tokenizer import checkpoint_record, copy_into_checkpoint
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.models.common.hf_adapter import few
 from dsl_lit.utils.fs import publish_dir
@@ -198,6 +202,7 @@ class DirectoryCheckpointIO(CheckpointIO):
                 (tmp / SHARDS).mkdir(parents=True)
                 torch.save(plain, tmp / STATE)
                 (tmp / CONFIG).write_text(yaml.safe_dump(self.resolved_config, sort_keys=False))
+                copy_into_checkpoint(final.parent.parent, tmp)  # the run's tokenizer (<run dir>/tokenizer), if recorded
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
@@ -226,6 +231,9 @@ class DirectoryCheckpointIO(CheckpointIO):
             hashing = time.perf_counter()
             meta = {"global_step": global_step, "complete": True, "files": files,
                     "checksum": ALGORITHM, "checksums": checksums(tmp, list(files))}
+            tokenizer = checkpoint_record(tmp)
+            if tokenizer is not None:
+                meta[TOKENIZER_KEY] = tokenizer
             hashing = time.perf_counter() - hashing
             (tmp / META).write_text(json.dumps(meta, indent=1))
             _fsync_tree(tmp)

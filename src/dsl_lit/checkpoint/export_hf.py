@@ -2,8 +2,8 @@
 
 The model is rebuilt from the checkpoint's ``config.yaml``, its weights read from the safetensors
 shards (whatever layout wrote them) and written by :func:`dsl_lit.hf.save_pretrained`; the run's
-tokenizer files go beside them, so ``AutoTokenizer`` and ``AutoModelForCausalLM`` both load the
-directory, and their bos/eos/pad ids go into config.json and generation_config.json
+tokenizer files (the copy it recorded, :mod:`dsl_lit.checkpoint.tokenizer`) go beside them, so
+``AutoTokenizer`` and ``AutoModelForCausalLM`` both load the directory, and their bos/eos/pad ids go into config.json and generation_config.json
 (:mod:`dsl_lit.hf.token_ids`), so that ``generate`` stops on the tokenizer's eos. It appears only
 once complete.
 """
@@ -16,11 +16,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from dsl_lit.checkpoint.reader import WEIGHT_SOURCES, find_checkpoint, load_checkpoint_model
+from dsl_lit.checkpoint.tokenizer import checkpoint_tokenizer
 from dsl_lit.config.errors import ConfigError
-from dsl_lit.data.format import TOKENIZER_DIR
 from dsl_lit.data.tokenizer_dir import TOKENIZER_FILES
 from dsl_lit.hf.io import resolve_dtype, save_pretrained
 from dsl_lit.hf.token_ids import hf_token_ids, write_token_ids
@@ -29,16 +27,13 @@ from dsl_lit.utils.fs import publish_dir
 log = logging.getLogger(__name__)
 
 
-def run_tokenizer_dir(checkpoint: Path) -> Path | None:
-    """The tokenizer the checkpoint's run trained with: post-training's ``tokenizer_dir``, else
-    ``data.tokenizer_dir``, else the data cache's own (None if it is gone)."""
-    raw = yaml.safe_load((checkpoint / "config.yaml").read_text(encoding="utf-8")) or {}
-    data = raw.get("data") or {}
-    for candidate in (raw.get("tokenizer_dir"), data.get("tokenizer_dir"),
-                      data.get("cache_dir") and Path(data["cache_dir"]) / TOKENIZER_DIR):
-        if candidate and (Path(candidate) / TOKENIZER_FILES[0]).is_file():
-            return Path(candidate)
-    return None
+def run_tokenizer_dir(checkpoint: Path, given: str | Path | None = None) -> Path | None:
+    """The tokenizer the checkpoint's run trained with: the copy it recorded (``given``, the user's
+    ``tokenizer_dir``, only if it is that tokenizer: else a ConfigError naming both hashes); for a
+    checkpoint written before runs recorded theirs, ``given``, else post-training's
+    ``tokenizer_dir``, ``data.tokenizer_dir`` or the data cache's, with a warning (None if gone).
+    :func:`dsl_lit.checkpoint.tokenizer.checkpoint_tokenizer`."""
+    return checkpoint_tokenizer(checkpoint, given, "tokenizer_dir")
 
 
 def copy_tokenizer_files(source: Path, target: Path) -> list[str]:
@@ -59,12 +54,14 @@ def export(
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
     fp8: bool = False,
+    tokenizer_dir: str | Path | None = None,
 ) -> Path:
     """Write ``checkpoint`` as a Hugging Face model directory at ``output``; returns it.
 
     The directory is written beside ``output`` and renamed into place once complete. An existing
     non-empty ``output`` is replaced only with ``overwrite``. ``fp8``: DeepSeek-V3's block-FP8
-    release format (``save_pretrained(..., fp8=True)``).
+    release format (``save_pretrained(..., fp8=True)``). ``tokenizer_dir``: the tokenizer to pack
+    (None: the one the run recorded; one of another hash is refused, :func:`run_tokenizer_dir`).
     """
     out = Path(output)
     if out.exists() and not out.is_dir():
@@ -78,8 +75,8 @@ def export(
     if directory.resolve().is_relative_to(out.resolve()):
         raise ConfigError(f"output={output} would replace the checkpoint {directory}; write elsewhere")
 
+    tokenizer = run_tokenizer_dir(directory, tokenizer_dir)  # before the weights are read: a refusal is quick
     model, info = load_checkpoint_model(directory, weights=weights, dtype=dtype)
-    tokenizer = run_tokenizer_dir(directory)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -36,8 +36,8 @@ def evaluate_checkpoint(cfg: EvaluateConfig, run_dir: str | Path) -> dict[str, A
     scalars to W&B when enabled, and returns lm-eval's results."""
     device = eval_device(cfg.device)
     with Harness(cfg) as harness:
-        source = load_eval_model(cfg.checkpoint, cfg.weights, device)
-        tokenizer_dir = cfg.tokenizer_dir or source.tokenizer_dir
+        source = load_eval_model(cfg.checkpoint, cfg.weights, device, tokenizer_dir=cfg.tokenizer_dir)
+        tokenizer_dir = source.tokenizer_dir  # the run's recorded tokenizer; a given one of another hash is refused
         if tokenizer_dir is None or not Path(tokenizer_dir).is_dir():
             raise ConfigError(f"no tokenizer for {cfg.checkpoint} (looked in {tokenizer_dir}); "
                               "set tokenizer_dir=<directory with tokenizer.json>")

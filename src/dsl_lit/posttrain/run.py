@@ -1,6 +1,7 @@
 """What every post-training recipe does before building its module: validate both config halves,
 prepare the tokenizer, and resolve the starting weights (whose model config then replaces the
-``model`` group, so the run's checkpoints rebuild the right architecture)."""
+``model`` group, so the run's checkpoints rebuild the right architecture, and whose recorded
+tokenizer replaces the default ``tokenizer_dir``: :mod:`dsl_lit.training.run_tokenizer`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from dsl_lit.config import ParallelConfig, TrainConfig
 from dsl_lit.config.errors import ConfigError
@@ -25,6 +26,7 @@ from dsl_lit.training.build import (  # also registers ${project_root:}
 )
 from dsl_lit.training.build import fit as fit_run
 from dsl_lit.training.pretrained import StartingWeights
+from dsl_lit.training.run_tokenizer import record_run_tokenizer, starting_tokenizer
 from dsl_lit.training.runs import check_vocab, require_vocab, save_resolved_config
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,11 @@ def setup_posttrain(hydra_cfg: DictConfig, run_dir: str, init_from: str | None =
     cfg = TrainConfig.from_hydra(hydra_cfg, run_dir=run_dir, post_training=True)
     post = cfg.post
     initial_state = starting_weights(cfg, init_from or cfg.init_from)
+    # the tokenizer the starting checkpoint recorded, rather than the data cache's latest build
+    is_default = "tokenizer_dir" in hydra_cfg and OmegaConf.is_interpolation(hydra_cfg, "tokenizer_dir")
+    chosen = starting_tokenizer(post.tokenizer_dir, is_default, initial_state)
+    if chosen != post.tokenizer_dir:
+        post.tokenizer_dir = cfg.raw["tokenizer_dir"] = chosen
     refuse_what_cannot_fit(cfg)
     save_resolved_config(cfg)
     datamodule = PretrainDataModule(cfg.data)
@@ -55,6 +62,7 @@ def setup_posttrain(hydra_cfg: DictConfig, run_dir: str, init_from: str | None =
     except ValueError as error:
         raise ConfigError(str(error)) from None
     require_vocab(tokenizer.meta, cfg.model.vocab_size, f"tokenizer_dir={post.tokenizer_dir}")
+    record_run_tokenizer(cfg, post.tokenizer_dir, initial_state, fix="leave tokenizer_dir unset to train with it")
     return PostTrainSetup(cfg, post, tokenizer, initial_state)
 
 

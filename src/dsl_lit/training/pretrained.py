@@ -29,6 +29,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from dsl_lit.checkpoint.files import SHARDS
 from dsl_lit.checkpoint.reader import PREFIX, find_checkpoint, model_config
 from dsl_lit.checkpoint.sharded import saved_tensors
+from dsl_lit.checkpoint.tokenizer import RecordedTokenizer, recorded_tokenizer
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.hf.reader import CONFIG_NAME, HFCheckpoint, check_state_dict
 from dsl_lit.memory.host import peak_rss_bytes
@@ -61,6 +62,12 @@ class StartingWeights:
     """The ``model`` config group that rebuilds :attr:`config` (it replaces the run's)."""
     hf: HFCheckpoint | None
     """The opened HF directory (None: our checkpoint)."""
+
+    @property
+    def recorded_tokenizer(self) -> RecordedTokenizer | None:
+        """The tokenizer our checkpoint's run trained with (None: an HF directory, or a checkpoint
+        written before runs recorded theirs): :mod:`dsl_lit.checkpoint.tokenizer`."""
+        return None if self.hf is not None else recorded_tokenizer(self.path)
 
     @classmethod
     def open(cls, path: str | Path) -> StartingWeights:
