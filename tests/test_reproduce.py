@@ -410,3 +410,18 @@ def test_one_run_per_run_dir_and_no_stage_outlives_its_run(tmp_path):
     while not out.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert out.read_text() == "SIGTERM"
+
+
+@pytest.mark.parametrize("content", ['{"results": {"arc": {"acc,none": 0.5', "[]", '{"configs": {}}'])
+def test_a_cut_off_results_file_is_scored_again_not_a_traceback(tmp_path, content, caplog):
+    """Before: a truncated per-model results.json (written in place) was a JSON traceback."""
+    import logging
+
+    from dsl_lit.reproduce.stages import scored
+
+    (tmp_path / "results.json").write_text(content)
+    with caplog.at_level(logging.WARNING):
+        assert scored(tmp_path) is None
+    assert "is not a complete lm-eval results file (cut off?): scoring this checkpoint again" in caplog.text
+    (tmp_path / "results.json").write_text('{"results": {"arc": {"acc,none": 0.5}}}')
+    assert scored(tmp_path) == {"arc": {"acc,none": 0.5}}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -69,8 +70,10 @@ def write_results(results: dict[str, Any], out_dir: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     aggregated = {k: v for k, v in results.items() if k != "samples"}
     path = out / RESULTS_FILE
-    path.write_text(json.dumps(aggregated, indent=2, default=handle_non_serializable, ensure_ascii=False),
-                    encoding="utf-8")
+    partial = out / f".{RESULTS_FILE}.tmp"  # then renamed: a kill mid-write leaves no truncated results.json
+    partial.write_text(json.dumps(aggregated, indent=2, default=handle_non_serializable, ensure_ascii=False),
+                       encoding="utf-8")
+    os.replace(partial, path)
     for task, samples in (results.get("samples") or {}).items():
         lines = (json.dumps(s, default=handle_non_serializable, ensure_ascii=False) for s in samples)
         (out / f"samples_{task}.jsonl").write_text("".join(line + "\n" for line in lines), encoding="utf-8")

@@ -352,14 +352,33 @@ def evaluate(ctx: StageContext) -> dict[str, Any]:
     scores = {}
     for model in EVALUATED:
         out = ctx.dir / model
-        if not (out / "results.json").is_file():
+        results = scored(out)
+        if results is None:
             ctx.recipe("evaluate.py", [path_override("checkpoint", ctx.dir_of(model)), *limit, "bootstrap_iters=0",
                                        f"device={ctx.cfg.device}"], run_dir=out)
-        results = json.loads((out / "results.json").read_text())["results"]
+            results = scored(out)
+        if results is None:
+            raise ConfigError(f"stage evaluate: {out / 'results.json'} is still unreadable after scoring {model} again")
         scores[model] = {task: {k.split(",")[0]: v for k, v in metrics.items()
                                 if isinstance(v, (int, float)) and "stderr" not in k}
                          for task, metrics in results.items()}
     return {"scores": scores}
+
+
+def scored(out: Path) -> dict[str, Any] | None:
+    """The ``results`` of ``out/results.json`` that an earlier evaluation left (None: none yet, or one
+    cut off or not ours, which is said and scored again rather than a traceback)."""
+    path = out / "results.json"
+    if not path.is_file():
+        return None
+    try:
+        results = json.loads(path.read_text()).get("results")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        results = None
+    if not isinstance(results, dict):
+        log.warning("%s is not a complete lm-eval results file (cut off?): scoring this checkpoint again", path)
+        return None
+    return results
 
 
 def report(ctx: StageContext) -> dict[str, Any]:
