@@ -217,9 +217,11 @@ def test_another_loss_on_the_same_logits_gets_the_out_of_place_gradient(dtype, b
         logits = source * 1
         seen = []
         logits.register_hook(seen.append)  # registered first: must still see the complete gradient
+        logits.retain_grad()
         other = fn(logits, targets) if before else None
         loss = cross_entropy(logits, targets, chunk_rows=5, inplace_backward=inplace)
         (loss + (other if before else fn(logits, targets))).backward()
+        assert torch.equal(logits.grad, seen[0])
         return source.grad.clone(), seen[0], logits
 
     grad, seen, logits = run(inplace=True)
