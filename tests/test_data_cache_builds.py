@@ -82,3 +82,27 @@ def test_prepare_cache_twice_is_a_no_op(tmp_path):
     meta = (build_dir(cfg) / SHARDS_DIR / META_FILE).stat().st_mtime_ns
     prepare_cache(cfg)
     assert (build_dir(cfg) / SHARDS_DIR / META_FILE).stat().st_mtime_ns == meta
+
+
+def test_a_damaged_build_record_is_built_again_not_a_traceback(tmp_path, caplog):
+    """Before: a cut-off meta.json in a cache (the build's record) was a JSON traceback at start-up."""
+    import logging
+
+    import pytest
+
+    from dsl_lit.config.data import DataConfig
+    from dsl_lit.data.packed import PackedTokens
+
+    cfg = DataConfig(corpus_dir=str(ROOT / "data" / "corpus"), cache_dir=str(tmp_path / "cache"))
+    prepare_cache(cfg)
+    meta = tmp_path / "cache" / TOKENIZER_DIR / META_FILE
+    meta.write_text(meta.read_text()[: len(meta.read_text()) // 2])
+    with caplog.at_level(logging.WARNING):
+        assert stale_reason(cfg) is not None
+    assert "is not a complete build record (cut off or damaged)" in caplog.text
+    prepare_cache(cfg)
+    assert stale_reason(cfg) is None and json.loads(meta.read_text())
+    shards = tmp_path / "cache" / SHARDS_DIR
+    (shards / META_FILE).write_text("{")
+    with pytest.raises(ValueError, match=r"meta\.json is damaged .*build the data again"):
+        PackedTokens(shards)

@@ -39,8 +39,19 @@ OWN_STAGES = (["train_tokenizer", "tokenize_pack"], ["tokenize_pack"],
 
 
 def _read_meta(directory: Path) -> dict[str, Any] | None:
+    """A build's meta.json; None when absent, or cut off or not an object (said once): the build is
+    then as good as missing, so it is made again rather than a traceback."""
     path = directory / META_FILE
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        meta = None
+    if not isinstance(meta, dict):
+        log.warning("%s is not a complete build record (cut off or damaged): treating that build as missing", path)
+        return None
+    return meta
 
 
 def stale_reason(cfg: DataConfig) -> str | None:
@@ -190,6 +201,16 @@ def _holds_a_real_build(cache: Path) -> bool:
     return shards.is_dir() and not shards.is_symlink()
 
 
+def _set_damaged_aside(build: Path) -> None:
+    """A build whose record (a meta.json) is there but unreadable is moved aside, never deleted,
+    so that the pipeline, whose own records say that work is done, builds it afresh."""
+    records = [build / name / META_FILE for name in (TOKENIZER_DIR, SHARDS_DIR)]
+    if any(r.is_file() for r in records) and any(r.is_file() and _read_meta(r.parent) is None for r in records):
+        aside = build.with_name(f"damaged-{build.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        build.rename(aside)
+        log.warning("data: %s had a damaged build record: moved to %s, building it again", build, aside)
+
+
 def _point_at(cache: Path, build: Path) -> None:
     """Make ``cache/tokenizer`` and ``cache/shards`` (what configs name: ``${data.cache_dir}/tokenizer``)
     relative links to ``build``'s, each replaced atomically. A real directory there (a build made
@@ -237,6 +258,7 @@ def prepare_cache(cfg: DataConfig) -> None:
         build_cfg = dataclasses.replace(cfg, cache_dir=str(build))
         build_reason = stale_reason(build_cfg)
         if build_reason is not None:
+            _set_damaged_aside(build)
             log.info("data: building %s: %s", build, reason or build_reason)
             start = time.perf_counter()
             run_pipeline(build_cfg)

@@ -28,10 +28,14 @@ class PackedTokens:
         meta_path = self.path / META_FILE
         if not meta_path.is_file():
             raise FileNotFoundError(f"{meta_path} missing: not a complete packed dataset (build it first)")
-        self.meta: dict[str, Any] = json.loads(meta_path.read_text(encoding="utf-8"))
-        if self.meta.get("format_version") != FORMAT_VERSION:
+        try:
+            self.meta: dict[str, Any] = json.loads(meta_path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ValueError(f"{meta_path} is damaged ({error}): build the data again (delete {self.path})") from None
+        if not isinstance(self.meta, dict) or self.meta.get("format_version") != FORMAT_VERSION:
             raise ValueError(
-                f"{self.path}: format_version {self.meta.get('format_version')} != {FORMAT_VERSION}"
+                f"{self.path}: format_version "
+                f"{self.meta.get('format_version') if isinstance(self.meta, dict) else None} != {FORMAT_VERSION}"
             )
         self.dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")
         sizes = [s["num_tokens"] for s in self.meta["shards"]]
