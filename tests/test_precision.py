@@ -211,3 +211,17 @@ def test_a_run_that_skipped_every_step_does_not_end_complete():
         _bf16_trainer(_NaNGradient(), 3).fit(
             module, train_dataloaders=DataLoader([_batch(s) for s in range(3)], batch_size=None))
     assert module.steps_applied == 0
+
+
+def test_the_fp8_recipe_names_validation_accepts_are_the_ones_the_transform_knows():
+    """Two lists (``config/precision.py`` for validation, ``precision/fp8_recipes.py`` for the
+    transform): a name in one only would pass validation and fail inside the transform, or the
+    reverse (issue 42)."""
+    from dsl_lit.config import precision as config_precision
+    from dsl_lit.precision.fp8_recipes import FP8_RECIPES, RECIPES
+
+    assert config_precision.FP8_RECIPES == FP8_RECIPES == tuple(RECIPES)
+    from tests.conftest import ROOT
+
+    conf_names = {p.stem for p in (ROOT / "conf" / "precision").glob("fp8_*.yaml")}
+    assert conf_names == set(FP8_RECIPES), conf_names ^ set(FP8_RECIPES)
