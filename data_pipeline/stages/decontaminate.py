@@ -13,7 +13,13 @@ What an evaluation set yields (``decontaminate.eval_sets``: files or directories
   for multiple choice): the distractors are not the benchmark's answers and stay;
 * a ``.jsonl`` or ``.parquet`` file: every string (and list of strings) in every record.
 
-Texts are compared as lower-cased words (letters and digits; punctuation and spacing ignored). A
+Texts are compared as words (letters and digits; punctuation and spacing ignored) of their canonical
+form (:func:`canonical`), the same for the evaluation texts and the training documents, so that a
+copy disguised by Unicode is caught whether or not a ``normalize`` stage ran first (the data
+module's own build has none): compatibility forms (fullwidth, ligatures, mathematical letters)
+decomposed (NFKD), combining marks and default-ignorable code points (soft hyphens, zero-width
+spaces and joiners, the combining grapheme joiner, variation selectors, BOMs, bidi controls) dropped,
+Cyrillic and Greek letters that look like Latin ones mapped to them, and case folded. A
 text of ``ngram`` words or more contributes its ``ngram``-word windows; a shorter one of at least
 ``min_words`` words contributes itself whole (a short benchmark sentence is still a leak); shorter
 ones nothing (``"5 + 6"`` is not evidence of contamination).
@@ -23,8 +29,10 @@ from __future__ import annotations
 
 import ast
 import dataclasses as dc
+import functools
 import json
 import re
+import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,10 +50,61 @@ from dsl_lit.config.errors import ConfigError
 BUNDLED_TASKS = Path(__file__).resolve().parents[2] / "data" / "eval_tasks"
 """The project's own lm-eval tasks: the default evaluation sets."""
 _WORD = re.compile(r"[^\W_]+")
+TEXT_FORM = "nfkd-nomarks-noignorables-confusables-casefold/1"
+"""What :func:`canonical` does (in the stage's settings: changing it reruns the stage)."""
+
+# Unicode's Default_Ignorable_Code_Point (DerivedCoreProperties.txt): drawn as nothing.
+_IGNORABLE_BMP = ("\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180b-\u180f\u200b-\u200f\u202a-\u202e"
+                  "\u2060-\u206f\u3164\ufe00-\ufe0f\ufeff\uffa0\ufff0-\ufff8")
+_IGNORABLE_ASTRAL = ((0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A), (0xE0000, 0xE0FFF))
+# Letters drawn like Latin ones (Latin targets of Cyrillic and Greek letters in Unicode's
+# confusables.txt, and the lower-case forms of capitals that look Latin, since case is folded after).
+_CONFUSABLES = str.maketrans({
+    # Cyrillic capitals and small letters
+    "А": "A", "В": "B", "Е": "E", "К": "K", "М": "M", "Н": "H", "О": "O", "Р": "P", "С": "C", "Т": "T",
+    "У": "Y", "Х": "X", "Ѕ": "S", "І": "I", "Ј": "J", "Ԛ": "Q", "Ԝ": "W", "Ү": "Y", "Һ": "H", "Ӏ": "I",
+    "а": "a", "в": "b", "е": "e", "к": "k", "м": "m", "н": "h", "о": "o", "р": "p", "с": "c", "т": "t",
+    "у": "y", "х": "x", "ѕ": "s", "і": "i", "ј": "j", "ԛ": "q", "ԝ": "w", "ү": "y", "һ": "h", "ӏ": "l",
+    "ԁ": "d", "ɡ": "g", "ѵ": "v", "ѡ": "w",
+    # Greek capitals and small letters
+    "Α": "A", "Β": "B", "Ε": "E", "Ζ": "Z", "Η": "H", "Ι": "I", "Κ": "K", "Μ": "M", "Ν": "N", "Ο": "O",
+    "Ρ": "P", "Τ": "T", "Υ": "Y", "Χ": "X", "ϲ": "c", "Ϲ": "C", "ϳ": "j",
+    "α": "a", "β": "b", "ε": "e", "ζ": "z", "η": "h", "ι": "i", "κ": "k", "μ": "m", "ν": "v", "ο": "o",
+    "ρ": "p", "τ": "t", "υ": "u", "χ": "x", "γ": "y",
+    # Latin letters drawn like others
+    "ı": "i", "ȷ": "j", "ɑ": "a", "ʏ": "y", "ɩ": "i",
+})
+_LOOKALIKE = re.compile("[" + "".join(map(chr, _CONFUSABLES)) + "]")
+
+
+@functools.cache
+def _dropped() -> tuple[re.Pattern[str], dict[int, None]]:
+    """Default-ignorable code points and combining marks (Mn, Me; all below U+20000): those of the
+    Basic Multilingual Plane as a pattern (a bitmap to the regex engine), the others as a
+    ``str.translate`` table (a pattern holding them would be matched range by range)."""
+    marks = [c for c in range(0x300, 0x20000) if unicodedata.category(chr(c)) in ("Mn", "Me")]
+    bmp = re.compile("[" + _IGNORABLE_BMP + "".join(re.escape(chr(c)) for c in marks if c < 0x10000) + "]+")
+    astral = [c for c in marks if c >= 0x10000] + [c for lo, hi in _IGNORABLE_ASTRAL for c in range(lo, hi + 1)]
+    return bmp, dict.fromkeys(astral)
+
+
+def canonical(text: str) -> str:
+    """The form texts are compared in: ``"Ｔhe c\u00adat"``, ``"Тhе cat"`` (Cyrillic) and
+    ``"THE CAT"`` are all ``"the cat"``."""
+    if text.isascii():
+        return text.lower()
+    bmp, astral = _dropped()
+    text = bmp.sub("", unicodedata.normalize("NFKD", text))
+    if text and max(text) > "\uffff":
+        text = text.translate(astral)
+    if _LOOKALIKE.search(text):
+        text = text.translate(_CONFUSABLES)
+    return text.casefold()
 
 
 def words(text: str) -> list[str]:
-    return _WORD.findall(text.lower())
+    """The words ``text`` is compared by: of its canonical form (:func:`canonical`)."""
+    return _WORD.findall(canonical(text))
 
 
 @dataclass
@@ -233,7 +292,8 @@ class Decontaminate(Stage):
 
         files = [str(f.resolve()) for p in self.config.paths()
                  for f in (sorted(p.rglob("*")) if p.is_dir() else [p]) if f.is_file()]
-        return {**dc.asdict(self.config), "eval_content": listing_digest(file_listing(Path("/"), files, 1 << 30))}
+        return {**dc.asdict(self.config), "text_form": TEXT_FORM,
+                "eval_content": listing_digest(file_listing(Path("/"), files, 1 << 30))}
 
     def steps(self) -> list[Step]:
         return [self.step(run_unit, writes_documents=True)]
