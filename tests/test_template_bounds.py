@@ -80,8 +80,10 @@ PAYLOADS = {
                        r"took more than 1000000 steps|recursed too deeply"),
     "lipsum": ("{{ lipsum(n=2000000) }}", r"lipsum\(n=2000000, max=100\) would build up to"),
     "urlize": ("{{ ('a ' * 1999999)|urlize }}", r"took more than 1000000 steps"),
-    "unknown_method": ("{{ 'x'.removeprefix('y') ~ 'x'.isascii() ~ (2).bit_length() }}{{ 'x'.__len__() }}",
-                       r"sandbox blocked"),
+    "dunder_method": ("{{ 'x'.removeprefix('y') ~ 'x'.isascii() ~ (2).bit_length() }}{{ 'x'.__len__() }}",
+                      r"sandbox blocked"),
+    "list_of_a_range": ("{{ range(1000000)|list|length }}", r"the list filter would hold 8000001 characters"),
+    "replace_filter_non_string": ("{{ [('x' * 100000)]|replace('x', 'y' * 1000) }}", r"the replace filter would hold"),
 }
 
 
@@ -153,6 +155,14 @@ def test_every_method_filter_and_operator_is_accounted_for():
     filters = set(ImmutableSandboxedEnvironment().filters)
     assert filters <= set(ct._FILTER_SIZES) | ct._FILTERS_WITHIN_INPUT, filters - set(ct._FILTER_SIZES) - ct._FILTERS_WITHIN_INPUT
     assert ct.BoundedSandbox.intercepted_binops == {"+", "-", "*", "/", "//", "%", "**"}
+    known = ct._METHODS_WITHIN_INPUT
+    try:
+        ct._METHODS_WITHIN_INPUT = known - {"removeprefix"}  # as if a newer Python had added it
+        with pytest.raises(ConfigError, match="str.removeprefix is not a method the template sandbox knows"):
+            _render("{{ 'xy'.removeprefix('x') }}")
+    finally:
+        ct._METHODS_WITHIN_INPUT = known
+    assert _render("{{ 'xy'.removeprefix('x') }}") == "y"
     env = compile_template("x").environment
     assert env.globals["lipsum"] is ct._bounded_lipsum and env.globals["range"] is ct._bounded_range
 

@@ -282,7 +282,7 @@ def _replace_size(s: Any, old: Any, new: Any, count: Any) -> int:
 
 def _join_size(separator: Any, items: Any) -> int:
     items = list(items) if isinstance(items, (list, tuple, dict, set, frozenset, str)) else []
-    return sum(_text_size(i) for i in items) + len(str(separator)) * max(len(items) - 1, 0)
+    return sum(_text_size(i) for i in items) + _text_size(separator) * max(len(items) - 1, 0)
 
 
 def _translate_size(s: Any, table: Any) -> int:
@@ -386,11 +386,13 @@ def _json_size(value: Any, indent: Any = None, separators: Any = None, **_: Any)
 # character (_FILTER_STEPS): a filter is one call, not checked while it runs.
 _FILTER_SIZES: dict[str, Any] = {
     "center": lambda v, width=80, *_: max(_text_size(v), _int(width)),
-    "format": lambda v, *args, **kw: _percent_size(str(v), kw or tuple(args)),
+    "format": lambda v, *args, **kw: _percent_size(v, kw or tuple(args)) if isinstance(v, str) else (
+        _text_size(v) + _text_size(kw or args)),
     "join": lambda v, d="", *_, **__: _join_size(d, v),
     "indent": lambda v, width=4, *_, **__: _text_size(v) + _lines(v) * (
         _int(width) if isinstance(width, int) else len(str(width))),
-    "replace": lambda v, old="", new="", count=None: _replace_size(str(v), str(old), str(new), count),
+    "replace": lambda v, old="", new="", count=None: _replace_size(v, old, new, count) if isinstance(v, str) else (
+        _text_size(v) * (1 + _text_size(new))),
     "wordwrap": lambda v, width=79, brk=True, wrapstring=None, *_, **__: _text_size(v) * (
         1 + len(wrapstring if isinstance(wrapstring, str) else "\n")),
     "truncate": lambda v, length=255, killwords=False, end="...", *_, **__: _text_size(v) + len(str(end)),
@@ -408,7 +410,7 @@ _FILTER_SIZES: dict[str, Any] = {
     "urlencode": lambda v: 12 * _text_size(v),
     "string": lambda v: _text_size(v),
     "safe": lambda v: _text_size(v),
-    "list": lambda v: _measure(v) + _ITEM * (len(v) if isinstance(v, str) else 0),
+    "list": lambda v: _measure(v) + _ITEM * (len(v) if isinstance(v, (str, range)) else 0),
     "wordcount": lambda v: _text_size(v) + _ITEM * (_text_size(v) // 2 + 1),
     "sum": lambda v, attribute=None, start=0: _measure(v) + _measure(start),
     "title": lambda v: 3 * _text_size(v),
