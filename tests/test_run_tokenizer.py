@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -32,10 +33,11 @@ from dsl_lit.checkpoint.tokenizer import (
     recorded_tokenizer,
     tokenizer_sha256,
 )
+from dsl_lit.config import CheckpointConfig
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.data.format import file_sha256
 from dsl_lit.training.pretrained import StartingWeights
-from dsl_lit.training.run_tokenizer import starting_tokenizer
+from dsl_lit.training.run_tokenizer import record_run_tokenizer, starting_tokenizer
 from tests.conftest import ROOT
 from tests.forked_python import run_python
 
@@ -126,6 +128,38 @@ def test_init_from_trains_with_the_recorded_tokenizer_in_place_of_the_default(tm
     with pytest.raises(ConfigError, match=rf"tokenizer_dir={b} is not the tokenizer init_from=.*step-1 was trained"):
         starting_tokenizer(str(b), False, weights)
     assert starting_tokenizer(str(b), True, None) == str(b)  # random init: nothing recorded to follow
+
+
+def test_a_run_copies_its_tokenizer_and_refuses_another_on_resume_or_from_init_from(tmp_path):
+    a, b = fake_tokenizer(tmp_path / "a", "tokenizer A"), fake_tokenizer(tmp_path / "b", "tokenizer B")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "resolved_config.yaml").write_text("trainer: {max_steps: 1}\n")
+    cfg = SimpleNamespace(run_dir=str(run), checkpoint=CheckpointConfig())
+    record = record_run_tokenizer(cfg, a)
+    assert record == {"sha256": tokenizer_sha256(a), "source": str(a.resolve())}
+    assert (run / "tokenizer" / "tokenizer.json").read_text() == "tokenizer A"
+    resolved = yaml.safe_load((run / "resolved_config.yaml").read_text())
+    assert resolved["trainer"] == {"max_steps": 1} and resolved["run_tokenizer"]["sha256"] == record["sha256"]
+    step = save_step(run)
+    # resuming that checkpoint with another tokenizer (its corpus or tokenizer settings changed): refused
+    with pytest.raises(ConfigError, match=r"the checkpoint it resumes, .*step-1, was trained with the tokenizer"):
+        record_run_tokenizer(cfg, b)
+    assert (run / "tokenizer" / "tokenizer.json").read_text() == "tokenizer A"
+    assert record_run_tokenizer(cfg, a) == record  # the same one: resumes
+    afresh = SimpleNamespace(run_dir=str(run), checkpoint=CheckpointConfig(resume=False))
+    record_run_tokenizer(afresh, b)  # training from step 0 in the same run dir: its copy follows
+    assert (run / "tokenizer" / "tokenizer.json").read_text() == "tokenizer B"
+    # pretraining from that checkpoint on data packed with another tokenizer: refused, saying how to pack with it
+    weights = StartingWeights(step, None, {}, None)
+    other = SimpleNamespace(run_dir=str(tmp_path / "other"), checkpoint=CheckpointConfig())
+    with pytest.raises(ConfigError) as refused:
+        record_run_tokenizer(other, b, weights)
+    message = str(refused.value)
+    assert "\n" not in message and f"init_from={step} was trained with the tokenizer" in message
+    assert tokenizer_sha256(a)[:12] in message and tokenizer_sha256(b)[:12] in message
+    assert f"data.tokenizer_dir={step / 'tokenizer'}" in message
+    assert not (tmp_path / "other" / "tokenizer").exists()
 
 
 # -- slow: the recipes end to end, one cache dir rebuilt for a second corpus ---------------------------------
