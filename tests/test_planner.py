@@ -133,13 +133,17 @@ def test_search_finds_layouts_that_fit_fastest_first():
 
 
 def test_memory_estimate_matches_a_real_cpu_step():
-    """Peak resident memory of real PretrainModule steps (fp32, CPU) vs the estimate, within 20%."""
+    """Peak resident memory of real PretrainModule steps (fp32, CPU) vs the estimate. The estimate
+    counts tensors; the process also holds what the allocator and the BLAS library keep as
+    transient workspace, which depends on the CPU: the same code measured 236 MiB estimated against
+    ~295 MiB on an AMD EPYC and 315 MiB on an Intel Xeon with AMX (2026-11-27, the session's starting
+    commit too). So the estimate may run low by up to 30% (that workspace), never high by over 5%."""
     sys.path.insert(0, str(ROOT))
     from benchmarks.planner_memory import estimate, measure
 
     case = ("deepseek_llm_tiny", 8, 4, 256, "none")  # two micro-batches: gradients exist during backward
     est, meas = estimate(*case), measure(*case, steps=2)
-    assert est == pytest.approx(meas, rel=0.20), f"estimated {est / 2**20:.0f} MiB, measured {meas / 2**20:.0f} MiB"
+    assert 0.70 * meas <= est <= 1.05 * meas, f"estimated {est / 2**20:.0f} MiB, measured {meas / 2**20:.0f} MiB"
 
 
 def test_plan_recipe_writes_plan_json_and_searches(tmp_path, capsys):

@@ -227,3 +227,21 @@ def test_sft_refuses_such_a_template_in_one_line(tmp_path):
     assert "tokenizer_config.json: the render took more than 1000000 steps" in result.stderr
     assert "Traceback" not in result.stderr
     assert time.perf_counter() - start < 120
+
+
+@pytest.mark.parametrize("source, message", [
+    ("{{ 1/0 }}", "the chat template failed: ZeroDivisionError"),
+    ("{% include 'other.jinja' %}", "the chat template includes or imports another file"),
+    ("{{ (1).bit_length(2) }}", "the chat template failed: TypeError"),
+])
+def test_a_template_that_fails_in_its_own_code_is_one_line(source, message):
+    """Before: ZeroDivisionError / TypeError tracebacks, and an include read as the conversation's fault."""
+    template = ChatTemplate(source, {"eos_token": "</s>"}, origin="tok/tokenizer_config.json")
+    with pytest.raises(ConfigError, match=rf"^tok/tokenizer_config\.json: {message}"):
+        template.render([{"role": "user", "content": "hi"}])
+
+
+def test_special_tokens_given_as_lists_are_one_line():
+    with pytest.raises(ConfigError, match=r"special token eos_token=\['</s>'\] must be one string .*not a list$"):
+        ChatTemplate("{{ eos_token }}", {"eos_token": ["</s>"]}, origin="tok")
+    assert ChatTemplate("{{ eos_token }}", {"eos_token": {"content": "</s>"}}).render([]) == "</s>"

@@ -31,7 +31,7 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
-from jinja2 import TemplateError, nodes, pass_context
+from jinja2 import TemplateError, TemplateNotFound, nodes, pass_context
 from jinja2.compiler import CodeGenerator, Frame
 from jinja2.exceptions import SecurityError
 from jinja2.ext import loopcontrols
@@ -40,6 +40,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace, _PassArg, generate_lorem_ipsum
 
 from dsl_lit.config.errors import ConfigError
+from dsl_lit.data.tokenizer_dir import token_string
 
 Message = Mapping[str, Any]
 Span = tuple[int, int]
@@ -680,6 +681,19 @@ def _one_line(error: BaseException) -> str:
     return " ".join(str(error).split())[:300]
 
 
+SELF_CONTAINED = "a chat template must be one self-contained template (the sandbox loads no other file)"
+
+
+def special_token(name: str, value: Any, origin: str) -> str:
+    """A special token as the template sees it: a string, or the ``content`` of Hugging Face's
+    ``AddedToken`` form (``{"content": "<s>", ...}``); anything else (a list) is one line naming it."""
+    value = token_string(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"{origin}: special token {name}={value!r} must be one string (or {{'content': ...}}), "
+                          f"not a {type(value).__name__}")
+    return value
+
+
 class ChatTemplate:
     """``source`` rendered with the tokenizer's special tokens (``bos_token``, ``eos_token``, ...)."""
 
@@ -691,7 +705,7 @@ class ChatTemplate:
             self.template = compile_template(source)
         except TemplateError as error:  # syntax errors: one line naming the file
             raise ConfigError(f"{origin}: the chat template does not compile: {error}") from None
-        self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
+        self.special_tokens = {k: special_token(k, v, origin) for k, v in special_tokens.items() if v is not None}
         self.eos_token = self.special_tokens.get("eos_token")
 
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
@@ -702,6 +716,8 @@ class ChatTemplate:
                                            "add_generation_prompt": add_generation_prompt, **self.special_tokens})
         except TemplateLimitError as error:
             raise ConfigError(f"{self.origin}: {error}; the chat template is refused") from None
+        except TemplateNotFound as error:
+            raise ConfigError(f"{self.origin}: the chat template includes or imports {error.name!r}: {SELF_CONTAINED}") from None
         except TemplateError as error:
             if isinstance(error, SecurityError):
                 raise ConfigError(f"{self.origin}: the sandbox blocked the chat template: {_one_line(error)}") from None
@@ -710,6 +726,10 @@ class ChatTemplate:
             raise ConfigError(f"{self.origin}: the chat template recursed too deeply") from None
         except MemoryError:
             raise ConfigError(f"{self.origin}: the chat template ran out of memory rendering one conversation") from None
+        except (ArithmeticError, TypeError, AttributeError, LookupError) as error:  # the template's own code failed
+            if "no loader" in str(error):  # jinja2's answer to {% include %} / {% import %} without a loader
+                raise ConfigError(f"{self.origin}: the chat template includes or imports another file: {SELF_CONTAINED}") from None
+            raise ConfigError(f"{self.origin}: the chat template failed: {type(error).__name__}: {_one_line(error)}") from None
 
     def assistant_spans(self, messages: Sequence[Message], text: str | None = None) -> list[Span]:
         """``[start, end)`` character ranges of ``text`` (the render of ``messages``) that the
