@@ -1,18 +1,12 @@
 """Export a training checkpoint to a Hugging Face model directory.
 
-    python recipes/export_hf.py checkpoint=outputs/pretrain/<run>/checkpoints/step-<N> output=hf/<name>
-    python recipes/export_hf.py checkpoint=outputs/pretrain/<run> output=hf/<name> dtype=bf16  # latest step
-    python recipes/export_hf.py checkpoint=... output=... weights=ema   # the run's EMA (memory.ema_decay > 0)
-    python recipes/export_hf.py checkpoint=... output=... dtype=bf16 fp8=true  # DeepSeek-V3's FP8 release format
+    python recipes/export_hf.py checkpoint=outputs/pretrain/<run>[/checkpoints/step-<N>] output=hf/<name> dtype=bf16
+    python recipes/export_hf.py checkpoint=... output=... weights=ema  # the EMA; dtype=bf16 fp8=true: V3's FP8 release
 
-The output (config.json and generation_config.json with the tokenizer's bos/eos/pad ids, safetensors
-weights, the run's tokenizer files) loads with ``transformers.AutoModelForCausalLM.from_pretrained(output)``
-and ``AutoTokenizer``, without ``trust_remote_code``: DeepSeek LLM as ``LlamaForCausalLM``, DeepSeek-V3
-as ``DeepseekV3ForCausalLM`` (with its MTP modules as the extra layers, as in the hub checkpoints) or,
-softmax-routed, ``DeepseekV2ForCausalLM``. The model is rebuilt from the checkpoint's ``config.yaml``
-(``dsl_lit.checkpoint.export_hf``); ``trainer_state.pt`` is opened (``weights_only=True``) only for ``weights=ema``.
-Options and their defaults: ``conf/export_hf.yaml`` (``key=value`` as with Hydra, but parsed by
-:func:`parse_args`).
+The output (config.json, generation_config.json, safetensors, the run's tokenizer files; a run dir: its latest
+step) loads with transformers' ``AutoModelForCausalLM``/``AutoTokenizer`` without ``trust_remote_code`` (DeepSeek
+LLM as ``LlamaForCausalLM``, V3 as ``DeepseekV3ForCausalLM`` with its MTP layers, softmax-routed as V2's). Options:
+``conf/export_hf.yaml`` (``key=value``, parsed by :func:`parse_args`); a bad one is one line, exit 2.
 """
 
 from __future__ import annotations
@@ -36,6 +30,10 @@ from dsl_lit.config.errors import ConfigError
 EXPORT_CONFIG = Path(__file__).resolve().parents[1] / "conf" / "export_hf.yaml"
 
 
+class UsageError(SystemExit):
+    """A bad input: its message (printed by ``__main__``), exit status 2, as every recipe's errors."""
+
+
 def parse_args(argv: list[str]) -> DictConfig:
     """``key=value`` overrides of ``conf/export_hf.yaml``, Hydra's syntax (values parsed as YAML).
 
@@ -51,14 +49,14 @@ def parse_args(argv: list[str]) -> DictConfig:
         print_recipe_help(__file__, argv)
     bad = [arg for arg in argv if "=" not in arg or arg.startswith("-")]
     if bad:
-        raise SystemExit(f"export_hf: error: {bad[0]!r} is not a key=value override\n{usage}")
+        raise UsageError(f"export_hf: error: {bad[0]!r} is not a key=value override\n{usage}")
     try:
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(argv))
     except ConfigKeyError as error:
-        raise SystemExit(f"export_hf: error: unknown key ({error.key!r})\n{usage}") from error
+        raise UsageError(f"export_hf: error: unknown key ({error.key!r})\n{usage}") from error
     for key in ("checkpoint", "output"):
         if OmegaConf.is_missing(cfg, key) or cfg[key] in (None, ""):
-            raise SystemExit(f"export_hf: error: {key}=<dir> is required\n{usage}")
+            raise UsageError(f"export_hf: error: {key}=<dir> is required\n{usage}")
     return cfg
 
 
@@ -70,8 +68,12 @@ def main(argv: list[str] | None = None) -> Path:
                       max_shard_size=cfg.max_shard_size, overwrite=bool(cfg.overwrite), fp8=bool(cfg.fp8),
                       tokenizer_dir=str(cfg.tokenizer_dir) if cfg.tokenizer_dir else None)
     except (ConfigError, OSError) as error:  # a clear one-line error, not a traceback
-        raise SystemExit(f"export_hf: error: {error}") from error
+        raise UsageError(f"export_hf: error: {error}") from error
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UsageError as error:
+        print(error, file=sys.stderr)
+        raise SystemExit(2) from None

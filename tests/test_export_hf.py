@@ -213,3 +213,13 @@ def test_unknown_family_is_a_config_error(checkpoint: Path, tmp_path: Path) -> N
     (copy / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ConfigError, match="model.family='mamba' is unknown"):
         export_hf.export(copy, tmp_path / "out")
+
+
+def test_a_bad_input_is_one_line_and_exit_2(tmp_path):
+    """As every recipe's bad input (before: the message and exit status 1)."""
+    from tests.forked_python import run_python
+
+    result = run_python([sys.executable, str(ROOT / "recipes" / "export_hf.py"), f"checkpoint={tmp_path / 'none'}",
+                         f"output={tmp_path / 'hf'}"], cwd=tmp_path, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == f"export_hf: error: checkpoint={tmp_path / 'none'}: no such directory"
