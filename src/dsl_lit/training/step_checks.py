@@ -31,9 +31,6 @@ class PendingStepChecks:
         """Queue step ``step``'s flag (a 0-d bool device tensor) and loss, without reading them."""
         self.pending.append((step, finite.detach(), loss.detach().float()))
 
-    def __len__(self) -> int:
-        return len(self.pending)
-
     def drain(self) -> list[StepOutcome]:
         """Every queued step's outcome, oldest first, read with one host sync; the queue empties."""
         if not self.pending:
