@@ -49,8 +49,9 @@ def summary(out: Path) -> str:
         counts[outcome] = counts.get(outcome, 0) + 1
         lines.append(f"| {cell(name.split('::', 1)[-1])} | {cell(outcome)} | {cell(seconds)} | {cell(error)} |")
     lines += ["", "tests: " + (", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "none reported")]
-    figures = [parsed for log in sorted(out.glob("*.log")) for line in log.read_text(errors="replace").splitlines()
-               if (parsed := parse(line))]
+    # each figure once: a caller that tees the whole check into OUT/*.log holds every HEADLINE twice
+    figures = list(dict.fromkeys(parsed for log in sorted(out.glob("*.log"))
+                                 for line in log.read_text(errors="replace").splitlines() if (parsed := parse(line))))
     lines += ["", "| benchmark figure | value | goal |", "|---|---|---|"]
     lines += [f"| {cell(what)} | {cell(value)} {unit} | {cell(goal)} |" for what, value, unit, goal in figures]
     if not figures:

@@ -46,8 +46,10 @@ RUN_TIMEOUT = float(os.environ.get("GPU_RUN_TIMEOUT", "110"))
 # (model, precision, compile): what a 5-minute check holds; blockwise FP8 (Triton autotune, over a
 # minute) is marked gpu_long
 CASES = [("v3", "bf16", False), ("v3", "bf16", True), ("dense", "bf16", True), ("dense", "fp8_tensorwise", True),
-         ("v3", "fp8_rowwise", True), ("v3", "fp8_rowwise", False)]
-LONG_CASES = [("dense", "fp8_rowwise", True), ("v3", "fp8_tensorwise", True), ("dense", "fp8_blockwise", True),
+         ("v3", "fp8_rowwise", False)]
+# the compiled FP8 V3 run: 68 s alone on an H200 (compiling torchao's FP8 grouped GEMM), over the
+# recipe part's deadline when 4 runs share the GPU
+LONG_CASES = [("v3", "fp8_rowwise", True), ("dense", "fp8_rowwise", True), ("v3", "fp8_tensorwise", True), ("dense", "fp8_blockwise", True),
               ("v3", "fp8_blockwise", False)]
 # FP8 against bf16, mean loss of the last 5 of 20 steps: on CPU (the reference path, same numerics)
 # fp8_rowwise and fp8_tensorwise end within 0.3% of bf16 on the tiny V3 (seed 0); 2% is ~6x that,
@@ -142,10 +144,13 @@ def test_pretrain_recipe_trains_on_the_gpu(runs_root, model, precision, compiled
         assert linears > 0 and (experts > 0) == (model == "v3")
 
 
-@pytest.mark.parametrize("model, precision", [("v3", "fp8_rowwise"), ("dense", "fp8_tensorwise")])
-def test_fp8_losses_follow_bf16(runs_root, model, precision):
-    fp8 = train_losses(trained(runs_root, model, precision, True))
-    bf16 = train_losses(trained(runs_root, model, "bf16", True))
+@pytest.mark.parametrize("model, precision, compiled", [("v3", "fp8_rowwise", False), ("dense", "fp8_tensorwise", True)],
+                         ids=["v3-fp8_rowwise", "dense-fp8_tensorwise"])
+def test_fp8_losses_follow_bf16(runs_root, model, precision, compiled):
+    """The V3 pair eager (the runs the checkpoint tests train anyway; the compiled pair passed on an H200
+    on 2026-11-27 and is in the gpu_long recipe cases), the dense pair compiled."""
+    fp8 = train_losses(trained(runs_root, model, precision, compiled))
+    bf16 = train_losses(trained(runs_root, model, "bf16", compiled))
     assert fp8[0] == pytest.approx(bf16[0], rel=5e-3)  # the same weights and data: one step of rounding
     assert statistics.mean(fp8[-5:]) == pytest.approx(statistics.mean(bf16[-5:]), rel=FP8_LOSS_RTOL), (fp8, bf16)
 
@@ -270,13 +275,15 @@ def _step_mfu(model_name: str, variant: str) -> tuple[float, float]:
 
 @pytest.mark.exclusive
 def test_mfu_floors_catch_a_slow_path():
-    """Dense ~1B, bf16 eager: measured 38.4% MFU on an H200 (2026-11-27); under 25% means a slow path
-    (math attention, fp32 GEMMs). FP8 tensorwise eager must not be slower than bf16 eager by more
-    than 10%: the reference path (an FP8 fallback) is several times slower. V3-style MoE bf16 eager:
-    measured 13.2%; under 8% means the experts fell back from the grouped GEMM to a loop."""
-    bf16_s, bf16_mfu = _step_mfu("dense", "ours bf16")
-    assert bf16_mfu > 0.25, f"dense bf16 eager MFU {bf16_mfu:.1%}"
-    fp8_s, _ = _step_mfu("dense", "ours fp8_tensorwise")
-    assert fp8_s < 1.1 * bf16_s, f"fp8_tensorwise {fp8_s * 1e3:.1f} ms vs bf16 {bf16_s * 1e3:.1f} ms"
+    """Dense ~1B, bf16 + compile: measured 50.2-51.3% MFU on an H200 (2026-11-27, three runs); under 40%
+    means a slow path (math attention, fp32 GEMMs, a block left eager). FP8 tensorwise + compile must
+    not be slower than bf16 + compile by more than 10% (measured 0.89-0.95x its step): FP8's reference
+    path, or casts left unfused, cost far more. Eager FP8 is not the yardstick: torchao's eager casts
+    are unfused (measured 347.6 ms vs bf16's 130.3 ms). V3-style MoE bf16 eager: measured 11.7-13.2%;
+    under 8% means the experts fell back from the grouped GEMM to a loop."""
+    bf16_s, bf16_mfu = _step_mfu("dense", "ours bf16 compile")
+    assert bf16_mfu > 0.40, f"dense bf16 + compile MFU {bf16_mfu:.1%}"
+    fp8_s, _ = _step_mfu("dense", "ours fp8_tensorwise compile")
+    assert fp8_s < 1.1 * bf16_s, f"fp8_tensorwise + compile {fp8_s * 1e3:.1f} ms vs bf16 + compile {bf16_s * 1e3:.1f} ms"
     _, moe_mfu = _step_mfu("moe", "ours bf16")
     assert moe_mfu > 0.08, f"MoE bf16 eager MFU {moe_mfu:.1%}"
