@@ -50,15 +50,34 @@ def test_the_bundled_tasks_no_longer_appear_in_the_cleaned_corpus(decontaminated
     assert len(long_enough) >= 0.9 * len(shown)
     leaked = [t for t in long_enough if t in corpus]
     assert not leaked, leaked[:3]
+    # the entries under 8 words (3 of 64: "RESTITUTOR, n. Benefactor; philanthropist.") were kept
+    # whole as documents before: none is a document of the cleaned corpus now
+    documents = {squash(t) for t in kept_texts(decontaminated)}
+    short = [squash(r["text"]) for r in devil if len(words(r["text"])) < 8]
+    assert len(short) == 3 and not [t for t in short if t in documents]
     stats = json.loads((decontaminated / "stats.json").read_text())["stages"]["decontaminate"]
     removed = stats["removed"]
-    assert removed["contamination:dsl_kjv_next_sentence"] >= 128 and removed["contamination:dsl_devil_perplexity"] >= 50
+    assert removed["contamination:dsl_kjv_next_sentence"] >= 128 and removed["contamination:dsl_devil_perplexity"] >= 64
     assert stats["docs_in"] - stats["docs_out"] == sum(removed.values())
     # set aside with their reasons, as every stage does
     aside = [r for f in (decontaminated / "removed").glob("*.parquet") for r in pq.read_table(f).to_pylist()]
     assert {r["reason"] for r in aside if r["stage"] == "decontaminate"} == set(removed)
     # the distractors of the multiple-choice task are not its answers: their chapters stay
     assert stats["docs_out"] > 0.85 * stats["docs_in"]
+
+
+def whole_index(tmp_path: Path) -> dict:
+    (tmp_path / "whole.jsonl").write_text('{"q": "RESTITUTOR, n. Benefactor; philanthropist."}\n'
+                                          '{"q": "the quick brown fox jumps over the lazy dog near the quiet river bank"}\n')
+    return ngram_index(DecontaminateConfig(eval_sets=[str(tmp_path / "whole.jsonl")]).validate())
+
+
+def test_the_data_modules_fingerprint_follows_the_decontamination_rules():
+    """A build decontaminated under older rules is rebuilt: the data module repeats the stage's rules."""
+    from data_pipeline.stages.decontaminate import TEXT_FORM
+    from dsl_lit.data.cache import DECONTAMINATION_RULES
+
+    assert DECONTAMINATION_RULES == TEXT_FORM
 
 
 def test_ngram_rules(tmp_path):
@@ -71,7 +90,11 @@ def test_ngram_rules(tmp_path):
     assert contamination("Intro. The QUICK brown fox, jumps over the lazy dog near the quiet river! Outro", index) == "eval"
     assert contamination("the quick brown fox jumps over the lazy dog near the quiet", index) is None  # 12 words
     assert contamination("say: eight words here are enough to count whole.", index) == "eval"
-    assert contamination("seven words are not enough to count", index) is None
+    # under min_words: only a document that is the text and nothing else
+    assert contamination("Note: seven words are not enough to count", index) is None
+    assert contamination("Seven words are NOT enough to count.", index) == "eval"
+    assert contamination("RESTITUTOR, n.  Benefactor; philanthropist.", whole_index(tmp_path)) == "whole"
+    assert contamination("A restitutor, n. benefactor; philanthropist of old", whole_index(tmp_path)) is None
     with pytest.raises(ConfigError, match=r"decontaminate.ngram=5 must lie in \[8, 50\]"):
         DecontaminateConfig(ngram=5).validate()
     with pytest.raises(ConfigError, match="does not exist"):

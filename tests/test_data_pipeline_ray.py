@@ -273,12 +273,57 @@ def test_a_port_where_no_ray_head_speaks_is_refused_within_the_timeout(tmp_path:
     start = time.monotonic()
     try:
         with pytest.raises(ConfigError, match=rf"executor.address={address}: something listens there but no Ray "
-                                              r"head answered a gRPC \(HTTP/2\) handshake within executor.connect_timeout_s=2 s"):
+                                              r"head answered a gRPC \(HTTP/2\) call of Ray's GCS within executor.connect_timeout_s=2 s"):
             run(load_config(values))
     finally:
         listener.close()
     assert time.monotonic() - start < 30  # the bound, not a measurement: ray.init alone retried for minutes
     assert not (tmp_path / "out").exists() and not ray.is_initialized()
+
+
+@pytest.mark.parametrize("reply", ["silence", "unimplemented", "goaway"])
+def test_an_http2_server_that_is_no_ray_head_is_refused_within_the_timeout(tmp_path: Path, reply: str) -> None:
+    """Before: anything answering HTTP/2's preface with a SETTINGS frame (any gRPC or HTTP/2 server)
+    passed the check and ``ray.init`` then hung. Now the check makes a call only Ray's GCS answers
+    with a message: a server that then says nothing, answers UNIMPLEMENTED (a headers-only reply, as
+    gRPC does for an unknown method) or goes away is refused, one line."""
+    import socket
+    import threading
+    import time
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text('{"text": "x"}\n')
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+
+    def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+        return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+
+    def serve() -> None:
+        connection, _ = listener.accept()
+        with connection:
+            connection.recv(65536)  # the preface and our SETTINGS
+            connection.sendall(frame(4, 0, 0))  # SETTINGS: "an HTTP/2 server"
+            if reply == "unimplemented":  # HEADERS, END_STREAM | END_HEADERS: ":status 200" (indexed 8)
+                connection.sendall(frame(1, 0x5, 1, b"\x88"))
+            elif reply == "goaway":
+                connection.sendall(frame(7, 0, 0, bytes(8)))
+            time.sleep(5)
+
+    threading.Thread(target=serve, daemon=True).start()
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    values = {"input": {"path": str(tmp_path / "in")}, "output_dir": str(tmp_path / "out"),
+              "executor": {"kind": "ray", "address": address, "connect_timeout_s": 2}}
+    start = time.monotonic()
+    try:
+        with pytest.raises(ConfigError, match=rf"executor.address={address}: something listens there but no Ray head"):
+            run(load_config(values))
+    finally:
+        listener.close()
+    assert time.monotonic() - start < 10 and not (tmp_path / "out").exists() and not ray.is_initialized()
+    if reply != "silence":  # answered at once: not a wait for the deadline
+        assert time.monotonic() - start < 2
 
 
 def test_sigterm_ends_a_ray_run_waiting_for_its_head_within_seconds(tmp_path: Path) -> None:

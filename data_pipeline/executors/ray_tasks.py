@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from typing import Any
 
 from data_pipeline.context import Context
@@ -27,14 +28,71 @@ _CONNECT_SECONDS = 5.0
 
 
 _HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # + empty SETTINGS
-_SETTINGS_FRAME = 4
+_DATA, _HEADERS, _RST_STREAM, _SETTINGS, _GOAWAY = 0, 1, 3, 4, 7
+_END_STREAM, _ACK, _END_HEADERS = 0x1, 0x1, 0x4
+_GCS_METHOD = "/ray.rpc.NodeInfoGcsService/GetClusterId"
+"""A call only a Ray head's GCS answers with a message (its cluster id); another gRPC server answers
+UNIMPLEMENTED in a headers-only reply, another HTTP/2 server with no gRPC message at all."""
+
+
+def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+
+
+def _literal(name: str, value: str) -> bytes:
+    """One HPACK header "literal without indexing, new name", no Huffman (RFC 7541 6.2.2)."""
+    def string(text: str) -> bytes:
+        data = text.encode()
+        assert len(data) < 127  # a one-byte length: every header we send is short
+        return bytes([len(data)]) + data
+    return b"\x00" + string(name) + string(value)
+
+
+def _gcs_request(authority: str) -> bytes:
+    """The unary gRPC call :data:`_GCS_METHOD` with an empty request, on stream 1."""
+    headers = b"".join(_literal(n, v) for n, v in ((":method", "POST"), (":scheme", "http"), (":path", _GCS_METHOD),
+                                                    (":authority", authority), ("content-type", "application/grpc"),
+                                                    ("te", "trailers")))
+    return (_frame(_HEADERS, _END_HEADERS, 1, headers)
+            + _frame(_DATA, _END_STREAM, 1, b"\x00\x00\x00\x00\x00"))  # uncompressed, 0 bytes
+
+
+def _answers_as_a_ray_head(connection: socket.socket, authority: str, deadline: float) -> bool:
+    """After the HTTP/2 preface: whether the peer answers :data:`_GCS_METHOD` with a gRPC message
+    before ``deadline`` (``time.monotonic()``), however it trickles its frames."""
+    def read(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            if time.monotonic() >= deadline:
+                raise TimeoutError("deadline")
+            connection.settimeout(deadline - time.monotonic())
+            chunk = connection.recv(n - len(data))
+            if not chunk:
+                raise ConnectionError("closed")
+            data += chunk
+        return data
+
+    connection.sendall(_HTTP2_PREFACE)
+    request_sent = False
+    while True:
+        header = read(9)
+        length, kind, flags, stream = int.from_bytes(header[:3], "big"), header[3], header[4], \
+            int.from_bytes(header[5:9], "big") & 0x7FFFFFFF
+        payload = read(length)
+        if kind == _SETTINGS and not flags & _ACK:
+            connection.sendall(_frame(_SETTINGS, _ACK, 0) + (b"" if request_sent else _gcs_request(authority)))
+            request_sent = True
+        elif stream == 1 and kind == _DATA and length > 5:
+            return True  # a gRPC message: the GCS's reply
+        elif kind == _GOAWAY or (stream == 1 and (kind == _RST_STREAM or flags & _END_STREAM)):
+            return False  # refused, or a headers-only reply (grpc-status UNIMPLEMENTED)
 
 
 def _check_reachable(address: str, timeout: float) -> None:
     """A named head must answer before ``ray.init`` is called: ``ray.init`` retries an address that
-    is not a Ray head for minutes, deaf to SIGTERM. Ray's head (its GCS) is a gRPC server, so it
-    answers HTTP/2's connection preface with a SETTINGS frame; a port where nothing listens, or
-    another service, does not within ``timeout`` seconds."""
+    is not a Ray head for minutes, deaf to SIGTERM. Ray's head (its GCS) is a gRPC server: it answers
+    a call of its own (:data:`_GCS_METHOD`) with a message; a port where nothing listens, another
+    service, another gRPC or HTTP/2 server does not within ``timeout`` seconds."""
     if address == "auto":
         return  # Ray finds the local cluster itself, and says so at once when there is none
     host, _, port = address.split("://")[-1].rpartition(":")
@@ -48,22 +106,15 @@ def _check_reachable(address: str, timeout: float) -> None:
         ) from e
     try:
         connection.settimeout(timeout)
-        connection.sendall(_HTTP2_PREFACE)
-        header = b""
-        while len(header) < 9:  # a frame header: length (3 bytes), type, flags, stream id
-            chunk = connection.recv(9 - len(header))
-            if not chunk:
-                break
-            header += chunk
-        answered = len(header) == 9 and header[3] == _SETTINGS_FRAME
-    except OSError:  # timed out, or reset
+        answered = _answers_as_a_ray_head(connection, f"{host}:{port}", time.monotonic() + timeout)
+    except (OSError, ConnectionError):  # timed out, reset or closed
         answered = False
     finally:
         connection.close()
     if not answered:
         raise ConfigError(
             f"executor.address={address}: something listens there but no Ray head answered a gRPC (HTTP/2) "
-            f"handshake within executor.connect_timeout_s={timeout:g} s; give <host>:<port> of a running head "
+            f"call of Ray's GCS within executor.connect_timeout_s={timeout:g} s; give <host>:<port> of a running head "
             "(`ray start --head` prints it)"
         )
 

@@ -21,8 +21,10 @@ decomposed (NFKD), combining marks and default-ignorable code points (soft hyphe
 spaces and joiners, the combining grapheme joiner, variation selectors, BOMs, bidi controls) dropped,
 Cyrillic and Greek letters that look like Latin ones mapped to them, and case folded. A
 text of ``ngram`` words or more contributes its ``ngram``-word windows; a shorter one of at least
-``min_words`` words contributes itself whole (a short benchmark sentence is still a leak); shorter
-ones nothing (``"5 + 6"`` is not evidence of contamination).
+``min_words`` words contributes itself whole (a short benchmark sentence is still a leak); a shorter
+one of at least ``WHOLE_DOCUMENT_WORDS`` words only removes a document that is that text and nothing
+else (a 4-word dictionary entry copied as a document is the benchmark item; the same 4 words inside
+a chapter are not evidence: ``"5 + 6"`` is no contamination).
 """
 
 from __future__ import annotations
@@ -50,8 +52,13 @@ from dsl_lit.config.errors import ConfigError
 BUNDLED_TASKS = Path(__file__).resolve().parents[2] / "data" / "eval_tasks"
 """The project's own lm-eval tasks: the default evaluation sets."""
 _WORD = re.compile(r"[^\W_]+")
-TEXT_FORM = "nfkd-nomarks-noignorables-confusables-casefold/1"
-"""What :func:`canonical` does (in the stage's settings: changing it reruns the stage)."""
+WHOLE_DOCUMENT_WORDS = 3
+WHOLE = 0
+"""The index key of the texts shorter than ``min_words``: matched only by a whole document."""
+TEXT_FORM = "nfkd-nomarks-noignorables-confusables-casefold/1; short texts as whole documents/3"
+"""What :func:`canonical` does and which texts are matched how (in the stage's settings: changing it
+reruns the stage; ``dsl_lit.data.cache.DECONTAMINATION_RULES`` repeats it, so that a data module's
+build made under other rules is rebuilt: a test ties the two)."""
 
 # Unicode's Default_Ignorable_Code_Point (DerivedCoreProperties.txt): drawn as nothing.
 _IGNORABLE_BMP = ("\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180b-\u180f\u200b-\u200f\u202a-\u202e"
@@ -234,7 +241,8 @@ def eval_texts(path: Path) -> Iterator[tuple[str, str]]:
 
 
 def ngram_index(cfg: DecontaminateConfig) -> dict[int, dict[tuple[str, ...], str]]:
-    """Word-tuple length -> {n-gram: the evaluation set it came from}."""
+    """Word-tuple length -> {n-gram: the evaluation set it came from}; :data:`WHOLE` -> the short
+    texts matched only by a whole document."""
     index: dict[int, dict[tuple[str, ...], str]] = {}
     for path in cfg.paths():
         for name, text in eval_texts(path):
@@ -245,7 +253,9 @@ def ngram_index(cfg: DecontaminateConfig) -> dict[int, dict[tuple[str, ...], str
                     grams.setdefault(tuple(tokens[i : i + cfg.ngram]), name)
             elif len(tokens) >= cfg.min_words:
                 index.setdefault(len(tokens), {}).setdefault(tuple(tokens), name)
-    if not index:
+            elif len(tokens) >= WHOLE_DOCUMENT_WORDS:
+                index.setdefault(WHOLE, {}).setdefault(tuple(tokens), name)
+    if not set(index) - {WHOLE}:
         raise ConfigError(f"decontaminate.eval_sets={[str(p) for p in cfg.paths()]} hold no text of "
                           f"{cfg.min_words} words or more: nothing to decontaminate against")
     return index
@@ -254,7 +264,11 @@ def ngram_index(cfg: DecontaminateConfig) -> dict[int, dict[tuple[str, ...], str
 def contamination(text: str, index: dict[int, dict[tuple[str, ...], str]]) -> str | None:
     """The evaluation set ``text`` shares an n-gram with (None: clean)."""
     tokens = words(text)
+    if WHOLE in index and (found := index[WHOLE].get(tuple(tokens))) is not None:
+        return found
     for length, grams in index.items():
+        if length == WHOLE:
+            continue
         for i in range(len(tokens) - length + 1):
             found = grams.get(tuple(tokens[i : i + length]))
             if found is not None:

@@ -169,6 +169,10 @@ def run_pipeline(cfg: DataConfig) -> None:
     raise ConfigError(message) if proc.returncode == CONFIG_ERROR_EXIT else RuntimeError(message)
 
 
+DECONTAMINATION_RULES = "nfkd-nomarks-noignorables-confusables-casefold/1; short texts as whole documents/3"
+"""``data_pipeline.stages.decontaminate.TEXT_FORM`` (dsl_lit never imports the pipeline; a test ties
+the two): a decontaminated build made under other rules has another fingerprint, so it is rebuilt."""
+
 BUILDS_DIR = "builds"
 """``<cache_dir>/builds/<settings fingerprint>/``: one pipeline output per data settings."""
 
@@ -181,7 +185,7 @@ def settings_fingerprint(cfg: DataConfig) -> str:
     )
     fim = {"rate": cfg.fim_rate, "spm_rate": cfg.fim_spm_rate, "seed": cfg.seed} if cfg.fim_rate else None
     payload = {"corpus": corpus_record(cfg.corpus_dir)["fingerprint"], "tokenizer": tokenizer, "fim": fim,
-               **({"decontaminate": True} if cfg.decontaminate else {})}
+               **({"decontaminate": DECONTAMINATION_RULES} if cfg.decontaminate else {})}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import sys
@@ -36,6 +37,22 @@ def check_environment(hydra_cfg: Any) -> None:
                           "use trainer.accelerator=cpu (or auto)")
 
 
+def check_source_tree(recipe_file: str | None) -> None:
+    """A recipe of one clone run with another clone's Python would import that clone's ``dsl_lit``
+    (its editable install) with this clone's ``conf/``: refused. A copied recipe outside any clone
+    (no ``src/dsl_lit`` beside its folder) runs with whatever ``dsl_lit`` is installed."""
+    import dsl_lit
+
+    if recipe_file is None:
+        return
+    root = Path(recipe_file).resolve().parents[1]
+    ours = root / "src" / "dsl_lit"
+    imported = Path(dsl_lit.__file__).resolve().parent
+    if ours.is_dir() and ours.resolve() != imported:
+        raise ConfigError(f"{recipe_file} belongs to the clone {root}, but this Python ({sys.executable}) imports "
+                          f"dsl_lit from {imported}: run it with {root}/.venv/bin/python (make setup there)")
+
+
 def exits_on_config_error(main: F) -> F:
     """Decorate a recipe's ``main`` (under ``@hydra.main``): a bad config prints one line naming
     the field and the fix and exits with code 2, without Hydra's traceback (``HYDRA_FULL_ERROR=1``
@@ -45,6 +62,7 @@ def exits_on_config_error(main: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         register_resolvers()  # before anything reads a ${project_root:} value
         try:
+            check_source_tree(inspect.getsourcefile(main))
             if args:
                 check_environment(args[0])
             return main(*args, **kwargs)
