@@ -21,6 +21,7 @@ import importlib
 import json
 import logging
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -349,14 +350,23 @@ def evaluate(ctx: StageContext) -> dict[str, Any]:
         return {"skipped": f"lm_eval cannot be imported ({missing}): the checkpoints are not scored; "
                            "pip install lm-eval and rerun to score them"}
     limit = [f"limit={ctx.cfg.eval_limit}"] if ctx.cfg.eval_limit else []
+    todo = [model for model in EVALUATED if scored(ctx.dir / model) is None]
+    if todo:  # one process scores them all (a Hydra multirun): lm-eval's start-up paid once, not per model
+        sweep = ctx.dir / "sweep"
+        checkpoints = ",".join(path_override("checkpoint", ctx.dir_of(model)).split("=", 1)[1] for model in todo)
+        ctx.run([str(PROJECT_ROOT / "recipes" / "evaluate.py"), "-m", f"checkpoint={checkpoints}",
+                 path_override("hydra.sweep.dir", sweep), "hydra.sweep.subdir=${hydra.job.num}", *limit,
+                 "bootstrap_iters=0", f"device={ctx.cfg.device}"])
+        for number, model in enumerate(todo):  # job N scored the N-th checkpoint named
+            if (sweep / str(number)).is_dir():
+                if (ctx.dir / model).exists():
+                    shutil.rmtree(ctx.dir / model)  # an earlier scoring of ours, cut off
+                (sweep / str(number)).rename(ctx.dir / model)
+        shutil.rmtree(sweep, ignore_errors=True)
     scores = {}
     for model in EVALUATED:
         out = ctx.dir / model
         results = scored(out)
-        if results is None:
-            ctx.recipe("evaluate.py", [path_override("checkpoint", ctx.dir_of(model)), *limit, "bootstrap_iters=0",
-                                       f"device={ctx.cfg.device}"], run_dir=out)
-            results = scored(out)
         if results is None:
             raise ConfigError(f"stage evaluate: {out / 'results.json'} is still unreadable after scoring {model} again")
         scores[model] = {task: {k.split(",")[0]: v for k, v in metrics.items()
