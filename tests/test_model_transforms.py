@@ -85,7 +85,7 @@ def test_fp8_without_compile_on_a_gpu_says_it_is_slow(monkeypatch, caplog, compi
     run that asks for it hears so once; on CPU (the reference path) and compiled, nothing."""
     monkeypatch.setattr("dsl_lit.parallel.model_transforms._on_cuda", lambda: cuda)
     model = build_model(ModelConfig.from_name("deepseek_llm_tiny"))
-    monkeypatch.setattr("dsl_lit.parallel.model_transforms.compile_blocks", lambda model, shapes: 0)
+    monkeypatch.setattr("dsl_lit.parallel.model_transforms.compile_blocks", lambda model, shapes, backend: 0)
     with caplog.at_level("WARNING", logger="dsl_lit.parallel.model_transforms"):
         transform_model(model, TransformPlan(fp8="fp8_rowwise", compile=compiled))
     assert any("without trainer.compile=true" in r.getMessage() for r in caplog.records) == warned

@@ -81,6 +81,9 @@ class CheckpointConfig:
         return self
 
 
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+"""``torch.compile`` backends a run may name (``torch._dynamo.list_backends()`` plus the debugging ones)."""
+
 @dataclass
 class TrainerConfig:
     max_steps: int = 100
@@ -101,6 +104,10 @@ class TrainerConfig:
     """Compile each transformer block with ``torch.compile`` (after FP8, recompute and sharding);
     null: on when training on CUDA, off on CPU (inductor's CPU code is not faster for these tiny
     models and compiling costs a minute)."""
+    compile_backend: str = "inductor"
+    """The ``torch.compile`` backend (torchtitan's ``compile.backend``): ``inductor`` generates
+    fused kernels; ``aot_eager`` traces the same graphs (Dynamo and AOTAutograd: graph breaks,
+    recompiles, the transform order) and runs them with eager kernels, without code generation."""
 
     def validate(self) -> TrainerConfig:
         for name in ("max_steps", "devices", "num_nodes", "log_every_n_steps"):
@@ -108,6 +115,8 @@ class TrainerConfig:
                 raise ConfigError(f"trainer.{name}={getattr(self, name)} must be >= 1")
         if self.accelerator not in ("auto", "cpu", "gpu", "cuda"):
             raise ConfigError(f"trainer.accelerator={self.accelerator!r} must be auto, cpu, gpu or cuda")
+        if self.compile_backend not in COMPILE_BACKENDS:
+            raise ConfigError(f"trainer.compile_backend={self.compile_backend!r} is not one of {COMPILE_BACKENDS}")
         if not self.collective_timeout_s > 0:
             raise ConfigError(f"trainer.collective_timeout_s={self.collective_timeout_s} must be > 0 (seconds)")
         if self.max_bad_steps < 0:

@@ -46,6 +46,8 @@ class TransformPlan:
     fp8_experts: bool = True
     """Whether FP8 covers the routed experts: not under expert parallelism, whose all-to-all
     dispatch runs the local experts' weights directly (the strategy turns it off there)."""
+    compile_backend: str = "inductor"
+    """``trainer.compile_backend``."""
 
 
 MODES_PER_KIND = 2
@@ -63,7 +65,7 @@ def block_kinds(blocks: list[nn.Module]) -> set[tuple[str, ...]]:
     return {tuple(type(m).__name__ for m in block.modules()) for block in blocks}
 
 
-def compile_blocks(model: nn.Module, shapes: int = 1) -> int:
+def compile_blocks(model: nn.Module, shapes: int = 1, backend: str = "inductor") -> int:
     """Compile each transformer block of ``model`` in place (``nn.Module.compile``: names and
     checkpoint keys stay, no ``_orig_mod.``): the main layers and the MTP modules this rank holds.
     Per block, as torchtitan does: the blocks are alike, so one graph serves them all (nn modules are
@@ -85,7 +87,7 @@ def compile_blocks(model: nn.Module, shapes: int = 1) -> int:
     needed = len(block_kinds(blocks)) * max(1, shapes) * MODES_PER_KIND
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, needed)
     for block in blocks:
-        block.compile(dynamic=False)
+        block.compile(dynamic=False, backend=backend)
     return len(blocks)
 
 
@@ -125,8 +127,8 @@ def transform_model(
         elif name in steps:
             steps[name]()
         elif name == "compile" and plan.compile and fitting:
-            n = compile_blocks(model, shapes=2)  # a batch-ramp stage's micro-batches, and a last partial one
-            log.info("trainer.compile: %d transformer blocks compiled (torch.compile, per block)", n)
+            n = compile_blocks(model, shapes=2, backend=plan.compile_backend)  # a ramp stage's micro-batches, a last partial one
+            log.info("trainer.compile: %d transformer blocks compiled (torch.compile, per block, %s)", n, plan.compile_backend)
         else:
             continue
         applied.append(name)

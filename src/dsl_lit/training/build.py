@@ -57,7 +57,7 @@ def module_arguments(cfg: TrainConfig) -> dict[str, Any]:
         model_config=cfg.model, optim=cfg.optim, schedule=cfg.schedule, micro_batch_size=cfg.data.micro_batch_size,
         total_steps=cfg.schedule.total_steps or cfg.trainer.max_steps, objective=cfg.objective,
         precision=run_precision(cfg), memory=cfg.memory, max_bad_steps=cfg.trainer.max_bad_steps,
-        batch_schedule=cfg.data.batch_schedule, compile=compiles(cfg),
+        batch_schedule=cfg.data.batch_schedule, compile=compiles(cfg), compile_backend=cfg.trainer.compile_backend,
     )
 
 

@@ -60,6 +60,7 @@ class CausalLMModule(L.LightningModule):
         initial_state: dict[str, torch.Tensor] | StartingWeights | None = None,
         batch_schedule: BatchSchedule | None = None,
         compile: bool = False,
+        compile_backend: str = "inductor",
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -78,6 +79,7 @@ class CausalLMModule(L.LightningModule):
         overwrites them."""
         self.compile_blocks = compile
         """``trainer.compile`` resolved: the strategy compiles each block last (:attr:`transform_plan`)."""
+        self.compile_backend = compile_backend
         self.batch_schedule = batch_schedule
         """The run's global batch per step (a batch ramp): schedules counted in tokens follow it."""
         self.bad_steps_in_a_row = 0
@@ -130,7 +132,7 @@ class CausalLMModule(L.LightningModule):
         :mod:`dsl_lit.parallel.model_transforms`: FP8, activation recompute, compile."""
         blocks = self.memory.recompute_blocks
         return TransformPlan(self.precision.fp8, self.memory.recompute, tuple(blocks) if blocks is not None else None,
-                             self.compile_blocks)
+                             self.compile_blocks, compile_backend=self.compile_backend)
 
     def load_initial_weights(self, device: torch.device) -> None:
         """Read the starting weights into the model left on the meta device, on ``device``: the
