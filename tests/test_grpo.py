@@ -44,3 +44,33 @@ def test_rollout_rows_score_the_sampled_tokens(family):
     logps = token_logps(logits, rows["labels"])[:, -completion.shape[1]:]
     cfg = model.config  # the training forward vs the cached sampler: the same sums in another order
     assert_close_fp32(logps[completion], out.logprobs[completion], cfg.d_model * cfg.n_layers * out.sequences.shape[1])
+
+
+@pytest.mark.parametrize("family", ["deepseek_llm_tiny", "deepseek_v3_tiny"])
+def test_the_samplers_log_probs_reach_the_rows_aligned_with_the_labels(family):
+    """GRPO's sampler records each token's log-prob at the sampling temperature (``rollout_logps``);
+    in the rows they sit under the token they score, and one process in fp32 gives the training
+    forward's own values to rounding: the mismatch the rollout correction measures is then ~0."""
+    from dsl_lit.posttrain.grpo.rollout import Rollouts, training_rows
+    from dsl_lit.posttrain.grpo.rollout_correction import rollout_correction
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig.from_name(family, n_layers=2)).eval()
+    prompts = [[5, 9, 14], [5, 9, 14], [7, 3, 3, 8, 21, 4], [7, 3, 3, 8, 21, 4]]
+    out = generate(model, prompts, 10, temperature=0.7, eos_token_id=2, pad_token_id=0,
+                   generator=torch.Generator().manual_seed(3), logprob_temperature=0.7)
+    logprobs = [row[: len(c)].tolist() for row, c in zip(out.logprobs, out.completions)]
+    rollouts = Rollouts(prompts, out.completions, torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.zeros(4), {}, 2, logprobs)
+    rows, _ = training_rows(rollouts.select([1, 0]), pad_id=0, eos_id=2)  # selection keeps each row's own
+    mask = rows["labels"] != -100
+    assert torch.equal(rows["rollout_logps"] != 0, mask)
+    valid = rows["attention_mask"].bool()
+    with torch.no_grad():
+        logits = model.head(model.hidden_states(rows["input_ids"], positions_from_mask(valid), valid))
+    train = token_logps(logits, rows["labels"], 0.7)
+    cfg = model.config
+    assert_close_fp32(train[mask], rows["rollout_logps"][mask], cfg.d_model * cfg.n_layers * rows["input_ids"].shape[1])
+    # at temperature 1 they would differ by far more than rounding: the temperature is the sampler's
+    assert (token_logps(logits, rows["labels"])[mask] - rows["rollout_logps"][mask]).abs().max() > 1e-3
+    gap = rollout_correction(train, rows["rollout_logps"], mask).abs_gap
+    assert gap[mask].max() < 1e-4

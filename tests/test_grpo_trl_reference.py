@@ -1,6 +1,7 @@
 """GRPO against TRL's ``GRPOTrainer`` (trl 1.x) on identical rollouts: the same prompts,
 completions, rule rewards, old and reference log-probs and the same tiny Llama, for the ``grpo``,
-``bnpo``, ``dr_grpo`` and ``dapo`` loss types.
+``bnpo``, ``dr_grpo``, ``dapo`` and ``cispo`` loss types, and GSPO (TRL's
+``importance_sampling_level="sequence"``).
 
 TRL runs its own code end to end: a real ``GRPOTrainer`` built from a local model directory scores
 the rollouts in ``_generate_and_score_completions`` (the completions come through its public
@@ -81,14 +82,18 @@ def rollout_func(prompts, trainer):
             "logprobs": [[0.0] * len(c) for c in COMPLETIONS]}
 
 
-def trl_trainer(model_dir, tmp_path, loss_type: str, micro_batches: int, kl_ratio: bool = False) -> GRPOTrainer:
+def trl_trainer(model_dir, tmp_path, loss_type: str, micro_batches: int, kl_ratio: bool = False,
+                importance_sampling: str = "token") -> GRPOTrainer:
     """A GRPOTrainer whose optimizer step is ``micro_batches`` accumulated micro-batches of one
     generation. ``kl_ratio``: TRL's default ``use_bias_correction_kl=True`` (DeepSeek-V3.2's KL
-    weighted by the ratio); off, the KL term is DeepSeek-R1's k3, as ours."""
+    weighted by the ratio); off, the KL term is DeepSeek-R1's k3, as ours. TRL's ``epsilon_high``
+    is CISPO's cap itself, ours ``1 + eps_high``."""
     os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"  # rollout_func is marked experimental
+    epsilon_high = 1 + EPS_HIGH if loss_type == "cispo" else EPS_HIGH
     args = TRLConfig(output_dir=str(tmp_path / loss_type), per_device_train_batch_size=len(COMPLETIONS) // micro_batches,
                      gradient_accumulation_steps=micro_batches, num_generations=G, max_completion_length=MAX_LEN,
-                     temperature=TEMPERATURE, beta=BETA, epsilon=EPS_LOW, epsilon_high=EPS_HIGH, loss_type=loss_type,
+                     temperature=TEMPERATURE, beta=BETA, epsilon=EPS_LOW, epsilon_high=epsilon_high, loss_type=loss_type,
+                     importance_sampling_level=importance_sampling,
                      scale_rewards="group", mask_truncated_completions=True, use_bias_correction_kl=kl_ratio,
                      report_to="none", use_cpu=True, bf16=False)
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=[rule_rewards, get_soft_overlong_punishment(MAX_LEN, CACHE)],
@@ -123,8 +128,9 @@ def our_rows(trl_batch) -> dict[str, torch.Tensor]:
     return rows
 
 
-def our_module(loss_type: str) -> GRPOModule:
+def our_module(loss_type: str, importance_sampling: str = "token") -> GRPOModule:
     grpo = GRPOConfig(group_size=G, eps_low=EPS_LOW, eps_high=EPS_HIGH, beta=BETA, loss_type=loss_type,
+                      importance_sampling=importance_sampling,
                       sampling=SamplingConfig(max_new_tokens=MAX_LEN, temperature=TEMPERATURE),
                       overlong=OverlongConfig(filter=True, penalty_cache=CACHE)).validate()
     return GRPOModule(_llm(), OptimConfig(lr=1e-3), ScheduleConfig(name="constant", warmup_steps=0), micro_batch_size=G,
@@ -209,10 +215,10 @@ def _trl_step(trainer, batch, micro_batches: int):
     return loss, logp_grads, {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
 
 
-def _our_step(model_dir, rows, loss_type: str, micro_batches: int):
+def _our_step(model_dir, rows, loss_type: str, micro_batches: int, importance_sampling: str = "token"):
     """Our loss of the same step through ``GRPOModule`` (step normalisers, one ``loss_from_outputs``
     per micro-batch), the gradients w.r.t. our log-probs, and the parameter gradients."""
-    module, model = our_module(loss_type), LlamaForCausalLM.from_pretrained(model_dir)
+    module, model = our_module(loss_type, importance_sampling), LlamaForCausalLM.from_pretrained(model_dir)
     normalizers = module.loss_normalizers(rows)
     size = len(COMPLETIONS) // micro_batches
     loss, logp_grads = 0.0, []
@@ -227,24 +233,33 @@ def _our_step(model_dir, rows, loss_type: str, micro_batches: int):
         grpo_loss(leaf, part["old_logps"][:, -WIDTH:], part["ref_logps"][:, -WIDTH:], part["advantages"],
                   part["labels"][:, -WIDTH:] != -100, EPS_LOW, EPS_HIGH, BETA, loss_type,
                   num_sequences=normalizers["sequences"], num_tokens=normalizers["tokens"],
-                  max_completion_length=MAX_LEN).loss.backward()
+                  max_completion_length=MAX_LEN, importance_sampling=importance_sampling).loss.backward()
         logp_grads.append(leaf.grad)
     return loss, torch.cat(logp_grads), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
-def test_loss_and_gradients_match_trl(model_dir, tmp_path, loss_type):
+@pytest.mark.parametrize("loss_type, importance_sampling", [
+    ("grpo", "token"), ("bnpo", "token"), ("dr_grpo", "token"), ("dapo", "token"), ("cispo", "token"),
+    ("grpo", "sequence"), ("dapo", "sequence")], ids=["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "gspo", "gspo-dapo"])
+def test_loss_and_gradients_match_trl(model_dir, tmp_path, loss_type, importance_sampling):
     """One optimizer step of two micro-batches (one prompt group each, 8 and 9 completion tokens)."""
     micro_batches = 2
-    trainer = trl_trainer(model_dir, tmp_path, loss_type, micro_batches)
+    trainer = trl_trainer(model_dir, tmp_path, loss_type, micro_batches, importance_sampling=importance_sampling)
     batch = perturbed_logps(trainer)
-    loss, logp_grads, grads = _our_step(model_dir, our_rows(batch), loss_type, micro_batches)
+    loss, logp_grads, grads = _our_step(model_dir, our_rows(batch), loss_type, micro_batches, importance_sampling)
     reference = trainer
     if loss_type == "bnpo":
         # TRL's bnpo divides each micro-batch by its own tokens: with 8 and 9 that is another loss
         split_loss, _, _ = _trl_step(trainer, batch, micro_batches)
         assert abs(split_loss - loss) > 1e-3 * abs(loss)
         reference = trl_trainer(model_dir, tmp_path, loss_type, 1)  # ours is TRL's with the step as one micro-batch
+    if loss_type == "cispo":  # the cap is exercised: some ratios pass 1 + eps_high, on both signs of advantage
+        rows = our_rows(batch)
+        _, logps = completion_logps(LlamaForCausalLM.from_pretrained(model_dir), rows)
+        mask = rows["labels"][:, -WIDTH:] != -100
+        capped = grpo_loss(logps.detach(), rows["old_logps"][:, -WIDTH:], None, rows["advantages"], mask,
+                           EPS_LOW, EPS_HIGH, 0.0, "cispo").high_clipped
+        assert {bool(a > 0) for a in rows["advantages"][capped.any(-1)]} == {True, False}
     trl_loss, trl_logp_grads, trl_grads = _trl_step(reference, batch, reference.args.gradient_accumulation_steps)
     assert loss == pytest.approx(trl_loss, rel=1e-6, abs=1e-7)
     assert_close_fp32(logp_grads, trl_logp_grads, len(COMPLETIONS) * WIDTH)

@@ -122,6 +122,103 @@ def test_grpo_loss_hand_computed(loss_type):
     assert out.kl[0, 2].item() == 0.0 and out.kl[0, 0].item() == pytest.approx(math.exp(-0.2) + 0.2 - 1)
 
 
+def test_cispo_hand_computed():
+    """CISPO: -sg(min(ratio, 1 + eps_high)) A logp per token, summed over the masked tokens / their
+    count (as dapo); the gradient wrt logp is the capped ratio times -A / tokens, never 0."""
+    logps, old, ref, adv, mask = _grpo_inputs()
+    leaf = logps.clone().requires_grad_()
+    out = grpo_loss(leaf, old, ref, adv, mask, eps_low=0.2, eps_high=0.28, beta=0.0, loss_type="cispo")
+    weights = [[min(math.exp(a - b), 1.28) for a, b in zip(r, o)] for r, o in zip(logps.tolist(), old.tolist())]
+    expected = sum(-weights[i][t] * adv[i].item() * logps[i, t].item() for i in range(2) for t in range(3) if mask[i, t]) / 5
+    assert out.loss.item() == pytest.approx(expected, rel=1e-6)
+    out.loss.backward()
+    grad = [[-weights[i][t] * adv[i].item() / 5 * mask[i, t].item() for t in range(3)] for i in range(2)]
+    assert leaf.grad.tolist() == [pytest.approx(row, rel=1e-6) for row in grad]
+    # token (0, 1) (ratio e^0.5) is capped; PPO's clip would have zeroed its gradient, CISPO keeps 1.28 of it
+    assert out.high_clipped.tolist() == [[False, True, False], [False, False, False]] and not out.low_clipped.any()
+    assert leaf.grad[0, 1].item() == pytest.approx(-1.28 / 5)
+
+
+def test_gspo_hand_computed():
+    """GSPO: one ratio per completion, exp(mean of its masked tokens' log-ratios), clipped as a whole,
+    then the grpo loss type (mean over the completion's tokens, then over completions)."""
+    logps, old, ref, adv, mask = _grpo_inputs()
+    leaf = logps.clone().requires_grad_()
+    out = grpo_loss(leaf, old, ref, adv, mask, eps_low=0.2, eps_high=0.28, beta=0.0, importance_sampling="sequence")
+    s0, s1 = math.exp((0.0 + 0.5) / 2), math.exp((-0.5 + 0.0 + 0.0) / 3)  # 1.284 (> 1.28, A > 0); 0.846
+    loss0 = -min(s0 * 1.0, 1.28 * 1.0)
+    loss1 = -min(s1 * -2.0, max(s1, 0.8) * -2.0)
+    assert out.loss.item() == pytest.approx((loss0 + loss1) / 2, rel=1e-6)
+    assert out.high_clipped.tolist() == [[True, True, False], [False, False, False]]  # the whole completion
+    out.loss.backward()
+    # completion 0 is clipped: no gradient; completion 1: d/dlogp_t of -s1 A / 1 over its 3 tokens' mean
+    assert leaf.grad[0].abs().max() == 0
+    assert leaf.grad[1].tolist() == pytest.approx([-s1 * -2.0 / 3 / 2] * 3, rel=1e-6)
+
+
+@pytest.mark.parametrize("loss_type, importance_sampling", [
+    ("grpo", "token"), ("bnpo", "token"), ("dr_grpo", "token"), ("dapo", "token"), ("cispo", "token"),
+    ("grpo", "sequence")], ids=["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "gspo"])
+def test_every_loss_learns_a_bandit(loss_type, importance_sampling):
+    """A policy of 4 token logits, completions of 4 sampled tokens, reward = the share of token 2:
+    30 steps of 8 completions, 2 optimizer steps per batch (so the ratio leaves 1 and the clip and
+    the caps act) take p(token 2) from 0.25 to over 0.9 under every loss (GSPO with its clip range)."""
+    torch.manual_seed(0)
+    logits = torch.zeros(4, requires_grad=True)
+    optimizer = torch.optim.Adam([logits], lr=0.1)
+    eps_low, eps_high = (3e-4, 4e-4) if importance_sampling == "sequence" else (0.2, 0.28)
+    for _ in range(30):
+        with torch.no_grad():
+            tokens = torch.multinomial(torch.softmax(logits, -1), 8 * 4, replacement=True).view(8, 4)
+            rewards = (tokens == 2).float().mean(-1)
+            old = torch.log_softmax(logits, -1)[tokens]
+        advantages = group_advantages(rewards, 8)
+        for _ in range(2):
+            logps = torch.log_softmax(logits, -1)[tokens]
+            loss = grpo_loss(logps, old, None, advantages, torch.ones(8, 4, dtype=torch.bool), eps_low, eps_high,
+                             loss_type=loss_type, importance_sampling=importance_sampling).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    assert torch.softmax(logits, -1)[2].item() > 0.9
+
+
+def test_rollout_correction_hand_computed():
+    """r = p_train / p_rollout per token: TIS caps it at token_cap, MIS masks a completion whose
+    product of r leaves [lo, hi]; the gap |log r| and k3 = r - 1 - log r are measured either way."""
+    from dsl_lit.posttrain.grpo.rollout_correction import rollout_correction
+
+    train = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, -0.2, -3.0], [-0.4, -0.4, -0.4]])
+    rollout = torch.tensor([[-1.0, -3.0, -9.0], [-1.4, -0.3, -3.0], [-0.1, -0.1, -0.4]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1]], dtype=torch.bool)
+    plain = rollout_correction(train, rollout, mask)
+    assert plain.weights is None and not plain.token_capped.any() and not plain.sequence_masked.any()
+    log_r = [[0.0, 1.0, 0.0], [-0.1, 0.1, 0.0], [-0.3, -0.3, 0.0]]
+    assert plain.abs_gap.tolist() == [pytest.approx([abs(v) for v in row], abs=1e-6) for row in log_r]
+    assert plain.kl.tolist() == [pytest.approx([math.exp(v) - 1 - v for v in row], abs=1e-6) for row in log_r]
+    capped = rollout_correction(train, rollout, mask, token_cap=2.0)
+    assert capped.weights.tolist() == [pytest.approx([1.0, 2.0, 0.0], abs=1e-6),  # e^1 = 2.72 -> 2; the pad 0
+                                       pytest.approx([math.exp(-0.1), math.exp(0.1), 1.0], abs=1e-6),
+                                       pytest.approx([math.exp(-0.3), math.exp(-0.3), 1.0], abs=1e-6)]
+    assert capped.token_capped.tolist() == [[False, True, False], [False] * 3, [False] * 3]
+    # sequence ratios e^1 = 2.72, e^0 = 1, e^-0.6 = 0.55: [0.6, 2.0] masks the first and the last
+    masked = rollout_correction(train, rollout, mask, sequence_bounds=(0.6, 2.0))
+    assert masked.sequence_masked.tolist() == [True, False, True]
+    assert masked.weights.tolist() == [[0.0] * 3, [1.0] * 3, [0.0] * 3]
+    both = rollout_correction(train, rollout, mask, token_cap=2.0, sequence_bounds=(0.5, 3.0))
+    assert torch.equal(both.weights, capped.weights)  # nothing masked at [0.5, 3]: the caps alone
+
+
+def test_rollout_weights_scale_the_policy_loss_not_the_kl():
+    logps, old, ref, adv, mask = _grpo_inputs()
+    weights = torch.tensor([[0.5, 2.0, 1.0], [0.0, 1.0, 1.0]])
+    plain = grpo_loss(logps, old, ref, adv, mask, beta=0.04, loss_type="dapo")
+    weighted = grpo_loss(logps, old, ref, adv, mask, beta=0.04, loss_type="dapo", rollout_weights=weights)
+    policy = plain.per_token - 0.04 * k3_kl(logps, ref)
+    assert weighted.per_token.tolist() == [pytest.approx(r, rel=1e-6) for r in
+                                          (policy * weights + 0.04 * k3_kl(logps, ref)).tolist()]
+
+
 def test_grpo_micro_batches_sum_to_the_step_loss():
     logps, old, ref, adv, mask = _grpo_inputs()
     for loss_type in ("grpo", "bnpo", "dr_grpo"):
@@ -159,3 +256,19 @@ def test_token_logps_match_log_softmax():
                       * (labels != -100), 11)
     assert_close_fp32(sequence_logps(logits.clone(), labels, average=True), expected.sum(-1) / torch.tensor([3, 5]),
                       11 * 5)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"importance_sampling": "tokens"}, r"^grpo\.importance_sampling='tokens' is unknown; choose one of \('token', 'sequence'\)"),
+    ({"loss_type": "gspo"}, r"^grpo\.loss_type='gspo' is unknown"),
+    ({"rollout_correction": {"token_cap": 0.5}}, r"^grpo\.rollout_correction\.token_cap=0\.5 must be >= 1"),
+    ({"rollout_correction": {"sequence_bounds": [2.0, 0.5]}}, r"^grpo\.rollout_correction\.sequence_bounds=\[2\.0, 0\.5\] must be \[lo, hi\]"),
+])
+def test_grpo_variant_settings_are_checked(values, message):
+    from dsl_lit.config.errors import ConfigError
+    from dsl_lit.config.posttrain import GRPOConfig, RolloutCorrectionConfig
+    from dsl_lit.config.schema import dataclass_from_dict
+
+    with pytest.raises(ConfigError, match=message):
+        dataclass_from_dict(GRPOConfig, values, "grpo").validate()
+    assert isinstance(GRPOConfig().rollout_correction, RolloutCorrectionConfig)

@@ -14,7 +14,8 @@ from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.schema import dataclass_from_dict
 
 DPO_LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo")
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 ADVANTAGE_SCALES = ("group", "batch", "none")
 REWARDS = ("accuracy", "format", "language")
 """Names of the rule rewards (``dsl_lit.posttrain.rewards.REWARD_FUNCTIONS`` has one function per name)."""
@@ -152,6 +153,30 @@ class DynamicSamplingConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """Correction for the sampler's forward not being the training forward (``dsl_lit.posttrain.grpo.
+    rollout_correction``); the mismatch itself is logged whatever these are (``train/rollout_*``)."""
+
+    token_cap: float | None = None
+    """Token-level truncated importance sampling: each token's policy loss times min(r, token_cap),
+    r = p_train / p_rollout (verl's default cap: 2); null: off."""
+    sequence_bounds: list[float] | None = None
+    """Sequence-level masking: [lo, hi]; a completion whose ratio prod_t r_t leaves it adds no policy
+    loss (e.g. [0.5, 2.0]); null: off."""
+
+    def validate(self) -> RolloutCorrectionConfig:
+        if self.token_cap is not None and self.token_cap < 1:
+            raise ConfigError(f"grpo.rollout_correction.token_cap={self.token_cap} must be >= 1 (a cap on r = "
+                              "p_train / p_rollout; 1 would discount every token the trainer likes more) or null")
+        if self.sequence_bounds is not None:
+            bounds = list(self.sequence_bounds)
+            if len(bounds) != 2 or not 0 < bounds[0] < 1 < bounds[1]:
+                raise ConfigError(f"grpo.rollout_correction.sequence_bounds={bounds} must be [lo, hi] with "
+                                  "0 < lo < 1 < hi (e.g. [0.5, 2.0]) or null")
+        return self
+
+
+@dataclass
 class OverlongConfig:
     """DAPO's handling of completions that hit the length budget."""
 
@@ -186,6 +211,13 @@ class GRPOConfig:
     ref_refresh_steps: int = 400
     """The reference becomes the current policy every N optimizer steps (R1: 400); 0: never."""
     loss_type: str = "grpo"
+    """How token losses become one: ``grpo`` (per completion, then mean), ``bnpo`` (per token),
+    ``dr_grpo`` (sum / (completions x max length)), ``dapo`` (sum / the step's tokens), ``cispo``
+    (MiniMax-M1: the policy gradient weighted by the ratio capped at 1 + eps_high and detached, so
+    every token keeps a gradient; normalised as dapo)."""
+    importance_sampling: str = "token"
+    """``token``: a ratio per token (GRPO, PPO); ``sequence``: GSPO (Qwen3), one ratio per completion,
+    ``exp(mean of its tokens' log-ratios)``, clipped as a whole (TRL's ``importance_sampling_level``)."""
     advantage_scale: str = "group"
     rewards: dict[str, float] = field(default_factory=lambda: {"accuracy": 1.0, "format": 0.5})
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -200,6 +232,7 @@ class GRPOConfig:
     """Greedy accuracy on the held-out problems every N steps (0: only at the start and the end)."""
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
     @property
     def overlong_max_length(self) -> int:
@@ -217,6 +250,9 @@ class GRPOConfig:
             raise ConfigError(f"grpo.beta={self.beta} must be >= 0")
         if self.loss_type not in GRPO_LOSS_TYPES:
             raise ConfigError(f"grpo.loss_type={self.loss_type!r} is unknown; choose one of {GRPO_LOSS_TYPES}")
+        if self.importance_sampling not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ConfigError(f"grpo.importance_sampling={self.importance_sampling!r} is unknown; choose one of "
+                              f"{IMPORTANCE_SAMPLING_LEVELS} (sequence: GSPO)")
         if self.advantage_scale not in ADVANTAGE_SCALES:
             raise ConfigError(f"grpo.advantage_scale={self.advantage_scale!r} is unknown; choose one of {ADVANTAGE_SCALES}")
         unknown = sorted(set(self.rewards) - set(REWARDS))
@@ -232,6 +268,7 @@ class GRPOConfig:
         self.sampling.validate("grpo.sampling")
         self.dynamic_sampling.validate()
         self.overlong.validate()
+        self.rollout_correction.validate()
         if self.overlong.penalty_cache > self.overlong_max_length:
             source = "grpo.overlong.max_length" if self.overlong.max_length else "grpo.sampling.max_new_tokens"
             raise ConfigError(f"grpo.overlong.penalty_cache={self.overlong.penalty_cache} must be <= L_max = "

@@ -49,8 +49,9 @@ class GenerationOutput:
     completions: list[list[int]]
     """Generated ids per prompt, cut after the first eos (eos included)."""
     logprobs: torch.Tensor
-    """[batch, T] fp32 log-probability of each generated token under the model's raw logits
-    (``log_softmax(logits)``, no temperature or filtering); 0 where ``completion_mask`` is False."""
+    """[batch, T] fp32 log-probability of each generated token under the model's logits divided by
+    ``logprob_temperature`` (1: the raw logits; no top-k/top-p filtering); 0 where ``completion_mask``
+    is False."""
     prompt_length: int
     """Width of the left-padded prompt block (the longest prompt)."""
     logits: torch.Tensor | None = None
@@ -192,6 +193,7 @@ def generate(
     mtp_speculative: bool = False,
     stop: Callable[[torch.Tensor], torch.Tensor] | None = None,
     all_finished: Callable[[bool], bool] | None = None,
+    logprob_temperature: float = 1.0,
 ) -> GenerationOutput:
     """Generate up to ``max_new_tokens`` tokens after each prompt, in one left-padded batch.
 
@@ -204,7 +206,9 @@ def generate(
     recomputes the whole sequence every step (the reference for tests). ``mtp_speculative=True``
     (greedy only) drafts each next-but-one token with the model's MTP module and verifies it in the
     main model's next forward (:mod:`dsl_lit.inference.speculative`): the same tokens, fewer
-    forwards; :attr:`GenerationOutput.draft_stats` counts them. Runs in eval mode under
+    forwards; :attr:`GenerationOutput.draft_stats` counts them. ``logprob_temperature``: the
+    temperature :attr:`GenerationOutput.logprobs` are taken at (RL passes its sampling temperature,
+    so the sampler's log-probs compare with the training forward's). Runs in eval mode under
     ``torch.inference_mode`` and restores the model's training mode afterwards.
 
     ``model`` may be the shards of a model whose forward is a collective (tensor or expert
@@ -249,6 +253,7 @@ def generate(
             sequences, completion_mask, logprobs, logits, stats = _decode(
                 model, prompt_tokens, prompt_valid, max_new_tokens, temperature, top_k, top_p,
                 eos_ids, pad_token_id, generator, use_cache, output_logits, mtp_speculative, stop, all_finished,
+                logprob_temperature,
             )
     finally:
         model.train(was_training)
@@ -288,6 +293,7 @@ def _decode(
     mtp_speculative: bool = False,
     stop: Callable[[torch.Tensor], torch.Tensor] | None = None,
     all_finished: Callable[[bool], bool] | None = None,
+    logprob_temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, DraftStats | None]:
     """The decoding loop; returns (sequences, completion_mask, logprobs, logits or None, draft stats)."""
     batch, prompt_length = prompt_tokens.shape
@@ -310,7 +316,8 @@ def _decode(
     def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The next tokens [batch] from ``logits`` [batch, vocab] and their log-probs under them."""
         next_tokens = sample_next_token(logits, temperature, top_k, top_p, generator)
-        return next_tokens, logits.log_softmax(dim=-1).gather(-1, next_tokens[:, None]).squeeze(-1)
+        scaled = logits if logprob_temperature == 1.0 else logits.float() / logprob_temperature
+        return next_tokens, scaled.log_softmax(dim=-1).gather(-1, next_tokens[:, None]).squeeze(-1)
 
     def record(step: int, next_tokens: torch.Tensor, logprob: torch.Tensor, logits: torch.Tensor | None) -> bool:
         """Record step ``step``'s tokens; True once every row is done."""

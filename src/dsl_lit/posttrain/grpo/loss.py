@@ -8,12 +8,23 @@ PPO's clipped surrogate plus a KL penalty to a reference policy with the k3 esti
     ratio = exp(logp - old_logp)
     loss_t = -min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A) + beta (exp(d) - d - 1),  d = ref_logp - logp
 
-How token losses become one number (``loss_type``; the four TRL offers):
+Two variants of the surrogate, both TRL's (``tests/test_grpo_trl_reference.py``):
+
+- GSPO (``importance_sampling="sequence"``, Qwen3's Group Sequence Policy Optimization): one ratio
+  per completion, ``s_i = exp(mean_t (logp - old_logp))``, clipped as a whole and shared by its
+  tokens (the gradient flows through the mean);
+- CISPO (``loss_type="cispo"``, MiniMax-M1): ``-sg(min(ratio, 1 + eps_high)) A logp``: the ratio only
+  weighs the policy gradient and is never clipped to zero gradient, so the rare tokens PPO's clip
+  silences (reflection words, "wait") still learn; normalised as ``dapo``. TRL's ``epsilon_high`` is
+  the cap itself (``1 + eps_high`` here).
+
+How token losses become one number (``loss_type``):
 
 - ``grpo``: mean over each completion's tokens, then mean over completions (the paper's 1/|o_i|);
 - ``bnpo``: mean over all completion tokens of the batch;
 - ``dr_grpo``: sum / (completions x max completion length) (Dr. GRPO: no length bias);
-- ``dapo``: sum / completion tokens of the global batch (all ranks, all micro-batches).
+- ``dapo``: sum / completion tokens of the global batch (all ranks, all micro-batches);
+- ``cispo``: as ``dapo``.
 
 The keyword normalisers let a caller that splits a step into micro-batches (or data-parallel ranks)
 pass the counts of the whole step, so that summing the micro-batch losses gives the step's loss.
@@ -39,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsl_lit.config.posttrain import ADVANTAGE_SCALES, GRPO_LOSS_TYPES
+from dsl_lit.config.posttrain import ADVANTAGE_SCALES, GRPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS
 
 STD_EPS = 1e-4
 
@@ -81,7 +92,8 @@ class GRPOOutput:
     low_clipped: torch.Tensor
     """[batch, T] bool: ratio < 1 - eps_low with a negative advantage (the clip bounds the update)."""
     high_clipped: torch.Tensor
-    """[batch, T] bool: ratio > 1 + eps_high with a positive advantage."""
+    """[batch, T] bool: ratio > 1 + eps_high with a positive advantage (``cispo``: whatever the
+    advantage: its weight was capped)."""
 
 
 def grpo_loss(
@@ -98,6 +110,8 @@ def grpo_loss(
     num_sequences: float | torch.Tensor | None = None,
     num_tokens: float | torch.Tensor | None = None,
     max_completion_length: int | None = None,
+    importance_sampling: str = "token",
+    rollout_weights: torch.Tensor | None = None,
 ) -> GRPOOutput:
     """The clipped GRPO objective over per-token log-probs [batch, T] (``logps`` with gradient,
     ``old_logps`` from the policy that sampled, ``ref_logps`` from the reference, may be None when
@@ -105,17 +119,30 @@ def grpo_loss(
 
     ``num_sequences`` (``grpo``, ``dr_grpo``), ``num_tokens`` (``bnpo``, ``dapo``) and
     ``max_completion_length`` (``dr_grpo``) default to this batch's; pass the step's to normalise a
-    micro-batch by the whole step.
+    micro-batch by the whole step. ``importance_sampling="sequence"`` is GSPO. ``rollout_weights``
+    [batch, T] (detached) multiply each token's policy loss, not its KL term: the rollout correction
+    (:mod:`.rollout_correction`).
     """
+    if importance_sampling not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"importance_sampling={importance_sampling!r} is unknown; choose one of {IMPORTANCE_SAMPLING_LEVELS}")
     if loss_type not in GRPO_LOSS_TYPES:
         raise ValueError(f"loss_type={loss_type!r} is unknown; choose one of {GRPO_LOSS_TYPES}")
     if beta and ref_logps is None:
         raise ValueError("beta > 0 needs ref_logps")
     mask = completion_mask.to(logps.dtype)
-    ratio = torch.exp(logps - old_logps)
+    log_ratio = logps - old_logps
+    if importance_sampling == "sequence":  # [batch, 1]: one ratio per completion
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp_min(1)).unsqueeze(-1)
+    ratio = torch.exp(log_ratio)
     adv = advantages.to(logps.dtype).unsqueeze(-1)
-    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
-    per_token = -torch.min(ratio * adv, clipped * adv)
+    if loss_type == "cispo":
+        per_token = -torch.clamp(ratio, max=1 + eps_high).detach() * adv * logps
+    else:
+        clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+        per_token = -torch.min(ratio * adv, clipped * adv)
+    per_token = per_token.expand_as(logps)
+    if rollout_weights is not None:
+        per_token = per_token * rollout_weights
     kl = None
     if beta:
         kl = k3_kl(logps, ref_logps)
@@ -126,7 +153,7 @@ def grpo_loss(
         lengths = mask.sum(dim=-1).clamp_min(1)
         n = num_sequences if num_sequences is not None else logps.shape[0]
         loss = (summed.sum(dim=-1) / lengths).sum() / n
-    elif loss_type in ("bnpo", "dapo"):
+    elif loss_type in ("bnpo", "dapo", "cispo"):
         n = num_tokens if num_tokens is not None else mask.sum().clamp_min(1)
         loss = summed.sum() / n
     else:  # dr_grpo
@@ -135,6 +162,9 @@ def grpo_loss(
         loss = summed.sum() / (n * width)
     with torch.no_grad():
         active = completion_mask.bool()
-        low = (ratio < 1 - eps_low) & (adv < 0) & active
-        high = (ratio > 1 + eps_high) & (adv > 0) & active
+        if loss_type == "cispo":
+            low, high = torch.zeros_like(active), (ratio > 1 + eps_high) & active
+        else:
+            low = (ratio < 1 - eps_low) & (adv < 0) & active
+            high = (ratio > 1 + eps_high) & (adv > 0) & active
     return GRPOOutput(loss, per_token, kl, low, high)

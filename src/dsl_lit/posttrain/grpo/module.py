@@ -45,6 +45,7 @@ from dsl_lit.posttrain.grpo.dapo import GroupSelection, overlong_penalty
 from dsl_lit.posttrain.grpo.data import encode_prompts, prompts_of
 from dsl_lit.posttrain.grpo.loss import grpo_loss
 from dsl_lit.posttrain.grpo.rollout import Rollouts, training_rows
+from dsl_lit.posttrain.grpo.rollout_correction import rollout_correction
 from dsl_lit.posttrain.logps import token_logps
 from dsl_lit.posttrain.module import PostTrainModule, laid_out_alike
 from dsl_lit.posttrain.rewards import WeightedRewards
@@ -116,9 +117,10 @@ class GRPOModule(PostTrainModule):
         samples = [p for p in problems for _ in range(g)]
         out = generate(self.inference_model(), prompts, s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                        top_k=s.top_k, eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id,
-                       generator=generator, all_finished=self.all_finished())
+                       generator=generator, all_finished=self.all_finished(), logprob_temperature=self.temperature)
         rewards, parts = self.rewards([self.tokenizer.decode(c) for c in out.completions], samples)
-        rollouts = Rollouts(prompts, out.completions, rewards, torch.zeros_like(rewards), parts, g)
+        logprobs = [row[:len(c)].tolist() for row, c in zip(out.logprobs.cpu(), out.completions)]
+        rollouts = Rollouts(prompts, out.completions, rewards, torch.zeros_like(rewards), parts, g, logprobs)
         if self.grpo.overlong.penalty_cache:
             rollouts.penalty = overlong_penalty(rollouts.lengths(), self.grpo.overlong_max_length,
                                                 self.grpo.overlong.penalty_cache)
@@ -179,7 +181,7 @@ class GRPOModule(PostTrainModule):
         :mod:`.loss`)."""
         normalizers = super().loss_normalizers(batch)
         local = (batch["labels"] != -100).sum().clamp_min(1).float()
-        normalizers["tokens"] = local if self.grpo.loss_type == "bnpo" else normalizers["targets"]
+        normalizers["tokens"] = local if self.grpo.loss_type == "bnpo" else normalizers["targets"]  # dapo, cispo
         return normalizers
 
     def loss_from_outputs(
@@ -187,17 +189,28 @@ class GRPOModule(PostTrainModule):
     ) -> tuple[torch.Tensor, Metrics]:
         logps = token_logps(outputs[0], micro_batch["labels"], self.temperature)
         old = micro_batch.get("old_logps")
+        old = logps.detach() if old is None else old
         mask = micro_batch["labels"] != -100
+        correction = None
+        if "rollout_logps" in micro_batch:  # the sampler's own log-probs: measure (and correct) the mismatch
+            fix = self.grpo.rollout_correction
+            correction = rollout_correction(old, micro_batch["rollout_logps"], mask, fix.token_cap,
+                                            tuple(fix.sequence_bounds) if fix.sequence_bounds else None)
         out = grpo_loss(
-            logps, logps.detach() if old is None else old, micro_batch.get("ref_logps"), micro_batch["advantages"],
+            logps, old, micro_batch.get("ref_logps"), micro_batch["advantages"],
             mask, self.grpo.eps_low, self.grpo.eps_high, self.grpo.beta, self.grpo.loss_type,
             num_sequences=normalizers["sequences"], num_tokens=normalizers["tokens"],
-            max_completion_length=self.sampling.max_new_tokens,
+            max_completion_length=self.sampling.max_new_tokens, importance_sampling=self.grpo.importance_sampling,
+            rollout_weights=correction.weights if correction is not None else None,
         )
         targets = normalizers["targets"]
         metrics = {"loss": out.loss.detach(), "clip_low": out.low_clipped.sum() / targets,
                    "clip_high": out.high_clipped.sum() / targets,
                    "clip_fraction": (out.low_clipped | out.high_clipped).sum() / targets}
+        if correction is not None:  # sums over the step's targets / sequences: the micro-batches add up to means
+            metrics.update({"rollout_logp_gap": correction.abs_gap.sum() / targets, "rollout_kl": correction.kl.sum() / targets,
+                            "rollout_token_capped": correction.token_capped.sum() / targets,
+                            "rollout_sequences_masked": correction.sequence_masked.sum() / normalizers["sequences"]})
         if out.kl is not None:
             metrics["kl"] = out.kl.sum() / targets
         return out.loss, metrics

@@ -31,6 +31,10 @@ class Rollouts:
     parts: dict[str, torch.Tensor]
     """Each reward component [N], for logging."""
     group_size: int
+    logprobs: list[list[float]] | None = None
+    """The sampler's log-probability of each completion token at the sampling temperature (the
+    rollout forward: KV-cache decoding, eval mode), for the mismatch metrics and the rollout
+    correction; None where the rollouts came from elsewhere."""
 
     @property
     def total(self) -> torch.Tensor:
@@ -54,14 +58,16 @@ class Rollouts:
         rows = [g * self.group_size + i for g in groups for i in range(self.group_size)]
         index = torch.tensor(rows, dtype=torch.long)
         return Rollouts([self.prompts[r] for r in rows], [self.completions[r] for r in rows], self.rewards[index],
-                        self.penalty[index], {k: v[index] for k, v in self.parts.items()}, self.group_size)
+                        self.penalty[index], {k: v[index] for k, v in self.parts.items()}, self.group_size,
+                        None if self.logprobs is None else [self.logprobs[r] for r in rows])
 
     @staticmethod
     def cat(parts: Sequence[Rollouts]) -> Rollouts:
         """The groups of several rollouts, one after the other."""
         return Rollouts([p for r in parts for p in r.prompts], [c for r in parts for c in r.completions],
                         torch.cat([r.rewards for r in parts]), torch.cat([r.penalty for r in parts]),
-                        {k: torch.cat([r.parts[k] for r in parts]) for k in parts[0].parts}, parts[0].group_size)
+                        {k: torch.cat([r.parts[k] for r in parts]) for k in parts[0].parts}, parts[0].group_size,
+                        None if any(r.logprobs is None for r in parts) else [lp for r in parts for lp in r.logprobs])
 
 
 def rollout_sequences(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
@@ -80,13 +86,18 @@ def rollout_sequences(prompts: Sequence[Sequence[int]], completions: Sequence[Se
 
 def training_rows(rollouts: Rollouts, *, pad_id: int, eos_id: int, advantage_scale: str = "group",
                   filter_overlong: bool = False) -> tuple[Batch, torch.Tensor]:
-    """(rows, truncated [N] bool): ``input_ids``, ``labels`` (the completions), ``attention_mask``
-    and the group ``advantages``. With ``filter_overlong`` (DAPO's overlong filtering) a truncated
+    """(rows, truncated [N] bool): ``input_ids``, ``labels`` (the completions), ``attention_mask``,
+    the group ``advantages`` and, where the sampler recorded them, ``rollout_logps`` (aligned with
+    ``labels``, 0 elsewhere). With ``filter_overlong`` (DAPO's overlong filtering) a truncated
     completion has no labels, so it adds nothing to the loss nor to the token counts; its reward
     still counts in its group's mean and std."""
     sequences, valid, prompt_length = rollout_sequences(rollouts.prompts, rollouts.completions, pad_id)
     rows = shifted_completion(sequences, valid, prompt_length)
     rows["advantages"] = group_advantages(rollouts.total, rollouts.group_size, advantage_scale)
+    if rollouts.logprobs is not None:
+        rows["rollout_logps"] = torch.zeros(rows["labels"].shape)
+        for i, logprobs in enumerate(rollouts.logprobs):  # label j is token j + 1: completion token t at P - 1 + t
+            rows["rollout_logps"][i, prompt_length - 1 : prompt_length - 1 + len(logprobs)] = torch.tensor(logprobs)
     truncated = rollouts.truncated(eos_id)
     if filter_overlong:
         rows["labels"][truncated] = -100
