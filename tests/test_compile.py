@@ -95,43 +95,8 @@ def test_compile_default_follows_the_device(overrides, expected):
     assert compiles(TrainConfig.from_hydra(compose_config(overrides=overrides))) is expected
 
 
-# layouts of the README (2 gloo processes each) with compiled blocks against one eager process
-COMPILED_LAYOUTS = {
-    "dp2": ["trainer.devices=2"],
-    "pp2": ["trainer.devices=2", "parallel=pp_1f1b", "data.micro_batch_size=1"],
-    "cp2": ["trainer.devices=2", "parallel=cp2"],
-    "ep2": ["trainer.devices=2", "parallel.ep=2"],
-}
-
-
-@pytest.fixture(scope="module")
-def eager_single(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("eager") / "single"
-    run_recipe(run_dir, "trainer.max_steps=3", "checkpoint.every_n_steps=0", "checkpoint.every_minutes=0",
-               "logger=csv", "trainer.compile=false")
-    return losses(run_dir)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", list(COMPILED_LAYOUTS))
-def test_compiled_blocks_under_each_layout_match_one_eager_process(tmp_path, eager_single, layout):
-    """V3 tiny (MoE, MTP, bias balancing): compile applies after the pipeline cut and the expert /
-    context sharding (transform_model's order: compile last), and the layout's losses
-    stay those of one eager process (step 0 within fp32 reordering across ranks; later steps within
-    2e-3, as tests/test_parallel_e2e.py holds every layout). Traced by Dynamo and AOTAutograd
-    (``trainer.compile_backend=aot_eager``): what a layout changes is what is traced; inductor's
-    code generation (a cold cache: 25-95 s per layout on 2 cores) is the compiled recipe test's and
-    the GPU check's."""
-    run_dir = tmp_path / layout
-    result = run_recipe(run_dir, "trainer.max_steps=3", "checkpoint.every_n_steps=0", "checkpoint.every_minutes=0",
-                        "logger=csv", "trainer.compile=true", "trainer.compile_backend=aot_eager",
-                        *COMPILED_LAYOUTS[layout])
-    assert "transformer blocks compiled (torch.compile, per block, aot_eager)" in (run_dir / "pretrain.log").read_text() + result.stderr
-    got = losses(run_dir)
-    assert sorted(got) == [0, 1, 2]
-    assert float(got[0]) == pytest.approx(float(eager_single[0]), rel=16 * EPS32 * math.sqrt(8192))
-    for step in (1, 2):
-        assert float(got[step]) == pytest.approx(float(eager_single[step]), rel=2e-3), (layout, step)
+# Compiled blocks under the parallel layouts (after the pipeline cut, the context split and the
+# expert sharding) against one eager process: tests/test_parallel_e2e.py's COMPILED layouts.
 
 
 def test_the_moe_block_compiles_without_graph_breaks():

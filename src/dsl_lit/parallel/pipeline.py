@@ -64,6 +64,11 @@ SCHEDULES = {
     "DualPipeV": ScheduleDualPipeV,
 }
 MULTI_STAGE = ("Interleaved1F1B", "DualPipeV")
+SPLIT_BACKWARD = ("DualPipeV",)
+"""Schedules that split each backward into its input and its weight gradients, the first keeping the
+graph for the second (``retain_graph=True``): compiled blocks must then not donate the buffers they
+saved for backward (AOTAutograd's ``donated_buffer``), or their backward refuses to run (found by
+tests/test_parallel_e2e.py's compiled DualPipeV layout)."""
 
 
 def layer_cost(cfg: ModelConfig, layer_id: int) -> float:
@@ -282,6 +287,10 @@ class PipelineRunner:
         cp_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.pp_group, self.schedule_name, self.device = pp_group, schedule, device
+        if schedule in SPLIT_BACKWARD:  # before any block compiles (compile is the last transform)
+            import torch._functorch.config
+
+            torch._functorch.config.donated_buffer = False
         self.cp = dist.get_world_size(cp_group) if cp_group is not None else 1
         pp = dist.get_world_size(pp_group)
         virtual = 2 if schedule == "DualPipeV" else (virtual_stages if schedule in MULTI_STAGE else 1)

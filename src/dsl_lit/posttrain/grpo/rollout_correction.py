@@ -60,4 +60,4 @@ def rollout_correction(train_logps: torch.Tensor, rollout_logps: torch.Tensor, m
         masked = ((sequence_ratio < low) | (sequence_ratio > high)) & mask.any(-1)
         keep = (~masked).to(valid.dtype).unsqueeze(-1) * valid
         weights = keep if weights is None else weights * keep
-    return RolloutCorrection(weights, capped, masked, log_ratio.abs(), (ratio - 1 - log_ratio) * valid)
+    return RolloutCorrection(weights, capped, masked, log_ratio.abs(), (torch.expm1(log_ratio) - log_ratio) * valid)
