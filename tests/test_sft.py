@@ -435,7 +435,16 @@ def test_a_malformed_sft_dataset_is_counted_and_set_aside(tmp_path, caplog):
                                _json.dumps({"messages": [{"role": "user", "content": 3}]}), _json.dumps(good)]) + "\n")
     with caplog.at_level(logging.WARNING):
         assert read_conversations(path) == [good["messages"], good["messages"]]
-    assert "3 line(s) set aside: 2 (not JSON); 3 (not an object" in caplog.text
+    assert "3 line(s) set aside: 2 (not JSON); 3 (neither a non-empty 'messages' list nor 'prompt' and 'completion'" \
+        in caplog.text
+    # TRL's prompt-completion rows, plain and conversational, are a user turn and the assistant's reply
+    trl = tmp_path / "trl.jsonl"
+    trl.write_text("\n".join([_json.dumps({"prompt": "2+2?", "completion": "4"}),
+                              _json.dumps({"prompt": good["messages"][:1], "completion": good["messages"][1:]}),
+                              _json.dumps({"prompt": "2+2?", "completion": ["4"]})]) + "\n")
+    with caplog.at_level(logging.WARNING):
+        assert read_conversations(trl) == [good["messages"], good["messages"]]
+    assert "trl.jsonl: 1 line(s) set aside: 3 (neither" in caplog.text
     (tmp_path / "bad.jsonl").write_text("[1]\n")
     with pytest.raises(ConfigError, match=r"bad\.jsonl holds no conversation .*; 1 line\(s\) set aside$"):
         read_conversations(tmp_path / "bad.jsonl")

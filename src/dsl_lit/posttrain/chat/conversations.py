@@ -1,6 +1,13 @@
-"""Where SFT conversations come from: the generated task's reference replies, or a JSONL file of
-``{"messages": [{"role": ..., "content": ...}, ...]}`` (what rejection sampling and distillation
-write, and the usual format of chat datasets)."""
+"""Where SFT conversations come from: the generated task's reference replies, or a JSONL file whose
+lines are in one of TRL's dataset formats:
+
+- conversational, ``{"messages": [{"role": ..., "content": ...}, ...]}`` (what rejection sampling
+  and distillation write, and the usual format of chat datasets);
+- prompt-completion, ``{"prompt": "...", "completion": "..."}`` (a user turn and the assistant's
+  reply) or its conversational form, ``{"prompt": [messages], "completion": [messages]}``.
+
+TRL's plain ``{"text": ...}`` language-modelling rows are not chat: they are pretraining data
+(``recipes/pretrain.py data.corpus_dir=...``)."""
 
 from __future__ import annotations
 
@@ -30,11 +37,26 @@ def task_conversations(task: TaskConfig, shortcut_share: float = 0.0) -> list[Co
     return [[*arithmetic.prompt(p), {"role": "assistant", "content": r}] for p, r in zip(train, replies)]
 
 
+def _messages(record: Any) -> Conversation | None:
+    """The conversation of a record in one of the formats above (None: not one of them)."""
+    if not isinstance(record, dict):
+        return None
+    if "messages" in record:
+        return record["messages"] if isinstance(record["messages"], list) else None
+    prompt, completion = record.get("prompt"), record.get("completion")
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+    if isinstance(prompt, list) and isinstance(completion, list):
+        return [*prompt, *completion]
+    return None
+
+
 def _problem(record: Any) -> str | None:
     """Why a JSONL record is not a conversation (None: it is one)."""
-    if not isinstance(record, dict) or not isinstance(record.get("messages"), list) or not record["messages"]:
-        return "not an object with a non-empty 'messages' list"
-    for message in record["messages"]:
+    messages = _messages(record)
+    if not messages:
+        return "neither a non-empty 'messages' list nor 'prompt' and 'completion' (both strings or both message lists)"
+    for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
                 or not isinstance(message.get("content"), str):
             return "a message that is not {'role': str, 'content': str}"
@@ -63,12 +85,13 @@ def read_conversations(path: str | Path) -> list[Conversation]:
             if problem is not None:
                 set_aside.append(f"{n} ({problem})")
                 continue
-            conversations.append(record["messages"])
+            conversations.append(_messages(record))
     if set_aside:
         log.warning("%s: %d line(s) set aside: %s%s", path, len(set_aside), "; ".join(set_aside[:3]),
                     "; ..." if len(set_aside) > 3 else "")
     if not conversations:
-        raise ConfigError(f"{path} holds no conversation (each line: {{\"messages\": [{{\"role\": ..., \"content\": ...}}]}})"
+        raise ConfigError(f"{path} holds no conversation (each line: {{\"messages\": [{{\"role\": ..., \"content\": ...}}]}} "
+                          "or {\"prompt\": ..., \"completion\": ...})"
                           + (f"; {len(set_aside)} line(s) set aside" if set_aside else ""))
     return conversations
 
