@@ -78,7 +78,7 @@ def _answers_as_a_ray_head(connection: socket.socket, authority: str, deadline: 
         header = read(9)
         length, kind, flags, stream = int.from_bytes(header[:3], "big"), header[3], header[4], \
             int.from_bytes(header[5:9], "big") & 0x7FFFFFFF
-        payload = read(length)
+        read(length)  # the frame's payload: only its header matters here
         if kind == _SETTINGS and not flags & _ACK:
             connection.sendall(_frame(_SETTINGS, _ACK, 0) + (b"" if request_sent else _gcs_request(authority)))
             request_sent = True
