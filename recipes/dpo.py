@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from dsl_lit.posttrain import DPOModule
 from dsl_lit.posttrain.chat.datamodule import RowsDataModule
-from dsl_lit.posttrain.dpo.data import collate_pairs, preference_rows, task_pairs
+from dsl_lit.posttrain.dpo.data import collate_pairs, load_pairs, preference_rows
 from dsl_lit.posttrain.run import fit, module_kwargs, setup_posttrain
 from dsl_lit.training.runs import exits_on_config_error
 
@@ -32,7 +32,8 @@ def main(hydra_cfg: DictConfig) -> None:
     setup = setup_posttrain(hydra_cfg, HydraConfig.get().runtime.output_dir)
     cfg, post = setup.cfg, setup.post
     L.seed_everything(cfg.trainer.seed, workers=True)
-    rows = preference_rows(task_pairs(post.task, post.dpo.num_pairs), setup.tokenizer, cfg.data.seq_len)
+    pairs = load_pairs(post.dpo.dataset, post.task, post.dpo.num_pairs)
+    rows = preference_rows(pairs, setup.tokenizer, cfg.data.seq_len)
     datamodule = RowsDataModule(cfg.data, lambda: rows, collate=collate_pairs)
     kwargs = module_kwargs(setup)
     kwargs["micro_batch_size"] = 2 * cfg.data.micro_batch_size  # rows: a chosen and a rejected per pair

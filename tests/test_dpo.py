@@ -56,3 +56,36 @@ def test_cached_and_model_reference_agree_at_the_start(tokenizer):  # noqa: F811
         loss.backward()
         grads.append(module.model.output.weight.grad.clone())
     assert_close_fp32(grads[0], grads[1], 12 * 48)  # summed over the 12 rows' positions
+
+
+def test_a_pairs_file_in_trls_format_gives_the_rows_of_the_same_pairs(tokenizer, tmp_path, caplog):  # noqa: F811
+    """``dpo.dataset=<jsonl>``: TRL's preference rows, replies as strings or as message lists, become
+    the rows the generated pairs would; a line that is neither is set aside with its number; a
+    missing file is one line at start-up."""
+    import json
+    import logging
+
+    from dsl_lit.config.errors import ConfigError
+    from dsl_lit.posttrain.dpo.data import load_pairs, read_pairs
+
+    task = TaskConfig(num_problems=40, eval_problems=4)
+    pairs = task_pairs(task, 3)
+    lines = [json.dumps({"prompt": p["prompt"], "chosen": p["chosen"], "rejected": p["rejected"]}) for p in pairs[:2]]
+    lines.append(json.dumps({"prompt": pairs[2]["prompt"], "chosen": [{"role": "assistant", "content": pairs[2]["chosen"]}],
+                             "rejected": [{"role": "assistant", "content": pairs[2]["rejected"]}]}))
+    lines += ["{oops", json.dumps({"prompt": "q", "chosen": "a"})]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with caplog.at_level(logging.WARNING):
+        read = load_pairs(str(path), task, 99)
+    assert "pairs.jsonl: 2 line(s) set aside: 4 (not JSON); 5 (not prompt/chosen/rejected" in caplog.text
+    ours, theirs = preference_rows(read, tokenizer, seq_len=48), preference_rows(pairs, tokenizer, seq_len=48)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    # a plain-string prompt is the user's turn
+    (tmp_path / "plain.jsonl").write_text(json.dumps({"prompt": "2+2?", "chosen": "4", "rejected": "5"}) + "\n")
+    assert read_pairs(tmp_path / "plain.jsonl")[0]["prompt"] == [{"role": "user", "content": "2+2?"}]
+    (tmp_path / "none.jsonl").write_text("[1]\n")
+    with pytest.raises(ConfigError, match=r"^dpo\.dataset=.*none\.jsonl holds no preference pair .*; 1 line\(s\) set aside$"):
+        read_pairs(tmp_path / "none.jsonl")
+    with pytest.raises(ConfigError, match=r"^dpo\.dataset=.*missing\.jsonl: no such file"):
+        DPOConfig(dataset=str(tmp_path / "missing.jsonl")).validate()

@@ -8,6 +8,7 @@ They sit beside the shared groups (model, data, optim, ...): ``TrainConfig`` rea
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from dsl_lit.config.errors import ConfigError
@@ -98,6 +99,10 @@ class DPOConfig:
     """``precompute``: reference log-probs computed once from the initial weights and cached with
     the data; ``model``: a frozen copy of the initial model run beside the policy every step."""
     num_pairs: int = 512
+    """With ``dataset: task``: how many generated pairs."""
+    dataset: str = "task"
+    """``task`` (generated pairs) or a JSONL of TRL's preference rows: ``{"prompt", "chosen",
+    "rejected"}``, each a string or a list of messages (a line that is neither is set aside)."""
 
     def validate(self) -> DPOConfig:
         if self.beta <= 0:
@@ -110,6 +115,9 @@ class DPOConfig:
             raise ConfigError(f"dpo.reference={self.reference!r} must be 'precompute' or 'model'")
         if self.num_pairs < 1:
             raise ConfigError(f"dpo.num_pairs={self.num_pairs} must be >= 1")
+        if self.dataset != "task" and not Path(self.dataset).is_file():
+            raise ConfigError(f"dpo.dataset={self.dataset}: no such file (use 'task' or a .jsonl of "
+                              "{\"prompt\", \"chosen\", \"rejected\"} rows)")
         return self
 
 

@@ -7,15 +7,22 @@ prompt). The generated pairs put the task's correct reply against a wrong result
 
 from __future__ import annotations
 
+import json
+import logging
 import random
+from pathlib import Path
+from typing import Any
 
 import torch
 
+from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.posttrain import TaskConfig
 from dsl_lit.posttrain.chat.datamodule import Rows
 from dsl_lit.posttrain.chat.rows import check_targets, document, padded_rows
 from dsl_lit.posttrain.chat.tokenizer import ChatTokenizer, prompt_and_reply
 from dsl_lit.tasks import arithmetic
+
+log = logging.getLogger(__name__)
 
 
 def task_pairs(task: TaskConfig, num_pairs: int) -> list[dict]:
@@ -29,10 +36,56 @@ def task_pairs(task: TaskConfig, num_pairs: int) -> list[dict]:
     ]
 
 
+def _side(value: Any, role: str) -> list[dict[str, str]] | None:
+    """A prompt or a reply as messages: a string is one ``role`` turn; a list must be messages."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if isinstance(value, list) and value and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value):
+        return [{"role": m["role"], "content": m["content"]} for m in value]
+    return None
+
+
+def read_pairs(path: str | Path) -> list[dict]:
+    """TRL's preference rows of a JSONL file (``prompt``, ``chosen``, ``rejected``; strings or
+    message lists, a reply ending with the assistant's turn). A line that is not JSON or not such a
+    row is counted and set aside (one warning naming the first lines and why); none left: one line."""
+    pairs, set_aside = [], []
+    with Path(path).open(encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                set_aside.append(f"{n} (not JSON)")
+                continue
+            sides = [_side(record.get(k), r) if isinstance(record, dict) else None
+                     for k, r in (("prompt", "user"), ("chosen", "assistant"), ("rejected", "assistant"))]
+            if None in sides or sides[1][-1]["role"] != "assistant" or sides[2][-1]["role"] != "assistant":
+                set_aside.append(f"{n} (not prompt/chosen/rejected strings or messages ending with the assistant)")
+                continue
+            pairs.append({"prompt": sides[0], "chosen": sides[1], "rejected": sides[2]})
+    if set_aside:
+        log.warning("%s: %d line(s) set aside: %s%s", path, len(set_aside), "; ".join(set_aside[:3]),
+                    "; ..." if len(set_aside) > 3 else "")
+    if not pairs:
+        raise ConfigError(f"dpo.dataset={path} holds no preference pair (each line: {{\"prompt\": ..., \"chosen\": ..., "
+                          f"\"rejected\": ...}}); {len(set_aside)} line(s) set aside")
+    return pairs
+
+
+def load_pairs(dataset: str, task: TaskConfig, num_pairs: int) -> list[dict]:
+    """``dataset`` is ``task`` (``num_pairs`` generated pairs) or a JSONL path."""
+    return task_pairs(task, num_pairs) if dataset == "task" else read_pairs(dataset)
+
+
 def preference_rows(pairs: list[dict], tokenizer: ChatTokenizer, seq_len: int) -> Rows:
     """``input_ids``, ``labels`` [pairs, 2, seq_len] (index 0 chosen, 1 rejected)."""
     docs = [
-        document(tokenizer.encode_conversation(prompt_and_reply(pair["prompt"], pair[side])), seq_len)
+        document(tokenizer.encode_conversation(
+            [*map(dict, pair["prompt"]), *pair[side]] if isinstance(pair[side], list)
+            else prompt_and_reply(pair["prompt"], pair[side])), seq_len)
         for pair in pairs for side in ("chosen", "rejected")
     ]
     check_targets(docs, "dpo pairs")
