@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 from dsl_lit.checkpoint.directory import latest_checkpoint
 from dsl_lit.posttrain import GRPOModule
 from dsl_lit.posttrain.chat.datamodule import RowsDataModule
-from dsl_lit.posttrain.grpo.data import prompt_rows
+from dsl_lit.posttrain.grpo.data import prompt_rows, read_problems
 from dsl_lit.posttrain.rewards import build_rewards
 from dsl_lit.posttrain.run import cold_start_sft, fit, held_out_evaluation, module_kwargs, setup_posttrain
 from dsl_lit.tasks import arithmetic
@@ -51,12 +51,13 @@ def main(hydra_cfg: DictConfig) -> None:
     cfg, post, tokenizer = setup.cfg, setup.post, setup.tokenizer
     L.seed_everything(cfg.trainer.seed, workers=True)
 
-    train, _ = arithmetic.split(post.task)
+    own = post.grpo.dataset != "task"  # a prompts file: its problems, no held-out task evaluation
+    train = read_problems(post.grpo.dataset) if own else arithmetic.split(post.task)[0]
     datamodule = RowsDataModule(cfg.data, lambda: prompt_rows(train, tokenizer))
     datamodule.steps_per_batch = post.grpo.iterations
     kwargs = module_kwargs(setup)
     kwargs["micro_batch_size"] = cfg.data.micro_batch_size * post.grpo.group_size  # completions
-    evaluation = held_out_evaluation(setup)
+    evaluation = {"eval_set": ()} if own else held_out_evaluation(setup)
     module = GRPOModule(**kwargs, grpo=post.grpo, rewards=build_rewards(post.grpo.rewards), problems=train,
                         tokenizer=tokenizer, eval_set=evaluation["eval_set"], seed=cfg.trainer.seed)
     fit(setup, module, datamodule)

@@ -74,3 +74,36 @@ def test_the_samplers_log_probs_reach_the_rows_aligned_with_the_labels(family):
     assert (token_logps(logits, rows["labels"])[mask] - rows["rollout_logps"][mask]).abs().max() > 1e-3
     gap = rollout_correction(train, rows["rollout_logps"], mask).abs_gap
     assert gap[mask].max() < 1e-4
+
+
+def test_a_prompts_file_gives_problems_the_rewards_check(tmp_path, caplog):
+    """``grpo.dataset=<jsonl>``: prompts (strings or messages) with reference answers and optional
+    checkers; a line without them is set aside with its number; a missing file, or a cold start
+    from the generated task's replies, is one line at start-up."""
+    import json
+    import logging
+
+    from dsl_lit.config.errors import ConfigError
+    from dsl_lit.config.posttrain import GRPOConfig
+    from dsl_lit.posttrain.grpo.data import problem_prompt, read_problems
+    from dsl_lit.posttrain.rewards.accuracy import accuracy_reward
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join([json.dumps({"prompt": "What is 6 x 7?", "answer": 42}),
+                               json.dumps({"prompt": [{"role": "system", "content": "Be brief."},
+                                                      {"role": "user", "content": "Name it."}],
+                                           "answer": "Paris", "checker": "exact"}),
+                               json.dumps({"prompt": "no answer"}),
+                               json.dumps({"prompt": "x", "answer": "1", "checker": "fuzzy"})]) + "\n")
+    with caplog.at_level(logging.WARNING):
+        problems = read_problems(path)
+    assert "prompts.jsonl: 2 line(s) set aside: 3 (needs 'prompt'" in caplog.text and "; 4 (needs" in caplog.text
+    assert problem_prompt(problems[0]) == [{"role": "user", "content": "What is 6 x 7?"}]
+    assert problem_prompt(problems[1])[0]["role"] == "system"
+    assert accuracy_reward("<think>6 x 7</think><answer>42</answer>", problems[0]) == 1.0
+    assert accuracy_reward("<answer>paris</answer>", problems[1]) == 0.0  # the exact checker it asked for
+    assert accuracy_reward("<answer>Paris</answer>", problems[1]) == 1.0
+    with pytest.raises(ConfigError, match=r"^grpo\.dataset=.*missing\.jsonl: no such file"):
+        GRPOConfig(dataset=str(tmp_path / "missing.jsonl"), cold_start_steps=0).validate()
+    with pytest.raises(ConfigError, match=r"^grpo\.dataset=.* with grpo\.cold_start_steps=60: the cold start trains"):
+        GRPOConfig(dataset=str(path), cold_start_steps=60).validate()

@@ -241,6 +241,10 @@ class GRPOConfig:
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    dataset: str = "task"
+    """``task`` (the generated task's problems) or a JSONL of prompts with reference answers:
+    ``{"prompt": str or messages, "answer": str, "checker": "exact" | "numeric" | "boxed"}`` (checker
+    optional: the accuracy reward's default); no held-out evaluation then."""
 
     @property
     def overlong_max_length(self) -> int:
@@ -277,6 +281,14 @@ class GRPOConfig:
         self.dynamic_sampling.validate()
         self.overlong.validate()
         self.rollout_correction.validate()
+        if self.dataset != "task":
+            if not Path(self.dataset).is_file():
+                raise ConfigError(f"grpo.dataset={self.dataset}: no such file (use 'task' or a .jsonl of "
+                                  "{\"prompt\", \"answer\"} rows)")
+            if self.cold_start_steps:
+                raise ConfigError(f"grpo.dataset={self.dataset} with grpo.cold_start_steps={self.cold_start_steps}: the "
+                                  "cold start trains on the generated task's replies; set grpo.cold_start_steps=0 and "
+                                  "init_from=<a checkpoint SFT-ed for your prompts>")
         if self.overlong.penalty_cache > self.overlong_max_length:
             source = "grpo.overlong.max_length" if self.overlong.max_length else "grpo.sampling.max_new_tokens"
             raise ConfigError(f"grpo.overlong.penalty_cache={self.overlong.penalty_cache} must be <= L_max = "
