@@ -20,6 +20,7 @@ from typing import Any
 
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.posttrain import TaskConfig
+from dsl_lit.posttrain.chat.jsonl import as_messages, read_jsonl
 from dsl_lit.tasks import arithmetic
 
 Conversation = list[dict[str, str]]
@@ -37,30 +38,19 @@ def task_conversations(task: TaskConfig, shortcut_share: float = 0.0) -> list[Co
     return [[*arithmetic.prompt(p), {"role": "assistant", "content": r}] for p, r in zip(train, replies)]
 
 
-def _messages(record: Any) -> Conversation | None:
-    """The conversation of a record in one of the formats above (None: not one of them)."""
-    if not isinstance(record, dict):
-        return None
-    if "messages" in record:
-        return record["messages"] if isinstance(record["messages"], list) else None
-    prompt, completion = record.get("prompt"), record.get("completion")
-    if isinstance(prompt, str) and isinstance(completion, str):
-        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
-    if isinstance(prompt, list) and isinstance(completion, list):
-        return [*prompt, *completion]
-    return None
-
-
-def _problem(record: Any) -> str | None:
-    """Why a JSONL record is not a conversation (None: it is one)."""
-    messages = _messages(record)
-    if not messages:
-        return "neither a non-empty 'messages' list nor 'prompt' and 'completion' (both strings or both message lists)"
-    for message in messages:
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                or not isinstance(message.get("content"), str):
-            return "a message that is not {'role': str, 'content': str}"
-    return None
+def _conversation(record: Any) -> Conversation | str:
+    """A record's conversation in one of the formats above, or why it is none."""
+    neither = "neither a non-empty 'messages' list nor 'prompt' and 'completion' (both strings or both message lists)"
+    if isinstance(record, dict) and "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            return neither
+        return messages if as_messages(messages, "user") else "a message that is not {'role': str, 'content': str}"
+    if isinstance(record, dict) and type(record.get("prompt")) is type(record.get("completion")):
+        prompt, completion = as_messages(record.get("prompt"), "user"), as_messages(record.get("completion"), "assistant")
+        if prompt and completion:
+            return [*prompt, *completion]
+    return neither
 
 
 def read_conversations(path: str | Path) -> list[Conversation]:
@@ -70,29 +60,10 @@ def read_conversations(path: str | Path) -> list[Conversation]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"sft.dataset={path}: no such file (use 'task' or a .jsonl of conversations)")
-    conversations: list[Conversation] = []
-    set_aside: list[str] = []
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                set_aside.append(f"{n} (not JSON)")
-                continue
-            problem = _problem(record)
-            if problem is not None:
-                set_aside.append(f"{n} ({problem})")
-                continue
-            conversations.append(_messages(record))
-    if set_aside:
-        log.warning("%s: %d line(s) set aside: %s%s", path, len(set_aside), "; ".join(set_aside[:3]),
-                    "; ..." if len(set_aside) > 3 else "")
+    conversations, set_aside = read_jsonl(path, _conversation)
     if not conversations:
         raise ConfigError(f"{path} holds no conversation (each line: {{\"messages\": [{{\"role\": ..., \"content\": ...}}]}} "
-                          "or {\"prompt\": ..., \"completion\": ...})"
-                          + (f"; {len(set_aside)} line(s) set aside" if set_aside else ""))
+                          "or {\"prompt\": ..., \"completion\": ...})" + (f"; {set_aside} line(s) set aside" if set_aside else ""))
     return conversations
 
 

@@ -7,8 +7,6 @@ prompt). The generated pairs put the task's correct reply against a wrong result
 
 from __future__ import annotations
 
-import json
-import logging
 import random
 from pathlib import Path
 from typing import Any
@@ -18,11 +16,10 @@ import torch
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.posttrain import TaskConfig
 from dsl_lit.posttrain.chat.datamodule import Rows
+from dsl_lit.posttrain.chat.jsonl import as_messages, read_jsonl
 from dsl_lit.posttrain.chat.rows import check_targets, document, padded_rows
 from dsl_lit.posttrain.chat.tokenizer import ChatTokenizer, prompt_and_reply
 from dsl_lit.tasks import arithmetic
-
-log = logging.getLogger(__name__)
 
 
 def task_pairs(task: TaskConfig, num_pairs: int) -> list[dict]:
@@ -36,42 +33,23 @@ def task_pairs(task: TaskConfig, num_pairs: int) -> list[dict]:
     ]
 
 
-def _side(value: Any, role: str) -> list[dict[str, str]] | None:
-    """A prompt or a reply as messages: a string is one ``role`` turn; a list must be messages."""
-    if isinstance(value, str):
-        return [{"role": role, "content": value}]
-    if isinstance(value, list) and value and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value):
-        return [{"role": m["role"], "content": m["content"]} for m in value]
-    return None
+def _pair(record: Any) -> dict | str:
+    """A TRL preference row as ``{"prompt", "chosen", "rejected"}`` messages, or why it is none."""
+    sides = [as_messages(record.get(key), role) if isinstance(record, dict) else None
+             for key, role in (("prompt", "user"), ("chosen", "assistant"), ("rejected", "assistant"))]
+    if None in sides or sides[1][-1]["role"] != "assistant" or sides[2][-1]["role"] != "assistant":
+        return "not prompt/chosen/rejected strings or messages ending with the assistant"
+    return {"prompt": sides[0], "chosen": sides[1], "rejected": sides[2]}
 
 
 def read_pairs(path: str | Path) -> list[dict]:
     """TRL's preference rows of a JSONL file (``prompt``, ``chosen``, ``rejected``; strings or
     message lists, a reply ending with the assistant's turn). A line that is not JSON or not such a
     row is counted and set aside (one warning naming the first lines and why); none left: one line."""
-    pairs, set_aside = [], []
-    with Path(path).open(encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                set_aside.append(f"{n} (not JSON)")
-                continue
-            sides = [_side(record.get(k), r) if isinstance(record, dict) else None
-                     for k, r in (("prompt", "user"), ("chosen", "assistant"), ("rejected", "assistant"))]
-            if None in sides or sides[1][-1]["role"] != "assistant" or sides[2][-1]["role"] != "assistant":
-                set_aside.append(f"{n} (not prompt/chosen/rejected strings or messages ending with the assistant)")
-                continue
-            pairs.append({"prompt": sides[0], "chosen": sides[1], "rejected": sides[2]})
-    if set_aside:
-        log.warning("%s: %d line(s) set aside: %s%s", path, len(set_aside), "; ".join(set_aside[:3]),
-                    "; ..." if len(set_aside) > 3 else "")
+    pairs, set_aside = read_jsonl(path, _pair)
     if not pairs:
         raise ConfigError(f"dpo.dataset={path} holds no preference pair (each line: {{\"prompt\": ..., \"chosen\": ..., "
-                          f"\"rejected\": ...}}); {len(set_aside)} line(s) set aside")
+                          f"\"rejected\": ...}}); {set_aside} line(s) set aside")
     return pairs
 
 

@@ -4,8 +4,6 @@ other rows."""
 
 from __future__ import annotations
 
-import json
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -14,11 +12,10 @@ import torch
 
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.posttrain.chat.datamodule import Rows
+from dsl_lit.posttrain.chat.jsonl import as_messages, read_jsonl
 from dsl_lit.posttrain.chat.tokenizer import ChatTokenizer
 from dsl_lit.posttrain.rewards.accuracy import CHECKERS
 from dsl_lit.tasks import arithmetic
-
-log = logging.getLogger(__name__)
 
 
 def problem_prompt(problem: dict[str, Any]) -> list[dict[str, str]]:
@@ -31,39 +28,23 @@ def encode_prompts(problems: Sequence[dict[str, Any]], tokenizer: ChatTokenizer)
     return [tokenizer.encode_prompt(problem_prompt(p)) for p in problems]
 
 
+def _problem(record: Any) -> dict[str, Any] | str:
+    """A prompts-file row as a problem (``messages``, ``answer``, ``checker``), or why it is none."""
+    messages = as_messages(record.get("prompt"), "user") if isinstance(record, dict) else None
+    checker = record.get("checker") if isinstance(record, dict) else None
+    if messages is None or not isinstance(record.get("answer"), (str, int, float)) or checker not in (None, *CHECKERS, "boxed"):
+        return f"needs 'prompt' (a string or messages) and 'answer'; 'checker' one of {[*CHECKERS, 'boxed']}"
+    return {"messages": messages, "answer": str(record["answer"]), **({"checker": checker} if checker else {})}
+
+
 def read_problems(path: str | Path) -> list[dict[str, Any]]:
     """Prompts with reference answers from a JSONL file (``grpo.dataset``): ``prompt`` (a string,
     the user's turn, or messages), ``answer`` (what the accuracy reward checks) and an optional
     ``checker``. A line that is not JSON or lacks them is counted and set aside (one warning naming
     the first lines); none left is one line."""
-    problems, set_aside = [], []
-    with Path(path).open(encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                set_aside.append(f"{n} (not JSON)")
-                continue
-            prompt = record.get("prompt") if isinstance(record, dict) else None
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            valid = isinstance(messages, list) and messages and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages)
-            checker = record.get("checker") if isinstance(record, dict) else None
-            if not valid or not isinstance(record.get("answer"), (str, int, float)) or \
-                    checker not in (None, *CHECKERS, "boxed"):
-                set_aside.append(f"{n} (needs 'prompt' (a string or messages) and 'answer'; 'checker' one of "
-                                 f"{[*CHECKERS, 'boxed']})")
-                continue
-            problems.append({"messages": messages, "answer": str(record["answer"]),
-                             **({"checker": checker} if checker else {})})
-    if set_aside:
-        log.warning("%s: %d line(s) set aside: %s%s", path, len(set_aside), "; ".join(set_aside[:3]),
-                    "; ..." if len(set_aside) > 3 else "")
+    problems, set_aside = read_jsonl(path, _problem)
     if not problems:
-        raise ConfigError(f"grpo.dataset={path} holds no prompt with an answer; {len(set_aside)} line(s) set aside")
+        raise ConfigError(f"grpo.dataset={path} holds no prompt with an answer; {set_aside} line(s) set aside")
     return problems
 
 
