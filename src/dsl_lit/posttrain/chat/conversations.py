@@ -12,7 +12,6 @@ TRL's plain ``{"text": ...}`` language-modelling rows are not chat: they are pre
 from __future__ import annotations
 
 import json
-import logging
 import random
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -24,7 +23,6 @@ from dsl_lit.posttrain.chat.jsonl import as_messages, read_jsonl
 from dsl_lit.tasks import arithmetic
 
 Conversation = list[dict[str, str]]
-log = logging.getLogger(__name__)
 
 
 def task_conversations(task: TaskConfig, shortcut_share: float = 0.0) -> list[Conversation]:
