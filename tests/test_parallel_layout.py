@@ -105,3 +105,20 @@ def test_context_parallelism_is_for_pretraining():
         with pytest.raises(ConfigError, match="parallel.cp=2 is built for pretraining"):
             TrainConfig.from_hydra(composed, post_training=True)
     assert TrainConfig.from_hydra(compose_config(overrides=["parallel=cp2", "trainer.devices=2"])).layout.cp == 2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ([], "model deepseek_llm_tiny has no routed experts"),
+        (["model=deepseek_v3_tiny", "parallel=pp_1f1b", "trainer.devices=2", "data.global_batch_size=4",
+          "data.micro_batch_size=1"], "grpo.routing_replay=true with parallel.pp=2 is not supported"),
+    ],
+)
+def test_routing_replay_is_refused_where_it_cannot_replay(overrides, message):
+    """R3 needs routers to replay to, and the recorded routes reach no pipeline stage: one line each."""
+    composed = compose_config("grpo", overrides=["grpo.routing_replay=true", *overrides])
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig.from_hydra(composed, post_training=True)
+    ok = compose_config("grpo", overrides=["grpo.routing_replay=true", "model=deepseek_v3_tiny"])
+    assert TrainConfig.from_hydra(ok, post_training=True).post.grpo.routing_replay

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from dsl_lit.inference.generation import generate
+from dsl_lit.inference.generation import generate, positions_from_mask
+from dsl_lit.models.common.routing_replay import install_routes, recording_routes, remove_routes
 from dsl_lit.models import build_model
 from dsl_lit.parallel.expert_parallel import apply_expert_parallel
 from dsl_lit.parallel.pipeline import prune_to_stages, split_layers, stages_of_rank
@@ -30,6 +31,7 @@ from dsl_lit.posttrain.logps import token_logps
 from tests.numerics import EPS32
 from tests.ranks import free_port, spawn
 from tests.test_pretrain_module import _llm, _v3
+from tests.test_routing_replay import redraw_biases
 
 NEW_TOKENS = 12
 EOS = list(range(6, 50))  # a third of the vocabulary ends a sequence: they end early, at different steps
@@ -71,6 +73,23 @@ def _sample(model: torch.nn.Module, prompts: list[list[int]], all_finished=None)
     return out.completions
 
 
+def _replay_after_redraw(model: torch.nn.Module, prompts: list[list[int]], all_finished=None) -> dict:
+    """Rollout routing replay (R3): sample recording each token's experts, redraw the routers'
+    balancing biases (so the training forward's own routing differs), score the rows replaying the
+    recorded experts: the routes, the flips and the replayed log-probs."""
+    with recording_routes(model, len(prompts)) as recorded:
+        out = generate(model, prompts, NEW_TOKENS, temperature=1.0, eos_token_id=EOS,
+                       generator=torch.Generator().manual_seed(7), all_finished=all_finished)
+    redraw_biases(model)
+    mask = out.attention_mask[:, :-1]
+    tapes = install_routes(model, recorded[0], enforce=True)
+    with torch.no_grad():
+        scored = token_logps(model(out.sequences[:, :-1], positions_from_mask(mask), mask), out.sequences[:, 1:])
+    remove_routes(model)
+    return {"routes": recorded[0], "flips": [int(t.flipped) for t in tapes], "replayed": scored,
+            "logprobs": out.logprobs, "completion": out.completion_mask}
+
+
 def _bytes(model: torch.nn.Module) -> int:
     """Bytes of the parameters this rank holds (its local shards under a sharded layout)."""
     return sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in model.parameters())
@@ -100,6 +119,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         whole_bytes = _bytes(ep)
         apply_expert_parallel(ep, mesh)
         results["ep"] = _sample(ep, _prompts(rank), all_finished)  # expert-parallel ranks: their own prompts
+        results["ep_replay"] = _replay_after_redraw(ep, _prompts(rank), all_finished)
         results["ep_bytes"] = (_bytes(ep), whole_bytes)
         # pipeline: DualPipeV's V over 2 ranks, 4 stages of one layer (the last with the MTP module)
         deep = _model("v3_deep")
@@ -133,6 +153,17 @@ def test_sampling_from_tensor_expert_and_pipeline_parallel_shards_draws_what_one
     assert any(c[-1] in EOS and len(c) < NEW_TOKENS for c in expected_tp)  # some stopped early
     for rank in range(2):
         assert ranks[rank]["ep"] == _sample(_model("v3"), _prompts(rank)), rank
+        # routing replay under expert parallelism: the sampler's routes are one process's, and the
+        # training forward (another routing: redrawn biases) replays them through the all-to-all
+        # (the rank done first kept decoding pads with the other: the positions one process decoded)
+        got, expected = ranks[rank]["ep_replay"], _replay_after_redraw(_model("v3"), _prompts(rank))
+        n = expected["routes"].shape[1]
+        assert torch.equal(got["routes"][:, :n], expected["routes"]), rank
+        assert min(got["flips"]) > 0 and min(expected["flips"]) > 0
+        torch.testing.assert_close(got["replayed"][:, :n], expected["replayed"], rtol=0, atol=64 * 5 * EPS32)
+        done = got["completion"]  # and they are the sampler's own log-probs
+        torch.testing.assert_close(got["replayed"][:, -done.shape[1]:][done], got["logprobs"][done], rtol=0,
+                                   atol=64 * 5 * EPS32)
     # one rank was done before the other and kept stepping with it (the forwards are collectives)
     steps = [max(map(len, ranks[rank]["ep"])) for rank in range(2)]
     assert steps[0] != steps[1] and min(steps) < NEW_TOKENS, steps

@@ -241,6 +241,10 @@ class GRPOConfig:
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    routing_replay: bool = False
+    """Rollout routing replay (R3) for MoE models: the training forwards send each token to the experts
+    the sampler sent it to (the router's scores of those experts still get gradients), so the ratio
+    compares one network with itself. Off, the router-flip rate is still measured and logged."""
     dataset: str = "task"
     """``task`` (the generated task's problems) or a JSONL of prompts with reference answers:
     ``{"prompt": str or messages, "answer": str, "checker": "exact" | "numeric" | "boxed"}`` (checker

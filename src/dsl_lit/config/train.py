@@ -220,6 +220,14 @@ class TrainConfig:
                 "carry their own positions and attention masks, which context parallelism does not shard yet; "
                 "use parallel.cp=1"
             )
+        if self.post is not None and self.post.grpo.routing_replay:
+            if not self.model.is_moe:
+                raise ConfigError(f"grpo.routing_replay=true replays which experts each token was routed to, but model "
+                                  f"{self.model.name} has no routed experts; drop grpo.routing_replay or pick an MoE model")
+            if self.parallel.pp > 1:
+                raise ConfigError(f"grpo.routing_replay=true with parallel.pp={self.parallel.pp} is not supported: the "
+                                  "pipeline schedule does not carry the recorded routes to its stages; use parallel.pp=1 "
+                                  "(tp and ep replay)")
         check_context_parallel_seq_len(self.parallel.cp, self.data.seq_len)
         self.data.validate(dp_size=dp)
         self.layout.check_micro_batches(self.data.smallest_global_batch, self.data.micro_batch_size)

@@ -24,6 +24,7 @@ all tokens for every expert is kept only as a reference for tests and benchmarks
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -84,6 +85,8 @@ class TopKRouter(nn.Module):
                 group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
                 choice = choice.masked_fill(~group_mask.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
             indices = choice.topk(self.top_k, dim=-1).indices
+            if self.tape is not None:  # rollout routing: recorded, compared, or replayed
+                indices = self.tape(indices)
         weights = scores.gather(1, indices)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -97,6 +100,10 @@ class TopKRouter(nn.Module):
                 else:
                     self.load.counts += counts
         return scores, weights, indices
+
+    tape: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Set by RL (:mod:`~dsl_lit.models.common.routing_replay`): maps the chosen expert ids to the ones
+    to use, recording them in the sampler and replaying them in the training forward."""
 
     recomputed: bool = False
     """Set by activation recompute (``memory.recompute``): this forward re-runs in backward, where

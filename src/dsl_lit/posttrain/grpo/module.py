@@ -38,6 +38,7 @@ import torch
 
 from dsl_lit.config.posttrain import GRPOConfig, SamplingConfig
 from dsl_lit.inference.generation import generate
+from dsl_lit.models.common.routing_replay import install_routes, recording_routes, remove_routes, stack_routers
 from dsl_lit.parallel.grad_sync import local
 from dsl_lit.parallel.pipeline_inference import PipelinedInference
 from dsl_lit.posttrain.chat.tokenizer import ChatTokenizer
@@ -115,12 +116,18 @@ class GRPOModule(PostTrainModule):
         g, s = self.grpo.group_size, self.sampling
         prompts = [p for p in prompts for _ in range(g)]
         samples = [p for p in problems for _ in range(g)]
-        out = generate(self.inference_model(), prompts, s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                       top_k=s.top_k, eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id,
-                       generator=generator, all_finished=self.all_finished(), logprob_temperature=self.temperature)
+        sampler = self.inference_model()
+        with recording_routes(sampler, len(prompts)) as recorded:  # MoE: each token's experts, for R3 and flips
+            out = generate(sampler, prompts, s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                           top_k=s.top_k, eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id,
+                           generator=generator, all_finished=self.all_finished(), logprob_temperature=self.temperature)
         rewards, parts = self.rewards([self.tokenizer.decode(c) for c in out.completions], samples)
         logprobs = [row[:len(c)].tolist() for row, c in zip(out.logprobs.cpu(), out.completions)]
-        rollouts = Rollouts(prompts, out.completions, rewards, torch.zeros_like(rewards), parts, g, logprobs)
+        routes = None
+        if recorded:  # positions P - len(prompt) .. P + len(completion) - 2 of this call's left-padded rows
+            by_row, width = recorded[0].to("cpu", torch.int16), out.prompt_length
+            routes = [r[width - len(p) : width + len(c) - 1] for r, p, c in zip(by_row, prompts, out.completions)]
+        rollouts = Rollouts(prompts, out.completions, rewards, torch.zeros_like(rewards), parts, g, logprobs, routes)
         if self.grpo.overlong.penalty_cache:
             rollouts.penalty = overlong_penalty(rollouts.lengths(), self.grpo.overlong_max_length,
                                                 self.grpo.overlong.penalty_cache)
@@ -182,7 +189,41 @@ class GRPOModule(PostTrainModule):
         normalizers = super().loss_normalizers(batch)
         local = (batch["labels"] != -100).sum().clamp_min(1).float()
         normalizers["tokens"] = local if self.grpo.loss_type == "bnpo" else normalizers["targets"]  # dapo, cispo
+        if "routed_experts" in batch:  # this rank's positions the sampler routed (the flip rates' denominator)
+            normalizers["routed_tokens"] = (batch["routed_experts"][:, :, 0, 0] >= 0).sum().clamp_min(1).float()
         return normalizers
+
+    def micro_batch_objective(self, micro_batch: Batch, normalizers: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
+        """With the sampler's routing recorded: the routers compare their choices with it (the flip
+        rate, per router) and, with ``grpo.routing_replay``, use it (R3). The routes stay installed
+        through this micro-batch's backward (activation recompute replays them too)."""
+        if "routed_experts" not in micro_batch:
+            return super().micro_batch_objective(micro_batch, normalizers)
+        tapes = install_routes(self.model, micro_batch["routed_experts"], enforce=self.grpo.routing_replay)
+        objective, metrics = super().micro_batch_objective(micro_batch, normalizers)
+        per_router = [t.flipped.float() / normalizers["routed_tokens"] for t in tapes]
+        metrics["router_flips"] = torch.stack(per_router).mean()
+        for name, flips in zip(self.router_names, per_router):
+            metrics[f"router_flips_{name}"] = flips
+        return objective, metrics
+
+    @property
+    def router_names(self) -> list[str]:
+        """``layer<i>`` of each router of the main stack, in order (the flip metrics' names)."""
+        names = [n for n, m in self.model.layers.named_modules() if m in set(stack_routers(self.model))]
+        return [f"layer{n.split('.')[0]}" for n in names]
+
+    def _frozen_logps(self, batch: Batch, model: torch.nn.Module | PipelinedInference, temperature: float) -> torch.Tensor:
+        """The sampling policy's log-probs (mu > 1) replay the rollout's routing too; the reference's
+        route by its own router."""
+        replay = self.grpo.routing_replay and "routed_experts" in batch and model is not self.reference
+        if replay:
+            install_routes(model, batch["routed_experts"], enforce=True)
+        try:
+            return super()._frozen_logps(batch, model, temperature)
+        finally:
+            if replay:
+                remove_routes(model)
 
     def loss_from_outputs(
         self, outputs: tuple[torch.Tensor, ...], micro_batch: Batch, normalizers: dict[str, torch.Tensor]
@@ -227,11 +268,14 @@ class GRPOModule(PostTrainModule):
         rollout, stats = self.rollout(batch)
         self.rollout_tokens = rollout["input_ids"].numel()
         start = time.perf_counter()
-        for _ in range(self.grpo.iterations):
-            loss = super().training_step(rollout, batch_idx)
-            refresh = self.grpo.ref_refresh_steps
-            if self.reference is not None and refresh and self.trainer.global_step % refresh == 0:
-                self.refresh_reference()
+        try:
+            for _ in range(self.grpo.iterations):
+                loss = super().training_step(rollout, batch_idx)
+                refresh = self.grpo.ref_refresh_steps
+                if self.reference is not None and refresh and self.trainer.global_step % refresh == 0:
+                    self.refresh_reference()
+        finally:
+            remove_routes(self.model)
         stats["perf/training_s"] = time.perf_counter() - start
         self.log_dict(stats, sync_dist=self.trainer.world_size > 1)
         self.reward_history.append(stats["reward/mean"])

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsl_lit.models.common.routing_replay import UNRECORDED
 from dsl_lit.posttrain.grpo.loss import group_advantages
 from dsl_lit.posttrain.module import shifted_completion
 from dsl_lit.training.causal_lm import Batch
@@ -35,6 +36,10 @@ class Rollouts:
     """The sampler's log-probability of each completion token at the sampling temperature (the
     rollout forward: KV-cache decoding, eval mode), for the mismatch metrics and the rollout
     correction; None where the rollouts came from elsewhere."""
+    routes: list[torch.Tensor] | None = None
+    """Per completion, the experts the sampler sent each of its forwarded tokens to (prompt and
+    completion, all but the last token): ``[len(prompt) + len(completion) - 1, routers, k]``
+    (:mod:`dsl_lit.models.common.routing_replay`); None for a dense model or no recording."""
 
     @property
     def total(self) -> torch.Tensor:
@@ -59,7 +64,8 @@ class Rollouts:
         index = torch.tensor(rows, dtype=torch.long)
         return Rollouts([self.prompts[r] for r in rows], [self.completions[r] for r in rows], self.rewards[index],
                         self.penalty[index], {k: v[index] for k, v in self.parts.items()}, self.group_size,
-                        None if self.logprobs is None else [self.logprobs[r] for r in rows])
+                        None if self.logprobs is None else [self.logprobs[r] for r in rows],
+                        None if self.routes is None else [self.routes[r] for r in rows])
 
     @staticmethod
     def cat(parts: Sequence[Rollouts]) -> Rollouts:
@@ -67,7 +73,8 @@ class Rollouts:
         return Rollouts([p for r in parts for p in r.prompts], [c for r in parts for c in r.completions],
                         torch.cat([r.rewards for r in parts]), torch.cat([r.penalty for r in parts]),
                         {k: torch.cat([r.parts[k] for r in parts]) for k in parts[0].parts}, parts[0].group_size,
-                        None if any(r.logprobs is None for r in parts) else [lp for r in parts for lp in r.logprobs])
+                        None if any(r.logprobs is None for r in parts) else [lp for r in parts for lp in r.logprobs],
+                        None if any(r.routes is None for r in parts) else [x for r in parts for x in r.routes])
 
 
 def rollout_sequences(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
@@ -88,7 +95,8 @@ def training_rows(rollouts: Rollouts, *, pad_id: int, eos_id: int, advantage_sca
                   filter_overlong: bool = False) -> tuple[Batch, torch.Tensor]:
     """(rows, truncated [N] bool): ``input_ids``, ``labels`` (the completions), ``attention_mask``,
     the group ``advantages`` and, where the sampler recorded them, ``rollout_logps`` (aligned with
-    ``labels``, 0 elsewhere). With ``filter_overlong`` (DAPO's overlong filtering) a truncated
+    ``labels``, 0 elsewhere) and ``routed_experts`` ([rows, seq, routers, k] aligned with
+    ``input_ids``, -1 at padding). With ``filter_overlong`` (DAPO's overlong filtering) a truncated
     completion has no labels, so it adds nothing to the loss nor to the token counts; its reward
     still counts in its group's mean and std."""
     sequences, valid, prompt_length = rollout_sequences(rollouts.prompts, rollouts.completions, pad_id)
@@ -98,6 +106,12 @@ def training_rows(rollouts: Rollouts, *, pad_id: int, eos_id: int, advantage_sca
         rows["rollout_logps"] = torch.zeros(rows["labels"].shape)
         for i, logprobs in enumerate(rollouts.logprobs):  # label j is token j + 1: completion token t at P - 1 + t
             rows["rollout_logps"][i, prompt_length - 1 : prompt_length - 1 + len(logprobs)] = torch.tensor(logprobs)
+    if rollouts.routes is not None:
+        first = rollouts.routes[0]
+        routed = torch.full((*rows["input_ids"].shape, *first.shape[1:]), UNRECORDED, dtype=first.dtype)
+        for i, (prompt, routes) in enumerate(zip(rollouts.prompts, rollouts.routes)):
+            routed[i, prompt_length - len(prompt) : prompt_length - len(prompt) + len(routes)] = routes
+        rows["routed_experts"] = routed
     truncated = rollouts.truncated(eos_id)
     if filter_overlong:
         rows["labels"][truncated] = -100
