@@ -2,9 +2,9 @@
 completion marker is there, so a rerun skips what is done and resumes what was interrupted (the
 recipes resume from their run directory's latest checkpoint).
 
-Each recipe runs as a child process (its own Hydra app, logging and memory), its output in
-``<stage>/stage.log``; SIGTERM to this process reaches the child, which saves a checkpoint and
-exits, and no marker is written.
+Each recipe runs as a child process (its own Hydra app, logging and memory; on CPU forked from
+this preloaded interpreter, :mod:`.stage_process`), its output in ``<stage>/stage.log``; SIGTERM
+to this process reaches the child, which saves a checkpoint and exits, and no marker is written.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import logging
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -25,7 +24,8 @@ from typing import Any
 
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.reproduce import STAGES, ReproduceConfig
-from dsl_lit.reproduce.run_dir_lock import die_with_parent, hold_run_dir
+from dsl_lit.reproduce.run_dir_lock import hold_run_dir
+from dsl_lit.reproduce.stage_process import StageProcess, preload, start_stage
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class StageContext:
         log_path = self.dir / "stage.log"
         env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1"}
         stop: list[int] = []
-        child: subprocess.Popen | None = None
+        child: StageProcess | None = None
 
         def forward(signum: int, _frame: Any) -> None:  # SIGTERM/SIGINT: the child saves and exits
             stop.append(signum)
@@ -121,13 +121,11 @@ class StageContext:
         try:
             with log_path.open("a") as out:
                 out.write(f"\n$ {' '.join(command)}\n")
-                out.flush()
-                child = subprocess.Popen(command, cwd=PROJECT_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                         pass_fds=(self.lock_fd,) if self.lock_fd is not None else (),
-                                         preexec_fn=die_with_parent)  # noqa: PLW1509 (no threads start stages)
-                if stop:  # signalled while it started
-                    child.send_signal(signal.SIGTERM)
-                code = child.wait()
+            child = start_stage(command[1:], cwd=PROJECT_ROOT, env=env, log_path=log_path, keep_fd=self.lock_fd,
+                                fork=self.cfg.device == "cpu")
+            if stop:  # signalled while it started
+                child.send_signal(signal.SIGTERM)
+            code = child.wait()
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
@@ -212,6 +210,8 @@ def run_stages(cfg: ReproduceConfig, stages: Sequence[Stage], run_dir: Path,
     chosen = selected(cfg, stages, run_dir)
     prints = fingerprints(cfg, stages)
     lock_fd = hold_run_dir(run_dir)
+    if cfg.device == "cpu":  # the stages fork from this interpreter: import what they import once
+        preload()
     try:
         return _run_chosen(cfg, chosen, prints, run_dir, progress, lock_fd)
     finally:

@@ -1,0 +1,154 @@
+"""A stage's recipe as a child process: forked from this (preloaded) interpreter where that is
+safe, else a fresh ``python``.
+
+Every stage of a CPU reproduction starts a recipe, and each fresh interpreter spent ~9 s importing
+Lightning and torch before doing anything (13 stages: about two minutes of a 15-minute chain). The
+runner imports them once (:func:`preload`) and forks each stage: the child takes on the stage's
+working directory, environment and log, then runs the recipe as ``python <script> <args>`` would
+(``runpy``, ``__main__``), and exits with its status. It is a child like any other: its own
+process, signals, memory and Hydra app; it dies with the runner (``PR_SET_PDEATHSIG``) and
+inherits the run directory's lock.
+
+Forking is only safe in a process with one thread that has not touched a GPU: the runner forks
+on CPU presets only (``reproduce.device=cpu``) and while it has one thread; otherwise
+:func:`start_stage` starts a fresh interpreter, as before.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import random
+import runpy
+import signal
+import subprocess
+import sys
+import threading
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+from dsl_lit.reproduce.run_dir_lock import die_with_parent
+
+PRELOADED = ("lightning",)
+"""What every stage's recipe imports first (Lightning brings torch): ~9 s of imports each."""
+
+
+class StageProcess(Protocol):
+    def send_signal(self, signum: int) -> None: ...
+
+    def wait(self) -> int:
+        """The exit status as ``subprocess.Popen.wait`` gives it (-N: killed by signal N)."""
+
+
+def preload() -> None:
+    """Import what the stages import, so that forked children start with it."""
+    import importlib
+
+    for name in PRELOADED:
+        importlib.import_module(name)
+
+
+def can_fork() -> bool:
+    return hasattr(os, "fork") and sys.platform == "linux" and threading.active_count() == 1
+
+
+def start_stage(argv: Sequence[str], *, cwd: Path, env: dict[str, str], log_path: Path, keep_fd: int | None,
+                fork: bool) -> StageProcess:
+    """Start ``python argv...`` with stdout and stderr appended to ``log_path``; with ``fork`` (and
+    one thread here) as a fork of this process."""
+    if not (fork and can_fork()):
+        with log_path.open("a") as out:
+            return subprocess.Popen([sys.executable, *argv], cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    pass_fds=(keep_fd,) if keep_fd is not None else (),
+                                    preexec_fn=die_with_parent)  # noqa: PLW1509 (no threads start stages)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        status = 1
+        try:
+            _become(cwd, env, log_path)
+            status = _run(list(argv))
+        finally:
+            _exit(status)
+    return ForkedStage(pid)
+
+
+class ForkedStage:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def send_signal(self, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signum)
+
+    def wait(self) -> int:
+        _, status = os.waitpid(self.pid, 0)  # retried across the signals the runner forwards (PEP 475)
+        return os.waitstatus_to_exitcode(status)
+
+
+def _become(cwd: Path, env: dict[str, str], log_path: Path) -> None:
+    """The stage's process: dies with the runner, default signal handlers, its directory,
+    environment and log, none of the runner's logging or Hydra state."""
+    die_with_parent()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    for source, target in ((null, 0), (log, 1), (log, 2)):
+        os.dup2(source, target)
+    os.close(log)
+    os.close(null)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    root = logging.getLogger()
+    for handler in list(root.handlers):  # the runner's console and reproduce.log handlers
+        root.removeHandler(handler)
+    with contextlib.suppress(ImportError):
+        from hydra.core.global_hydra import GlobalHydra
+
+        GlobalHydra.instance().clear()
+
+
+def _run(argv: list[str]) -> int:
+    """``python argv...`` in this process: its exit status."""
+    random.seed()  # a fresh interpreter's unseeded generators, not the runner's state
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    try:
+        if argv[0] == "-m":
+            sys.argv = argv[1:]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
+        return 0
+    except SystemExit as error:
+        if error.code is None or isinstance(error.code, int):
+            return error.code or 0
+        print(error.code, file=sys.stderr)
+        return 1
+    except BaseException:  # noqa: BLE001 (the recipe's traceback, as python prints it)
+        traceback.print_exc()
+        return 1
+
+
+def _exit(status: int) -> None:
+    try:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(status)
