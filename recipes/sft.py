@@ -23,7 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from dsl_lit.posttrain import SFTModule
-from dsl_lit.posttrain.chat.conversations import load_conversations
+from dsl_lit.posttrain.chat.conversations import encode_example, load_conversations
 from dsl_lit.posttrain.chat.datamodule import RowsDataModule
 from dsl_lit.posttrain.chat.rows import sft_rows
 from dsl_lit.posttrain.run import fit, held_out_evaluation, module_kwargs, setup_posttrain
@@ -39,7 +39,8 @@ def main(hydra_cfg: DictConfig) -> None:
     cfg, post, tokenizer = setup.cfg, setup.post, setup.tokenizer
     L.seed_everything(cfg.trainer.seed, workers=True)
 
-    conversations = [tokenizer.encode_conversation(c) for c in load_conversations(post.sft.dataset, post.task, post.sft.shortcut_share)]
+    examples = load_conversations(post.sft.dataset, post.task, post.sft.shortcut_share)
+    conversations = [encode_example(tokenizer, e) for e in examples]  # chat through the template, plain text as is
     rows = sft_rows(conversations, cfg.data.seq_len, tokenizer.pad_id, post.sft.packing)
     if post.sft.epochs:
         cfg.trainer.max_steps = max(1, math.ceil(post.sft.epochs * len(rows["input_ids"]) / cfg.data.global_batch_size))

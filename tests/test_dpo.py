@@ -85,7 +85,14 @@ def test_a_pairs_file_in_trls_format_gives_the_rows_of_the_same_pairs(tokenizer,
     (tmp_path / "plain.jsonl").write_text(json.dumps({"prompt": "2+2?", "chosen": "4", "rejected": "5"}) + "\n")
     assert read_pairs(tmp_path / "plain.jsonl")[0]["prompt"] == [{"role": "user", "content": "2+2?"}]
     (tmp_path / "none.jsonl").write_text("[1]\n")
-    with pytest.raises(ConfigError, match=r"^dpo\.dataset=.*none\.jsonl holds no preference pair .*; 1 line\(s\) set aside$"):
+    with pytest.raises(ConfigError, match=r"^dpo\.dataset=.*none\.jsonl holds no preference pair .*; 1 record\(s\) set aside$"):
         read_pairs(tmp_path / "none.jsonl")
+    # the same pairs as a datasets save_to_disk directory: the same rows
+    import datasets
+
+    datasets.Dataset.from_list([{k: p[k] for k in ("prompt", "chosen", "rejected")} for p in pairs[:2]]).save_to_disk(
+        str(tmp_path / "pairs"))
+    DPOConfig(dataset=str(tmp_path / "pairs")).validate()
+    assert read_pairs(tmp_path / "pairs") == read[:2]
     with pytest.raises(ConfigError, match=r"^dpo\.dataset=.*missing\.jsonl: no such file"):
         DPOConfig(dataset=str(tmp_path / "missing.jsonl")).validate()

@@ -103,6 +103,14 @@ def test_a_prompts_file_gives_problems_the_rewards_check(tmp_path, caplog):
     assert accuracy_reward("<think>6 x 7</think><answer>42</answer>", problems[0]) == 1.0
     assert accuracy_reward("<answer>paris</answer>", problems[1]) == 0.0  # the exact checker it asked for
     assert accuracy_reward("<answer>Paris</answer>", problems[1]) == 1.0
+    # the same rows as a datasets save_to_disk directory: the same problems (ints of a mixed column as strings)
+    import datasets
+
+    rows = [json.loads(line) for line in path.read_text().splitlines()[:1]]
+    datasets.Dataset.from_list([{"prompt": r["prompt"], "answer": str(r["answer"])} for r in rows]).save_to_disk(
+        str(tmp_path / "prompts"))
+    GRPOConfig(dataset=str(tmp_path / "prompts"), cold_start_steps=0).validate()
+    assert read_problems(tmp_path / "prompts") == problems[:1]
     with pytest.raises(ConfigError, match=r"^grpo\.dataset=.*missing\.jsonl: no such file"):
         GRPOConfig(dataset=str(tmp_path / "missing.jsonl"), cold_start_steps=0).validate()
     with pytest.raises(ConfigError, match=r"^grpo\.dataset=.* with grpo\.cold_start_steps=60: the cold start trains"):

@@ -435,7 +435,7 @@ def test_a_malformed_sft_dataset_is_counted_and_set_aside(tmp_path, caplog):
                                _json.dumps({"messages": [{"role": "user", "content": 3}]}), _json.dumps(good)]) + "\n")
     with caplog.at_level(logging.WARNING):
         assert read_conversations(path) == [good["messages"], good["messages"]]
-    assert "3 line(s) set aside: 2 (not JSON); 3 (neither a non-empty 'messages' list nor 'prompt' and 'completion'" \
+    assert "3 line(s) set aside: 2 (not JSON); 3 (neither a non-empty 'messages' list, 'prompt' and 'completion'" \
         in caplog.text
     # TRL's prompt-completion rows, plain and conversational, are a user turn and the assistant's reply
     trl = tmp_path / "trl.jsonl"
@@ -446,7 +446,44 @@ def test_a_malformed_sft_dataset_is_counted_and_set_aside(tmp_path, caplog):
         assert read_conversations(trl) == [good["messages"], good["messages"]]
     assert "trl.jsonl: 1 line(s) set aside: 3 (neither" in caplog.text
     (tmp_path / "bad.jsonl").write_text("[1]\n")
-    with pytest.raises(ConfigError, match=r"bad\.jsonl holds no conversation .*; 1 line\(s\) set aside$"):
+    with pytest.raises(ConfigError, match=r"bad\.jsonl holds no conversation .*; 1 record\(s\) set aside$"):
         read_conversations(tmp_path / "bad.jsonl")
     with pytest.raises(ConfigError, match=r"^sft\.dataset=.*missing\.jsonl: no such file"):
         read_conversations(tmp_path / "missing.jsonl")
+
+
+def test_sft_reads_trl_text_rows_and_datasets_directories(tokenizer, tmp_path, caplog):
+    """TRL's language-modelling rows (``{"text"}``) are plain documents: ``<bos> text <eos>``, every
+    token after the first a target, no chat template; a ``datasets`` save_to_disk directory (a
+    Dataset, or a DatasetDict's train split) is read like a JSONL file, bad rows set aside by number."""
+    import logging
+
+    import datasets
+
+    from dsl_lit.config.errors import ConfigError
+    from dsl_lit.posttrain.chat.conversations import Document, encode_example, read_conversations
+    from dsl_lit.posttrain.chat.rows import sft_rows
+
+    chat = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
+    records = [chat, {"text": "The sum of two and two is four."}, {"text": ""}, {"prompt": "2+2?", "completion": "4"}]
+    datasets.Dataset.from_list([{"messages": None, "text": None, "prompt": None, "completion": None} | r
+                                for r in records]).save_to_disk(str(tmp_path / "rows"))
+    with caplog.at_level(logging.WARNING):
+        examples = read_conversations(tmp_path / "rows")
+    assert "rows: 1 row(s) set aside: 3 (a 'text' that is not a non-empty string)" in caplog.text
+    assert examples[1] == Document("The sum of two and two is four.") and examples[0] == examples[2] == chat["messages"]
+    document = encode_example(tokenizer, examples[1])
+    text_ids = tokenizer.encode_text("The sum of two and two is four.")
+    assert document.ids == [tokenizer.bos_id, *text_ids, tokenizer.eos_id]
+    assert document.trained == [False] + [True] * (len(text_ids) + 1)
+    rows = sft_rows([document], 64, tokenizer.pad_id, packing=False)
+    assert (rows["labels"] != -100).sum() == len(text_ids) + 1  # every token but <bos>, the eos included
+    # a DatasetDict: its train split; without one, or a directory datasets did not write: one line
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([chat])}).save_to_disk(str(tmp_path / "splits"))
+    assert read_conversations(tmp_path / "splits") == [chat["messages"]]
+    datasets.DatasetDict({"test": datasets.Dataset.from_list([chat])}).save_to_disk(str(tmp_path / "test_only"))
+    with pytest.raises(ConfigError, match=r"test_only holds the splits \['test'\] and no 'train' split"):
+        read_conversations(tmp_path / "test_only")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(ConfigError, match=r"plain is a directory that datasets' save_to_disk did not write"):
+        read_conversations(tmp_path / "plain")

@@ -68,7 +68,8 @@ class TaskConfig:
 @dataclass
 class SFTConfig:
     dataset: str = "task"
-    """``task``: the generated task's reference replies; else a .jsonl of ``{"messages": [...]}``."""
+    """``task``: the generated task's reference replies; else a .jsonl (or a ``datasets`` save_to_disk
+    directory) of TRL's rows: ``{"messages": [...]}``, ``{"prompt", "completion"}`` or ``{"text"}``."""
     packing: bool = True
     """Pack conversations into rows with per-document positions and attention."""
     epochs: float | None = None
@@ -115,9 +116,9 @@ class DPOConfig:
             raise ConfigError(f"dpo.reference={self.reference!r} must be 'precompute' or 'model'")
         if self.num_pairs < 1:
             raise ConfigError(f"dpo.num_pairs={self.num_pairs} must be >= 1")
-        if self.dataset != "task" and not Path(self.dataset).is_file():
-            raise ConfigError(f"dpo.dataset={self.dataset}: no such file (use 'task' or a .jsonl of "
-                              "{\"prompt\", \"chosen\", \"rejected\"} rows)")
+        if self.dataset != "task" and not Path(self.dataset).exists():
+            raise ConfigError(f"dpo.dataset={self.dataset}: no such file or directory (use 'task', a .jsonl of "
+                              "{\"prompt\", \"chosen\", \"rejected\"} rows or a datasets save_to_disk directory)")
         return self
 
 
@@ -286,9 +287,9 @@ class GRPOConfig:
         self.overlong.validate()
         self.rollout_correction.validate()
         if self.dataset != "task":
-            if not Path(self.dataset).is_file():
-                raise ConfigError(f"grpo.dataset={self.dataset}: no such file (use 'task' or a .jsonl of "
-                                  "{\"prompt\", \"answer\"} rows)")
+            if not Path(self.dataset).exists():
+                raise ConfigError(f"grpo.dataset={self.dataset}: no such file or directory (use 'task', a .jsonl of "
+                                  "{\"prompt\", \"answer\"} rows or a datasets save_to_disk directory)")
             if self.cold_start_steps:
                 raise ConfigError(f"grpo.dataset={self.dataset} with grpo.cold_start_steps={self.cold_start_steps}: the "
                                   "cold start trains on the generated task's replies; set grpo.cold_start_steps=0 and "

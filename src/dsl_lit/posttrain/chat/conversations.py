@@ -1,28 +1,40 @@
-"""Where SFT conversations come from: the generated task's reference replies, or a JSONL file whose
-lines are in one of TRL's dataset formats:
+"""Where SFT examples come from: the generated task's reference replies, or a JSONL file (or a
+``datasets`` save_to_disk directory, :mod:`.records`) whose rows are in one of TRL's dataset formats:
 
 - conversational, ``{"messages": [{"role": ..., "content": ...}, ...]}`` (what rejection sampling
   and distillation write, and the usual format of chat datasets);
 - prompt-completion, ``{"prompt": "...", "completion": "..."}`` (a user turn and the assistant's
   reply) or its conversational form, ``{"prompt": [messages], "completion": [messages]}``.
 
-TRL's plain ``{"text": ...}`` language-modelling rows are not chat: they are pretraining data
-(``recipes/pretrain.py data.corpus_dir=...``)."""
+- language modelling, ``{"text": "..."}``: a plain document, no chat template, every token trained
+  on (TRL's SFTTrainer on such rows); a :class:`Document`."""
 
 from __future__ import annotations
 
 import json
 import random
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.posttrain import TaskConfig
-from dsl_lit.posttrain.chat.jsonl import as_messages, read_jsonl
+from dsl_lit.posttrain.chat.records import as_messages, read_records
+from dsl_lit.posttrain.chat.tokenizer import ChatTokenizer, EncodedConversation
 from dsl_lit.tasks import arithmetic
 
 Conversation = list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class Document:
+    """A plain-text SFT example (``{"text": ...}``): trained on as written, every token a target."""
+
+    text: str
+
+
+Example = Conversation | Document
 
 
 def task_conversations(task: TaskConfig, shortcut_share: float = 0.0) -> list[Conversation]:
@@ -36,9 +48,13 @@ def task_conversations(task: TaskConfig, shortcut_share: float = 0.0) -> list[Co
     return [[*arithmetic.prompt(p), {"role": "assistant", "content": r}] for p, r in zip(train, replies)]
 
 
-def _conversation(record: Any) -> Conversation | str:
-    """A record's conversation in one of the formats above, or why it is none."""
-    neither = "neither a non-empty 'messages' list nor 'prompt' and 'completion' (both strings or both message lists)"
+def _conversation(record: Any) -> Example | str:
+    """A record's example in one of the formats above, or why it is none."""
+    neither = ("neither a non-empty 'messages' list, 'prompt' and 'completion' (both strings or both message lists) "
+               "nor a 'text' string")
+    if isinstance(record, dict) and "text" in record and not {"messages", "prompt"} & set(record):
+        text = record["text"]
+        return Document(text) if isinstance(text, str) and text.strip() else "a 'text' that is not a non-empty string"
     if isinstance(record, dict) and "messages" in record:
         messages = record["messages"]
         if not isinstance(messages, list) or not messages:
@@ -51,18 +67,20 @@ def _conversation(record: Any) -> Conversation | str:
     return neither
 
 
-def read_conversations(path: str | Path) -> list[Conversation]:
-    """The conversations of a JSONL file. A line that is not JSON or not a conversation is counted
-    and set aside (one warning naming the first few lines and why); a file that is missing or holds
-    no conversation is a one-line ConfigError (before: a JSON error's traceback)."""
+def read_conversations(path: str | Path) -> list[Example]:
+    """The examples of a JSONL file or a datasets directory. A record that is not JSON or not an
+    example is counted and set aside (one warning naming the first few and why); a path that is
+    missing or holds no example is a one-line ConfigError (before: a JSON error's traceback)."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"sft.dataset={path}: no such file (use 'task' or a .jsonl of conversations)")
-    conversations, set_aside = read_jsonl(path, _conversation)
-    if not conversations:
-        raise ConfigError(f"{path} holds no conversation (each line: {{\"messages\": [{{\"role\": ..., \"content\": ...}}]}} "
-                          "or {\"prompt\": ..., \"completion\": ...})" + (f"; {set_aside} line(s) set aside" if set_aside else ""))
-    return conversations
+    if not path.exists():
+        raise ConfigError(f"sft.dataset={path}: no such file or directory (use 'task', a .jsonl of conversations "
+                          "or a datasets save_to_disk directory)")
+    examples, set_aside = read_records(path, _conversation)
+    if not examples:
+        raise ConfigError(f"{path} holds no conversation (each record: {{\"messages\": [{{\"role\": ..., \"content\": ...}}]}}, "
+                          "{\"prompt\": ..., \"completion\": ...} or {\"text\": ...})"
+                          + (f"; {set_aside} record(s) set aside" if set_aside else ""))
+    return examples
 
 
 def write_conversations(path: str | Path, records: Iterable[Mapping[str, Any]]) -> int:
@@ -77,7 +95,17 @@ def write_conversations(path: str | Path, records: Iterable[Mapping[str, Any]]) 
     return count
 
 
-def load_conversations(dataset: str, task: TaskConfig, shortcut_share: float = 0.0) -> list[Conversation]:
+def load_conversations(dataset: str, task: TaskConfig, shortcut_share: float = 0.0) -> list[Example]:
     """``dataset`` is ``task`` (generated, ``shortcut_share`` of its replies by the shortcut rule)
-    or a JSONL path."""
+    or a JSONL path or datasets directory."""
     return task_conversations(task, shortcut_share) if dataset == "task" else read_conversations(dataset)
+
+
+def encode_example(tokenizer: ChatTokenizer, example: Example) -> EncodedConversation:
+    """A conversation through the chat template (assistant tokens trained on); a document as
+    ``<bos> text <eos>``, every token after the first trained on."""
+    if not isinstance(example, Document):
+        return tokenizer.encode_conversation(example)
+    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+    ids = [*bos, *tokenizer.encode_text(example.text), tokenizer.eos_id]
+    return EncodedConversation(ids, [False] * len(bos) + [True] * (len(ids) - len(bos)))

@@ -16,7 +16,7 @@ import torch
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.posttrain import TaskConfig
 from dsl_lit.posttrain.chat.datamodule import Rows
-from dsl_lit.posttrain.chat.jsonl import as_messages, read_jsonl
+from dsl_lit.posttrain.chat.records import as_messages, read_records
 from dsl_lit.posttrain.chat.rows import check_targets, document, padded_rows
 from dsl_lit.posttrain.chat.tokenizer import ChatTokenizer, prompt_and_reply
 from dsl_lit.tasks import arithmetic
@@ -43,18 +43,19 @@ def _pair(record: Any) -> dict | str:
 
 
 def read_pairs(path: str | Path) -> list[dict]:
-    """TRL's preference rows of a JSONL file (``prompt``, ``chosen``, ``rejected``; strings or
-    message lists, a reply ending with the assistant's turn). A line that is not JSON or not such a
-    row is counted and set aside (one warning naming the first lines and why); none left: one line."""
-    pairs, set_aside = read_jsonl(path, _pair)
+    """TRL's preference rows of a JSONL file or datasets directory (``prompt``, ``chosen``,
+    ``rejected``; strings or message lists, a reply ending with the assistant's turn). A record that
+    is not JSON or not such a row is counted and set aside (one warning naming the first ones and
+    why); none left: one line."""
+    pairs, set_aside = read_records(path, _pair)
     if not pairs:
         raise ConfigError(f"dpo.dataset={path} holds no preference pair (each line: {{\"prompt\": ..., \"chosen\": ..., "
-                          f"\"rejected\": ...}}); {set_aside} line(s) set aside")
+                          f"\"rejected\": ...}}); {set_aside} record(s) set aside")
     return pairs
 
 
 def load_pairs(dataset: str, task: TaskConfig, num_pairs: int) -> list[dict]:
-    """``dataset`` is ``task`` (``num_pairs`` generated pairs) or a JSONL path."""
+    """``dataset`` is ``task`` (``num_pairs`` generated pairs) or a JSONL path or datasets directory."""
     return task_pairs(task, num_pairs) if dataset == "task" else read_pairs(dataset)
 
 

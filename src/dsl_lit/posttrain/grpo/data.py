@@ -12,7 +12,7 @@ import torch
 
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.posttrain.chat.datamodule import Rows
-from dsl_lit.posttrain.chat.jsonl import as_messages, read_jsonl
+from dsl_lit.posttrain.chat.records import as_messages, read_records
 from dsl_lit.posttrain.chat.tokenizer import ChatTokenizer
 from dsl_lit.posttrain.rewards.accuracy import CHECKERS
 from dsl_lit.tasks import arithmetic
@@ -38,13 +38,13 @@ def _problem(record: Any) -> dict[str, Any] | str:
 
 
 def read_problems(path: str | Path) -> list[dict[str, Any]]:
-    """Prompts with reference answers from a JSONL file (``grpo.dataset``): ``prompt`` (a string,
-    the user's turn, or messages), ``answer`` (what the accuracy reward checks) and an optional
-    ``checker``. A line that is not JSON or lacks them is counted and set aside (one warning naming
-    the first lines); none left is one line."""
-    problems, set_aside = read_jsonl(path, _problem)
+    """Prompts with reference answers from a JSONL file or datasets directory (``grpo.dataset``):
+    ``prompt`` (a string, the user's turn, or messages), ``answer`` (what the accuracy reward
+    checks) and an optional ``checker``. A record that is not JSON or lacks them is counted and set
+    aside (one warning naming the first ones); none left is one line."""
+    problems, set_aside = read_records(path, _problem)
     if not problems:
-        raise ConfigError(f"grpo.dataset={path} holds no prompt with an answer; {set_aside} line(s) set aside")
+        raise ConfigError(f"grpo.dataset={path} holds no prompt with an answer; {set_aside} record(s) set aside")
     return problems
 
 
