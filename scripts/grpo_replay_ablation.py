@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -68,10 +69,11 @@ def main() -> None:
     for seed in args.seeds:
         for arm, replay in (("off", "false"), ("on", "true")):
             run_dir = args.out / f"replay_{arm}_seed{seed}"
-            if not (run_dir / "metrics.csv").is_file():
+            log = run_dir.with_suffix(".log")
+            if not (log.is_file() and "final loss" in log.read_text()):  # not finished: run (again)
+                shutil.rmtree(run_dir, ignore_errors=True)
                 recipe(run_dir, f"init_from={cold / 'cold_start'}", f"grpo.routing_replay={replay}", f"trainer.seed={seed}",
-                       "grpo.iterations=2", f"trainer.max_steps={2 * args.steps}", "grpo.eval_every_n_steps=0",
-                       "optim.lr=1e-3")
+                       "grpo.iterations=2", f"trainer.max_steps={2 * args.steps}", "grpo.eval_every_n_steps=0")
             results[arm].append(summary(run_dir))
             print(f"replay {arm}, seed {seed}: " + ", ".join(f"{k} {v:.4g}" for k, v in results[arm][-1].items()), flush=True)
     keys = list(results["off"][0])
