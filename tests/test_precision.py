@@ -213,15 +213,60 @@ def test_a_run_that_skipped_every_step_does_not_end_complete():
     assert module.steps_applied == 0
 
 
-def test_the_fp8_recipe_names_validation_accepts_are_the_ones_the_transform_knows():
-    """Two lists (``config/precision.py`` for validation, ``precision/fp8_recipes.py`` for the
-    transform): a name in one only would pass validation and fail inside the transform, or the
-    reverse (issue 42)."""
-    from dsl_lit.config import precision as config_precision
-    from dsl_lit.precision.fp8_recipes import FP8_RECIPES, RECIPES
-
-    assert config_precision.FP8_RECIPES == FP8_RECIPES == tuple(RECIPES)
+def test_every_fp8_recipe_is_a_row_of_the_table_and_a_yaml():
+    """One table (``config/fp8_recipes.py``) for validation and the transform, and a
+    ``conf/precision/<name>.yaml`` per row (issue 42: before, two lists that nothing tied)."""
+    from dsl_lit.config.fp8_recipes import FP8_RECIPES
+    from dsl_lit.precision.fp8_recipes import RECIPES
     from tests.conftest import ROOT
 
+    assert tuple(RECIPES) == tuple(FP8_RECIPES)
     conf_names = {p.stem for p in (ROOT / "conf" / "precision").glob("fp8_*.yaml")}
     assert conf_names == set(FP8_RECIPES), conf_names ^ set(FP8_RECIPES)
+
+
+def test_a_new_fp8_recipe_is_one_row_and_one_yaml(tmp_path, monkeypatch):
+    """Adding a recipe: a row (rowwise, but gradients in E5M2) and a YAML; validation accepts it and
+    the transform runs it from its fields (no name is compared anywhere): its fprop is rowwise's,
+    its gradients differ by E5M2's coarser mantissa."""
+    import copy
+    import dataclasses
+    import shutil
+
+    from hydra import compose, initialize_config_dir
+
+    from dsl_lit.config.train import TrainConfig
+
+    from dsl_lit.config import fp8_recipes as table
+    from dsl_lit.precision.fp8 import apply_fp8
+    from dsl_lit.precision.fp8_quantize import E5M2
+    from tests.conftest import ROOT
+
+    row = dataclasses.replace(table.FP8_RECIPES["fp8_rowwise"], name="fp8_rowwise_e5m2_grads",
+                              dy=table.Operand((1, 0), e5m2=True, pow2_scales=True),
+                              dy_t=table.Operand((1, 0), e5m2=True, pow2_scales=True), experts_rowwise=False)
+    monkeypatch.setitem(table.FP8_RECIPES, row.name, row)
+    conf = tmp_path / "conf"
+    shutil.copytree(ROOT / "conf", conf)
+    (conf / "precision" / f"{row.name}.yaml").write_text(f"defaults:\n  - bf16\n  - _self_\nfp8: {row.name}\n")
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        composed = compose(config_name="pretrain", overrides=[f"precision={row.name}", "model=deepseek_llm_tiny"])
+    assert TrainConfig.from_hydra(composed).precision.fp8 == row.name
+
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False))
+    x = torch.randn(48, 64)
+
+    def run(recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
+        model = copy.deepcopy(layer)
+        assert apply_fp8(model, recipe, backend="reference") == 1
+        assert model[0].fp8_recipe.dy.dtype == (E5M2 if recipe == row.name else model[0].fp8_recipe.x.dtype)
+        y = model(x)
+        y.pow(2).sum().backward()
+        return y.detach(), model[0].weight.grad
+
+    y_new, grad_new = run(row.name)
+    y_rowwise, grad_rowwise = run("fp8_rowwise")
+    assert torch.equal(y_new, y_rowwise)  # fprop quantises X and W alike
+    assert not torch.equal(grad_new, grad_rowwise)  # wgrad's dY^T in E5M2
+    torch.testing.assert_close(grad_new, grad_rowwise, rtol=0.1, atol=0.1 * grad_rowwise.abs().max().item())

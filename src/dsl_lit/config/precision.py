@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsl_lit.config.errors import ConfigError
+from dsl_lit.config.fp8_recipes import FP8_RECIPES
 
 NAMES = ("fp32", "bf16", "fp16", "auto")
-FP8_RECIPES = ("fp8_tensorwise", "fp8_rowwise", "fp8_blockwise")
 
 
 @dataclass
@@ -38,7 +38,7 @@ class PrecisionConfig:
             raise ConfigError(f"precision.loss_scale_init={self.loss_scale_init} must be > 0")
         if self.loss_scale_growth_interval < 1:
             raise ConfigError(f"precision.loss_scale_growth_interval={self.loss_scale_growth_interval} must be >= 1")
-        if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
+        if self.fp8 is not None and self.fp8 not in FP8_RECIPES:  # the table's rows (config/fp8_recipes.py)
             raise ConfigError(f"precision.fp8={self.fp8!r} is unknown; choose one of {list(FP8_RECIPES)} or null")
         if self.fp8 is not None and self.name == "auto":
             raise ConfigError(f"precision.fp8={self.fp8} needs bf16 on every machine; set precision.name=bf16, not auto")

@@ -121,7 +121,8 @@ from dsl_lit.precision.fp8_quantize import (  # noqa: F401 (the public names, im
     fake_quantize_fp8,
     quantize_fp8,
 )
-from dsl_lit.precision.fp8_recipes import BLOCKWISE_TORCHAO_LIKE, FP8_RECIPES, RECIPES, Fp8Recipe  # noqa: F401
+from dsl_lit.config.fp8_recipes import FP8_RECIPES as FP8_TABLE
+from dsl_lit.precision.fp8_recipes import BLOCKWISE_TORCHAO_LIKE, FP8_RECIPES, RECIPES, Fp8Recipe, recipe_named  # noqa: F401
 from dsl_lit.precision.fp8_reference import (  # noqa: F401
     BlockwiseFp8Linear,
     Fp8GroupedExperts,
@@ -186,9 +187,7 @@ def fp8_targets(
 
 
 def _recipe(recipe: str) -> Fp8Recipe:
-    if recipe not in RECIPES:
-        raise ValueError(f"unknown FP8 recipe {recipe!r}; choose one of {FP8_RECIPES}")
-    return RECIPES[recipe]
+    return recipe_named(recipe)
 
 
 def _choose(recipe: str, part: str, backend: Backend, experts: bool, expert_backend: str = "grouped_mm") -> bool:
@@ -251,13 +250,13 @@ def apply_fp8(
         _torchao_linears(model, recipe, linears, pad_tokens)
     else:
         for _, module in linears:
-            (BlockwiseFp8Linear if r.name == "fp8_blockwise" else Fp8Linear).convert(module, r, pad_tokens)
+            (BlockwiseFp8Linear if r.kernel == "blockwise" else Fp8Linear).convert(module, r, pad_tokens)
     for name, group in groups.items():
         if not torchao_experts[name]:
             for _, module in group:
                 Fp8GroupedExperts.convert(module, r, pad_tokens)
             continue
-        if recipe != "fp8_rowwise":
+        if not FP8_TABLE[recipe].experts_rowwise:
             log.warning(
                 "apply_fp8(%s): torchao's MoE training offers rowwise FP8 only; the routed experts use "
                 "rowwise scaling", recipe,

@@ -26,10 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-SCALED_MM_MULTIPLE = 16
-"""``_scaled_mm``: every dim but mat1's rows, tokens included where they are contracted (wgrad)."""
-BLOCK = 128
-"""torchao's blockwise kernels: tiles of 1x128 / 128x1 / 128x128."""
+from dsl_lit.config.fp8_recipes import BLOCK, FP8_RECIPES, SCALED_MM_MULTIPLE  # noqa: F401 (re-exported)
 GROUPED_MM_GROUP_MULTIPLE = 16
 """torchao's FP8 grouped GEMM: each expert's token group size."""
 
@@ -37,7 +34,7 @@ GROUPED_MM_GROUP_MULTIPLE = 16
 def token_multiple(recipe_name: str) -> int:
     """What the token count of an FP8 Linear must be a multiple of under ``recipe_name``:
     wgrad contracts over tokens (16 for ``_scaled_mm``; 128 for the 128x1 blockwise tiles)."""
-    return BLOCK if recipe_name == "fp8_blockwise" else SCALED_MM_MULTIPLE
+    return FP8_RECIPES[recipe_name].token_multiple
 
 
 def _shape(t: Sequence[int]) -> str:
@@ -49,7 +46,7 @@ def check_gemm(recipe_name: str, gemm: str, a: Sequence[int], b: Sequence[int]) 
     the operands as the reference lays them out: fprop ``X``, ``W``; dgrad ``dY``, ``W^T``; wgrad
     ``dY^T``, ``X^T``)."""
     (m, k), (n, _) = a, b
-    if recipe_name != "fp8_blockwise":  # _scaled_mm(mat1=a, mat2=b^T)
+    if FP8_RECIPES[recipe_name].kernel == "scaled_mm":  # _scaled_mm(mat1=a, mat2=b^T)
         if k % SCALED_MM_MULTIPLE:
             raise RuntimeError(
                 f"Expected trailing dimension of mat1 to be divisible by 16 but got mat1 shape: ({m}x{k})."

@@ -20,7 +20,7 @@ from dsl_lit.precision.fp8_kernel_rules import (
     token_multiple,
 )
 from dsl_lit.precision.fp8_quantize import QuantSpec, dequantize_fp8, fake_quantize_fp8, quantize_fp8
-from dsl_lit.precision.fp8_recipes import RECIPES, Fp8Recipe
+from dsl_lit.precision.fp8_recipes import Fp8Recipe, recipe_named
 
 log = logging.getLogger("dsl_lit.precision.fp8")
 
@@ -99,7 +99,7 @@ def fp8_linear(
     ``checks``: refuse the shapes the GPU kernels refuse, with their messages
     (:func:`~dsl_lit.precision.fp8_kernel_rules.check_gemm`); ``token_multiple``: first zero-pad
     the tokens to a multiple of it (exact), which is how :class:`Fp8Linear` meets those rules."""
-    recipe = RECIPES[recipe] if isinstance(recipe, str) else recipe
+    recipe = recipe_named(recipe) if isinstance(recipe, str) else recipe
     out_dtype = _out_dtype(x)
 
     def run(rows: torch.Tensor) -> torch.Tensor:
@@ -125,7 +125,7 @@ class Fp8Linear(nn.Linear):
         self._set_recipe(recipe, pad_tokens)
 
     def _set_recipe(self, recipe: Fp8Recipe | str, pad_tokens: bool) -> None:
-        self.fp8_recipe = RECIPES[recipe] if isinstance(recipe, str) else recipe
+        self.fp8_recipe = recipe_named(recipe) if isinstance(recipe, str) else recipe
         self.token_multiple = token_multiple(self.fp8_recipe.name) if pad_tokens else 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,7 +167,7 @@ class Fp8GroupedExperts(GroupedExperts):
         self._set_recipe(recipe, pad_tokens)
 
     def _set_recipe(self, recipe: Fp8Recipe | str, pad_tokens: bool) -> None:
-        self.fp8_recipe = RECIPES[recipe] if isinstance(recipe, str) else recipe
+        self.fp8_recipe = recipe_named(recipe) if isinstance(recipe, str) else recipe
         self.token_group_multiple = GROUPED_MM_GROUP_MULTIPLE if pad_tokens else 1
 
     @torch.compiler.disable  # per-expert shapes are data: eager, as the split backend

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsl_lit.config.fp8_recipes import EXPERTS_MIN_CAPABILITY, FP8_RECIPES
 from dsl_lit.models.common.moe import GroupedExperts
 from dsl_lit.models.common.token_padding import call_with_padded_tokens
 from dsl_lit.precision.fp8_kernel_rules import GROUPED_MM_GROUP_MULTIPLE, token_multiple
@@ -39,20 +40,21 @@ def torchao_unavailable_reason(recipe: str, experts: bool = False, expert_backen
     by ``expert_backend``); ``None`` when it can. Without CUDA, torchao's tensorwise / rowwise
     Linears still run (torch's CPU ``_scaled_mm``), and so do its experts under ``split`` / ``loop``
     (one ``F.linear`` per expert); its blockwise and grouped FP8 kernels are Triton (CUDA only)."""
+    row = FP8_RECIPES[recipe]
     if torch.cuda.is_available():
-        need = (8, 9) if recipe == "fp8_tensorwise" and not experts else (9, 0)
+        need = EXPERTS_MIN_CAPABILITY if experts else row.min_capability
         capability = torch.cuda.get_device_capability()
         if capability < need:
             return f"needs a GPU of compute capability {need[0]}.{need[1]}+, found {capability[0]}.{capability[1]}"
     elif experts and expert_backend == "grouped_mm":
         return "its FP8 grouped GEMM is a Triton kernel and CUDA is not available (expert_backend=split or loop runs on CPU)"
-    elif recipe == "fp8_blockwise" and not experts:
+    elif row.torchao_linear == "blockwise" and not experts:
         return "its blockwise FP8 kernels are Triton kernels and CUDA is not available"
     try:
         if experts:  # the names used below; older torchao releases lack some of them
             from torchao.prototype.moe_training.config import Float8TrainingOpConfig  # noqa: F401
             from torchao.quantization import quantize_  # noqa: F401
-        elif recipe == "fp8_blockwise":
+        elif row.torchao_linear == "blockwise":
             from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear  # noqa: F401
         else:
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: F401
@@ -71,7 +73,8 @@ def _set_submodule(model: nn.Module, fqn: str, module: nn.Module) -> None:
 
 def _torchao_linears(model: nn.Module, recipe: str, linears: list[tuple[str, nn.Linear]], pad_tokens: bool) -> None:
     names = [fqn for fqn, _ in linears]
-    if recipe == "fp8_blockwise":
+    row = FP8_RECIPES[recipe]
+    if row.torchao_linear == "blockwise":
         from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
 
         for fqn, module in linears:
@@ -79,7 +82,7 @@ def _torchao_linears(model: nn.Module, recipe: str, linears: list[tuple[str, nn.
     else:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        config = Float8LinearConfig.from_recipe_name(recipe.removeprefix("fp8_"))
+        config = Float8LinearConfig.from_recipe_name(row.torchao_linear.removeprefix("float8:"))
         convert_to_float8_training(model, config=config, module_filter_fn=lambda _module, fqn: fqn in set(names))
     if pad_tokens:
         for fqn in names:
