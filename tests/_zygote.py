@@ -1,42 +1,46 @@
 """The fork server of tests/forked_python.py: imports the heavy third-party libraries once, then
 forks one child per request line on stdin and answers its pid and exit status on stdout.
 
-Only third-party libraries are imported here, and no torch operation runs, so no thread pool
-exists when we fork (checked: a second thread makes this refuse to serve)."""
+Only third-party libraries are imported here (each child runs as ``python`` would through
+``src/dsl_lit/utils/python_main.py``, loaded by path: the package itself is not imported), and no
+torch operation runs, so no thread pool exists when we fork (checked: a second thread makes this
+refuse to serve)."""
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import ctypes
 import importlib
 import importlib.util
 import json
 import os
-import random
-import runpy
 import signal
 import socket
 import sys
 import threading
 import time
-import traceback
+
+
+def _python_main():  # noqa: ANN202
+    """``src/dsl_lit/utils/python_main.py`` (standard library only) loaded by path, under a private
+    name: nothing of the package is imported before the recipe a child runs (it may be another tree's)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "src", "dsl_lit", "utils", "python_main.py")
+    spec = importlib.util.spec_from_file_location("_zygote_python_main", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_main = _python_main()
+exit_process, run_as_main = _main.exit_process, _main.run_as_main
 
 PRELOAD = ("numpy", "torch", "lightning", "hydra", "omegaconf", "transformers", "datasets", "tokenizers",
            "safetensors", "matplotlib.pyplot")
 # Not preloaded: libraries whose import creates state on disk that the first child's exit would
 # remove under the others (wandb makes its media directory at import and deletes it at exit).
 NOT_PRELOADED = ("wandb",)
+
 GANG_GRACE_S = 10  # after one rank failed, before the others are killed
-
-
-def _exit_status(error: SystemExit) -> int:
-    if error.code is None:
-        return 0
-    if isinstance(error.code, int):
-        return error.code
-    print(error.code, file=sys.stderr)
-    return 1
 
 
 def _become(request: dict) -> None:
@@ -61,43 +65,12 @@ def _become(request: dict) -> None:
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
 
 
-def _fresh_random_state() -> None:
-    """Seed Python's and NumPy's global generators from the OS, as a new interpreter does: a fork
-    inherits the zygote's, which made unseeded runs identical in the tests and not outside them."""
-    random.seed()
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed()
-
-
 def _run(argv: list[str]) -> int:
     """``python argv...`` in this process (whose environment is the run's): its exit status."""
-    _fresh_random_state()
-    extra_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    try:
-        if argv[0] == "-m":
-            sys.argv = argv[1:]
-            sys.path[:1] = [os.getcwd(), *extra_path]
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = list(argv)
-            sys.path[:1] = [os.path.dirname(os.path.abspath(argv[0])), *extra_path]
-            runpy.run_path(argv[0], run_name="__main__")
-        return 0
-    except SystemExit as error:
-        return _exit_status(error)
-    except BaseException:  # noqa: BLE001 (the recipe's own traceback, as python would print it)
-        traceback.print_exc()
-        return 1
+    return run_as_main(argv, [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 
-def _exit(status: int) -> None:
-    try:
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(status)
+_exit = exit_process
 
 
 def _child(request: dict) -> None:

@@ -16,22 +16,19 @@ on CPU presets only (``reproduce.device=cpu``) and while it has one thread; othe
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import os
-import random
-import runpy
 import signal
 import subprocess
 import sys
 import threading
-import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
 from dsl_lit.reproduce.run_dir_lock import die_with_parent
+from dsl_lit.utils.python_main import exit_process, run_as_main
 
 PRELOADED = ("lightning",)
 """What every stage's recipe imports first (Lightning brings torch): ~9 s of imports each."""
@@ -74,9 +71,9 @@ def start_stage(argv: Sequence[str], *, cwd: Path, env: dict[str, str], log_path
         status = 1
         try:
             _become(cwd, env, log_path)
-            status = _run(list(argv))
+            status = run_as_main(argv)
         finally:
-            _exit(status)
+            exit_process(status)
     return ForkedStage(pid)
 
 
@@ -118,37 +115,3 @@ def _become(cwd: Path, env: dict[str, str], log_path: Path) -> None:
         from hydra.core.global_hydra import GlobalHydra
 
         GlobalHydra.instance().clear()
-
-
-def _run(argv: list[str]) -> int:
-    """``python argv...`` in this process: its exit status."""
-    random.seed()  # a fresh interpreter's unseeded generators, not the runner's state
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed()
-    try:
-        if argv[0] == "-m":
-            sys.argv = argv[1:]
-            sys.path[0] = os.getcwd()
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = list(argv)
-            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
-            runpy.run_path(argv[0], run_name="__main__")
-        return 0
-    except SystemExit as error:
-        if error.code is None or isinstance(error.code, int):
-            return error.code or 0
-        print(error.code, file=sys.stderr)
-        return 1
-    except BaseException:  # noqa: BLE001 (the recipe's traceback, as python prints it)
-        traceback.print_exc()
-        return 1
-
-
-def _exit(status: int) -> None:
-    try:
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(status)
