@@ -66,12 +66,14 @@ def test_the_sampler_records_every_forwarded_position_of_every_router():
     # recorded exactly where the training forward sees a real token, -1 at padding
     assert torch.equal((routed >= 0).all(dim=(2, 3)), valid) and torch.equal((routed < 0).all(dim=(2, 3)), ~valid)
     assert int(routed.max()) < cfg.n_routed_experts
-    # the sampler's own routing: in fp32 the training forward's routers choose the same experts
+    # the sampler's own routing: in fp32 the training forward's routers choose the same experts (0
+    # measured; at most one token per router where a near-tie meets another CPU's rounding, while a
+    # route off by one position flips most tokens)
     tapes = install_routes(model, routed, enforce=False)
     with torch.no_grad():
         train_logps(model, rows)
     remove_routes(model)
-    assert [int(t.flipped) for t in tapes] == [0] * len(tapes)
+    assert all(int(t.flipped) <= 1 for t in tapes), [int(t.flipped) for t in tapes]
 
 
 @pytest.mark.parametrize("backend", ["grouped_mm", "split", "loop"])
