@@ -30,13 +30,17 @@ UNRECORDED = -1
 """``routed_experts`` at positions the sampler never routed (padding)."""
 
 
-def stack_routers(model: nn.Module) -> list[TopKRouter]:
-    """The routers of the main stack (``model.layers``), in layer order; the MTP modules' routers
-    are left out: sampling never runs them."""
+def named_stack_routers(model: nn.Module) -> list[tuple[str, TopKRouter]]:
+    """``(layer<i>, router)`` of the main stack (``model.layers``), in layer order; the MTP modules'
+    routers are left out: sampling never runs them."""
     layers = getattr(model, "layers", None)
     if layers is None:
         return []
-    return [m for m in layers.modules() if isinstance(m, TopKRouter)]
+    return [(f"layer{name.split('.')[0]}", m) for name, m in layers.named_modules() if isinstance(m, TopKRouter)]
+
+
+def stack_routers(model: nn.Module) -> list[TopKRouter]:
+    return [router for _, router in named_stack_routers(model)]
 
 
 class RouteTape:

@@ -37,8 +37,8 @@ def read_records(path: str | Path, parse: Callable[[Any], Row | str]) -> tuple[l
     records, unit = (_dataset_rows(path), "row(s)") if path.is_dir() else (_jsonl_records(path), "line(s)")
     rows: list[Row] = []
     set_aside: list[str] = []
-    for n, record in records:
-        parsed = record if isinstance(record, str) else parse(record.value)
+    for n, record, why in records:
+        parsed = why if why is not None else parse(record)
         if isinstance(parsed, str):
             set_aside.append(f"{n} ({parsed})")
         else:
@@ -49,26 +49,19 @@ def read_records(path: str | Path, parse: Callable[[Any], Row | str]) -> tuple[l
     return rows, len(set_aside)
 
 
-class _Record:
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-
-def _jsonl_records(path: Path) -> Iterator[tuple[int, _Record | str]]:
-    """(line number, its record or why it is none) of the non-blank lines."""
+def _jsonl_records(path: Path) -> Iterator[tuple[int, Any, str | None]]:
+    """(line number, its record, None) or (line number, None, why there is none) of the non-blank lines."""
     with path.open(encoding="utf-8", errors="replace") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                yield n, _Record(json.loads(line))
+                yield n, json.loads(line), None
             except json.JSONDecodeError:
-                yield n, "not JSON"
+                yield n, None, "not JSON"
 
 
-def _dataset_rows(path: Path) -> Iterator[tuple[int, _Record | str]]:
+def _dataset_rows(path: Path) -> Iterator[tuple[int, Any, str | None]]:
     """(row number from 1, the row as a dict) of a ``save_to_disk`` directory's dataset."""
     try:
         import datasets
@@ -86,4 +79,4 @@ def _dataset_rows(path: Path) -> Iterator[tuple[int, _Record | str]]:
                               "train on as 'train' or as a Dataset of its own")
         loaded = loaded["train"]
     for n, row in enumerate(loaded, 1):  # a column a row lacks is None in Arrow's table: absent, as in JSON
-        yield n, _Record({k: v for k, v in row.items() if v is not None})
+        yield n, {k: v for k, v in row.items() if v is not None}, None

@@ -38,7 +38,12 @@ import torch
 
 from dsl_lit.config.posttrain import GRPOConfig, SamplingConfig
 from dsl_lit.inference.generation import generate
-from dsl_lit.models.common.routing_replay import install_routes, recording_routes, remove_routes, stack_routers
+from dsl_lit.models.common.routing_replay import (
+    install_routes,
+    named_stack_routers,
+    recording_routes,
+    remove_routes,
+)
 from dsl_lit.parallel.grad_sync import local
 from dsl_lit.parallel.pipeline_inference import PipelinedInference
 from dsl_lit.posttrain.chat.tokenizer import ChatTokenizer
@@ -203,15 +208,9 @@ class GRPOModule(PostTrainModule):
         objective, metrics = super().micro_batch_objective(micro_batch, normalizers)
         per_router = [t.flipped.float() / normalizers["routed_tokens"] for t in tapes]
         metrics["router_flips"] = torch.stack(per_router).mean()
-        for name, flips in zip(self.router_names, per_router):
+        for (name, _), flips in zip(named_stack_routers(self.model), per_router):
             metrics[f"router_flips_{name}"] = flips
         return objective, metrics
-
-    @property
-    def router_names(self) -> list[str]:
-        """``layer<i>`` of each router of the main stack, in order (the flip metrics' names)."""
-        names = [n for n, m in self.model.layers.named_modules() if m in set(stack_routers(self.model))]
-        return [f"layer{n.split('.')[0]}" for n in names]
 
     def _frozen_logps(self, batch: Batch, model: torch.nn.Module | PipelinedInference, temperature: float) -> torch.Tensor:
         """The sampling policy's log-probs (mu > 1) replay the rollout's routing too; the reference's
