@@ -44,6 +44,16 @@ if "DSL_LIT_CACHE_ROOT" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["DSL_LIT_CACHE_ROOT"], ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def _eager_cross_entropy_after_each_test():
+    """A test that applies ``trainer.compile``'s transform in this process switches the cross-entropy's
+    chunk kernels to compiled ones (process-wide, as in a run): the next test starts eager again."""
+    yield
+    from dsl_lit.ops import compile_chunk_kernels
+
+    compile_chunk_kernels(None)
+
+
 def compose_config(name: str = "pretrain", overrides: list[str] | None = None) -> DictConfig:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose(config_name=name, overrides=overrides or [], return_hydra_config=False)

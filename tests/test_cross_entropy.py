@@ -4,6 +4,7 @@ logits and for vocab-parallel (``Shard(-1)`` DTensor) logits on a 2-process gloo
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, pa
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from dsl_lit.ops import cross_entropy
+from dsl_lit.ops import compile_chunk_kernels, cross_entropy
 from dsl_lit.ops.cross_entropy import default_chunk_rows
 from tests.numerics import assert_close_fp32
 from tests.ranks import spawn
@@ -354,6 +355,39 @@ def test_z_loss_from_the_kernels_logsumexp(dtype, reduction):
     reference.grad = None
     z_loss(reference.float().logsumexp(-1)).backward()
     _close_grad(source.grad, reference.grad)
+
+
+@pytest.mark.parametrize("backend, dtype", [
+    ("aot_eager", torch.float32), ("aot_eager", torch.bfloat16), ("inductor", torch.bfloat16),
+], ids=["aot_eager-fp32", "aot_eager-bf16", "inductor-bf16"])
+def test_compiled_chunk_kernels_give_the_eager_results(backend, dtype):
+    """``compile_chunk_kernels`` (what ``trainer.compile`` turns on): the same loss, logsumexp and
+    in-place gradient as eager, with ragged chunks and a second token count (a dynamic graph), the
+    z-loss's softmax scale, another loss's gradient added, and tp's vocab-slice kernel (one rank);
+    fp32 within fp32 reordering, bf16 gradients within one bf16 rounding of the eager ones."""
+    def run(shape, z=False, extra=None):
+        source, targets = _data(shape, dtype, seed=shape[0])
+        logits = source * 1
+        loss, lse = cross_entropy(logits, targets, chunk_rows=4, return_lse=True)
+        total = loss + (lse.square().mean() if z else 0) + (extra(logits, targets) if extra else 0)
+        total.backward()
+        return loss.detach(), lse.detach(), source.grad, logits
+
+    cases = [((5, 33), False, None), ((9, 33), False, None), ((6, 40), True, None), ((6, 40), False, _z_loss)]
+    eager = [run(*case) for case in cases]
+    compile_chunk_kernels(backend)
+    try:
+        compiled = [run(*case) for case in cases]
+    finally:
+        compile_chunk_kernels(None)
+    for (shape, *_), (loss, lse, grad, logits), (ref_loss, ref_lse, ref_grad, _) in zip(cases, compiled, eager):
+        assert_close_fp32(loss, ref_loss, math.prod(shape))
+        assert_close_fp32(lse, ref_lse, shape[-1])
+        assert torch.equal(logits.detach(), grad)  # still written over the logits
+        if dtype == torch.float32:
+            assert_close_fp32(grad, ref_grad, shape[-1])
+        else:
+            torch.testing.assert_close(grad, ref_grad, rtol=2**-7, atol=2**-8 * ref_grad.abs().max().item())
 
 
 def test_z_loss_costs_no_memory():

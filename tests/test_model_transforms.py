@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dsl_lit.models import ModelConfig, build_model
+from dsl_lit.ops import chunk_kernels_backend, compile_chunk_kernels
 from dsl_lit.parallel.model_transforms import TRANSFORM_ORDER, TransformPlan, transform_model
 from dsl_lit.precision.fp8 import Fp8Linear
 from tests.conftest import ROOT
@@ -49,6 +50,17 @@ def test_compile_only_when_fitting():
     model = build_model(ModelConfig.from_name("deepseek_llm_tiny"))
     assert transform_model(model, TransformPlan(compile=True), fitting=False) == []
     assert "_compiled_call_impl" not in vars(model.layers["0"]) or model.layers["0"]._compiled_call_impl is None
+    assert chunk_kernels_backend() is None
+
+
+def test_compile_also_compiles_the_cross_entropy_chunks():
+    model = build_model(ModelConfig.from_name("deepseek_llm_tiny"))
+    try:
+        assert transform_model(model, TransformPlan(compile=True, compile_backend="aot_eager")) == ["compile"]
+        assert chunk_kernels_backend() == "aot_eager"
+    finally:
+        compile_chunk_kernels(None)
+    assert chunk_kernels_backend() is None
 
 
 def test_a_module_under_lightnings_own_strategy_transforms_itself():

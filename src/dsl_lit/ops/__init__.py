@@ -1,5 +1,5 @@
 """Numerical ops shared by every objective."""
 
-from dsl_lit.ops.cross_entropy import cross_entropy
+from dsl_lit.ops.cross_entropy import chunk_kernels_backend, compile_chunk_kernels, cross_entropy
 
-__all__ = ["cross_entropy"]
+__all__ = ["chunk_kernels_backend", "compile_chunk_kernels", "cross_entropy"]

@@ -5,8 +5,9 @@ each transform assumes the ones before it. FP8 swaps whole ``nn.Linear`` s and e
 it comes before anything that wraps or shards their weights; activation recompute wraps a block's
 forward, so it must see the FP8 modules inside; the pipeline cut drops the blocks a rank does not
 own before tensor, expert and context parallelism shard what is left; ``torch.compile`` traces the
-final block, sharded and converted, so it comes last. Every transform keeps parameter names (FQNs),
-so checkpoints load under any of them.
+final block, sharded and converted, so it comes last (with the cross-entropy's chunk kernels:
+the loss is not part of the model, but it is part of every step). Every transform keeps parameter
+names (FQNs), so checkpoints load under any of them.
 
 :func:`transform_model` applies :data:`TRANSFORM_ORDER`; the strategy that runs the model supplies
 the layout's steps (:class:`~dsl_lit.parallel.strategy.DeepSeekStrategy`: pipeline, tensor, expert,
@@ -24,6 +25,7 @@ from torch import nn
 
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.memory.recompute import apply_recompute
+from dsl_lit.ops import compile_chunk_kernels
 from dsl_lit.precision.fp8 import RECIPES, apply_fp8
 
 log = logging.getLogger(__name__)
@@ -128,7 +130,9 @@ def transform_model(
             steps[name]()
         elif name == "compile" and plan.compile and fitting:
             n = compile_blocks(model, shapes=2, backend=plan.compile_backend)  # a ramp stage's micro-batches, a last partial one
-            log.info("trainer.compile: %d transformer blocks compiled (torch.compile, per block, %s)", n, plan.compile_backend)
+            compile_chunk_kernels(plan.compile_backend)  # the loss's chunks: one fused kernel per pass
+            log.info("trainer.compile: %d transformer blocks compiled (torch.compile, per block, %s), and the "
+                     "cross-entropy's chunk kernels", n, plan.compile_backend)
         else:
             continue
         applied.append(name)
