@@ -27,6 +27,7 @@ BENCHMARKS: list[tuple[str, list[str]]] = [
     ("generation_speed", ["--new", "64", "--repeats", "2"]),
     ("sharded_sampling_memory", ["--layers", "4", "--vocab", "16000"]),
     ("cross_entropy_memory", ["--tokens", "2048"]),
+    ("expert_weight_copies", ["--repeats", "2"]),
     ("context_parallel_overhead", ["--seq", "512", "--repeats", "3"]),
     ("data_pipeline_speed", ["--repeats", "1", "--crawl-docs", "1000"]),
 ]

@@ -30,6 +30,11 @@ class PrecisionConfig:
     loss_scale_init: float = 2.0**16
     loss_scale_growth_interval: int = 1000
     fp8: str | None = None
+    expert_weight_copies: bool = True
+    """Under bf16/fp16 autocast, keep a compute-dtype copy of the routed experts' fp32 weights
+    between forwards, recast only after they change (an optimizer step, a load): one cast per step
+    instead of one per micro-batch, recompute replay and generated token. Costs 2 bytes per routed
+    expert parameter; the gradients are bit for bit those of casting every time."""
 
     def validate(self) -> PrecisionConfig:
         if self.name not in NAMES:

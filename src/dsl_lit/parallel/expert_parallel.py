@@ -96,10 +96,6 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
         module._dispatch = types.MethodType(_all_to_all_dispatch, module)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _all_to_all_dispatch(
     self: MoE, flat: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
 ) -> torch.Tensor:
@@ -125,7 +121,7 @@ def _all_to_all_dispatch(
     local_ids = local_ids.repeat_interleave(recv_counts.flatten(), output_size=sum(recv_splits))
     regroup = local_ids.argsort(stable=True)
     x = received.index_select(0, regroup)
-    w1, w2, w3 = (_local(getattr(self.experts, name)) for name in EXPERT_WEIGHTS)
+    w1, w2, w3 = self.experts.stacked_weights()
     if x.shape[0]:
         out = grouped_swiglu(x, recv_counts.sum(dim=0), w1, w2, w3, self.experts.backend)
     else:  # nothing arrived: stay in the graph (x and weights) so backward's all-to-all and grad hooks run

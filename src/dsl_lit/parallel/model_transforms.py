@@ -27,6 +27,7 @@ from dsl_lit.config.errors import ConfigError
 from dsl_lit.memory.recompute import apply_recompute
 from dsl_lit.ops import compile_chunk_kernels
 from dsl_lit.precision.fp8 import RECIPES, apply_fp8
+from dsl_lit.precision.weight_copies import keep_expert_weight_copies
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,9 @@ class TransformPlan:
     dispatch runs the local experts' weights directly (the strategy turns it off there)."""
     compile_backend: str = "inductor"
     """``trainer.compile_backend``."""
+    expert_weight_copies: bool = False
+    """``precision.expert_weight_copies``: the routed experts keep compute-dtype weight copies
+    (after FP8 chose its modules; order-free otherwise: the copies are made at the first forward)."""
 
 
 MODES_PER_KIND = 2
@@ -136,5 +140,7 @@ def transform_model(
         else:
             continue
         applied.append(name)
+    if plan.expert_weight_copies:
+        keep_expert_weight_copies(model)
     model._dsl_lit_transformed = True
     return applied

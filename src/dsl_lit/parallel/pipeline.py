@@ -54,6 +54,7 @@ from torch.distributed.pipelining import (
 
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.models import spec_of
+from dsl_lit.models.common.compute_copies import refresh_compute_copies
 from dsl_lit.models.common.moe import MoE
 from dsl_lit.parallel.context_parallel import ContextParallelKeys
 
@@ -225,6 +226,7 @@ class PipelineStageModule(nn.Module):
         key_valid: torch.Tensor | None = None,
     ) -> Any:
         m = self.model
+        refresh_compute_copies(m)
         shard = None
         if self.cp_group is not None:  # whole rows' length: the first stage's ids, or the shards' x cp
             seq = x.shape[1] if self.is_first else x.shape[1] * dist.get_world_size(self.cp_group)

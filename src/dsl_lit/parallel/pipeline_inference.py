@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dsl_lit.models.common.compute_copies import refresh_compute_copies
 from dsl_lit.models.common.kv_cache import KVCache
 
 Pick = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -79,6 +80,7 @@ class PipelinedInference:
         Stage outputs travel in fp32 (the residual stream's dtype under autocast)."""
         m = self.model
         batch, seq = tokens.shape
+        refresh_compute_copies(m)
         rope = m.rope(seq, cache.length if cache is not None else 0, positions)
         hidden: torch.Tensor | None = None
         for stage, layers in enumerate(self.stage_layers):

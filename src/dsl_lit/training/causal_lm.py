@@ -132,7 +132,8 @@ class CausalLMModule(L.LightningModule):
         :mod:`dsl_lit.parallel.model_transforms`: FP8, activation recompute, compile."""
         blocks = self.memory.recompute_blocks
         return TransformPlan(self.precision.fp8, self.memory.recompute, tuple(blocks) if blocks is not None else None,
-                             self.compile_blocks, compile_backend=self.compile_backend)
+                             self.compile_blocks, compile_backend=self.compile_backend,
+                             expert_weight_copies=self.precision.expert_weight_copies)
 
     def load_initial_weights(self, device: torch.device) -> None:
         """Read the starting weights into the model left on the meta device, on ``device``: the

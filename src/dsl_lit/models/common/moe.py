@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsl_lit.config.model import ModelConfig
+from dsl_lit.models.common.compute_copies import ComputeCopies, autocast_dtype, local_tensor
 from dsl_lit.models.common.layers import SwiGLU
 from dsl_lit.models.common.token_padding import align_token_groups, call_with_padded_tokens
 
@@ -235,6 +236,9 @@ class GroupedExperts(nn.Module):
     token_group_multiple: int = 1
     """Each expert's token group is zero-padded to a multiple of this (and to at least this) before
     the expert matmuls: FP8 grouped GEMMs need 16 (set by ``precision.fp8.apply_fp8``)."""
+    compute_copies: ComputeCopies | None = None
+    """Compute-dtype copies of the weights kept between forwards (``precision.expert_weight_copies``,
+    set by :mod:`dsl_lit.precision.weight_copies`); None: cast by every forward."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int, backend: str = "grouped_mm") -> None:
         super().__init__()
@@ -253,7 +257,25 @@ class GroupedExperts(nn.Module):
 
     def run_groups(self, x: torch.Tensor, counts: torch.Tensor, aligned_to: int = 1) -> torch.Tensor:
         """The experts on ``x`` sorted by expert, groups laid out to multiples of ``aligned_to``."""
-        return grouped_swiglu(x, counts, self.w1, self.w2, self.w3, self.backend, aligned_to)
+        return grouped_swiglu(x, counts, *self.stacked_weights(), self.backend, aligned_to)
+
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1, w2, w3) as the experts compute with them (a DTensor's local shard under expert
+        parallelism): the kept compute-dtype copies under autocast when there are any (refreshed
+        here in eager; a compiled forward's by :func:`refresh_compute_copies` before it), else the
+        weights."""
+        weights = tuple(local_tensor(w) for w in (self.w1, self.w2, self.w3))
+        copies = self.compute_copies
+        if copies is None:
+            return weights
+        dtype = autocast_dtype(weights[0].device)
+        if not copies.applies(weights, dtype):
+            return weights
+        if not torch.compiler.is_compiling():
+            copies.refresh(weights, dtype)
+        elif copies.tensors is None or copies.tensors[0].dtype != dtype:
+            return weights  # nothing refreshed before this compiled forward: cast as usual
+        return copies.reuse(weights)
 
     @torch.compiler.disable
     def forward_reference(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

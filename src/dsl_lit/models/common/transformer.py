@@ -19,6 +19,7 @@ from torch import nn
 
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.models.common.block import Composition, TransformerBlock
+from dsl_lit.models.common.compute_copies import refresh_compute_copies
 from dsl_lit.models.common.kv_cache import KVCache
 from dsl_lit.models.common.layers import RMSNorm, RotaryEmbedding
 from dsl_lit.models.common.moe import MoE, TopKRouter
@@ -102,6 +103,7 @@ class Transformer(nn.Module):
         ``positions`` [batch, seq] and ``key_valid`` [batch, cached + seq] describe left-padded
         batches; ``cache`` makes the call incremental (positions continue from ``cache.length``).
         """
+        refresh_compute_copies(self)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         offset = cache.length if cache is not None else 0
         rope = self.rope(h.shape[1], offset, positions)
