@@ -27,11 +27,12 @@ reproduce: setup
 # Every torch process of the suite on one thread (OMP_NUM_THREADS=1): the tiny models' ops gain little
 # from a second thread, and the cores serve one test each instead. One pytest run on every core
 # (pytest-xdist), a test file per worker at a time (--dist loadfile: a file's multi-process tests,
-# marked slow, share module-scoped runs), the files with the longest multi-process tests first and
-# the single-process tests filling the cores after them (tests/conftest.py). `make test-fast` runs
-# the single-process tests alone.
+# marked slow, share module-scoped runs), the longest files first by the seconds tests/durations.json
+# recorded (tests/conftest.py; scripts/record_test_durations.py refreshes it from a --junitxml report).
+# `make test-fast` runs the single-process tests alone.
 # one more pytest worker than cores, at least 3: the tests wait about half their time on process
-# start-up, collectives and files (2 workers kept 2 cores 47% busy; 3 workers: 1,106 s -> 999 s here)
+# start-up, collectives and files (2 workers kept 2 cores 47% busy; 3 workers: 1,106 s -> 999 s here;
+# 4 workers: 1,019 s)
 TEST_WORKERS ?= $(shell python3 -c "import os; print(max(3, (os.cpu_count() or 1) + 1))")
 
 test: setup

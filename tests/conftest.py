@@ -72,29 +72,32 @@ def edit_config_json(path: Path, **changes: object) -> None:
 
 
 # The multi-process tests (marked slow) of one file share module-scoped runs, so `make test` hands
-# out whole files (pytest-xdist's --dist loadfile) in collection order (--no-loadscope-reorder): the
-# files with the longest multi-process tests first, so the short single-process ones fill the cores
-# at the end (longest processing time first: the suite ends when its last long file does).
-# (--dist loadgroup would group single tests, but pytest-xdist 3.8 marks a group by rewriting
-# item._nodeid, which pytest 9 no longer reads: its groups are silently split.) Measured lengths on 2
-# cores, longest first; files with slow tests not listed follow them.
-LONGEST_SLOW_FILES = ("test_reproduce", "test_parallel_e2e", "test_preemption", "test_posttrain_recipes", "test_evaluation",
-                      "test_multi_node", "test_lazy_loading", "test_fault_tolerance", "test_data_pipeline_ray",
-                      "test_batch_ramp", "test_checkpoint_integrity", "test_fp8", "test_pipeline")
+# out whole files (pytest-xdist's --dist loadfile) in collection order (--no-loadscope-reorder); the
+# order is longest file first by the seconds tests/durations.json recorded (longest processing time
+# first: the suite ends when its last long file does, and short files fill the cores at the end).
+# Refresh it after a full run: `pytest ... --junitxml=F && python scripts/record_test_durations.py F`.
+# A file not recorded yet counts as UNRECORDED_S. (--dist loadgroup would group single tests, but
+# pytest-xdist 3.8 marks a group by rewriting item._nodeid, which pytest 9 no longer reads: its groups
+# are silently split.)
+DURATIONS = Path(__file__).with_name("durations.json")
+UNRECORDED_S = 30.0
 
 
-def _schedule_rank(item: pytest.Item) -> tuple[int, int]:
-    if item.get_closest_marker("slow") is None:
-        return (1, 0)
-    stem = item.path.stem
-    return (0, LONGEST_SLOW_FILES.index(stem) if stem in LONGEST_SLOW_FILES else len(LONGEST_SLOW_FILES))
+def _recorded_seconds() -> dict[str, float]:
+    return json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+
+
+def _schedule_key(seconds: dict[str, float]):
+    def key(item: pytest.Item) -> float:
+        return -seconds.get(str(item.path.relative_to(ROOT)), UNRECORDED_S)
+    return key
 
 
 NO_GPU = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False (run them with scripts/gpu_check.sh)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=_schedule_rank)  # stable: a file's tests keep pytest's order (module fixtures set up once)
+    items.sort(key=_schedule_key(_recorded_seconds()))  # stable: a file's tests keep pytest's order (module fixtures)
     import torch
 
     if not torch.cuda.is_available():

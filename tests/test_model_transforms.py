@@ -36,9 +36,9 @@ def test_transforms_run_in_order_once(monkeypatch):
 
     monkeypatch.setattr(transforms, "apply_recompute", recording_recompute)
     steps = {name: (lambda name=name: calls.append(name)) for name in ("context", "tensor", "pipeline", "expert")}
-    plan = TransformPlan(fp8="fp8_rowwise", recompute="selective", compile=False)
+    plan = TransformPlan(fp8="fp8_rowwise", recompute="selective", compile=False, expert_weight_copies=True)
     applied = transform_model(model, plan, steps)
-    assert applied == ["fp8", "recompute", "pipeline", "tensor", "expert", "context"]
+    assert applied == ["fp8", "expert_weight_copies", "recompute", "pipeline", "tensor", "expert", "context"]
     assert calls == ["recompute", "pipeline", "tensor", "expert", "context"] and seen_fp8_when_recomputing == [True]
     assert transform_model(model, plan, steps) == [] and len(calls) == 5  # once per model
     assert [n for n, _ in model.named_parameters()] == names  # names (checkpoint keys) unchanged
@@ -51,6 +51,29 @@ def test_compile_only_when_fitting():
     assert transform_model(model, TransformPlan(compile=True), fitting=False) == []
     assert "_compiled_call_impl" not in vars(model.layers["0"]) or model.layers["0"]._compiled_call_impl is None
     assert chunk_kernels_backend() is None
+
+
+def test_a_transform_is_one_object_in_the_order(monkeypatch):
+    """An extension point, not an if chain: a transform added to TRANSFORMS runs in its place,
+    when it says it is wanted, with the same context as the others."""
+    import dsl_lit.parallel.model_transforms as transforms
+
+    seen = []
+
+    class Probe(transforms.ModelTransform):
+        name = "probe"
+
+        def wanted(self, ctx):
+            return ctx.fitting
+
+        def apply(self, model, ctx):
+            seen.append((ctx.plan.recompute, sorted(ctx.layout_steps)))
+
+    monkeypatch.setattr(transforms, "TRANSFORMS", (*transforms.TRANSFORMS[:2], Probe(), *transforms.TRANSFORMS[2:]))
+    model = build_model(ModelConfig.from_name("deepseek_llm_tiny"))
+    assert transform_model(model, TransformPlan(recompute="full"), {"tensor": lambda: None}) == ["probe", "recompute", "tensor"]
+    assert transform_model(build_model(ModelConfig.from_name("deepseek_llm_tiny")), TransformPlan(), fitting=False) == []
+    assert seen == [("full", ["tensor"])]
 
 
 def test_compile_also_compiles_the_cross_entropy_chunks():

@@ -1,6 +1,7 @@
 """Options of ``recipes/reproduce.py``: DeepSeek's method end to end, one stage after another.
 
-The stage names and what each stage feeds the next live in :mod:`dsl_lit.reproduce.stages`; a
+The stages, what each feeds the next and what each reads live in one table,
+:mod:`dsl_lit.config.reproduce_stages` (their work in :mod:`dsl_lit.reproduce.stages`); a
 preset (``conf/reproduce/<name>.yaml``) gives the budget of the pretraining, per-stage Hydra
 overrides of the recipes (step counts, model sizes) and the measured seconds per stage that the
 progress line's estimate uses.
@@ -11,12 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dsl_lit.config.errors import ConfigError
-
-STAGES = ("scaling", "data", "pretrain", "pretrain_no_mtp", "pretrain_no_bias", "yarn", "passkey", "cold_start",
-          "grpo", "rejection_sample", "sft_rs", "distill", "evaluate", "report")
-"""Every stage in the order it runs; ``needs`` in :mod:`dsl_lit.reproduce.stages` says which
-earlier stages each one reads."""
-
+from dsl_lit.config.reproduce_stages import STAGES
 
 MAX_PRETRAIN_TOKENS = 10**10
 """A miniature's ceiling (gpu_small trains ~10^8 tokens): above it the start-up arithmetic of the

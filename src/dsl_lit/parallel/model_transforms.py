@@ -31,10 +31,6 @@ from dsl_lit.precision.weight_copies import keep_expert_weight_copies
 
 log = logging.getLogger(__name__)
 
-TRANSFORM_ORDER = ("fp8", "recompute", "pipeline", "tensor", "expert", "context", "compile")
-"""The order of the transforms; ARCHITECTURE.md states it (a test compares the two)."""
-LAYOUT_STEPS = ("pipeline", "tensor", "expert", "context")
-"""The transforms a strategy supplies, from its layout and mesh."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +93,118 @@ def compile_blocks(model: nn.Module, shapes: int = 1, backend: str = "inductor")
     return len(blocks)
 
 
+@dataclass(frozen=True)
+class TransformContext:
+    """What every transform decides from: the module's plan, whether the run fits (trains), and the
+    layout steps the strategy supplied (name -> function of nothing)."""
+
+    plan: TransformPlan
+    fitting: bool
+    layout_steps: Mapping[str, Callable[[], None]]
+
+
+class ModelTransform:
+    """One change to a built model (torchtitan's model converters): whether this run wants it, and
+    applying it. Names are what :func:`transform_model` returns and ARCHITECTURE.md lists."""
+
+    name: str
+
+    def wanted(self, ctx: TransformContext) -> bool:
+        raise NotImplementedError
+
+    def apply(self, model: nn.Module, ctx: TransformContext) -> None:
+        raise NotImplementedError
+
+
+class Fp8Transform(ModelTransform):
+    """Swap eligible Linears (and, without expert parallelism, the routed experts) for FP8 ones."""
+
+    name = "fp8"
+
+    def wanted(self, ctx: TransformContext) -> bool:
+        return ctx.plan.fp8 is not None
+
+    def apply(self, model: nn.Module, ctx: TransformContext) -> None:
+        plan = ctx.plan
+        if not apply_fp8(model, plan.fp8, include_experts=plan.fp8_experts):
+            raise ConfigError(
+                f"precision.fp8={plan.fp8} converts no layer of this model (a Linear qualifies when its in and out "
+                f"features are multiples of {RECIPES[plan.fp8].dim_multiple} and it is not the output head): the run "
+                "would train in bf16 under an FP8 name; widen the model or drop precision.fp8"
+            )
+        if not plan.fp8_experts:
+            log.warning("%s: the routed experts stay in high precision under expert parallelism", plan.fp8)
+        if ctx.fitting and not plan.compile and _on_cuda():
+            log.warning("precision %s without trainer.compile=true: torchao's FP8 casts run unfused (an H200 "
+                        "measured a dense ~1B step 2.7x slower than bf16 eager); set trainer.compile=true", plan.fp8)
+
+
+class ExpertWeightCopiesTransform(ModelTransform):
+    """``precision.expert_weight_copies``: after FP8 chose its experts (it leaves those alone)."""
+
+    name = "expert_weight_copies"
+
+    def wanted(self, ctx: TransformContext) -> bool:
+        return ctx.plan.expert_weight_copies
+
+    def apply(self, model: nn.Module, ctx: TransformContext) -> None:
+        keep_expert_weight_copies(model)
+
+
+class RecomputeTransform(ModelTransform):
+    """Activation recompute of the blocks ``memory.recompute`` names (it wraps the FP8 modules)."""
+
+    name = "recompute"
+
+    def wanted(self, ctx: TransformContext) -> bool:
+        return ctx.plan.recompute != "none"
+
+    def apply(self, model: nn.Module, ctx: TransformContext) -> None:
+        blocks = ctx.plan.recompute_blocks
+        apply_recompute(model, ctx.plan.recompute, list(blocks) if blocks is not None else None)
+
+
+class LayoutTransform(ModelTransform):
+    """A parallel dimension's step, supplied by the strategy (it holds the mesh) when its degree > 1."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def wanted(self, ctx: TransformContext) -> bool:
+        return self.name in ctx.layout_steps
+
+    def apply(self, model: nn.Module, ctx: TransformContext) -> None:
+        ctx.layout_steps[self.name]()
+
+
+class CompileTransform(ModelTransform):
+    """Per-block ``torch.compile`` and the cross-entropy's chunk kernels, last, when fitting (sampling's
+    changing shapes would recompile every step)."""
+
+    name = "compile"
+
+    def wanted(self, ctx: TransformContext) -> bool:
+        return ctx.plan.compile and ctx.fitting
+
+    def apply(self, model: nn.Module, ctx: TransformContext) -> None:
+        backend = ctx.plan.compile_backend
+        n = compile_blocks(model, shapes=2, backend=backend)  # a ramp stage's micro-batches, a last partial one
+        compile_chunk_kernels(backend)  # the loss's chunks: one fused kernel per pass
+        log.info("trainer.compile: %d transformer blocks compiled (torch.compile, per block, %s), and the "
+                 "cross-entropy's chunk kernels", n, backend)
+
+
+TRANSFORMS: tuple[ModelTransform, ...] = (
+    Fp8Transform(), ExpertWeightCopiesTransform(), RecomputeTransform(),
+    *(LayoutTransform(name) for name in ("pipeline", "tensor", "expert", "context")),
+    CompileTransform(),
+)
+"""The transforms, in the order they apply (see the module docstring); ARCHITECTURE.md states it."""
+TRANSFORM_ORDER = tuple(t.name for t in TRANSFORMS)
+LAYOUT_STEPS = tuple(t.name for t in TRANSFORMS if isinstance(t, LayoutTransform))
+"""The transforms a strategy supplies, from its layout and mesh."""
+
+
 def transform_model(
     model: nn.Module,
     plan: TransformPlan,
@@ -105,42 +213,18 @@ def transform_model(
 ) -> list[str]:
     """Apply ``plan`` and the strategy's ``layout_steps`` to ``model`` in :data:`TRANSFORM_ORDER`;
     returns the names of the transforms applied. Once per model: a second call does nothing (a
-    block's forward must not be wrapped twice). ``fitting`` False (predict, validate): no compile
-    (sampling's changing shapes would recompile each step)."""
+    block's forward must not be wrapped twice). ``fitting`` False (predict, validate): no compile."""
     steps = dict(layout_steps or {})
     unknown = sorted(set(steps) - set(LAYOUT_STEPS))
     if unknown:
         raise ValueError(f"layout steps {unknown} are not among {LAYOUT_STEPS}")
     if getattr(model, "_dsl_lit_transformed", False):
         return []
+    ctx = TransformContext(plan, fitting, steps)
     applied = []
-    for name in TRANSFORM_ORDER:
-        if name == "fp8" and plan.fp8:
-            if not apply_fp8(model, plan.fp8, include_experts=plan.fp8_experts):
-                raise ConfigError(
-                    f"precision.fp8={plan.fp8} converts no layer of this model (a Linear qualifies when its in and out "
-                    f"features are multiples of {RECIPES[plan.fp8].dim_multiple} and it is not the output head): the run "
-                    "would train in bf16 under an FP8 name; widen the model or drop precision.fp8"
-                )
-            if not plan.fp8_experts:
-                log.warning("%s: the routed experts stay in high precision under expert parallelism", plan.fp8)
-            if fitting and not plan.compile and _on_cuda():
-                log.warning("precision %s without trainer.compile=true: torchao's FP8 casts run unfused (an H200 "
-                            "measured a dense ~1B step 2.7x slower than bf16 eager); set trainer.compile=true", plan.fp8)
-        elif name == "recompute" and plan.recompute != "none":
-            blocks = list(plan.recompute_blocks) if plan.recompute_blocks is not None else None
-            apply_recompute(model, plan.recompute, blocks)
-        elif name in steps:
-            steps[name]()
-        elif name == "compile" and plan.compile and fitting:
-            n = compile_blocks(model, shapes=2, backend=plan.compile_backend)  # a ramp stage's micro-batches, a last partial one
-            compile_chunk_kernels(plan.compile_backend)  # the loss's chunks: one fused kernel per pass
-            log.info("trainer.compile: %d transformer blocks compiled (torch.compile, per block, %s), and the "
-                     "cross-entropy's chunk kernels", n, plan.compile_backend)
-        else:
-            continue
-        applied.append(name)
-    if plan.expert_weight_copies:
-        keep_expert_weight_copies(model)
+    for transform in TRANSFORMS:
+        if transform.wanted(ctx):
+            transform.apply(model, ctx)
+            applied.append(transform.name)
     model._dsl_lit_transformed = True
     return applied

@@ -23,8 +23,6 @@ from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.reproduce import ReproduceConfig
 from dsl_lit.reproduce.runner import MARKER, Stage, StageContext, marker
 
-NOT_RECIPES = ("data", "passkey", "evaluate", "report")
-"""Stages whose programs take no training config (the pipeline, passkey, lm-eval, the report)."""
 PRETRAINING = ("pretrain.py",)
 SWEEP = "scaling_laws.py"
 FROM_CHECKPOINTS = ("hydra.run.dir=", "hydra.sweep.dir=", "init_from=", "teacher_from=")
@@ -55,7 +53,7 @@ def stage_commands(cfg: ReproduceConfig, stages: Sequence[Stage], run_dir: Path)
         (root / "scaling" / MARKER).write_text(json.dumps({"results": results, "seconds": 0}, default=str))
         commands = {}
         for stage in stages:
-            if stage.name in NOT_RECIPES:
+            if not stage.row.trains:  # the pipeline, passkey, lm-eval, the report: no training config
                 continue
             context = RecordingContext(cfg, root, stage.name)
             try:

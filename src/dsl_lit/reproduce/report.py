@@ -16,7 +16,8 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
-from dsl_lit.config.reproduce import STAGES, ReproduceConfig
+from dsl_lit.config.reproduce import ReproduceConfig
+from dsl_lit.config.reproduce_stages import STAGE_ROWS
 from dsl_lit.report.figures import plot_lines, save_figure
 from dsl_lit.report.metrics import METRICS_FILE, Series, read_metrics
 from dsl_lit.reproduce.claims import claims_table
@@ -75,16 +76,17 @@ def _minutes(seconds: float) -> str:
 
 def write_report(run_dir: Path, out: Path, cfg: ReproduceConfig) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    done = {s: m for s in STAGES if s != "report" and (m := marker(run_dir / s)) is not None}
+    results_of = [row.name for row in STAGE_ROWS if not row.redrawn]  # the stages with results (not the report)
+    done = {s: m for s in results_of if (m := marker(run_dir / s)) is not None}
     r = {s: m["results"] for s, m in done.items()}
     skipped_here = [s for s in done if skipped(r[s])]
     md = [f"# DeepSeek in miniature: `reproduce={cfg.name}`\n",
           f"Machine: {machine_description()}.\n",
-          f"Stages finished: {len(done) - len(skipped_here)} of {len(STAGES) - 1} (the report is the last)"
+          f"Stages finished: {len(done) - len(skipped_here)} of {len(results_of)} (the report is the last)"
           + (f", skipped here: {', '.join(skipped_here)}" if skipped_here else "") + "; their time: "
           f"{_minutes(sum(m['seconds'] for m in done.values()))} in all.\n"]
     md.append(_table(["stage", "seconds"], [[s, "skipped" if s in skipped_here else done[s]["seconds"] if s in done else "not run"]
-                                            for s in STAGES if s != "report"]))
+                                            for s in results_of]))
 
     md.append("\n## What the papers say, and what this run measured\n")
     md.append(_table(["statement", "paper", "measured here", "verdict"],

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from dsl_lit.config.errors import ConfigError
-from dsl_lit.config.reproduce import STAGES, ReproduceConfig
+from dsl_lit.config.reproduce import ReproduceConfig
+from dsl_lit.config.reproduce_stages import StageRow
 from dsl_lit.reproduce.run_dir_lock import hold_run_dir
 from dsl_lit.reproduce.stage_process import StageProcess, preload, start_stage
 
@@ -139,16 +140,31 @@ class StageContext:
 
 @dataclass(frozen=True)
 class Stage:
-    name: str
-    needs: tuple[str, ...]
-    """Earlier stages whose results or checkpoints it reads."""
+    """A row of :data:`dsl_lit.config.reproduce_stages.STAGE_ROWS` with its work."""
+
+    row: StageRow
     run: Callable[[StageContext], dict[str, Any]]
     """Does the work; returns the results kept in the marker (numbers for the report and later stages)."""
-    description: str
-    reads: tuple[str, ...] = ()
-    """The preset's fields it uses (``ReproduceConfig``; ``overrides.<stage>`` for another stage's
-    overrides): with its own overrides and its inputs' fingerprints, what decides whether a finished
-    stage still stands."""
+
+    @classmethod
+    def from_row(cls, row: StageRow, run: Callable[[StageContext], dict[str, Any]]) -> Stage:
+        return cls(row, run)
+
+    @property
+    def name(self) -> str:
+        return self.row.name
+
+    @property
+    def needs(self) -> tuple[str, ...]:
+        return self.row.needs
+
+    @property
+    def description(self) -> str:
+        return self.row.description
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        return self.row.reads
 
 
 NEW_FIELDS = ("data_build",)
@@ -182,7 +198,7 @@ def selected(cfg: ReproduceConfig, stages: Sequence[Stage], run_dir: Path) -> li
                 raise ConfigError(f"reproduce.stages: stage {stage.name} needs {need}, which has not finished in "
                                   f"{run_dir}; add it to reproduce.stages")
     for stage in stages:
-        if stage.name == "report":
+        if stage.row.redrawn:
             continue
         for name, state in ((MARKER, "finished"), (STARTED, "started")):
             earlier = marker(run_dir / stage.name, name)
@@ -206,7 +222,6 @@ def _minutes(seconds: float) -> str:
 def run_stages(cfg: ReproduceConfig, stages: Sequence[Stage], run_dir: Path,
                progress: Callable[[str], None] = print) -> dict[str, dict[str, Any]]:
     """Run every selected stage not finished yet; returns each stage's results."""
-    assert [s.name for s in stages] == list(STAGES), "the stage table and config.reproduce.STAGES disagree"
     chosen = selected(cfg, stages, run_dir)
     prints = fingerprints(cfg, stages)
     lock_fd = hold_run_dir(run_dir)
@@ -226,7 +241,7 @@ def _run_chosen(cfg: ReproduceConfig, chosen: Sequence[Stage], prints: dict[str,
         stage_dir = run_dir / stage.name
         done = marker(stage_dir)
         # the report is redrawn every time, and a stage skipped for a missing package runs once it is there
-        if done is not None and stage.name != "report" and not skipped(done["results"]):
+        if done is not None and not stage.row.redrawn and not skipped(done["results"]):
             progress(f"stage {index}/{len(chosen)} {stage.name}: finished earlier ({_minutes(done['seconds'])}), skipped")
             results[stage.name] = done["results"]
             continue
@@ -249,7 +264,8 @@ def _run_chosen(cfg: ReproduceConfig, chosen: Sequence[Stage], prints: dict[str,
             progress(f"stage {index}/{len(chosen)} {stage.name}: skipped: {stage_results['skipped']}")
         else:
             progress(f"stage {index}/{len(chosen)} {stage.name}: done in {_minutes(seconds)}")
-    report = f"; report: {run_dir / 'report' / 'report.md'}" if any(s.name == "report" for s in chosen) else (
+    redrawn = [s.name for s in chosen if s.row.redrawn]
+    report = f"; report: {run_dir / redrawn[0] / 'report.md'}" if redrawn else (
         " (no report stage in this subset: add report to reproduce.stages for one)")
     progress(f"all {len(chosen)} stages finished in {_minutes(time.monotonic() - start)}{report}")
     return results

@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,19 +31,17 @@ import yaml
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.config.reproduce import ReproduceConfig
+from dsl_lit.config.reproduce_stages import EVALUATED, STAGE_ROWS, YARN_FACTOR
 from dsl_lit.report.metrics import METRICS_FILE, Series, read_metrics
 from dsl_lit.reproduce.runner import PROJECT_ROOT, Stage, StageContext, StageFailed, path_override
 
 PIPELINE_STAGES = "[normalize,exact_dedup,near_dedup,quality_filter,language_filter,decontaminate,train_tokenizer,tokenize_pack]"
 PRETRAIN_MODEL = "deepseek_v3_tiny"
-YARN_FACTOR = 4
 FIM = {"rate": 0.1, "spm_rate": 0.5, "seed": 1234}
 """DeepSeek-V3's FIM rate 0.1 (PSM and SPM); the seed is data.seed's default, which the data module checks."""
 R1_TASK = ("task=largest", "task.num_problems=2000", "task.eval_problems=100")
 """"The largest of 6 0 4 8": a skill, held-out lists test it (conf/task/largest.yaml). The sizes are
 given so that every R1 stage (distill.yaml sets its own) scores the same 100 held-out lists."""
-EVALUATED = ("pretrain", "yarn", "cold_start", "grpo", "sft_rs", "distill")
-"""The checkpoints lm-eval scores, in the order the method makes them."""
 
 log = logging.getLogger(__name__)
 
@@ -242,11 +241,10 @@ def pretrain_arguments(ctx: StageContext) -> list[str]:
             "trainer.progress_bar=false", f"trainer.accelerator={ctx.cfg.accelerator}"]
 
 
-def pretrain_stage(*ablation: str):
-    def run(ctx: StageContext) -> dict[str, Any]:
-        ctx.recipe("pretrain.py", [*pretrain_arguments(ctx), *ablation])
-        return run_summary(ctx.dir)
-    return run
+def pretrain(ctx: StageContext, *ablation: str) -> dict[str, Any]:
+    """The pretraining, and with its row's ``arguments`` (recipe overrides) an ablation of it."""
+    ctx.recipe("pretrain.py", [*pretrain_arguments(ctx), *ablation])
+    return run_summary(ctx.dir)
 
 
 def yarn(ctx: StageContext) -> dict[str, Any]:
@@ -398,28 +396,9 @@ def report(ctx: StageContext) -> dict[str, Any]:
     return {"report": str(path)}
 
 
-HPARAMS = ("pretrain_tokens", "seq_len", "batch_range", "lr_range", "micro_batch_size", "ramp_fraction",
-           "ramp_start_fraction", "overrides.pretrain", "device")
-"""What the scaling stage's batch and lr for the pretraining depend on (the pretrained model's size too)."""
-TRAINS = ("seq_len", "micro_batch_size", "device")
-R1 = ("device",)
+def _bound(function: Callable[..., dict[str, Any]], arguments: tuple[str, ...]) -> Callable[[StageContext], dict[str, Any]]:
+    return function if not arguments else lambda ctx: function(ctx, *arguments)
 
-STAGE_TABLE = (
-    Stage("scaling", (), scaling, "lr x batch sweep, fitted laws -> the pretraining's lr and batch", (*HPARAMS, "data_build")),
-    Stage("data", (), data, "dedup, filters, decontamination, BBPE, FIM packing of the bundled corpus", ("data_build",)),
-    Stage("pretrain", ("scaling", "data"), pretrain_stage(), "DeepSeek-V3 tiny: batch ramp, MTP, bias balancing", TRAINS),
-    Stage("pretrain_no_mtp", ("scaling", "data"), pretrain_stage("++model.mtp_depth=0"), "ablation: without MTP", TRAINS),
-    Stage("pretrain_no_bias", ("scaling", "data"), pretrain_stage("objective.bias_update_rate=[0.0,0.0]"),
-          "ablation: without the bias update", TRAINS),
-    Stage("yarn", ("scaling", "data", "pretrain"), yarn, f"YaRN context extension x{YARN_FACTOR}", ("seq_len", "device")),
-    Stage("passkey", ("pretrain", "yarn"), passkey, "passkey retrieval by length, before and after YaRN",
-          ("passkey_lengths", "device")),
-    Stage("cold_start", ("data", "pretrain"), cold_start, "R1 cold-start SFT from the pretrained checkpoint", R1),
-    Stage("grpo", ("data", "cold_start"), grpo, "GRPO with rule rewards", R1),
-    Stage("rejection_sample", ("data", "grpo"), rejection_sample, "rejection sampling from the GRPO model", R1),
-    Stage("sft_rs", ("data", "pretrain", "rejection_sample"), sft_rs, "SFT of the pretrained model on the kept samples",
-          R1),
-    Stage("distill", ("data", "grpo"), distill, "distillation into a smaller dense student", R1),
-    Stage("evaluate", EVALUATED, evaluate, "lm-eval on each stage's checkpoint", ("eval_limit", "device")),
-    Stage("report", (), report, "report.md and figures"),
-)
+
+STAGE_TABLE = tuple(Stage.from_row(row, _bound(globals()[row.run], row.arguments)) for row in STAGE_ROWS)
+"""The rows of :data:`dsl_lit.config.reproduce_stages.STAGE_ROWS`, each with the function its ``run`` names."""
