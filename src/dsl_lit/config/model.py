@@ -24,8 +24,9 @@ AttentionBackend = Literal["sdpa", "flash_attn", "eager"]
 ATTENTION_BACKENDS = ("sdpa", "flash_attn", "eager")
 SCORE_FUNCS = ("sigmoid", "softmax")
 EXPERT_BACKENDS = ("grouped_mm", "split", "loop")
-CONTEXT_FIELDS = ("max_seq_len", "rope_scaling")
-"""Fields that shape no weight: a context-extension stage sets them on top of ``init_from``'s model."""
+CONTEXT_FIELDS = ("max_seq_len", "rope_scaling", "index_topk", "index_training")
+"""Fields that shape no weight: a stage sets them on top of ``init_from``'s model (context extension:
+the positions; DeepSeek-V3.2: how many keys the indexer keeps and how it trains)."""
 YARN_KEYS = ("factor", "original_max_seq_len", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 LATENT_ATTENTION_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                            "rope_interleave")
@@ -38,6 +39,9 @@ MOE_FIELDS = ("n_dense_layers", "n_routed_experts", "n_shared_experts", "n_activ
 """Fields only families with a router read."""
 MTP_FIELDS = ("mtp_depth",)
 """Fields only families with multi-token prediction read."""
+INDEXER_FIELDS = ("index_n_heads", "index_head_dim", "index_topk", "index_training")
+INDEX_TRAINING = ("off", "warmup", "sparse")
+"""Fields only families with DeepSeek Sparse Attention (a lightning indexer) read."""
 
 
 def _families() -> ModuleType:
@@ -114,6 +118,18 @@ class ModelConfig:
     # -- Multi-token prediction (families with MTP) ---------------------------------------------------
     mtp_depth: int = 0
     """MTP modules asked for; :attr:`mtp_modules` is what the family builds."""
+    # -- DeepSeek Sparse Attention (families with a lightning indexer: DeepSeek-V3.2) ----------------
+    index_n_heads: int = 64
+    """The indexer's query heads (its key has one head)."""
+    index_head_dim: int = 128
+    """The indexer's head size; its first ``qk_rope_head_dim`` dims carry rotary position."""
+    index_topk: int = 2048
+    """Keys each query attends to: the ones of highest index score (all of them when fewer)."""
+    index_training: Literal["off", "warmup", "sparse"] = "off"
+    """How DeepSeek-V3.2 trains its indexer (``models/common/dsa.py``): ``off`` (sparse attention,
+    no indexer loss: inference, or training the rest only); ``warmup`` (dense attention; only the
+    indexer learns, by KL to the main attention over every causal key); ``sparse`` (top-k attention;
+    the indexer learns by KL over the selected keys, its input detached from the language model)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -154,6 +170,11 @@ class ModelConfig:
         return self.is_moe and layer_id >= self.n_dense_layers
 
     @property
+    def sparse_attention(self) -> bool:
+        """Whether the attention is DeepSeek Sparse Attention (a lightning indexer picks the keys)."""
+        return self._family().sparse_attention
+
+    @property
     def mtp_modules(self) -> int:
         """Multi-token-prediction modules the model builds: ``mtp_depth`` if the family has MTP."""
         return self.mtp_depth if self._family().mtp else 0
@@ -165,6 +186,7 @@ class ModelConfig:
         unused += GROUPED_QUERY_FIELDS if card.attention.latent else LATENT_ATTENTION_FIELDS
         unused += () if card.moe else MOE_FIELDS
         unused += () if card.mtp else MTP_FIELDS
+        unused += () if card.sparse_attention else INDEXER_FIELDS
         return tuple(unused)
 
     def refuse_unused(self, fields: Any, prefix: str = "model") -> None:
@@ -176,7 +198,9 @@ class ModelConfig:
             if name in unused:
                 has = {"n_kv_heads": "grouped-query attention"}.get(name) or (
                     "latent attention (MLA)" if name in LATENT_ATTENTION_FIELDS
-                    else "a router (DeepSeekMoE)" if name in MOE_FIELDS else "multi-token prediction")
+                    else "a router (DeepSeekMoE)" if name in MOE_FIELDS
+                    else "a lightning indexer (DeepSeek Sparse Attention)" if name in INDEXER_FIELDS
+                    else "multi-token prediction")
                 raise ConfigError(
                     f"{prefix}.{name} is not used by model.name={self.name} (family {self.family}, which has no "
                     f"{has}); drop it, or pick a preset of a family that has it (e.g. model=deepseek_v3_tiny)"

@@ -228,6 +228,14 @@ class TrainConfig:
                 raise ConfigError(f"grpo.routing_replay=true with parallel.pp={self.parallel.pp} is not supported: the "
                                   "pipeline schedule does not carry the recorded routes to its stages; use parallel.pp=1 "
                                   "(tp and ep replay)")
+        if self.model.sparse_attention:
+            for dim, why in (("tp", "the indexer is not sharded over tensor-parallel ranks"),
+                             ("pp", "the indexer's loss is not carried through the pipeline schedule"),
+                             ("cp", "the indexer's keys are not gathered over context-parallel ranks")):
+                if getattr(self.parallel, dim) > 1:
+                    raise ConfigError(f"parallel.{dim}={getattr(self.parallel, dim)} with model {self.model.name} "
+                                      f"(DeepSeek Sparse Attention) is not supported yet: {why}; use data and expert "
+                                      f"parallelism (parallel.{dim}=1)")
         check_context_parallel_seq_len(self.parallel.cp, self.data.seq_len)
         self.data.validate(dp_size=dp)
         self.layout.check_micro_batches(self.data.smallest_global_batch, self.data.micro_batch_size)

@@ -10,6 +10,7 @@ its ``FamilySpec`` (``dsl_lit.models.registry``), in the module the card names.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ _FAMILY_CARDS: dict[str, str] = {
     "deepseek_llm": "dsl_lit.models.deepseek_llm.card",
     "deepseek_v3": "dsl_lit.models.deepseek_v3.card",
     "deepseek_v2": "dsl_lit.models.deepseek_v3.v2_card",
+    "deepseek_v32": "dsl_lit.models.deepseek_v3.v32_card",
 }
 """Family id -> the module holding its ``CARD``."""
 
@@ -53,6 +55,13 @@ class FamilyCard:
     shares are checked by ``ModelConfig.validate``)."""
     spec_module: str
     """The module holding the family's ``SPEC`` (``dsl_lit.models.registry.FamilySpec``; imports torch)."""
+    sparse_attention: bool = False
+    """Whether its attention has DeepSeek Sparse Attention's lightning indexer (the ``index_*`` fields)."""
+    continues: str | None = None
+    """A family whose checkpoints this one starts from (``init_from``), adding its own modules
+    (DeepSeek-V3.2 continues DeepSeek-V3's pretraining with the indexers added)."""
+    added_fields: tuple[str, ...] = ()
+    """The fields of those added modules, taken from the run's model config."""
 
 
 def family_names() -> tuple[str, ...]:
@@ -84,3 +93,15 @@ def presets() -> dict[str, dict[str, Any]]:
                 raise ValueError(f"preset {preset!r} is defined by two families ({out[preset]['family']}, {name})")
             out[preset] = {"family": name, **values}
     return out
+
+
+def continued_config(checkpoint: ModelConfig, run: ModelConfig) -> ModelConfig | None:
+    """The architecture a run of ``run``'s family starts from a ``checkpoint`` of another family
+    with, when its card ``continues`` that family (DeepSeek-V3.2 from DeepSeek-V3: the checkpoint's
+    shape, ``run``'s family and the fields of the modules it adds); None when it does not."""
+    card = family_card(run.family)
+    if card.continues is None or card.continues != checkpoint.family:
+        return None
+    values = {f.name: getattr(checkpoint, f.name) for f in dataclasses.fields(checkpoint)}
+    values.update(name=card.base_preset, family=card.name, **{name: getattr(run, name) for name in card.added_fields})
+    return ModelConfig(**values).validate()

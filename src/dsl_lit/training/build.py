@@ -67,7 +67,7 @@ def starting_weights(cfg: TrainConfig, source: str | None) -> StartingWeights | 
     (re-validated with the layout), so the run's checkpoints rebuild the right model."""
     if not source:
         return None
-    weights = StartingWeights.open(source)
+    weights = StartingWeights.open(source).continued_as(cfg.model)  # V3.2 from a V3 checkpoint adds the indexers
     group = dict(weights.group)
     # A context-extension stage keeps the architecture but sets the positions it trains at: the
     # run's own model.max_seq_len and model.rope_scaling (fields that shape no weight) win.

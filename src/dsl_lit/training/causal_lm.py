@@ -113,6 +113,9 @@ class CausalLMModule(L.LightningModule):
             # kept as they are (post-training): frozen, so the optimizer holds no state for them that
             # a checkpoint would lack (AdamW makes state on a parameter's first gradient only)
             self.model.mtp.requires_grad_(False)
+        if self.model_config.index_training == "warmup":  # DeepSeek-V3.2's dense warm-up: only the indexers learn
+            for name, parameter in self.model.named_parameters():
+                parameter.requires_grad_(".indexer." in name)
         trainer = self._trainer
         if not getattr(trainer.strategy if trainer is not None else None, "applies_model_transforms", False):
             # a strategy of Lightning's own (or none): the transforms without a layout, here
@@ -266,11 +269,17 @@ class CausalLMModule(L.LightningModule):
         """Run the model on one micro-batch; its objective plus the MoE balance loss (the share of
         the step's sequences it covers)."""
         objective, metrics = self.micro_batch_objective(micro_batch, normalizers)
+        share = micro_batch["labels"].shape[0] / normalizers["sequences"]  # of the step's sequences
         balance = self.model.balance_loss()
         if balance is not None:
-            balance = balance * micro_batch["labels"].shape[0] / normalizers["sequences"]
+            balance = balance * share
             objective = objective + balance
             metrics["balance_loss"] = balance.detach()
+        index = self.model.index_losses()
+        if index is not None:  # DeepSeek-V3.2's indexer KL: its inputs are detached, it trains the indexer only
+            kl, recall = index
+            objective = objective + kl * share
+            metrics["index_kl"], metrics["index_recall"] = kl.detach() * share, recall * share
         return objective, metrics
 
     def tokens_in_batch(self, batch: Batch) -> int:

@@ -35,6 +35,7 @@ from dsl_lit.hf.reader import CONFIG_NAME, HFCheckpoint, check_state_dict
 from dsl_lit.memory.host import peak_rss_bytes
 from dsl_lit.models import ModelConfig, Transformer, build_model, spec_of
 from dsl_lit.models.common.hf_adapter import few
+from dsl_lit.models.families import continued_config
 from dsl_lit.utils.materialise import local_target, materialise
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,25 @@ class StartingWeights:
     """The ``model`` config group that rebuilds :attr:`config` (it replaces the run's)."""
     hf: HFCheckpoint | None
     """The opened HF directory (None: our checkpoint)."""
+    added: ModelConfig | None = None
+    """The architecture the run continues these weights as, when it adds modules to them
+    (DeepSeek-V3.2's indexers on a DeepSeek-V3 checkpoint: :meth:`continued_as`); None: the weights' own."""
+
+    def continued_as(self, run: ModelConfig) -> StartingWeights:
+        """These weights as the start of ``run``'s model when its family continues theirs (its card's
+        ``continues``: DeepSeek-V3.2 continues DeepSeek-V3, adding the lightning indexers): the
+        checkpoint's architecture with ``run``'s family and the fields its card adds. The added
+        tensors start from the family's initialisation (normal(0, init_std), norms one, biases zero);
+        everything else is read. Unchanged when ``run``'s family does not continue theirs."""
+        continued = continued_config(self.config, run)
+        if continued is None:
+            return self
+        return dataclasses.replace(self, config=continued, group=model_group(continued), added=self.config)
+
+    def _own_names(self) -> set[str]:
+        """The state-dict names the checkpoint itself holds (all, unless the run added modules)."""
+        with torch.device("meta"):
+            return set(build_model(self.added or self.config).state_dict())
 
     @property
     def recorded_tokenizer(self) -> RecordedTokenizer | None:
@@ -93,10 +113,13 @@ class StartingWeights:
         this process holds. ``dtype`` None keeps the dtypes the model was built with; a dtype
         applies to the parameters (buffers such as the router's bias stay fp32, as the HF layouts
         keep them)."""
+        own = self._own_names() if self.added is not None else None
         if self.hf is None:
             params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
             materialise(model, device, (lambda name: dtype if name in params else None) if dtype else None)
-            template = {STATE_PREFIX + name: t for name, t in model.state_dict().items()}
+            if own is not None:
+                initialise_added(model, own, self.config.init_std)
+            template = {STATE_PREFIX + name: t for name, t in model.state_dict().items() if own is None or name in own}
             # each process reads its own pieces (no collective): DTensors take their local shards
             with warnings.catch_warnings():  # DCP warns that no_dist means one process: here, one per rank
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -110,6 +133,9 @@ class StartingWeights:
         else:
             hf = self.hf
             targets = materialise(model, device, (lambda name: hf.dtype_for(name, dtype)) if dtype else None)
+            if own is not None:
+                initialise_added(model, own, self.config.init_std)
+                targets = {name: target for name, target in targets.items() if name in own}
             before = hf.bytes_read
             hf.fill(targets)
             read = f", read {(hf.bytes_read - before) / 2**20:.1f} MiB"
@@ -124,6 +150,24 @@ class StartingWeights:
             model = build_model(self.config)
         self.load(model, device, dtype)
         return model
+
+
+@torch.no_grad()
+def initialise_added(model: nn.Module, own: set[str], std: float) -> None:
+    """Initialise the tensors of ``model`` a checkpoint does not hold (names not in ``own``): as the
+    family initialises them (``Transformer.init_weights``): matrices normal(0, ``std``), 1-D weights
+    (norms) one, biases zero."""
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name in own:
+            continue
+        if name.endswith(".bias"):
+            tensor.zero_()
+        elif tensor.ndim == 1:
+            tensor.fill_(1.0)
+        else:
+            tensor.normal_(0.0, std)
+    log.info("init_from: %d tensor(s) the checkpoint lacks start from the initialisation (%s)",
+             sum(name not in own for name in model.state_dict()), few(sorted(set(model.state_dict()) - own)))
 
 
 def load_pretrained(path: str | Path) -> tuple[Transformer, dict[str, Any]]:

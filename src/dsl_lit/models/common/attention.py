@@ -74,16 +74,18 @@ def causal_attention(
     scale: float | None = None,
     key_valid: torch.Tensor | None = None,
     query_positions: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention over [batch, seq, heads, head_dim] tensors; k/v may have fewer heads (GQA)
     and more positions than q (cached decoding: q holds the last positions; context parallelism:
     q holds the positions ``query_positions``). ``key_valid`` [batch, seq_k] marks real tokens in
-    left-padded batches.
+    left-padded batches. ``key_mask`` [batch, seq_q, seq_k] bool, when given, is the whole mask
+    (causality included, every row with a key: sparse attention's selection) and replaces the others.
 
     Returns [batch, seq_q, heads, v_head_dim].
     """
     seq_q, seq_k = q.shape[1], k.shape[1]
-    plain_causal = key_valid is None and query_positions is None and seq_q == seq_k
+    plain_causal = key_valid is None and query_positions is None and seq_q == seq_k and key_mask is None
     if backend == "flash_attn":
         if flash_attn_available(q.device) and q.dtype in (torch.float16, torch.bfloat16) and plain_causal:
             from flash_attn import flash_attn_func
@@ -99,7 +101,10 @@ def causal_attention(
         )
         backend = "sdpa"
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    mask = None if plain_causal else attention_mask(seq_q, seq_k, key_valid, q.device, query_positions)
+    if key_mask is not None:
+        mask = key_mask[:, None]
+    else:
+        mask = None if plain_causal else attention_mask(seq_q, seq_k, key_valid, q.device, query_positions)
     if backend == "sdpa":
         v_dim = v.shape[-1]
         if v_dim != q.shape[-1]:

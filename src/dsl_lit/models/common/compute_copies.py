@@ -93,8 +93,9 @@ class ComputeCopies:
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
-    """The dtype autocast computes in on ``device`` here, or None when autocast is off."""
-    if not torch.is_autocast_enabled(device.type):
+    """The dtype autocast computes in on ``device`` here, or None when autocast is off (or the tensors
+    are not allocated: a module a pipeline stage pruned stays on the meta device)."""
+    if device.type == "meta" or not torch.is_autocast_enabled(device.type):
         return None
     return torch.get_autocast_dtype(device.type)
 

@@ -172,6 +172,14 @@ class Transformer(nn.Module):
         losses = [m.balance_loss for m in self.moe_layers() if m.balance_loss is not None]
         return torch.stack(losses).sum() if losses else None
 
+    def index_losses(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(sum over layers of the sparse-attention indexers' KL losses, mean of their top-k recalls)
+        left by the last training forward (DeepSeek-V3.2 with ``index_training`` on), else None."""
+        layers = [m for m in self.modules() if getattr(m, "index_loss", None) is not None]
+        if not layers:
+            return None
+        return torch.stack([m.index_loss for m in layers]).sum(), torch.stack([m.index_recall for m in layers]).mean()
+
     def num_params(
         self, exclude_embeddings: bool = False, include_mtp: bool = False, activated: bool = False
     ) -> int:

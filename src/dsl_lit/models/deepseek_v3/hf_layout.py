@@ -65,12 +65,15 @@ _ATTENTION = {
     "wkv_b": "kv_b_proj",
     "wo": "o_proj",
 }
+# DeepSeek-V3.2's lightning indexer (``models/common/dsa.py``), ours -> HF, inside the attention.
+_INDEXER = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
 _BIAS = "feed_forward.gate.expert_bias"
 _HF_BIAS = "mlp.gate.e_score_correction_bias"
 # Names inside one block, ours -> HF (after ``model.layers.<j>.``); per-expert names are separate.
 _BLOCK = {
     **BLOCK_NORM_NAMES,
     **{f"attention.{ours}.weight": f"self_attn.{hf}.weight" for ours, hf in _ATTENTION.items()},
+    **{f"attention.indexer.{name}": f"self_attn.indexer.{name}" for name in _INDEXER},
     **{f"feed_forward.{ours}": f"mlp.{hf}" for ours, hf in SWIGLU_NAMES.items()},  # dense layers
     **{
         f"feed_forward.shared_experts.{ours}": f"mlp.shared_experts.{hf}" for ours, hf in SWIGLU_NAMES.items()
