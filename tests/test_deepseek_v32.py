@@ -260,3 +260,31 @@ def test_layouts_the_indexer_does_not_support_yet_are_refused_at_start_up(compos
     with pytest.raises(ConfigError, match=rf"^parallel\.{dim}=2 with model deepseek_v32_tiny \(DeepSeek Sparse Attention\)"):
         TrainConfig.from_hydra(cfg)
     TrainConfig.from_hydra(compose_cfg(overrides=["model=deepseek_v32_tiny", "trainer.devices=2", "parallel=ep"]))
+
+
+def test_flops_count_the_indexer_and_top_k_attention_not_dense_attention():
+    """At 128K tokens DSA's attention costs the indexer's scores plus MLA over 2048 keys: far below
+    V3's dense attention; at 2048 tokens or fewer every key is kept and the indexer costs extra."""
+    from dsl_lit.flops import training_flops_per_token
+
+    v32, v3 = ModelConfig.from_name("deepseek_v32_671b"), ModelConfig.from_name("deepseek_v3_671b")
+    blocks = 61 + 1
+    indexer = 3 * blocks * 2.0 * 64 * (128 + 1) * 131072 + 6 * (1536 * 64 * 128 + 7168 * (128 + 64)) * blocks
+    dense_minus_topk = 3 * blocks * 2.0 * 128 * (192 + 128) * (131072 - 2048)
+    delta = training_flops_per_token(v3, 131072) - training_flops_per_token(v32, 131072)
+    assert delta == pytest.approx(dense_minus_topk - indexer, rel=1e-12)
+    assert training_flops_per_token(v32, 131072) < 0.5 * training_flops_per_token(v3, 131072)
+    assert training_flops_per_token(v32, 2048) > training_flops_per_token(v3, 2048)
+
+
+@torch.no_grad()
+def test_greedy_continuations_equal_transformers(tmp_path: Path):
+    """KV-cache decoding on both sides (transformers caches the indexer's keys too): the same tokens."""
+    hf = _hf_model()
+    hf.save_pretrained(tmp_path)
+    ours, _ = from_pretrained(tmp_path, attn_backend="eager")
+    prompt = _ids(seed=4)[0, :12]
+    expected = hf.generate(prompt[None], max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0,
+                           min_new_tokens=16)[0, 12:].tolist()
+    got = generate(ours, [prompt.tolist()], max_new_tokens=16).sequences[0]
+    assert [int(t) for t in got][-16:] == expected, (got, expected)

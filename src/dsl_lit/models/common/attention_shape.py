@@ -2,7 +2,7 @@
 
 The rest of the code asks these questions instead of branching on which kind a family uses: the
 config (:attr:`ModelConfig.kv_heads`, :attr:`ModelConfig.rope_dim`), FLOPs and pipeline stage costs
-(``matmul_params``, ``score_dims``) and the cluster planner's memory and time. The attention modules
+(``matmul_params``, ``score_flops``) and the cluster planner's memory and time. The attention modules
 (``attention.py: GroupedQueryAttention``, ``mla.py: MultiHeadLatentAttention``) inherit their kind's
 answers from the classes here, so a family's card names the shape without importing torch and
 the module it builds answers the same; a new attention kind answers them too.
@@ -36,6 +36,11 @@ class AttentionShape(Protocol):
     @staticmethod
     def score_dims(cfg: ModelConfig) -> tuple[int, int]:
         """Per-head widths of q/k and of v."""
+
+    @staticmethod
+    def score_flops(cfg: ModelConfig, seq_len: int) -> float:
+        """Forward FLOPs per token of its scores and values at ``seq_len`` keys, without causal halving
+        (as PaLM and DeepSeek count)."""
 
     @staticmethod
     def norm_params(cfg: ModelConfig) -> int:
@@ -83,6 +88,11 @@ class GroupedQueryShape:
     def score_dims(cfg: ModelConfig) -> tuple[int, int]:
         """Per-head widths of q/k and of v (both ``head_dim``), for the attention FLOPs."""
         return cfg.head_dim, cfg.head_dim
+
+    @staticmethod
+    def score_flops(cfg: ModelConfig, seq_len: int) -> float:
+        """Every query against ``seq_len`` keys: 2 n_heads (qk + v) seq_len."""
+        return 2.0 * cfg.n_heads * 2 * cfg.head_dim * seq_len
 
     # -- shape questions the cluster planner asks ----------------------------------------------------
     @staticmethod
@@ -153,6 +163,11 @@ class LatentAttentionShape:
         """q/k heads are nope + rope wide, v heads ``v_head_dim``: the widths the attention FLOPs use."""
         return cfg.qk_head_dim, cfg.v_head_dim
 
+    @staticmethod
+    def score_flops(cfg: ModelConfig, seq_len: int) -> float:
+        """Every query against ``seq_len`` keys: 2 n_heads (qk + v) seq_len."""
+        return 2.0 * cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim) * seq_len
+
     # -- shape questions the cluster planner asks ----------------------------------------------------
     @staticmethod
     def norm_params(cfg: ModelConfig) -> int:
@@ -199,3 +214,24 @@ class LatentAttentionShape:
             inputs = d + cfg.kv_lora_rank + h * cfg.v_head_dim
             grads = h * cfg.qk_head_dim + latent_kv + up_kv + d
         return inputs, grads
+
+
+class SparseLatentAttentionShape(LatentAttentionShape):
+    """DeepSeek Sparse Attention (DeepSeek-V3.2): MLA whose queries attend to the ``index_topk`` keys a
+    lightning indexer picks. Its cost is the indexer (projections, and its scores over every key)
+    plus MLA over at most ``index_topk`` keys, not dense attention; memory and recompute as MLA's
+    (the indexer's few activations are left out)."""
+
+    @staticmethod
+    def matmul_params(cfg: ModelConfig) -> int:
+        """MLA's projections plus the indexer's: ``wq_b`` from the query latent, ``wk``, ``weights_proj``."""
+        indexer = (cfg.q_lora_rank or 0) * cfg.index_n_heads * cfg.index_head_dim + cfg.d_model * (
+            cfg.index_head_dim + cfg.index_n_heads)
+        return LatentAttentionShape.matmul_params(cfg) + indexer
+
+    @staticmethod
+    def score_flops(cfg: ModelConfig, seq_len: int) -> float:
+        """The indexer's scores over ``seq_len`` keys (its heads' dot products and their weighting),
+        and MLA over min(``index_topk``, ``seq_len``) keys."""
+        indexer = 2.0 * cfg.index_n_heads * (cfg.index_head_dim + 1) * seq_len
+        return indexer + LatentAttentionShape.score_flops(cfg, min(cfg.index_topk, seq_len))

@@ -30,6 +30,7 @@ from torch import nn
 
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.models.common.attention import attention_mask, causal_attention, query_positions
+from dsl_lit.models.common.attention_shape import SparseLatentAttentionShape
 from dsl_lit.models.common.kv_cache import KVCache
 from dsl_lit.models.common.layers import apply_rope
 from dsl_lit.models.common.mla import MultiHeadLatentAttention
@@ -77,8 +78,9 @@ class LightningIndexer(nn.Module):
         return torch.matmul(weights.unsqueeze(-2), logits.relu()).squeeze(-2)
 
 
-class SparseLatentAttention(MultiHeadLatentAttention):
-    """MLA restricted to the keys the :class:`LightningIndexer` selects (DeepSeek-V3.2)."""
+class SparseLatentAttention(SparseLatentAttentionShape, MultiHeadLatentAttention):
+    """MLA restricted to the keys the :class:`LightningIndexer` selects (DeepSeek-V3.2); its shape
+    answers (FLOPs: the indexer plus top-k attention) are :class:`SparseLatentAttentionShape`'s."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int = 0) -> None:
         super().__init__(cfg, layer_id)

@@ -2,7 +2,7 @@
 
 Counted from the config, not with a FLOP counter, because meta-device counters miscount routed
 experts and fused kernels. The attention's share comes from the family's attention class itself
-(``matmul_params``, ``score_dims``), so a family's FLOPs, its pipeline stage costs and the MFU the
+(``matmul_params``, ``score_flops``), so a family's FLOPs, its pipeline stage costs and the MFU the
 trainer logs all follow its composition; no second copy of its shapes exists.
 """
 
@@ -58,7 +58,6 @@ class DecoderFlops:
         """6 FLOPs per weight per token (forward 2, backward 4) plus attention scores and values
         (6 n_blocks n_heads (qk_dim + v_dim) seq_len, without halving for causality, as PaLM and
         DeepSeek count; for GQA qk_dim = v_dim = head_dim, i.e. 12 n_layer n_heads head_dim seq_len)."""
-        qk, v = self.attention.score_dims(cfg)
         blocks = cfg.n_layers + cfg.mtp_modules
-        attention_scores = 6 * blocks * cfg.n_heads * (qk + v) * seq_len
+        attention_scores = 3 * blocks * self.attention.score_flops(cfg, seq_len)  # forward 1, backward 2
         return 6 * self.matmul_params_per_token(cfg) + attention_scores

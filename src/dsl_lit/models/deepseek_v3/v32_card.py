@@ -7,7 +7,7 @@ from typing import Any
 
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.model import INDEX_TRAINING, INDEXER_FIELDS, ModelConfig
-from dsl_lit.models.common.attention_shape import LatentAttentionShape
+from dsl_lit.models.common.attention_shape import SparseLatentAttentionShape
 from dsl_lit.models.deepseek_v3 import validation as v3
 from dsl_lit.models.deepseek_v3.presets import PRESETS as V3_PRESETS
 from dsl_lit.models.families import FamilyCard
@@ -49,7 +49,7 @@ CARD = FamilyCard(
     name="deepseek_v32",
     presets=PRESETS,
     base_preset="deepseek_v32_tiny",
-    attention=LatentAttentionShape,
+    attention=SparseLatentAttentionShape,
     moe=True,
     mtp=True,
     validate=validate,

@@ -148,8 +148,7 @@ def _up_projection_params(cfg: ModelConfig) -> float:
 
 def _block_attention_flops(cfg: ModelConfig, seq_len: int) -> float:
     """Forward FLOPs per token of scores and values, without causal halving (as ``dsl_lit.flops``)."""
-    qk, v = cfg.attention_shape.score_dims(cfg)
-    return 2.0 * cfg.n_heads * (qk + v) * seq_len
+    return cfg.attention_shape.score_flops(cfg, seq_len)
 
 
 def _bandwidth(cluster: ClusterConfig, group: int, span: int) -> float:
