@@ -102,22 +102,7 @@ class SparseLatentAttention(SparseLatentAttentionShape, MultiHeadLatentAttention
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         cos, sin = rope
-        q_latent = self.q_norm(self.wq_a(x))
-        q_nope, q_rope = self.wq_b(q_latent).view(batch, seq, -1, self.qk_head_dim).split(
-            [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        q_rope = apply_rope(q_rope, cos, sin, self.interleaved)
-
-        latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        latent = self.kv_norm(latent)
-        k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, self.interleaved)
-        index_keys = self.indexer.keys(x, cos, sin)
-        if cache is not None:
-            latent, k_rope, index_keys = cache.update(self.layer_id, latent, k_rope, index_keys)
-
-        kv = self.wkv_b(latent).view(batch, latent.shape[1], -1, self.qk_nope_head_dim + self.v_head_dim)
-        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
-        q = torch.cat([q_nope, q_rope], dim=-1)
+        q, k, v, q_latent, (index_keys,) = self.heads(x, rope, cache, (self.indexer.keys(x, cos, sin),))
         allowed = attention_mask(seq, k.shape[1], key_valid, x.device, query_positions(cache))[:, 0]
         selected = self.select(x, q_latent, index_keys, cos, sin, allowed)
         attended = allowed if self.index_training == "warmup" else selected  # the warm-up attends densely

@@ -56,10 +56,6 @@ class MultiHeadLatentAttention(LatentAttentionShape, nn.Module):
         self.wkv_b = nn.Linear(cfg.kv_lora_rank, cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.v_head_dim, cfg.d_model, bias=False)
 
-    def queries(self, x: torch.Tensor) -> torch.Tensor:
-        q = self.wq(x) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x)))
-        return q.view(*x.shape[:2], -1, self.qk_head_dim)
-
     def forward(
         self,
         x: torch.Tensor,
@@ -67,21 +63,34 @@ class MultiHeadLatentAttention(LatentAttentionShape, nn.Module):
         cache: KVCache | None = None,
         key_valid: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        q, k, v, _, _ = self.heads(x, rope, cache)
+        out = causal_attention(q, k, v, self.backend, scale=self.softmax_scale, key_valid=key_valid,
+                               query_positions=query_positions(cache))
+        return self.wo(out.reshape(*x.shape[:2], -1))
+
+    def heads(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache | None,
+        cached_with: tuple[torch.Tensor, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...]]:
+        """(q, k, v [batch, seq, heads, dim], the query latent or None, ``cached_with`` as cached):
+        the queries, and the keys and values expanded from the latents (this call's, after the
+        cached ones when decoding). ``cached_with``: more per-token tensors the cache keeps beside
+        the latents (a sparse attention's indexer keys)."""
         batch, seq, _ = x.shape
         cos, sin = rope
-        q_nope, q_rope = self.queries(x).split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q_latent = self.q_norm(self.wq_a(x)) if self.wq is None else None
+        q = self.wq(x) if self.wq is not None else self.wq_b(q_latent)
+        q_nope, q_rope = q.view(batch, seq, -1, self.qk_head_dim).split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q_rope = apply_rope(q_rope, cos, sin, self.interleaved)
 
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         latent = self.kv_norm(latent)
         k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, self.interleaved)  # one head, shared
         if cache is not None:
-            latent, k_rope = cache.update(self.layer_id, latent, k_rope)
+            latent, k_rope, *cached = cache.update(self.layer_id, latent, k_rope, *cached_with)
+            cached_with = tuple(cached)
 
         kv = self.wkv_b(latent).view(batch, latent.shape[1], -1, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
-        q = torch.cat([q_nope, q_rope], dim=-1)
-        out = causal_attention(q, k, v, self.backend, scale=self.softmax_scale, key_valid=key_valid,
-                               query_positions=query_positions(cache))
-        return self.wo(out.reshape(batch, seq, -1))
+        return torch.cat([q_nope, q_rope], dim=-1), k, v, q_latent, cached_with
