@@ -288,3 +288,29 @@ def test_greedy_continuations_equal_transformers(tmp_path: Path):
                            min_new_tokens=16)[0, 12:].tolist()
     got = generate(ours, [prompt.tolist()], max_new_tokens=16).sequences[0]
     assert [int(t) for t in got][-16:] == expected, (got, expected)
+
+
+def test_fp8_export_stores_the_indexer_projections_as_the_release_does(tmp_path: Path):
+    """DeepSeek's FP8 release quantises the indexer's wq_b and wk (128x128 blocks, scales beside them)
+    and keeps k_norm and weights_proj: written so, and read back as their dequantised values."""
+    from safetensors import safe_open
+
+    from dsl_lit.hf import adapter_for_family
+    from tests.test_hf_fp8 import E4M3, _config, _dequantise, _model
+
+    model = _model(_config(family="deepseek_v32", index_n_heads=2, index_head_dim=128, index_topk=8))
+    save_pretrained(model, tmp_path, max_shard_size="200KB", fp8=True)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    stored = {}
+    for name, file in index.items():
+        with safe_open(str(tmp_path / file), framework="pt") as f:
+            stored[name] = f.get_tensor(name)
+    prefix = "model.layers.0.self_attn.indexer."
+    assert stored[prefix + "wq_b.weight"].dtype == E4M3 and stored[prefix + "wk.weight"].dtype == E4M3
+    assert prefix + "wq_b.weight_scale_inv" in stored and prefix + "weights_proj.weight_scale_inv" not in stored
+    assert stored[prefix + "k_norm.bias"].dtype != E4M3 and stored[prefix + "weights_proj.weight"].dtype != E4M3
+    back, cfg = from_pretrained(tmp_path, attn_backend="eager")
+    assert cfg.family == "deepseek_v32"
+    back_hf = adapter_for_family("deepseek_v32").to_hf(back.state_dict(), back.config)
+    for name in ("wq_b.weight", "wk.weight"):
+        assert torch.equal(back_hf[prefix + name], _dequantise(stored[prefix + name], stored[prefix + name + "_scale_inv"]))

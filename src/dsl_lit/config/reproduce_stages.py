@@ -41,13 +41,17 @@ class StageRow:
     pipeline, passkey, lm-eval or the report)."""
     redrawn: bool = False
     """Runs every time (the report: it summarises whatever has finished, and is not counted as a result)."""
+    requires: tuple[str, ...] = ()
+    """Packages it cannot run without, checked at start-up (the data pipeline: ``datasets``)."""
+    unless: str | None = None
+    """A preset field that, set, spares it those packages (``data_build``: a carried build is read instead)."""
 
 
 STAGE_ROWS: tuple[StageRow, ...] = (
     StageRow("scaling", (), "scaling", "lr x batch sweep, fitted laws -> the pretraining's lr and batch",
              (*HPARAMS, "data_build")),
     StageRow("data", (), "data", "dedup, filters, decontamination, BBPE, FIM packing of the bundled corpus",
-             ("data_build",), trains=False),
+             ("data_build",), trains=False, requires=("datasets",), unless="data_build"),
     StageRow("pretrain", ("scaling", "data"), "pretrain", "DeepSeek-V3 tiny: batch ramp, MTP, bias balancing", TRAINS),
     StageRow("pretrain_no_mtp", ("scaling", "data"), "pretrain", "ablation: without MTP", TRAINS,
              arguments=("++model.mtp_depth=0",)),

@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.reproduce import ReproduceConfig
+from dsl_lit.config.reproduce_stages import STAGE_ROWS
 from dsl_lit.reproduce.runner import MARKER, Stage, StageContext, marker
 
 PRETRAINING = ("pretrain.py",)
@@ -101,14 +102,18 @@ def check_device(cfg: ReproduceConfig) -> None:
 
 
 def check_packages(cfg: ReproduceConfig, run_dir: Path) -> None:
-    """A stage this machine cannot run stops the run at start-up: the data pipeline needs
-    ``datasets`` (``reproduce.data_build`` feeds the stages without it). A missing lm-eval only
-    skips the evaluation, saying so."""
+    """A stage this machine cannot run stops the run at start-up: each unfinished stage of this run
+    whose row ``requires`` a package that is missing (the data pipeline needs ``datasets``), unless
+    its ``unless`` field is set (``reproduce.data_build`` feeds the stages without it). A missing
+    lm-eval only skips the evaluation, saying so."""
     from dsl_lit.reproduce.stages import missing_module
 
-    runs_pipeline = cfg.data_build is None and (cfg.stages is None or "data" in cfg.stages) and marker(run_dir / "data") is None
-    missing = missing_module("datasets") if runs_pipeline else None
-    if missing is not None:
-        raise ConfigError(f"stage data runs the data pipeline, which needs datasets ({missing}): install it, or set "
-                          "reproduce.data_build to a finished data build the stages read instead (reproduce=gpu_short "
-                          "reads $DSL_LIT_CACHE_ROOT/bundled_corpus_v8192)")
+    for row in STAGE_ROWS:
+        chosen = cfg.stages is None or row.name in cfg.stages
+        if not row.requires or not chosen or (row.unless and getattr(cfg, row.unless)) or marker(run_dir / row.name):
+            continue
+        for package in row.requires:
+            missing = missing_module(package)
+            if missing is not None:
+                spare = f", or set reproduce.{row.unless} (what reproduce=gpu_short does)" if row.unless else ""
+                raise ConfigError(f"stage {row.name} needs {package} ({missing}): install it{spare}")
