@@ -235,9 +235,8 @@ def test_a_new_fp8_recipe_is_one_row_and_one_yaml(tmp_path, monkeypatch):
 
     from hydra import compose, initialize_config_dir
 
-    from dsl_lit.config.train import TrainConfig
-
     from dsl_lit.config import fp8_recipes as table
+    from dsl_lit.config.train import TrainConfig
     from dsl_lit.precision.fp8 import apply_fp8
     from dsl_lit.precision.fp8_quantize import E5M2
     from tests.conftest import ROOT

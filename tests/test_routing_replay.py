@@ -16,7 +16,12 @@ import torch
 
 from dsl_lit.inference.generation import generate, positions_from_mask
 from dsl_lit.models import ModelConfig, build_model
-from dsl_lit.models.common.routing_replay import install_routes, recording_routes, remove_routes, stack_routers
+from dsl_lit.models.common.routing_replay import (
+    install_routes,
+    recording_routes,
+    remove_routes,
+    stack_routers,
+)
 from dsl_lit.posttrain.grpo.rollout import Rollouts, training_rows
 from dsl_lit.posttrain.logps import token_logps
 from tests.numerics import assert_close_fp32

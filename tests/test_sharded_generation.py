@@ -21,8 +21,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from dsl_lit.inference.generation import generate, positions_from_mask
-from dsl_lit.models.common.routing_replay import install_routes, recording_routes, remove_routes
 from dsl_lit.models import build_model
+from dsl_lit.models.common.routing_replay import install_routes, recording_routes, remove_routes
 from dsl_lit.parallel.expert_parallel import apply_expert_parallel
 from dsl_lit.parallel.pipeline import prune_to_stages, split_layers, stages_of_rank
 from dsl_lit.parallel.pipeline_inference import PipelinedInference

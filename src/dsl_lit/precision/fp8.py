@@ -110,6 +110,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from dsl_lit.config.fp8_recipes import FP8_RECIPES as FP8_TABLE
 from dsl_lit.models.common.moe import GroupedExperts
 from dsl_lit.precision.fp8_quantize import (  # noqa: F401 (the public names, importable from here)
     AMAX_EPS,
@@ -121,8 +122,13 @@ from dsl_lit.precision.fp8_quantize import (  # noqa: F401 (the public names, im
     fake_quantize_fp8,
     quantize_fp8,
 )
-from dsl_lit.config.fp8_recipes import FP8_RECIPES as FP8_TABLE
-from dsl_lit.precision.fp8_recipes import BLOCKWISE_TORCHAO_LIKE, FP8_RECIPES, RECIPES, Fp8Recipe, recipe_named  # noqa: F401
+from dsl_lit.precision.fp8_recipes import (  # noqa: F401
+    BLOCKWISE_TORCHAO_LIKE,
+    FP8_RECIPES,
+    RECIPES,
+    Fp8Recipe,
+    recipe_named,
+)
 from dsl_lit.precision.fp8_reference import (  # noqa: F401
     BlockwiseFp8Linear,
     Fp8GroupedExperts,

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dsl_lit.config.fp8_recipes import BLOCK, FP8_RECIPES, SCALED_MM_MULTIPLE  # noqa: F401 (re-exported)
+
 GROUPED_MM_GROUP_MULTIPLE = 16
 """torchao's FP8 grouped GEMM: each expert's token group size."""
 
