@@ -21,7 +21,9 @@ CONF = ROOT / "conf"
 # Context-extension stages pack their data with the previous stage's tokenizer (the token ids its
 # weights were trained on), which a fresh checkout has not built yet: composition tests drop it.
 AFTER_A_STAGE = {"experiment=cpu_context_512": "data.tokenizer_dir=null",
-                 "experiment=cpu_context_2048": "data.tokenizer_dir=null"}
+                 "experiment=cpu_context_2048": "data.tokenizer_dir=null",
+                 # the DSA warm-up names no checkpoint (the user's V3 run): composition tests give one
+                 "experiment=cpu_dsa_warmup": "init_from=outputs/pretrain/v3_base"}
 
 
 def with_stage_inputs(overrides: list[str]) -> list[str]:

@@ -228,6 +228,10 @@ class TrainConfig:
                 raise ConfigError(f"grpo.routing_replay=true with parallel.pp={self.parallel.pp} is not supported: the "
                                   "pipeline schedule does not carry the recorded routes to its stages; use parallel.pp=1 "
                                   "(tp and ep replay)")
+        if self.model.sparse_attention and self.model.index_training == "warmup" and not self.init_from:
+            raise ConfigError("model.index_training=warmup trains only the indexers, against the attention of a "
+                              "trained model, and freezes the rest: set init_from to a deepseek_v3 (or deepseek_v32) "
+                              "checkpoint, e.g. init_from=outputs/pretrain/<run_name>")
         if self.model.sparse_attention:
             for dim, why in (("tp", "the indexer is not sharded over tensor-parallel ranks"),
                              ("pp", "the indexer's loss is not carried through the pipeline schedule"),
