@@ -55,6 +55,23 @@ class Logged(BoringModel):
         return loss
 
 
+class LoggedIndexer(Logged):
+    """As DeepSeek-V3.2's indexer training logs: its KL and top-k recall too."""
+
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        self.log("train/index_kl", 0.25)
+        self.log("train/index_recall", 0.5)
+        return out
+
+
+def test_the_indexer_training_is_on_the_line(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger=RUN_LOG):
+        _trainer(tmp_path, 2, RunLog(), log_every_n_steps=2).fit(LoggedIndexer())
+    [line] = [r.getMessage() for r in caplog.records if r.name == RUN_LOG and r.getMessage().startswith("step ")]
+    assert re.fullmatch(r"step 2/2 \| loss \d+\.\d{4} \| lr 1\.000e-01 \| index KL 0\.2500, recall 0\.500 \| 0:00:\d\d elapsed", line)
+
+
 def _trainer(tmp_path: Path, steps: int, *callbacks: L.Callback, **kwargs) -> L.Trainer:
     options = dict(accelerator="cpu", max_steps=steps, max_epochs=-1, enable_checkpointing=False,
                    enable_model_summary=False, enable_progress_bar=False, logger=False, num_sanity_val_steps=0,

@@ -100,6 +100,9 @@ class RunLog(L.Callback):
             parts.append(f"loss {loss:.4f}")
         if lr is not None:
             parts.append(f"lr {lr:.3e}")
+        index_kl, recall = _value(metrics, "train/index_kl"), _value(metrics, "train/index_recall")
+        if index_kl is not None and recall is not None:  # DeepSeek-V3.2's indexer training
+            parts.append(f"index KL {index_kl:.4f}, recall {recall:.3f}")
         if tokens and math.isfinite(rate):
             parts.append(f"{rate:,.0f} tokens/s")
         parts.append(f"{duration(now - self.fit_start)} elapsed" + ("" if last else f", ETA {self._eta(now, step, trainer)}"))
