@@ -34,10 +34,6 @@ class AttentionShape(Protocol):
         """Weights of its projections."""
 
     @staticmethod
-    def score_dims(cfg: ModelConfig) -> tuple[int, int]:
-        """Per-head widths of q/k and of v."""
-
-    @staticmethod
     def score_flops(cfg: ModelConfig, seq_len: int) -> float:
         """Forward FLOPs per token of its scores and values at ``seq_len`` keys, without causal halving
         (as PaLM and DeepSeek count)."""
@@ -83,11 +79,6 @@ class GroupedQueryShape:
     def matmul_params(cfg: ModelConfig) -> int:
         """Weights of wq, wk, wv and wo: what FLOPs and pipeline stage costs count."""
         return cfg.d_model * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
-
-    @staticmethod
-    def score_dims(cfg: ModelConfig) -> tuple[int, int]:
-        """Per-head widths of q/k and of v (both ``head_dim``), for the attention FLOPs."""
-        return cfg.head_dim, cfg.head_dim
 
     @staticmethod
     def score_flops(cfg: ModelConfig, seq_len: int) -> float:
@@ -157,11 +148,6 @@ class LatentAttentionShape:
             cfg.qk_nope_head_dim + cfg.v_head_dim
         )
         return q + kv + h * cfg.v_head_dim * cfg.d_model
-
-    @staticmethod
-    def score_dims(cfg: ModelConfig) -> tuple[int, int]:
-        """q/k heads are nope + rope wide, v heads ``v_head_dim``: the widths the attention FLOPs use."""
-        return cfg.qk_head_dim, cfg.v_head_dim
 
     @staticmethod
     def score_flops(cfg: ModelConfig, seq_len: int) -> float:
