@@ -12,7 +12,7 @@ import torch.distributed as dist
 from dsl_lit.config.optim import OptimConfig
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.optim import build_optimizer, param_groups
-from dsl_lit.optim.adamw import adamw_arguments
+from dsl_lit.optim.build import adamw_arguments
 from dsl_lit.optim.clip import clip_grad_norm_
 from dsl_lit.parallel.zero1 import ZeRO1AdamW
 from tests.numerics import assert_close_fp32, assert_close_in_norm

@@ -1,5 +1,6 @@
-"""The ``optim`` and ``schedule`` groups: AdamW's hyperparameters and the learning-rate schedule's
-shape, as data (``dsl_lit.optim`` builds the optimizer and the scheduler from them)."""
+"""The ``optim`` and ``schedule`` groups: the optimizer's hyperparameters (AdamW, or Muon with AdamW
+for the embeddings, the head and 1-D parameters) and the learning-rate schedule's shape, as data
+(``dsl_lit.optim`` builds the optimizer and the scheduler from them)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from typing import Literal
 from dsl_lit.config.errors import ConfigError
 
 MOMENT_DTYPE_NAMES = ("fp32", "bf16")
+OPTIMIZER_NAMES = ("adamw", "muon")
+"""``optim.name``s (``dsl_lit.optim.build.OPTIMIZERS`` builds them; a test ties the two)."""
+MUON_LR_ADJUSTMENTS = ("match_rms_adamw", "original")
 ScheduleName = Literal["multi_step", "cosine", "wsd", "constant", "deepseek_v3_tokens"]
 _SCHEDULES = ("multi_step", "cosine", "wsd", "constant", "deepseek_v3_tokens")
 
@@ -17,6 +21,9 @@ _SCHEDULES = ("multi_step", "cosine", "wsd", "constant", "deepseek_v3_tokens")
 class OptimConfig:
     """The ``optim`` config group (DeepSeek LLM / V3: AdamW 0.9/0.95, wd 0.1, clip 1.0)."""
 
+    name: str = "adamw"
+    """``adamw`` (DeepSeek LLM, V2, V3) or ``muon`` (``conf/optim/muon.yaml``: Muon for the hidden
+    matrices, these AdamW settings for the embeddings, the output head and 1-D parameters)."""
     lr: float = 4.2e-4
     """Peak learning rate, reached after ``schedule.warmup_steps`` and then scaled by the schedule
     (DeepSeek LLM 7B: 4.2e-4; V3: 2.2e-4)."""
@@ -38,7 +45,30 @@ class OptimConfig:
     """``bf16`` keeps AdamW's two moments in bf16 (DeepSeek-V3 section 3.3.3: half their memory,
     no observable loss of accuracy); the update itself is computed in fp32."""
 
+    momentum: float = 0.95
+    """``muon``: the momentum of the matrices' update (Moonlight, Keller Jordan's Muon: 0.95)."""
+    nesterov: bool = True
+    """``muon``: orthogonalise the Nesterov look-ahead ``grad.lerp(momentum_buffer, momentum)``."""
+    ns_steps: int = 5
+    """``muon``: Newton-Schulz iterations (5: singular values within about 0.7-1.2 of 1)."""
+    lr_adjust: str = "match_rms_adamw"
+    """``muon``: a matrix's step relative to ``lr``: ``match_rms_adamw`` (Moonlight: x 0.2 sqrt(max(rows,
+    cols)), AdamW's update RMS, so ``lr`` and ``weight_decay`` are AdamW's) or ``original`` (Keller
+    Jordan's: x sqrt(max(1, rows / cols)), with an lr around 0.02)."""
+
     def validate(self) -> OptimConfig:
+        if self.name not in OPTIMIZER_NAMES:
+            raise ConfigError(f"optim.name={self.name!r} is not one of {list(OPTIMIZER_NAMES)} (optim=muon selects Muon)")
+        if self.name == "muon":
+            if not 0.0 <= self.momentum < 1.0:
+                raise ConfigError(f"optim.momentum={self.momentum} must lie in [0, 1)")
+            if not 1 <= self.ns_steps < 100:
+                raise ConfigError(f"optim.ns_steps={self.ns_steps} must be between 1 and 99 (Muon uses 5)")
+            if self.lr_adjust not in MUON_LR_ADJUSTMENTS:
+                raise ConfigError(f"optim.lr_adjust={self.lr_adjust!r} is not one of {list(MUON_LR_ADJUSTMENTS)}")
+            if self.fused:
+                raise ConfigError("optim.fused=true with optim.name=muon: Muon's matrices have no fused kernel; "
+                                  "set optim.fused=null")
         if not self.lr > 0:
             raise ConfigError(f"optim.lr={self.lr} must be > 0 (DeepSeek LLM 7B used 4.2e-4)")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):

@@ -6,16 +6,14 @@ import math
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-
-from dsl_lit.config.optim import OptimConfig
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices (linear and embedding weights); leave 1-D tensors (norm scales, biases) alone."""
+def param_groups(model: nn.Module, weight_decay: float, exclude: frozenset[int] = frozenset()) -> list[dict]:
+    """Decay matrices (linear and embedding weights); leave 1-D tensors (norm scales, biases) alone.
+    Parameters whose ``id`` is in ``exclude`` are left out (another optimizer's groups hold them)."""
     decay, no_decay = [], []
     for _, p in model.named_parameters():
-        if not p.requires_grad:
+        if not p.requires_grad or id(p) in exclude:
             continue
         (decay if p.ndim >= 2 else no_decay).append(p)
     return [
@@ -25,6 +23,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+"""Per-parameter state held in ``moments_dtype`` (AdamW's two moments; Muon's momentum)."""
 
 
 class AdamW(torch.optim.AdamW):
@@ -72,28 +72,15 @@ class AdamW(torch.optim.AdamW):
         super().load_state_dict(state_dict)
         if self.moments_dtype != torch.float32:
             for state in self.state.values():
-                for key in ("exp_avg", "exp_avg_sq"):
+                for key in MOMENT_KEYS:
                     if key in state:
                         state[key] = state[key].to(self.moments_dtype)
 
-
-def uses_fused_kernel(cfg: OptimConfig, params_of_one_kind: bool = True) -> bool:
-    """``optim.fused``, or where it is null: the fused kernel wherever it applies (fp32 moments,
-    ``optim.foreach`` unset, and each param group all plain tensors or all DTensors: the kernel
-    refuses a mix, which expert parallelism makes of a group by sharding only the experts)."""
-    if cfg.fused is not None:
-        return cfg.fused
-    return cfg.moments_dtype == "fp32" and cfg.foreach is None and params_of_one_kind
-
-
-def adamw_arguments(cfg: OptimConfig, params_of_one_kind: bool = True) -> dict:
-    """:class:`AdamW`'s keyword arguments from the ``optim`` group (its ZeRO-1 form takes the same)."""
-    return dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=cfg.foreach,
-                fused=uses_fused_kernel(cfg, params_of_one_kind) or None,
-                moments_dtype=MOMENT_DTYPES[cfg.moments_dtype])
-
-
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    groups = param_groups(model, cfg.weight_decay)
-    one_kind = all(len({isinstance(p, DTensor) for p in g["params"]}) <= 1 for g in groups)
-    return AdamW(groups, **adamw_arguments(cfg, one_kind))
+    def state_template(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Zeroed state shaped and placed like ``param``'s: what a sharded checkpoint is read into
+        (the optimizer may have no state yet)."""
+        return {
+            "step": torch.zeros((), dtype=torch.float32),
+            "exp_avg": torch.zeros_like(param, dtype=self.moments_dtype),
+            "exp_avg_sq": torch.zeros_like(param, dtype=self.moments_dtype),
+        }

@@ -1,4 +1,4 @@
-"""Layout-independent optimizer checkpoints: AdamW state keyed by parameter name.
+"""Layout-independent optimizer checkpoints: optimizer state keyed by parameter name.
 
 A ``torch.optim`` state dict numbers parameters by their position in the optimizer's groups. On a
 pipeline stage the optimizer holds only that stage's parameters, and ZeRO-1 steps flat shards, so
@@ -50,17 +50,11 @@ def named_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module) -
 
 
 def optimizer_state_template(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:
-    """Zeroed AdamW state for every parameter whose moments this rank reads back, shaped and placed
-    like the parameter: what a sharded checkpoint is read into (the optimizer may have no state yet)."""
-    dtype = getattr(optimizer, "moments_dtype", torch.float32)
-    state = {}
+    """Zeroed state for every parameter whose state this rank reads back, shaped and placed like the
+    parameter, as the optimizer keeps it (``state_template``: AdamW's moments, Muon's momentum):
+    what a sharded checkpoint is read into (the optimizer may have no state yet)."""
     params = params_with_state(optimizer)
-    for name, param in zip(_names(optimizer, module, params), params):
-        state[name] = {
-            "step": torch.zeros((), dtype=torch.float32),
-            "exp_avg": torch.zeros_like(param, dtype=dtype),
-            "exp_avg_sq": torch.zeros_like(param, dtype=dtype),
-        }
+    state = {name: optimizer.state_template(param) for name, param in zip(_names(optimizer, module, params), params)}
     return {"state": state, "param_groups": []}
 
 

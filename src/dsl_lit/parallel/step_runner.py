@@ -20,6 +20,7 @@ schedule owns the forwards and backwards). Both give one process's losses on the
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -30,8 +31,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from dsl_lit.config.optim import OptimConfig
 from dsl_lit.config.parallel import ParallelLayout
-from dsl_lit.optim import build_optimizer, param_groups
-from dsl_lit.optim.adamw import adamw_arguments
+from dsl_lit.optim import build_optimizer
+from dsl_lit.optim.build import OPTIMIZERS, optimizer_groups
 from dsl_lit.optim.clip import clip_grad_norm_
 from dsl_lit.parallel.context_parallel import ContextParallelKeys
 from dsl_lit.parallel.expert_parallel import expert_parameters
@@ -40,9 +41,20 @@ from dsl_lit.parallel.grad_sync import OverlappedGradientReducer
 from dsl_lit.parallel.pipeline import PipelineRunner
 from dsl_lit.parallel.pipeline_inference import PipelinedInference
 from dsl_lit.parallel.zero1 import ZeRO1AdamW
+from dsl_lit.parallel.zero1_muon import ZeRO1Muon
 
 Batch = dict[str, torch.Tensor]
 Metrics = dict[str, torch.Tensor]
+
+ZERO1_FORMS: dict[str, Callable[[MeshStepRunner, list[dict], OptimConfig], torch.optim.Optimizer]] = {
+    # flat fp32 shards, gradients reduce-scattered onto them (its norm summed over pipeline stages)
+    "adamw": lambda runner, groups, cfg: ZeRO1AdamW(groups, group=runner.replica_group, norm_group=runner.pp_group,
+                                                    **OPTIMIZERS["adamw"].arguments(cfg, True)),
+    # whole parameters per owner (Newton-Schulz needs whole matrices), gradients all-reduced
+    "muon": lambda runner, groups, cfg: ZeRO1Muon(groups, group=runner.replica_group,
+                                                  **OPTIMIZERS["muon"].arguments(cfg, True)),
+}
+"""``optim.name`` -> its ZeRO-1 form (``parallel.zero1``), built by the step runner over the dp group."""
 
 
 def split_micro_batches(batch: Batch, micro_batch_size: int) -> list[Batch]:
@@ -269,13 +281,11 @@ class MeshStepRunner(LocalStepRunner):
         return loss_parallel() if self.layout.tp > 1 else contextlib.nullcontext()
 
     def build_optimizer(self, model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-        """AdamW, or with ``parallel.zero1`` its dp-sharded form (same hyperparameters)."""
+        """The ``optim`` group's optimizer, or with ``parallel.zero1`` its dp-sharded form (same
+        hyperparameters)."""
         if not (self.layout.zero1 and self.replicas > 1):
             return build_optimizer(model, cfg)
-        return ZeRO1AdamW(
-            param_groups(model, cfg.weight_decay), group=self.replica_group, norm_group=self.pp_group,
-            **adamw_arguments(cfg),
-        )
+        return ZERO1_FORMS[cfg.name](self, optimizer_groups(model, cfg), cfg)
 
     def _gradient_reducers(self, model: nn.Module) -> list[OverlappedGradientReducer]:
         """Plain DP: one all-reduce over dp (x cp). With expert parallelism the routed experts (each
