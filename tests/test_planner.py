@@ -111,6 +111,8 @@ def test_memory_facts():
     assert zero.optimizer == pytest.approx(plain.optimizer / 8)  # master + moments sharded over dp
     assert plain.optimizer == pytest.approx(12 * plain.params_on_gpu)  # fp32 master 4 + moments 8
     assert plain.weights == pytest.approx(2 * plain.params_on_gpu) and plain.gradients == pytest.approx(4 * plain.params_on_gpu)
+    muon = estimate_memory(DENSE, base.replace(optimizer="muon"))
+    assert muon.optimizer == pytest.approx(8 * plain.params_on_gpu)  # fp32 master 4 + Muon's momentum 4
     acts = {mode: estimate_memory(DENSE, base.replace(recompute=mode)).activations
             for mode in ("none", "selective", "full")}
     assert acts["full"] < acts["selective"] < acts["none"]

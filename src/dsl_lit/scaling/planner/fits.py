@@ -27,7 +27,7 @@ def plan_layout_of(cfg: TrainConfig) -> PlanLayout:
     return PlanLayout(parallel=cfg.layout, micro_batch_size=cfg.data.micro_batch_size,
                       global_batch_size=cfg.data.global_batch_size, seq_len=cfg.data.seq_len,
                       recompute=recompute, precision=precision if precision != "auto" else "bf16",
-                      moments_dtype=cfg.optim.moments_dtype)
+                      moments_dtype=cfg.optim.moments_dtype, optimizer=cfg.optim.name)
 
 
 def refuse_what_cannot_fit(cfg: TrainConfig, available: int | None = None) -> None:

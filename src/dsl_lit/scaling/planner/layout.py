@@ -17,6 +17,7 @@ from typing import Any
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.memory import MODES
 from dsl_lit.config.model import ModelConfig
+from dsl_lit.config.optim import OPTIMIZER_NAMES
 from dsl_lit.config.parallel import (
     ParallelConfig,
     ParallelLayout,
@@ -55,6 +56,9 @@ class PlanLayout:
     precision: str = "bf16"
     """Matmul precision: fp32 | bf16 | fp16 | fp8 (DeepSeek-V3's FP8 GEMMs inside bf16 training)."""
     moments_dtype: str = "fp32"
+    optimizer: str = "adamw"
+    """``optim.name``: AdamW keeps two moments per parameter, Muon one momentum per matrix (its
+    AdamW-stepped embeddings and head, under 0.5% of DeepSeek-V3's parameters, are counted at one too)."""
     ep_overlap: bool | None = None
     """Whether a micro-batch's expert all-to-alls run under another micro-batch's compute (None: the
     schedule decides, as DualPipe and DualPipeV do; True for other schedules is Megatron-Core's
@@ -143,6 +147,8 @@ class PlanLayout:
             raise ConfigError(f"plan.routed_nodes={self.routed_nodes!r} must be null or a positive integer")
         if self.moments_dtype not in ("fp32", "bf16"):
             raise ConfigError(f"optim.moments_dtype={self.moments_dtype!r} must be fp32 or bf16")
+        if self.optimizer not in OPTIMIZER_NAMES:
+            raise ConfigError(f"optim.name={self.optimizer!r} is not one of {list(OPTIMIZER_NAMES)}")
         if self.global_batch_size % (dp * self.micro_batch_size):
             raise ConfigError(
                 f"data.global_batch_size={self.global_batch_size} must be a multiple of data.micro_batch_size="

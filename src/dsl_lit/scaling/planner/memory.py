@@ -4,7 +4,7 @@ Model state, per parameter on the GPU (which parameters live where follows the l
 attention, dense FFNs, shared experts, embedding and head; ep shards routed experts; pp places
 layers with :func:`dsl_lit.parallel.pipeline.split_layers`; DualPipe holds two stages per rank):
 weights (4 bytes in fp32 training, else 2), gradients (4: fp32 accumulation), fp32 master weights
-(outside fp32 training) and AdamW's two moments (fp32 or bf16); ZeRO-1 divides master and moments
+(outside fp32 training) and AdamW's two moments or Muon's one momentum (fp32 or bf16); ZeRO-1 divides master and moments
 by the number of ranks holding a replica (dp, or dp / ep for routed experts).
 
 Activations: what backward keeps per token and block, listed from our blocks' code (the inputs
@@ -270,7 +270,8 @@ def estimate_memory(cfg: ModelConfig, layout: PlanLayout, cluster: ClusterConfig
     size = compute_bytes(layout)
     fp32 = layout.precision == "fp32"
     master_bytes = 0 if fp32 else FP32
-    moment_bytes = 2 * (FP32 if layout.moments_dtype == "fp32" else 2)
+    moments = 1 if layout.optimizer == "muon" else 2
+    moment_bytes = moments * (FP32 if layout.moments_dtype == "fp32" else 2)
     estimates = []
     for rank in range(layout.parallel.pp):
         stages = stages_on_rank(rank, layout)
