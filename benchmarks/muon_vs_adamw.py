@@ -7,6 +7,10 @@ tiny on the bundled corpus) run twice from the same seed and data, ``optim=adamw
 
 Prints both validation curves, wall time and tokens/s, and the first validation step at which Muon's
 loss is at or below AdamW's final one (or that it never is).
+
+Measured 2026-11-28 on the 2-core Intel Xeon box (AMX/AVX512-BF16), defaults (the main job's
+settings, lr 2e-3 for both): validation loss at step 200 AdamW 4.730 (255 s), Muon 4.540 (232 s);
+Muon is at or below 4.730 from step 140 on: 0.70x the steps.
 """
 
 from __future__ import annotations
