@@ -10,16 +10,17 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import lightning as L
 import yaml
 
-from dsl_lit.checkpoint.resume import check_resume
 from dsl_lit.config import TrainConfig
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.resolvers import register_resolvers
 from dsl_lit.data.tokenizer_dir import validate_tokenizer_dir
+
+if TYPE_CHECKING:
+    import lightning as L
 
 F = TypeVar("F", bound=Callable[..., Any])
 log = logging.getLogger(__name__)
@@ -27,12 +28,14 @@ log = logging.getLogger(__name__)
 
 def check_environment(hydra_cfg: Any) -> None:
     """What the config asks of this machine, checked before any data or process group: a GPU
-    accelerator needs a visible GPU."""
-    import torch
-
+    accelerator needs a visible GPU (torch is imported only to ask that)."""
     trainer = hydra_cfg.get("trainer") if hasattr(hydra_cfg, "get") else None
     accelerator = str(trainer.get("accelerator", "auto")) if trainer is not None else "auto"
-    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+    if accelerator not in ("gpu", "cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
         raise ConfigError(f"trainer.accelerator={accelerator} but this machine has no usable CUDA GPU; "
                           "use trainer.accelerator=cpu (or auto)")
 
@@ -86,6 +89,7 @@ def save_resolved_config(cfg: TrainConfig) -> Path:
     this first, before any data or model), and log the run's start-up block. The model is written
     field by field with its parameter counts, layout and precision
     (:func:`~dsl_lit.training.run_info.resolved_view`)."""
+    from dsl_lit.checkpoint.resume import check_resume  # (torch: not for recipes that only orchestrate)
     from dsl_lit.training.run_info import resolved_view, startup_lines  # imports build, which imports this
 
     check_resume(cfg)
