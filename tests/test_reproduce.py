@@ -334,16 +334,21 @@ def test_a_typo_in_a_late_stages_overrides_stops_the_run_before_the_first_stage(
     assert "studnet" in error[0] and not (tmp_path / "run" / "scaling").exists()
 
 
-def test_the_runner_checks_every_stage_without_loading_torch(tmp_path):
+@pytest.mark.parametrize("overrides, message", [
+    (["reproduce.seq_len=-128"], "reproduce.seq_len=-128 must be a positive integer"),
+    # every stage's command composed and validated first (the scaling sweep counts FLOPs to plan its points)
+    (["reproduce=smoke", "reproduce.overrides.distill=['studnet.n_layers=2']"], "studnet"),
+])
+def test_the_runner_checks_every_stage_without_loading_torch(tmp_path, overrides, message):
     """The runner only orchestrates: validating the preset and every stage's command, and refusing
     a bad one, imports neither torch nor Lightning (~8 s here); it preloads them once the first
     stage is about to be forked."""
-    probe = ("import runpy, sys\n"
-             f"sys.argv = ['{ROOT / 'recipes' / 'reproduce.py'}', 'hydra.run.dir={tmp_path / 'run'}', 'reproduce.seq_len=-128']\n"
+    argv = [str(ROOT / "recipes" / "reproduce.py"), f"hydra.run.dir={tmp_path / 'run'}", *overrides]
+    probe = (f"import runpy, sys\nsys.argv = {argv!r}\n"
              "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
              "except SystemExit as stop:\n    print('exit', stop.code, sorted({'torch', 'lightning'} & set(sys.modules)))\n")
     result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
-    assert "reproduce.seq_len=-128 must be a positive integer" in result.stderr, result.stderr[-2000:]
+    assert message in result.stderr, result.stderr[-2000:]
     assert result.stdout.strip() == "exit 2 []", result.stdout
 
 

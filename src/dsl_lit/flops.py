@@ -1,21 +1,27 @@
 """Analytical training FLOPs, the denominator-free half of MFU, for any model family.
 
-The counts are the family's own (``FamilySpec.flops``, derived from its composition in
+The counts are the family's own (:func:`decoder_flops`: its card's attention shape in
 :mod:`dsl_lit.models.common.flops`); this module is the family-agnostic entry point the trainer,
 the planner and the scaling laws use. Counting from the config, not with a FLOP counter, because
-meta-device counters miscount routed experts and fused kernels.
+meta-device counters miscount routed experts and fused kernels. No torch: the scaling sweep's
+resolver and ``make reproduce``'s start-up checks count FLOPs without loading it.
 """
 
 from __future__ import annotations
 
 from dsl_lit.config.model import ModelConfig
-from dsl_lit.models import spec_of
-from dsl_lit.models.common.flops import ffn_params_per_token
+from dsl_lit.models.common.flops import DecoderFlops, ffn_params_per_token
+from dsl_lit.models.families import family_card
 
 __all__ = [
-    "attention_params", "ffn_params_per_token", "matmul_params_per_token", "non_embedding_flops_per_token",
+    "attention_params", "decoder_flops", "ffn_params_per_token", "matmul_params_per_token", "non_embedding_flops_per_token",
     "training_flops_per_token",
 ]
+
+
+def decoder_flops(cfg: ModelConfig) -> DecoderFlops:
+    """``cfg``'s family's counts, from the attention shape on its card (torch-free)."""
+    return DecoderFlops(family_card(cfg.family).attention)
 
 
 def non_embedding_flops_per_token(n_layers: int, d_model: int, seq_len: int) -> float:
@@ -25,16 +31,16 @@ def non_embedding_flops_per_token(n_layers: int, d_model: int, seq_len: int) -> 
 
 def attention_params(cfg: ModelConfig) -> int:
     """Projection weights of one attention block (GQA, or MLA with its low-rank paths)."""
-    return spec_of(cfg).flops.attention_params(cfg)
+    return decoder_flops(cfg).attention_params(cfg)
 
 
 def matmul_params_per_token(cfg: ModelConfig) -> int:
     """Weights each token multiplies through: attention and FFN projections (activated experts
     only), the MTP modules' projection and blocks, and the output head once per prediction."""
-    return spec_of(cfg).flops.matmul_params_per_token(cfg)
+    return decoder_flops(cfg).matmul_params_per_token(cfg)
 
 
 def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """6 FLOPs per weight per token plus attention scores and values (see
     :meth:`dsl_lit.models.common.flops.DecoderFlops.training_flops_per_token`)."""
-    return spec_of(cfg).flops.training_flops_per_token(cfg, seq_len)
+    return decoder_flops(cfg).training_flops_per_token(cfg, seq_len)

@@ -61,7 +61,7 @@ class FamilySpec:
     @property
     def flops(self) -> DecoderFlops:
         """Matmul weights and training FLOPs per token; pipeline stages are balanced on them."""
-        return DecoderFlops(self.composition.attention)
+        return DecoderFlops(self.card.attention)
 
 
 @cache
