@@ -32,8 +32,9 @@ def test_init_from_a_checkpoint_or_its_hf_export_under_any_layout(tmp_path):
     refused = run_recipe(tmp_path / "refused", *RUN, f"init_from={step}", "model.n_layers=1", succeed=False)
     assert refused.returncode == 2
     assert "model.n_layers=1 is ignored with init_from=" in refused.stderr and "(model.n_layers=2)" in refused.stderr
+    # the kernels are the run's own (the same function): model.attn_backend on the command line is used
     for name, source, layout in (("ckpt", step, []), ("hf", export, []),
-                                 ("pp2", base, ["trainer.devices=2", "parallel=pp_1f1b"])):
+                                 ("pp2", base, ["trainer.devices=2", "parallel=pp_1f1b", "++model.attn_backend=eager"])):
         run_dir = tmp_path / name
         run_recipe(run_dir, *RUN, "trainer.max_steps=2", "checkpoint.every_n_steps=2", f"init_from={source}", *layout)
         runs[name] = losses(run_dir)
@@ -45,3 +46,5 @@ def test_init_from_a_checkpoint_or_its_hf_export_under_any_layout(tmp_path):
     assert float(runs["ckpt"][0]) < float(fresh[0]) - 0.5
     assert runs["hf"] == runs["ckpt"]  # fp32 export: the same weights bit for bit
     assert float(runs["pp2"][0]) == pytest.approx(float(runs["ckpt"][0]), rel=1e-5)
+    resolved = (tmp_path / "pp2" / "resolved_config.yaml").read_text()
+    assert "attn_backend: eager" in resolved and "attn_backend: sdpa" in (tmp_path / "ckpt" / "resolved_config.yaml").read_text()

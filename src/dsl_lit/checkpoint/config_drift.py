@@ -28,12 +28,13 @@ import yaml
 from dsl_lit.checkpoint.files import CONFIG, META
 from dsl_lit.checkpoint.reader import model_config
 from dsl_lit.config import ConfigError, ModelConfig
+from dsl_lit.config.model import EXECUTION_FIELDS
 
 log = logging.getLogger(__name__)
 
 MUTABLE_MODEL_FIELDS = frozenset({
     "name",  # a preset is a name for field values: the values are compared
-    "attn_backend", "expert_backend",  # kernels computing the same function
+    *EXECUTION_FIELDS,  # kernels computing the same function
     "init_std",  # used only to initialise
     "seq_balance_alpha", "batch_balance_alpha",  # loss weights
 })

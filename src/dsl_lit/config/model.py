@@ -24,9 +24,11 @@ AttentionBackend = Literal["sdpa", "flash_attn", "eager"]
 ATTENTION_BACKENDS = ("sdpa", "flash_attn", "eager")
 SCORE_FUNCS = ("sigmoid", "softmax")
 EXPERT_BACKENDS = ("grouped_mm", "split", "loop")
-CONTEXT_FIELDS = ("max_seq_len", "rope_scaling", "index_topk", "index_training")
+EXECUTION_FIELDS = ("attn_backend", "expert_backend")
+"""Kernels computing the same function: the run's own on resume and under ``init_from``."""
+CONTEXT_FIELDS = ("max_seq_len", "rope_scaling", "index_topk", "index_training", *EXECUTION_FIELDS)
 """Fields that shape no weight: a stage sets them on top of ``init_from``'s model (context extension:
-the positions; DeepSeek-V3.2: how many keys the indexer keeps and how it trains)."""
+the positions; DeepSeek-V3.2: how many keys the indexer keeps and how it trains; the kernels)."""
 YARN_KEYS = ("factor", "original_max_seq_len", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 LATENT_ATTENTION_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                            "rope_interleave")
