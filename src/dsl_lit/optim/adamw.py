@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -47,15 +48,7 @@ class AdamW(torch.optim.AdamW):
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=self.moments_dtype)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.moments_dtype)
-                state["step"] += 1
+            for p, state in self.stepped(group):
                 step = state["step"].item()
                 grad = p.grad.float()
                 exp_avg = state["exp_avg"].float().lerp_(grad, 1 - beta1)
@@ -75,6 +68,18 @@ class AdamW(torch.optim.AdamW):
                 for key in MOMENT_KEYS:
                     if key in state:
                         state[key] = state[key].to(self.moments_dtype)
+
+    def stepped(self, group: dict) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        """``(param, state)`` for each of ``group``'s parameters with a gradient, its ``step``
+        counted on (the state made by :meth:`state_template` on its first step)."""
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state.update(self.state_template(p))
+            state["step"] += 1
+            yield p, state
 
     def state_template(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         """Zeroed state shaped and placed like ``param``'s: what a sharded checkpoint is read into

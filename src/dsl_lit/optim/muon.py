@@ -139,15 +139,7 @@ class Muon(AdamW):
 
     def _muon_step(self, group: dict) -> None:
         lr, decay, beta = group["lr"], group["weight_decay"], group["momentum"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
-                state["momentum_buffer"] = torch.zeros_like(p, dtype=self.moments_dtype,
-                                                            memory_format=torch.preserve_format)
-            state["step"] += 1
+        for p, state in self.stepped(group):
             grad = p.grad
             if self.moments_dtype == torch.float32:
                 buffer = state["momentum_buffer"].lerp_(grad, 1 - beta)
