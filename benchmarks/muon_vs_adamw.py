@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.headline import headline
 from dsl_lit.utils.machine import machine_description
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,6 +61,7 @@ def main() -> None:
     if reached:
         print(f"muon reaches adamw's final val loss {target:.4f} (step {steps[-1]}) at step {reached[0]}: "
               f"{reached[0] / steps[-1]:.2f}x the steps")
+        headline("Muon's steps to AdamW's final val loss, vs AdamW's", (reached[0] + 1) / (steps[-1] + 1), "x", "< 1")
     else:
         print(f"muon never reaches adamw's final val loss {target:.4f} in {steps[-1]} steps "
               f"(its final: {curves['muon'][max(curves['muon'])]:.4f})")
