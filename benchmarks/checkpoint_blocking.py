@@ -52,7 +52,7 @@ from torch.utils.data import DataLoader
 from dsl_lit.checkpoint.directory import DirectoryCheckpointIO, StepCheckpoint
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.models import ModelConfig
-from dsl_lit.parallel.checkpointing import OneDeviceStrategy
+from dsl_lit.parallel.one_device import OneDeviceStrategy
 from dsl_lit.training import PretrainModule
 
 

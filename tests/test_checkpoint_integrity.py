@@ -40,7 +40,7 @@ from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.hf import save_pretrained
 from dsl_lit.models import build_model
 from dsl_lit.optim.schedules import cosine_multiplier
-from dsl_lit.parallel.checkpointing import OneDeviceStrategy
+from dsl_lit.parallel.one_device import OneDeviceStrategy
 from tests.conftest import compose_config
 from tests.test_checkpoint_policy import _batches, _module
 from tests.test_pretrain_e2e import losses, metric, run_recipe

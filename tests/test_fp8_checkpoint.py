@@ -34,7 +34,7 @@ from dsl_lit.config.precision import PrecisionConfig
 from dsl_lit.hf.io import save_pretrained
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.parallel import model_transforms
-from dsl_lit.parallel.checkpointing import OneDeviceStrategy
+from dsl_lit.parallel.one_device import OneDeviceStrategy
 from dsl_lit.precision.fp8 import apply_fp8
 from dsl_lit.precision.plugin import AutocastPrecision
 from dsl_lit.training import PretrainModule

@@ -15,12 +15,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import SingleDeviceStrategy
-from lightning.pytorch.trainer.states import TrainerFn
 
 from dsl_lit.checkpoint.directory import DirectoryCheckpointIO
 from dsl_lit.checkpoint.hyperparameters import use_current_hyperparameters
-from dsl_lit.parallel.model_transforms import transform_model
 from dsl_lit.parallel.optimizer_state import (
     load_named_optimizer_state,
     named_optimizer_state,
@@ -82,22 +79,3 @@ class ShardedCheckpointing:
             checkpoint = io.load_checkpoint(checkpoint_path, template=self.checkpoint_template())
         use_current_hyperparameters(checkpoint, self.optimizers, self.lr_scheduler_configs)
         return checkpoint
-
-
-class OneDeviceStrategy(ShardedCheckpointing, SingleDeviceStrategy):
-    """Lightning's single-device strategy with our checkpoint format, so a one-process run saves
-    what a multi-process run loads and the other way round; it applies the module's model
-    transforms (FP8, recompute, compile: :mod:`dsl_lit.parallel.model_transforms`) where the
-    multi-process strategy applies them with its layout's, before the optimizer is built."""
-
-    strategy_name = "dsl_lit_single"
-    applies_model_transforms = True
-    """The module leaves FP8, recompute and compile to this strategy (:meth:`_setup_model`)."""
-
-    def _setup_model(self, model: Any) -> Any:
-        module = self.lightning_module
-        plan = getattr(module, "transform_plan", None)
-        if plan is not None and getattr(module, "model", None) is not None:
-            fitting = module.trainer is None or module.trainer.state.fn == TrainerFn.FITTING
-            transform_model(module.model, plan, fitting=fitting)
-        return super()._setup_model(model)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -59,6 +60,13 @@ MODES_PER_KIND = 2
 def _on_cuda() -> bool:
     """Whether this process trains on a CUDA GPU (where eager FP8 is torchao's, not the reference path)."""
     return torch.cuda.is_available()
+
+
+def is_fitting(trainer: Any) -> bool:
+    """Whether the model is being set up to train (no trainer: built to train, as a recipe does)."""
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    return trainer is None or trainer.state.fn == TrainerFn.FITTING
 
 
 def block_kinds(blocks: list[nn.Module]) -> set[tuple[str, ...]]:

@@ -34,7 +34,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dsl_lit.config.parallel import ParallelLayout
@@ -42,7 +41,7 @@ from dsl_lit.parallel.checkpointing import ShardedCheckpointing
 from dsl_lit.parallel.context_parallel import apply_context_parallel
 from dsl_lit.parallel.expert_parallel import apply_expert_parallel
 from dsl_lit.parallel.mesh import build_device_mesh
-from dsl_lit.parallel.model_transforms import transform_model
+from dsl_lit.parallel.model_transforms import is_fitting, transform_model
 from dsl_lit.parallel.pipeline import PipelineRunner
 from dsl_lit.parallel.step_runner import MeshStepRunner, PipelineStepRunner
 from dsl_lit.parallel.tensor_parallel import apply_tensor_parallel, place_gradients_like_parameters
@@ -74,7 +73,7 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
     def setup(self, trainer: Any) -> None:
         module = self.lightning_module
         plan = getattr(module, "transform_plan", None)  # (a sampling-only module has none)
-        if trainer.state.fn != TrainerFn.FITTING and plan is not None:  # configure_ddp runs only when fitting
+        if not is_fitting(trainer) and plan is not None:  # configure_ddp runs only when fitting
             transform_model(module.model, plan, fitting=False)
         super().setup(trainer)
 
@@ -127,7 +126,7 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
         layout_steps = {name: step for name, step, degree in (
             ("pipeline", pipeline, self.layout.pp), ("tensor", tensor, self.layout.tp),
             ("expert", expert, self.layout.ep), ("context", context, self.layout.cp)) if degree > 1}
-        fitting = module.trainer is None or module.trainer.state.fn == TrainerFn.FITTING
+        fitting = is_fitting(module.trainer)
         plan = dataclasses.replace(module.transform_plan, fp8_experts=self.layout.ep == 1)
         transform_model(module.model, plan, layout_steps, fitting)
         if deferred:

@@ -24,7 +24,7 @@ from dsl_lit.config.model import CONTEXT_FIELDS
 from dsl_lit.config.precision import PrecisionConfig
 from dsl_lit.flops import training_flops_per_token
 from dsl_lit.models import build_model
-from dsl_lit.parallel.checkpointing import OneDeviceStrategy
+from dsl_lit.parallel.one_device import OneDeviceStrategy
 from dsl_lit.parallel.strategy import DeepSeekStrategy
 from dsl_lit.precision.auto import resolve_precision
 from dsl_lit.precision.plugin import AutocastPrecision

@@ -20,7 +20,6 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from dsl_lit.config.data import BatchSchedule
@@ -31,7 +30,7 @@ from dsl_lit.config.precision import PrecisionConfig
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.models.common.moe import TopKRouter
 from dsl_lit.optim import build_lr_scheduler
-from dsl_lit.parallel.model_transforms import TransformPlan, transform_model
+from dsl_lit.parallel.model_transforms import TransformPlan, is_fitting, transform_model
 from dsl_lit.parallel.step_runner import LocalStepRunner, step_runner_of
 from dsl_lit.precision.loss_scaler import DynamicLossScaler
 from dsl_lit.precision.plugin import AutocastPrecision
@@ -119,8 +118,7 @@ class CausalLMModule(L.LightningModule):
         trainer = self._trainer
         if not getattr(trainer.strategy if trainer is not None else None, "applies_model_transforms", False):
             # a strategy of Lightning's own (or none): the transforms without a layout, here
-            fitting = trainer is None or trainer.state.fn == TrainerFn.FITTING
-            transform_model(self.model, self.transform_plan, fitting=fitting)
+            transform_model(self.model, self.transform_plan, fitting=is_fitting(trainer))
         if not lazy:
             if self.initial_state is not None:
                 self.model.load_state_dict(self.initial_state, strict=True)
