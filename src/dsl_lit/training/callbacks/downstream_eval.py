@@ -48,7 +48,13 @@ class DownstreamEvaluation(L.Callback):
         self.run_dir = Path(run_dir)
         self.autocast_dtype = DTYPES[precision]
         self.harness = Harness(cfg)  # a misspelt task fails here, before training starts
-        self.tokenizer = EvalTokenizer.from_dir(cfg.tokenizer_dir)
+        self.tokenizer: EvalTokenizer | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Read the tokenizer once the data module prepared its cache: a run on a fresh
+        ``data.cache_dir`` builds the tokenizer there first (reading it at construction failed
+        with "tokenizer.json missing")."""
+        self.tokenizer = EvalTokenizer.from_dir(self.cfg.tokenizer_dir)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         step = trainer.global_step
