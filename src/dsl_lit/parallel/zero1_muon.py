@@ -90,6 +90,8 @@ class ZeRO1Muon(Muon):
         return {"state": {numbered[int(i)]: s for i, s in inner["state"].items()}, "param_groups": groups}
 
     state_dict = sharded_state_dict
+    """Also the owners' part only: no rank holds every parameter's state (checkpoints go through
+    :func:`~dsl_lit.parallel.optimizer_state.named_optimizer_state`, which writes each part once)."""
 
     def params_overlapping_shard(self) -> list[torch.Tensor]:
         """The parameters whose saved state this rank reads back: the ones it owns."""
