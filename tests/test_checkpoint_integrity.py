@@ -335,6 +335,18 @@ def test_a_changed_model_or_tokenizer_is_a_config_error_naming_the_key(tmp_path,
         check_config_drift(step, cfg.raw, cfg.model)
 
 
+def test_another_optimizer_on_resume_is_a_config_error(tmp_path):
+    """AdamW's moments cannot continue as Muon's momentum (nor back): refused in one line."""
+    step = _saved_checkpoint(tmp_path / "step-4", _run_config(tmp_path))  # the adamw group (no optim.name)
+    muon = _run_config(tmp_path, "optim=muon")
+    with pytest.raises(ConfigError, match=r"optim.name='muon' but the checkpoint was trained with 'adamw'.*init_from="):
+        check_config_drift(step, muon.raw, muon.model)
+    trained_with_muon = _saved_checkpoint(tmp_path / "muon" / "step-4", muon)
+    assert check_config_drift(trained_with_muon, muon.raw, muon.model) == {}
+    with pytest.raises(ConfigError, match=r"optim.name='adamw' but the checkpoint was trained with 'muon'"):
+        check_config_drift(trained_with_muon, _run_config(tmp_path).raw, muon.model)
+
+
 def test_other_changes_are_listed_in_one_warning(tmp_path, caplog):
     step = _saved_checkpoint(tmp_path / "step-4", _run_config(tmp_path, "optim.lr=2e-3", "run_name=a"))
     same = _run_config(tmp_path, "optim.lr=2e-3", "run_name=b", "checkpoint.resume_from=x")

@@ -79,6 +79,14 @@ def check_config_drift(checkpoint: Path, raw: dict[str, Any], model: ModelConfig
     ConfigError naming every fixed key that differs, else one warning listing every change.
     Returns the changes."""
     changes = config_changes(checkpoint, raw, model)
+    if "optim.name" in changes:  # absent: saved before the key existed, or the adamw group (its default)
+        old, new = (name or "adamw" for name in changes.pop("optim.name"))
+        if old != new:
+            raise ConfigError(
+                f"resuming {checkpoint}: optim.name={new!r} but the checkpoint was trained with {old!r}, whose state "
+                f"({'momentum' if old == 'muon' else 'moments'}) the other optimizer cannot continue: resume with "
+                f"optim={old}, or start a new run from these weights with init_from=<the run dir>"
+            )
     fixed = {k: v for k, v in changes.items() if (k.startswith("model.") and
                                                   k.removeprefix("model.") not in MUTABLE_MODEL_FIELDS)
              or k in FIXED_KEYS}

@@ -19,7 +19,7 @@ _SCHEDULES = ("multi_step", "cosine", "wsd", "constant", "deepseek_v3_tokens")
 
 @dataclass
 class OptimConfig:
-    """The ``optim`` config group (DeepSeek LLM / V3: AdamW 0.9/0.95, wd 0.1, clip 1.0)."""
+    """The ``optim`` config group: AdamW (DeepSeek LLM / V3: 0.9/0.95, wd 0.1, clip 1.0) or Muon."""
 
     name: str = "adamw"
     """``adamw`` (DeepSeek LLM, V2, V3) or ``muon`` (``conf/optim/muon.yaml``: Muon for the hidden
