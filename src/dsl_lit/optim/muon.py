@@ -116,8 +116,8 @@ class Muon(AdamW):
             raise ValueError(f"Muon lr adjustment {lr_adjust!r} is not one of {LR_ADJUSTMENTS}")
         if adamw.get("fused"):
             raise ValueError("Muon's matrices have no fused kernel; build it with fused=False")
-        self.muon_defaults = {"momentum": momentum, "nesterov": nesterov, "ns_steps": ns_steps, "lr_adjust": lr_adjust}
-        groups = [{**self.muon_defaults, **g} if g.get("muon") else {**g, "muon": False} for g in params]
+        muon = {"momentum": momentum, "nesterov": nesterov, "ns_steps": ns_steps, "lr_adjust": lr_adjust}
+        groups = [{**muon, **g} if g.get("muon") else {**g, "muon": False} for g in params]
         super().__init__(groups, **adamw)
 
     @torch.no_grad()
