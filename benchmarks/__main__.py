@@ -30,6 +30,7 @@ BENCHMARKS: list[tuple[str, list[str]]] = [
     ("expert_weight_copies", ["--repeats", "2"]),
     ("context_parallel_overhead", ["--seq", "512", "--repeats", "3"]),
     ("data_pipeline_speed", ["--repeats", "1", "--crawl-docs", "1000"]),
+    ("template_bounds", []),
 ]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 import tracemalloc
@@ -30,6 +31,9 @@ from tests.conftest import ROOT
 from tests.forked_python import run_python
 
 A = "{% set a = 'x' * 3999999 %}"
+STEPS_OR_CLOCK = r"took more than 1000000 steps|ran longer than 5 s"
+"""Where a render runs under the real clock (another process), the step bound or the 5 s deadline,
+whichever a loaded machine reaches first: both stop it."""
 PAYLOADS = {
     # a size argument a method or operator takes
     "ljust": ("{{ 'x'.ljust(2000000000) }}", r"str\.ljust\(\) would hold 2000000000 characters"),
@@ -91,8 +95,15 @@ def _render(template: str) -> str:
     return ChatTemplate(template, {"bos_token": "<s>"}, origin="probe.jinja").render([{"role": "user", "content": "Hi"}])
 
 
+@pytest.fixture
+def no_deadline(monkeypatch):
+    """The step and size bounds alone, so which one stops a payload does not depend on how fast (or
+    how loaded) the machine is; the deadline has its own test."""
+    monkeypatch.setattr(ct, "MAX_RENDER_SECONDS", 3600.0)
+
+
 @pytest.mark.parametrize("name", list(PAYLOADS))
-def test_every_payload_is_one_line_quickly_and_small(name):
+def test_every_payload_is_one_line_quickly_and_small(name, no_deadline):
     template, message = PAYLOADS[name]
     tracemalloc.start()
     start = time.perf_counter()
@@ -106,18 +117,18 @@ def test_every_payload_is_one_line_quickly_and_small(name):
     text = str(error.value)
     assert text.startswith("probe.jinja: ") and "\n" not in text, text
     assert peak < 100 * 2**20, f"{name}: {peak / 2**20:.0f} MB traced"
-    assert seconds < 5, f"{name}: {seconds:.1f} s (under tracemalloc)"
+    # a bound, not a measurement (before, several never ended); benchmarks/template_bounds.py times them
+    assert seconds < 120, f"{name}: {seconds:.1f} s (under tracemalloc)"
 
 
-def test_the_payloads_take_under_a_second_each():
-    """Without tracemalloc's overhead, as a user runs them."""
-    slowest = {}
-    for name, (template, _) in PAYLOADS.items():
-        start = time.perf_counter()
-        with pytest.raises(ConfigError):
-            _render(template)
-        slowest[name] = time.perf_counter() - start
-    assert max(slowest.values()) < 1.5, sorted(slowest.items(), key=lambda kv: -kv[1])[:3]
+def test_a_render_that_outlasts_the_deadline_stops_naming_it(monkeypatch):
+    """The clock is the last bound: a render under the step bound that still runs too long."""
+    monkeypatch.setattr(ct, "MAX_RENDER_SECONDS", 0.2)
+    monkeypatch.setattr(ct, "MAX_RENDER_STEPS", 10**12)
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"^probe\.jinja: the render ran longer than 0\.2 s; the chat template is refused"):
+        _render(PAYLOADS["nested_for_over_a_string"][0])  # 2.7e10 iterations
+    assert time.perf_counter() - start < 60  # a bound, not a measurement: without the clock, hours
 
 
 def test_what_templates_do_is_unchanged():
@@ -186,7 +197,7 @@ def test_doc_to_text_payloads_in_an_eval_set_are_one_line(tmp_path):
         start = time.perf_counter()
         with pytest.raises(ConfigError, match=rf"{name}\.yaml: the template .* failed: TemplateLimitError") as error:
             ngram_index(DecontaminateConfig(eval_sets=[str(tmp_path / f"{name}.yaml")]).validate())
-        assert "\n" not in str(error.value) and time.perf_counter() - start < 5
+        assert "\n" not in str(error.value) and time.perf_counter() - start < 60  # a bound: before, a hang
     with pytest.raises(ConfigError, match="would hold"):
         render_bounded("{{ q.zfill(2000000000) }}", "inline", q="x")
 
@@ -204,7 +215,7 @@ def test_the_pipeline_refuses_such_an_eval_set_in_one_line(tmp_path):
                         cwd=ROOT, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 2, result.stderr[-2000:]
     output = result.stdout + result.stderr
-    assert "bomb.yaml: the template" in output and "took more than 1000000 steps" in output
+    assert "bomb.yaml: the template" in output and re.search(STEPS_OR_CLOCK, output)
     assert "Traceback" not in output
 
 
@@ -224,7 +235,7 @@ def test_sft_refuses_such_a_template_in_one_line(tmp_path):
                          f"data.cache_dir={tmp_path / 'never_built'}"],
                         cwd=ROOT, timeout=300, env={**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"})
     assert result.returncode == 2, result.stderr[-3000:]
-    assert "tokenizer_config.json: the render took more than 1000000 steps" in result.stderr
+    assert re.search(rf"tokenizer_config\.json: the render (?:{STEPS_OR_CLOCK})", result.stderr)
     assert "Traceback" not in result.stderr
     assert time.perf_counter() - start < 120
 
