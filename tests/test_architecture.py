@@ -124,3 +124,26 @@ def test_attention_kinds_answer_the_shape_questions():
     assert not [p.name for p in planner.rglob("*.py") if "latent_attention" in p.read_text(encoding="utf-8")]
     outside = [p for p in SRC.rglob("*.py") if MODELS not in p.parents]
     assert not [str(p.relative_to(SRC)) for p in outside if "latent_attention" in p.read_text(encoding="utf-8")]
+
+
+# -- a model is changed from outside in one place, by one caller -------------------------------------
+
+
+def calls_of(name: str) -> list[str]:
+    """``file:line`` of every call of a function named ``name`` in src/dsl_lit."""
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+                if called == name:
+                    found.append(f"{path.relative_to(SRC)}:{node.lineno}")
+    return found
+
+
+def test_one_hook_transforms_the_model() -> None:
+    """Before: 4 callers in 3 files (both strategies' setup paths and the module's fallback, chosen
+    by a flag); now the strategies' shared hook alone (``parallel/model_setup.py``)."""
+    assert [c.split(":")[0] for c in calls_of("transform_model")] == ["parallel/model_setup.py"]
+    # the run-wide decisions (precision=auto among them) are made in one place too
+    assert [c.split(":")[0] for c in calls_of("resolve_precision")] == ["training/run_plan.py"]

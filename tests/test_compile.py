@@ -16,7 +16,7 @@ from dsl_lit.config import TrainConfig
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.parallel.model_transforms import compile_blocks
-from dsl_lit.training.build import compiles
+from dsl_lit.training.run_plan import compiles
 from tests.conftest import compose_config
 from tests.numerics import EPS32, assert_close_fp32
 from tests.test_pretrain_e2e import losses, run_recipe

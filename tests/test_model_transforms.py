@@ -86,20 +86,44 @@ def test_compile_also_compiles_the_cross_entropy_chunks():
     assert chunk_kernels_backend() is None
 
 
-def test_a_module_under_lightnings_own_strategy_transforms_itself():
-    """Under a strategy of Lightning's own (or no trainer), ``configure_model`` applies the plan:
-    FP8 and recompute are never silently skipped."""
+def test_a_module_that_asks_for_transforms_refuses_a_strategy_that_applies_none():
+    """Only dsl_lit's strategies transform a model (:class:`ModelSetup`, the one caller of
+    ``transform_model``): under a strategy of Lightning's own, a module whose plan asks for FP8 or
+    recompute stops with a line naming the fix instead of training without them; built by hand (no
+    trainer) the model is left as built; under ``OneDeviceStrategy`` it is transformed when the
+    strategy sets it up."""
+    import lightning as L
+
     from dsl_lit.config.memory import MemoryConfig
     from dsl_lit.config.optim import OptimConfig, ScheduleConfig
     from dsl_lit.config.precision import PrecisionConfig
+    from dsl_lit.parallel.one_device import OneDeviceStrategy
     from dsl_lit.training import PretrainModule
 
-    module = PretrainModule(ModelConfig.from_name("deepseek_llm_tiny"), OptimConfig(), ScheduleConfig(), 2,
-                            total_steps=2, precision=PrecisionConfig(name="bf16", fp8="fp8_rowwise").validate(),
-                            memory=MemoryConfig(recompute="selective").validate())
-    module.configure_model()
-    assert any(isinstance(m, Fp8Linear) for m in module.model.modules())
-    assert "forward" in vars(module.model.layers["0"])  # recompute wraps each block's forward
+    def module(strategy=None) -> PretrainModule:
+        made = PretrainModule(ModelConfig.from_name("deepseek_llm_tiny", n_layers=2), OptimConfig(), ScheduleConfig(),
+                              2, total_steps=2, precision=PrecisionConfig(name="bf16", fp8="fp8_rowwise").validate(),
+                              memory=MemoryConfig(recompute="selective").validate())
+        if strategy is not None:
+            made.trainer = L.Trainer(accelerator="cpu", strategy=strategy, logger=False, enable_checkpointing=False,
+                                     enable_progress_bar=False, enable_model_summary=False)
+        return made
+
+    with pytest.raises(RuntimeError, match=r"^fp8, recompute of this module are applied by dsl_lit's strategies: "
+                                           r"build the Trainer with .*build_trainer\(cfg\), or pass strategy=.*OneDeviceStrategy"):
+        module("auto").configure_model()
+    by_hand = module()
+    by_hand.configure_model()
+    assert not any(isinstance(m, Fp8Linear) for m in by_hand.model.modules())
+
+    strategy = OneDeviceStrategy(device=torch.device("cpu"))
+    transformed = module(strategy)
+    transformed.configure_model()
+    assert not any(isinstance(m, Fp8Linear) for m in transformed.model.modules())  # the strategy's to do
+    strategy.connect(transformed)
+    strategy._setup_model(transformed)
+    assert any(isinstance(m, Fp8Linear) for m in transformed.model.modules())
+    assert "forward" in vars(transformed.model.layers["0"])  # recompute wraps each block's forward
 
 
 def test_fp8_that_converts_no_layer_is_a_config_error():

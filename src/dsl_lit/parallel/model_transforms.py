@@ -10,8 +10,10 @@ the loss is not part of the model, but it is part of every step). Every transfor
 names (FQNs), so checkpoints load under any of them.
 
 :func:`transform_model` applies :data:`TRANSFORM_ORDER`; the strategy that runs the model supplies
-the layout's steps (:class:`~dsl_lit.parallel.strategy.DeepSeekStrategy`: pipeline, tensor, expert,
-context; one device: none), the module its :class:`TransformPlan` (FP8 recipe, recompute, compile).
+the layout's steps (:mod:`dsl_lit.parallel.layout_steps`: pipeline, tensor, expert, context; one
+device: none), the module its :class:`TransformPlan` (FP8 recipe, recompute, compile), decided once
+per run (``dsl_lit.training.run_plan``); :class:`~dsl_lit.parallel.model_setup.ModelSetup`, the
+strategies' one hook, is the only caller.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import torch
 from torch import nn
 
 from dsl_lit.config.errors import ConfigError
+from dsl_lit.config.memory import MemoryConfig
+from dsl_lit.config.precision import PrecisionConfig
 from dsl_lit.memory.recompute import apply_recompute
 from dsl_lit.ops import compile_chunk_kernels
 from dsl_lit.precision.fp8 import RECIPES, apply_fp8
@@ -44,13 +48,30 @@ class TransformPlan:
     recompute_blocks: tuple[int, ...] | None = None
     compile: bool = False
     fp8_experts: bool = True
-    """Whether FP8 covers the routed experts: not under expert parallelism, whose all-to-all
-    dispatch runs the local experts' weights directly (the strategy turns it off there)."""
+    """Whether FP8 covers the routed experts: not under expert parallelism (:meth:`of`)."""
     compile_backend: str = "inductor"
     """``trainer.compile_backend``."""
     expert_weight_copies: bool = False
     """``precision.expert_weight_copies``: the routed experts keep compute-dtype weight copies
     (after FP8 chose its modules; order-free otherwise: the copies are made at the first forward)."""
+
+    @classmethod
+    def of(cls, precision: PrecisionConfig, memory: MemoryConfig, *, compile: bool = False,
+           compile_backend: str = "inductor", expert_parallel: bool = False) -> TransformPlan:
+        """The plan of a run's precision and memory settings (``compile`` resolved); FP8 leaves the
+        routed experts alone under expert parallelism, whose all-to-all dispatch runs the local
+        experts' weights directly."""
+        blocks = memory.recompute_blocks
+        return cls(fp8=precision.fp8, recompute=memory.recompute,
+                   recompute_blocks=tuple(blocks) if blocks is not None else None, compile=compile,
+                   fp8_experts=not expert_parallel, compile_backend=compile_backend,
+                   expert_weight_copies=precision.expert_weight_copies)
+
+    def wanted(self, fitting: bool = True, *, speed_only: bool = True) -> list[str]:
+        """The transforms this plan applies besides a layout's (in order); ``speed_only`` False:
+        leaving out those whose absence changes nothing but speed (:attr:`ModelTransform.speed_only`)."""
+        ctx = TransformContext(self, fitting, {})
+        return [t.name for t in TRANSFORMS if t.wanted(ctx) and (speed_only or not t.speed_only)]
 
 
 MODES_PER_KIND = 2
@@ -116,6 +137,8 @@ class ModelTransform:
     applying it. Names are what :func:`transform_model` returns and ARCHITECTURE.md lists."""
 
     name: str
+    speed_only = False
+    """Whether the model computes the same without it, only slower (nothing else is lost)."""
 
     def wanted(self, ctx: TransformContext) -> bool:
         raise NotImplementedError
@@ -151,6 +174,7 @@ class ExpertWeightCopiesTransform(ModelTransform):
     """``precision.expert_weight_copies``: after FP8 chose its experts (it leaves those alone)."""
 
     name = "expert_weight_copies"
+    speed_only = True  # the same casts, made once per update instead of once per forward
 
     def wanted(self, ctx: TransformContext) -> bool:
         return ctx.plan.expert_weight_copies

@@ -20,7 +20,7 @@ schedule owns the forwards and backwards). Both give one process's losses on the
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -344,7 +344,7 @@ class PipelineStepRunner(MeshStepRunner):
     def __init__(self, layout: ParallelLayout, mesh: DeviceMesh | None, device: torch.device, rank: int = 0) -> None:
         super().__init__(layout, mesh, device, rank)
         self.pipeline: PipelineRunner | None = None
-        """This rank's stages and schedule, set once the strategy has cut the model."""
+        """This rank's stages and schedule, once :meth:`cut` has cut the model."""
         self._metric_names: dict[str, list[str]] = {}
         self._module: StepModule | None = None
         self._batch: Batch | None = None
@@ -374,6 +374,15 @@ class PipelineStepRunner(MeshStepRunner):
         if isinstance(model, PipelinedInference) or not pipeline.holds_stages_only(model):  # or a whole copy
             return model
         return PipelinedInference(model, pipeline.stage_layers, pipeline.owner, self.pp_group)
+
+    def cut(self, model: nn.Module, model_config: Any, with_mtp: bool, copies: Sequence[nn.Module] = ()) -> None:
+        """Cut ``model`` to this rank's pipeline stages under the layout's schedule (and ``copies``
+        of it, such as a frozen reference, alike): the runner keeps the stages it then steps through."""
+        self.pipeline = PipelineRunner(model, model_config, self.pp_group, self.layout.pp_schedule,
+                                       self.layout.pp_virtual_stages, self.device, with_mtp=with_mtp,
+                                       cp_group=self.cp_group)
+        for copy in copies:
+            self.pipeline.prune(copy)
 
     def stages(self) -> PipelineRunner:
         if self.pipeline is None:

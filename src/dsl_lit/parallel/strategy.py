@@ -28,7 +28,7 @@ under any other layout.
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,22 +38,22 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dsl_lit.config.parallel import ParallelLayout
 from dsl_lit.parallel.checkpointing import ShardedCheckpointing
-from dsl_lit.parallel.context_parallel import apply_context_parallel
-from dsl_lit.parallel.expert_parallel import apply_expert_parallel
+from dsl_lit.parallel.layout_steps import layout_steps
 from dsl_lit.parallel.mesh import build_device_mesh
-from dsl_lit.parallel.model_transforms import is_fitting, transform_model
-from dsl_lit.parallel.pipeline import PipelineRunner
+from dsl_lit.parallel.model_setup import ModelSetup
+from dsl_lit.parallel.model_transforms import is_fitting
 from dsl_lit.parallel.step_runner import MeshStepRunner, PipelineStepRunner
-from dsl_lit.parallel.tensor_parallel import apply_tensor_parallel, place_gradients_like_parameters
+from dsl_lit.parallel.tensor_parallel import place_gradients_like_parameters
 from dsl_lit.precision.auto import check_ranks_agree
 from dsl_lit.utils.materialise import has_meta_tensors
 
 
-class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
+class DeepSeekStrategy(ModelSetup, ShardedCheckpointing, DDPStrategy):
+    """Several processes on a (pp, dp, ep, cp, tp) device mesh: no DDP wrapper (the step runner
+    reduces gradients), the model transformed with this layout's steps in :class:`ModelSetup`'s
+    hook when fitting, alone otherwise (Lightning shards nothing then)."""
+
     strategy_name = "dsl_lit"
-    applies_model_transforms = True
-    """The module leaves its model transforms to this strategy: with the layout's when fitting
-    (:meth:`configure_ddp`), alone otherwise (:meth:`setup`: Lightning shards nothing then)."""
 
     def __init__(self, layout: ParallelLayout, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -71,13 +71,11 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
         check_ranks_agree()
 
     def setup(self, trainer: Any) -> None:
-        module = self.lightning_module
-        plan = getattr(module, "transform_plan", None)  # (a sampling-only module has none)
-        if not is_fitting(trainer) and plan is not None:  # configure_ddp runs only when fitting
-            transform_model(module.model, plan, fitting=False)
+        if not is_fitting(trainer):  # DDPStrategy sets the model up (configure_ddp) only when fitting
+            self.model = self._setup_model(self.model)
         super().setup(trainer)
 
-    # -- no DDP wrapper; tensor parallelism applied here -------------------------------------------
+    # -- no DDP wrapper; the layout applied here -------------------------------------------------
     def model_to_device(self) -> None:
         """A model still on the meta device (starting weights not read yet) is allocated on this
         rank's device by :meth:`configure_ddp`, once it holds only this rank's part."""
@@ -85,54 +83,37 @@ class DeepSeekStrategy(ShardedCheckpointing, DDPStrategy):
             super().model_to_device()
 
     def configure_ddp(self) -> None:
-        """Keep the module unwrapped and transform its model in the one order of
-        :func:`~dsl_lit.parallel.model_transforms.transform_model`: FP8 and recompute as the module
-        asks, then this layout's steps (prune to this rank's pipeline stages, shard over the tp, ep
-        and cp mesh dimensions; a KL reference alike where sampling runs on the shards), then
-        compile. A randomly initialised model starts from rank 0's weights and buffers (broadcast
-        first). A model the module left on the meta device (starting weights from files) is cut
-        down first and then allocated, each rank reading only its own tensors
-        (``module.load_initial_weights``): no rank ever holds the whole model."""
+        """Keep the module unwrapped and set its model up (:class:`ModelSetup`: FP8 and recompute as
+        the module asks, then this layout's steps, then compile). A randomly initialised model
+        starts from rank 0's weights and buffers (broadcast first). A model the module left on the
+        meta device (starting weights from files) is cut down first and then allocated, each rank
+        reading only its own tensors (``module.load_initial_weights``): no rank ever holds the
+        whole model."""
         module = self.lightning_module
         deferred = has_meta_tensors(module.model)
         if not deferred and dist.is_available() and dist.is_initialized():
             with torch.no_grad():
                 for tensor in [*self.model.parameters(), *self.model.buffers()]:
                     dist.broadcast(tensor, src=0)
-        runner = self.step_runner
-        frozen = module.frozen_copies() if runner.generation_group() is not None else []
-
-        def pipeline() -> None:  # drop what this rank's stages do not hold, before sharding the rest
-            runner.pipeline = PipelineRunner(
-                module.model, module.model_config, runner.pp_group, self.layout.pp_schedule,
-                self.layout.pp_virtual_stages, self.root_device, with_mtp=module.trains_mtp, cp_group=runner.cp_group,
-            )
-            for copy in frozen:
-                runner.pipeline.prune(copy)
-
-        def tensor() -> None:
-            apply_tensor_parallel(module.model, module.model_config, self.mesh["tp"], self.layout.sequence_parallel,
-                                  hook_gradients=not deferred)
-            for copy in frozen:
-                apply_tensor_parallel(copy, module.model_config, self.mesh["tp"], hook_gradients=False)
-
-        def expert() -> None:
-            for model in (module.model, *frozen):
-                apply_expert_parallel(model, self.mesh["ep"])
-
-        def context() -> None:
-            apply_context_parallel(module.model, runner.cp_group)
-
-        layout_steps = {name: step for name, step, degree in (
-            ("pipeline", pipeline, self.layout.pp), ("tensor", tensor, self.layout.tp),
-            ("expert", expert, self.layout.ep), ("context", context, self.layout.cp)) if degree > 1}
-        fitting = is_fitting(module.trainer)
-        plan = dataclasses.replace(module.transform_plan, fp8_experts=self.layout.ep == 1)
-        transform_model(module.model, plan, layout_steps, fitting)
+        self.model = self._setup_model(self.model)
         if deferred:
             module.load_initial_weights(self.root_device)
             if self.layout.tp > 1:
                 place_gradients_like_parameters(module.model)
+
+    def layout_steps(self, module: Any) -> dict[str, Callable[[], None]]:
+        """Prune to this rank's pipeline stages, then shard over the tp, ep and cp mesh dimensions
+        (:mod:`dsl_lit.parallel.layout_steps`); a frozen copy that samples on the shards (a KL
+        reference) alike."""
+        plan = module.transform_plan
+        if plan.fp8 is not None and plan.fp8_experts and self.layout.ep > 1:
+            raise ValueError("the module's transform plan converts the routed experts to FP8 under expert "
+                             "parallelism; build the module with dsl_lit.training.build.module_arguments(cfg)")
+        runner = self.step_runner
+        frozen = module.frozen_copies() if runner.generation_group() is not None else []
+        return layout_steps(self.layout, self.mesh, runner, module.model, module.model_config,
+                            with_mtp=module.trains_mtp, copies=frozen,
+                            hook_gradients=not has_meta_tensors(module.model))
 
     # -- how the module's step runs on this layout ------------------------------------------------
     @property

@@ -21,12 +21,10 @@ from dsl_lit.checkpoint.resume import resume_checkpoint
 from dsl_lit.config import ModelConfig, TrainConfig
 from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.model import CONTEXT_FIELDS
-from dsl_lit.config.precision import PrecisionConfig
 from dsl_lit.flops import training_flops_per_token
 from dsl_lit.models import build_model
 from dsl_lit.parallel.one_device import OneDeviceStrategy
 from dsl_lit.parallel.strategy import DeepSeekStrategy
-from dsl_lit.precision.auto import resolve_precision
 from dsl_lit.precision.plugin import AutocastPrecision
 from dsl_lit.training.callbacks.downstream_eval import DownstreamEvaluation
 from dsl_lit.training.callbacks.ema import EMACallback
@@ -43,6 +41,7 @@ from dsl_lit.training.noise import quiet_wandb_logger, silence_known_noise
 from dsl_lit.training.pretrained import StartingWeights
 from dsl_lit.training.resume_command import resume_command, stop_hint
 from dsl_lit.training.run_info import resolved_view
+from dsl_lit.training.run_plan import run_plan
 from dsl_lit.training.runs import finish_run
 from dsl_lit.utils.sweep import current_job
 
@@ -53,11 +52,12 @@ log = logging.getLogger(__name__)
 def module_arguments(cfg: TrainConfig) -> dict[str, Any]:
     """The ``CausalLMModule`` arguments of a validated config: the one mapping from config to
     module that every recipe (pretraining, post-training, the scaling-law sweep) uses."""
+    plan = run_plan(cfg)
     return dict(
         model_config=cfg.model, optim=cfg.optim, schedule=cfg.schedule, micro_batch_size=cfg.data.micro_batch_size,
         total_steps=cfg.schedule.total_steps or cfg.trainer.max_steps, objective=cfg.objective,
-        precision=run_precision(cfg), memory=cfg.memory, max_bad_steps=cfg.trainer.max_bad_steps,
-        batch_schedule=cfg.data.batch_schedule, compile=compiles(cfg), compile_backend=cfg.trainer.compile_backend,
+        precision=plan.precision, memory=cfg.memory, max_bad_steps=cfg.trainer.max_bad_steps,
+        batch_schedule=cfg.data.batch_schedule, transform_plan=plan.transforms,
     )
 
 
@@ -146,39 +146,19 @@ def resume_path(cfg: TrainConfig) -> str | None:
     return str(latest) if latest else None
 
 
-def run_precision(cfg: TrainConfig) -> PrecisionConfig:
-    """``cfg.precision`` with ``auto`` replaced by what this machine runs faster (measured once)."""
-    return resolve_precision(cfg.precision, _device_type(cfg))
-
-
-def _device_type(cfg: TrainConfig) -> str:
-    """Where autocast applies: ``cuda`` when the run uses GPUs, else ``cpu``."""
-    accelerator = cfg.trainer.accelerator
-    if accelerator == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return "cuda" if accelerator in ("gpu", "cuda") else "cpu"
-
-
-def compiles(cfg: TrainConfig) -> bool:
-    """``trainer.compile``, its default (null) resolved: on when training on CUDA without tensor
-    parallelism (which compiled blocks do not support yet: ``TrainConfig.validate``)."""
-    if cfg.trainer.compile is not None:
-        return cfg.trainer.compile
-    return _device_type(cfg) == "cuda" and cfg.layout.tp == 1
-
-
 def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = None) -> L.Trainer:
     silence_known_noise()  # before Lightning and W&B speak (dsl_lit.training.noise lists what)
+    plan = run_plan(cfg)
     callbacks: list[L.Callback] = [
         ThroughputMonitor(
-            training_flops_per_token(cfg.model, cfg.data.seq_len), run_precision(cfg).name, cfg.trainer.peak_tflops
+            training_flops_per_token(cfg.model, cfg.data.seq_len), plan.precision.name, cfg.trainer.peak_tflops
         ),
         *(extra_callbacks or []),
     ]
     if cfg.model.is_moe:
         callbacks.append(ExpertLoadMonitor(cfg.logger.expert_load_every_n_steps))
     if cfg.eval.every_n_steps:
-        callbacks.append(DownstreamEvaluation(cfg.eval, cfg.run_dir, run_precision(cfg).name))
+        callbacks.append(DownstreamEvaluation(cfg.eval, cfg.run_dir, plan.precision.name))
     if cfg.profiler.enabled:
         callbacks.append(TraceProfiler(cfg.profiler, cfg.run_dir))
     if cfg.memory.ema_decay:
@@ -197,7 +177,7 @@ def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = N
     strategy = (
         DeepSeekStrategy(cfg.layout, timeout=timedelta(seconds=cfg.trainer.collective_timeout_s))
         if cfg.world_size > 1
-        else OneDeviceStrategy(device=torch.device("cuda", 0) if _device_type(cfg) == "cuda" else torch.device("cpu"))
+        else OneDeviceStrategy(device=torch.device("cuda", 0) if plan.device_type == "cuda" else torch.device("cpu"))
     )
     return L.Trainer(
         accelerator=cfg.trainer.accelerator,
@@ -221,7 +201,7 @@ def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = N
         plugins=[
             DirectoryCheckpointIO(cfg.raw, async_save=ckpt.async_save, keep_last=ckpt.keep_last,
                                   fall_back=not ckpt.resume_from),  # a named checkpoint does not fall back
-            AutocastPrecision(run_precision(cfg).name, _device_type(cfg)),
+            AutocastPrecision(plan.precision.name, plan.device_type),
         ],
         default_root_dir=cfg.run_dir,
     )

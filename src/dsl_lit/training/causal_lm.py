@@ -30,7 +30,8 @@ from dsl_lit.config.precision import PrecisionConfig
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.models.common.moe import TopKRouter
 from dsl_lit.optim import build_lr_scheduler
-from dsl_lit.parallel.model_transforms import TransformPlan, is_fitting, transform_model
+from dsl_lit.parallel.model_setup import ModelSetup
+from dsl_lit.parallel.model_transforms import TransformPlan, is_fitting
 from dsl_lit.parallel.step_runner import LocalStepRunner, step_runner_of
 from dsl_lit.precision.loss_scaler import DynamicLossScaler
 from dsl_lit.precision.plugin import AutocastPrecision
@@ -58,8 +59,7 @@ class CausalLMModule(L.LightningModule):
         max_bad_steps: int = 10,
         initial_state: dict[str, torch.Tensor] | StartingWeights | None = None,
         batch_schedule: BatchSchedule | None = None,
-        compile: bool = False,
-        compile_backend: str = "inductor",
+        transform_plan: TransformPlan | None = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -76,9 +76,11 @@ class CausalLMModule(L.LightningModule):
         """Starting weights (``init_from``): a state dict, or weights read where the model is set up
         (:class:`StartingWeights`); None: the model's random init. A resumed run's checkpoint
         overwrites them."""
-        self.compile_blocks = compile
-        """``trainer.compile`` resolved: the strategy compiles each block last (:attr:`transform_plan`)."""
-        self.compile_backend = compile_backend
+        self.transform_plan = transform_plan or TransformPlan.of(self.precision, self.memory)
+        """What the strategy applies to the built model besides its layout, in the one order of
+        :mod:`dsl_lit.parallel.model_transforms` (FP8, recompute, compile): the run's plan
+        (``dsl_lit.training.run_plan``), or, for a module made by hand, its precision and memory
+        settings'."""
         self.batch_schedule = batch_schedule
         """The run's global batch per step (a batch ramp): schedules counted in tokens follow it."""
         self.bad_steps_in_a_row = 0
@@ -115,10 +117,12 @@ class CausalLMModule(L.LightningModule):
         if self.model_config.index_training == "warmup":  # DeepSeek-V3.2's dense warm-up: only the indexers learn
             for name, parameter in self.model.named_parameters():
                 parameter.requires_grad_(".indexer." in name)
-        trainer = self._trainer
-        if not getattr(trainer.strategy if trainer is not None else None, "applies_model_transforms", False):
-            # a strategy of Lightning's own (or none): the transforms without a layout, here
-            transform_model(self.model, self.transform_plan, fitting=is_fitting(trainer))
+        trainer = self._trainer  # None: built by hand, transformed by whichever strategy runs it later
+        wanted = self.transform_plan.wanted(is_fitting(trainer), speed_only=False) if trainer is not None else []
+        if wanted and not isinstance(trainer.strategy, ModelSetup):
+            raise RuntimeError(f"{', '.join(wanted)} of this module are applied by dsl_lit's strategies: build the "
+                              "Trainer with dsl_lit.training.build.build_trainer(cfg), or pass "
+                              "strategy=dsl_lit.parallel.one_device.OneDeviceStrategy(device)")
         if not lazy:
             if self.initial_state is not None:
                 self.model.load_state_dict(self.initial_state, strict=True)
@@ -126,15 +130,6 @@ class CausalLMModule(L.LightningModule):
             self.on_initial_weights()
         elif self.whole_model_at_start or not self.runner.shards_model:
             self.load_initial_weights(torch.get_default_device())  # where the strategy builds models
-
-    @property
-    def transform_plan(self) -> TransformPlan:
-        """What the strategy applies to the built model besides its layout, in the one order of
-        :mod:`dsl_lit.parallel.model_transforms`: FP8, activation recompute, compile."""
-        blocks = self.memory.recompute_blocks
-        return TransformPlan(self.precision.fp8, self.memory.recompute, tuple(blocks) if blocks is not None else None,
-                             self.compile_blocks, compile_backend=self.compile_backend,
-                             expert_weight_copies=self.precision.expert_weight_copies)
 
     def load_initial_weights(self, device: torch.device) -> None:
         """Read the starting weights into the model left on the meta device, on ``device``: the

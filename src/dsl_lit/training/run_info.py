@@ -56,17 +56,17 @@ def parameter_counts(model: ModelConfig) -> dict[str, int]:
 def derived(cfg: TrainConfig) -> dict[str, Any]:
     """What the config implies and no key sets: parameter counts, the layout of the processes, the
     device type and the precision the run trains in (``auto`` resolved), whether blocks are compiled."""
-    # imported here: build imports the modules that import this one
-    from dsl_lit.training.build import _device_type, compiles, run_precision
+    from dsl_lit.training.run_plan import run_plan  # imported here: it loads torch, this module does not
 
     layout = dataclasses.asdict(cfg.layout) if cfg.layout is not None else {"world_size": cfg.world_size}
-    precision = run_precision(cfg)
+    plan = run_plan(cfg)
+    precision = plan.precision
     return {
         "parameters": parameter_counts(cfg.model),
         "layout": layout,
-        "device": _device_type(cfg),
+        "device": plan.device_type,
         "precision": precision.name if precision.fp8 is None else f"{precision.name} + fp8 {precision.fp8}",
-        "compile": compiles(cfg),
+        "compile": plan.compile,
     }
 
 
