@@ -221,6 +221,11 @@ def test_grpo_cold_start_then_rl_from_a_random_model(tmp_path):
     cold = run_dir / "cold_start"
     assert sorted(rows(cold)) == [0, 1, 2] and (cold / "checkpoints" / "step-3" / "meta.json").is_file()
     assert f"init_from: {cold}" in (run_dir / "resolved_config.yaml").read_text()
+    # the cold start's own settings were validated and recorded with its run (before: patched after
+    # validation, its resolved_config.yaml showing GRPO's max_steps and lr)
+    resolved = yaml.safe_load((cold / "resolved_config.yaml").read_text())
+    assert resolved["trainer"]["max_steps"] == resolved["schedule"]["total_steps"] == 3
+    assert resolved["checkpoint"]["every_n_steps"] == 3 and resolved["data"]["global_batch_size"] == 8
     assert sorted(rows(run_dir)) == [0]
     # the cold start's random init comes from trainer.seed: a second run, in an interpreter whose
     # string hashes differ as they do between any two shells, is the same run (it was not seeded,

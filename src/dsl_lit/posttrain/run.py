@@ -131,14 +131,14 @@ def cold_start_sft(hydra_cfg: DictConfig, run_dir: Path, steps: int, lr: float, 
     import lightning as L
 
     directory = Path(run_dir) / "cold_start"
-    setup = setup_posttrain(hydra_cfg, str(directory))
+    # the cold start's own settings, merged before validation (so they are checked, and written to
+    # its resolved_config.yaml, as any run's); its last step's checkpoint starts the next stage
+    stage = {"trainer": {"max_steps": steps}, "checkpoint": {"every_n_steps": steps},
+             "schedule": {"name": "cosine", "warmup_steps": min(10, steps // 5), "total_steps": steps},
+             "optim": {"lr": lr}, "data": {"global_batch_size": 8, "micro_batch_size": 8}}
+    setup = setup_posttrain(OmegaConf.merge(hydra_cfg, stage), str(directory))
     cfg = setup.cfg
     L.seed_everything(cfg.trainer.seed, workers=True)  # its random init: the same run for the same seed
-    cfg.trainer = replace(cfg.trainer, max_steps=steps)
-    cfg.checkpoint = replace(cfg.checkpoint, every_n_steps=steps)  # its last step starts the next stage
-    cfg.schedule = replace(cfg.schedule, name="cosine", warmup_steps=min(10, steps // 5), total_steps=steps)
-    cfg.optim = replace(cfg.optim, lr=lr)
-    cfg.data = replace(cfg.data, global_batch_size=8, micro_batch_size=8)
     conversations = [setup.tokenizer.encode_conversation(c) for c in task_conversations(setup.post.task, shortcut_share)]
     rows = sft_rows(conversations, cfg.data.seq_len, setup.tokenizer.pad_id, packing=True)
     kwargs = module_kwargs(setup) | {"total_steps": steps, "micro_batch_size": 8}
