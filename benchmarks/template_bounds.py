@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 from benchmarks.headline import headline
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.utils.machine import machine_description
 from tests.test_template_bounds import PAYLOADS, _render
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from data_contract.errors import ConfigError
 from data_pipeline.config import load_config
-from dsl_lit.config.errors import ConfigError
 
 log = logging.getLogger("data_pipeline")
 GROUPS_DIR = Path(__file__).resolve().parents[1] / "conf" / "data_pipeline"

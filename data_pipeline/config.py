@@ -16,13 +16,13 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
+from data_contract.errors import ConfigError
+from data_contract.schema import dataclass_from_dict
 from data_pipeline.executors import ExecutorConfig
 from data_pipeline.registry import STAGES
 from data_pipeline.stage import Stage
 from data_pipeline.stages.finalize import Finalize
 from data_pipeline.stages.ingest import Ingest, InputConfig
-from dsl_lit.config.errors import ConfigError
-from dsl_lit.config.schema import dataclass_from_dict
 
 
 def section_schemas() -> dict[str, type]:

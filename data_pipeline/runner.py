@@ -20,6 +20,8 @@ from typing import Any
 
 import datasets
 
+from data_contract.corpus import listing_digest
+from data_contract.errors import ConfigError
 from data_pipeline import peak_memory
 from data_pipeline.config import PipelineConfig
 from data_pipeline.context import Context
@@ -29,8 +31,6 @@ from data_pipeline.io.output_dir import MARKER, claim_output_dir
 from data_pipeline.io.shards import marker_path, write_json
 from data_pipeline.stage import Step
 from data_pipeline.stages.ingest import InputFiles, file_identities, find_inputs, input_listing, plan_units
-from dsl_lit.config.errors import ConfigError
-from dsl_lit.data.corpus import listing_digest
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
+from data_contract.errors import ConfigError
 from data_pipeline.context import RunUnit
-from dsl_lit.config.errors import ConfigError
 
 
 @dataclass(frozen=True)

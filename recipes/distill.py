@@ -25,7 +25,7 @@ import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.posttrain import SFTModule
 from dsl_lit.posttrain.chat.conversations import read_conversations
 from dsl_lit.posttrain.chat.datamodule import RowsDataModule

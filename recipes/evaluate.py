@@ -27,8 +27,8 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from data_contract.schema import dataclass_from_dict
 from dsl_lit.config.evaluate import EvaluateConfig
-from dsl_lit.config.schema import dataclass_from_dict
 from dsl_lit.evaluation.checkpoint import evaluate_checkpoint
 from dsl_lit.training.runs import exits_on_config_error
 

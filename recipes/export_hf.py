@@ -24,8 +24,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError
 
+from data_contract.errors import ConfigError
 from dsl_lit.checkpoint.export_hf import export  # noqa: F401  (also this script's API: tests call export_hf.export)
-from dsl_lit.config.errors import ConfigError
 
 EXPORT_CONFIG = Path(__file__).resolve().parents[1] / "conf" / "export_hf.yaml"
 

@@ -28,9 +28,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from tokenizers import Tokenizer
 
+from data_contract.format import TOKENIZER_FILE
+from data_contract.schema import dataclass_from_dict
 from dsl_lit.config.passkey import PasskeyConfig
-from dsl_lit.config.schema import dataclass_from_dict
-from dsl_lit.data.format import TOKENIZER_FILE
 from dsl_lit.evaluation.passkey import markdown_table, passkey_accuracy, with_context
 from dsl_lit.evaluation.source import load_eval_model
 from dsl_lit.training.runs import exits_on_config_error

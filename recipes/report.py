@@ -24,7 +24,7 @@ import hydra
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.report.figures import draw_report
 from dsl_lit.report.metrics import METRICS_FILE, non_finite_steps
 from dsl_lit.training.runs import exits_on_config_error

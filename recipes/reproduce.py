@@ -26,8 +26,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from data_contract.schema import dataclass_from_dict
 from dsl_lit.config.reproduce import ReproduceConfig
-from dsl_lit.config.schema import dataclass_from_dict
 from dsl_lit.reproduce.preflight import check_commands, check_device, check_packages
 from dsl_lit.reproduce.runner import StageFailed, run_stages
 from dsl_lit.reproduce.stages import STAGE_TABLE

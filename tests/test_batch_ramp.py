@@ -7,10 +7,10 @@ import math
 import pytest
 from tokenizers import Tokenizer
 
+from data_contract.errors import ConfigError
+from data_contract.format import FIM_BEGIN_TOKEN
 from dsl_lit.config.data import BatchRampConfig, BatchSchedule
-from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.optim import ScheduleConfig
-from dsl_lit.data.format import FIM_BEGIN_TOKEN
 from dsl_lit.data.packed import PackedTokens
 from dsl_lit.data.sampler import GlobalBatchSampler
 from dsl_lit.optim.schedules import schedule_multiplier

@@ -23,6 +23,7 @@ import xxhash
 import yaml
 from torch.utils.data import DataLoader
 
+from data_contract.errors import ConfigError
 from dsl_lit.checkpoint.config_drift import check_config_drift
 from dsl_lit.checkpoint.directory import (
     DirectoryCheckpointIO,
@@ -35,7 +36,6 @@ from dsl_lit.checkpoint.reader import find_checkpoint
 from dsl_lit.checkpoint.resume import check_resume, resume_checkpoint
 from dsl_lit.checkpoint.sharded import read_full_tensors
 from dsl_lit.config import CheckpointConfig, ModelConfig, TrainConfig
-from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.hf import save_pretrained
 from dsl_lit.models import build_model

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.utils.data import DataLoader
 
+from data_contract.errors import ConfigError
 from dsl_lit.checkpoint.directory import (
     DirectoryCheckpointIO,
     StepCheckpoint,
@@ -26,7 +27,6 @@ from dsl_lit.checkpoint.directory import (
 )
 from dsl_lit.checkpoint.sharded import read_full_tensors
 from dsl_lit.config import TrainConfig
-from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.models import ModelConfig
 from dsl_lit.training import PretrainModule

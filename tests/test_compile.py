@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from data_contract.errors import ConfigError
 from dsl_lit.checkpoint.sharded import read_full_tensors
 from dsl_lit.config import TrainConfig
-from dsl_lit.config.errors import ConfigError
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.parallel.model_transforms import compile_blocks
 from dsl_lit.training.run_plan import compiles

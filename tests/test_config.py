@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from data_contract.errors import ConfigError
 from dsl_lit.config import TrainConfig
-from dsl_lit.config.errors import ConfigError
 from tests.conftest import CONF, ROOT, compose_config, with_stage_inputs
 from tests.forked_python import run_python
 

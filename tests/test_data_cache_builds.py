@@ -11,9 +11,9 @@ import json
 import shutil
 from pathlib import Path
 
+from data_contract.format import META_FILE, SHARDS_DIR, TOKENIZER_DIR
 from dsl_lit.data.cache import BUILDS_DIR, build_dir, prepare_cache, settings_fingerprint, stale_reason
 from dsl_lit.data.datamodule import PretrainDataModule
-from dsl_lit.data.format import META_FILE, SHARDS_DIR, TOKENIZER_DIR
 from tests.conftest import ROOT
 
 CORPUS = ROOT / "data" / "corpus"

@@ -13,10 +13,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from data_contract.errors import ConfigError
 from data_pipeline.config import load_config
 from data_pipeline.runner import run
 from data_pipeline.stages.decontaminate import DecontaminateConfig, contamination, ngram_index, words
-from dsl_lit.config.errors import ConfigError
 from dsl_lit.data.datamodule import PretrainDataModule
 from tests.conftest import ROOT
 

@@ -19,13 +19,13 @@ import pyarrow.parquet as pq
 import pytest
 
 import data_pipeline.stages.quality_filter as quality_filter
+from data_contract.errors import ConfigError
 from data_pipeline import registry
 from data_pipeline.config import load_config
 from data_pipeline.document_step import Verdicts, write_split
 from data_pipeline.io.shards import read_documents, shard_file
 from data_pipeline.runner import plan, run
 from data_pipeline.stage import Stage, Step
-from dsl_lit.config.errors import ConfigError
 from tests.forked_python import run_python
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import ray
 
+from data_contract.errors import ConfigError
 from data_pipeline import registry
 from data_pipeline.config import load_config
 from data_pipeline.document_step import Verdicts, write_split
@@ -25,7 +26,6 @@ from data_pipeline.io.shards import read_documents, read_marker, shard_file
 from data_pipeline.runner import plan, run
 from data_pipeline.stage import Stage, Step
 from data_pipeline.synthetic import planted_corpus
-from dsl_lit.config.errors import ConfigError
 from tests.ranks import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

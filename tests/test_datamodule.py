@@ -22,8 +22,8 @@ import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from omegaconf import DictConfig
 
+from data_contract.errors import ConfigError
 from dsl_lit.config.data import DataConfig
-from dsl_lit.config.errors import ConfigError
 from dsl_lit.data.datamodule import PretrainDataModule
 from dsl_lit.data.packed import PackedTokens
 
@@ -207,7 +207,7 @@ def test_accepts_the_composed_hydra_data_node(compose_cfg: Callable[[str], DictC
 
 
 def test_dsl_lit_never_imports_data_pipeline() -> None:
-    """The trainer and the pipeline share only ``dsl_lit.data.format``: no module of ``dsl_lit``
+    """The trainer and the pipeline share only ``data_contract.format``: no module of ``dsl_lit``
     imports ``data_pipeline``, and importing every data module leaves it unloaded."""
     offenders = []
     for path in sorted((ROOT / "src" / "dsl_lit").rglob("*.py")):

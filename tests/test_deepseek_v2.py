@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.hf import adapter_for_family, adapter_for_model_type, from_pretrained, save_pretrained
 from dsl_lit.models import ModelConfig, Transformer, build_model, family_spec
 from dsl_lit.models.common.moe import TopKRouter

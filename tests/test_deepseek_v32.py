@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.hf import from_pretrained, save_pretrained
 from dsl_lit.inference.generation import generate
 from dsl_lit.models import ModelConfig, Transformer, build_model

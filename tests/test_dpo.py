@@ -65,7 +65,7 @@ def test_a_pairs_file_in_trls_format_gives_the_rows_of_the_same_pairs(tokenizer,
     import json
     import logging
 
-    from dsl_lit.config.errors import ConfigError
+    from data_contract.errors import ConfigError
     from dsl_lit.posttrain.dpo.data import load_pairs, read_pairs
 
     task = TaskConfig(num_problems=40, eval_problems=4)

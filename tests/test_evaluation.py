@@ -23,11 +23,11 @@ import pytest
 import torch
 from lm_eval.api.instance import Instance
 
+from data_contract.errors import ConfigError
+from data_contract.schema import dataclass_from_dict
 from dsl_lit.config import TrainConfig
-from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.eval import EvalConfig, EvalTasksConfig
 from dsl_lit.config.evaluate import EvaluateConfig
-from dsl_lit.config.schema import dataclass_from_dict
 from dsl_lit.data.datamodule import PretrainDataModule
 from dsl_lit.evaluation import bundled
 from dsl_lit.evaluation.checkpoint import evaluate_checkpoint

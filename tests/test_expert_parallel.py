@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.config.parallel import ParallelLayout, check_expert_parallel
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.ops import cross_entropy

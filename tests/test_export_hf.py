@@ -20,11 +20,11 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from data_contract.errors import ConfigError
+from data_contract.tokenizer_dir import read_tokenizer_meta
 from dsl_lit.checkpoint.export_hf import run_tokenizer_dir
 from dsl_lit.checkpoint.integrity import file_checksum
 from dsl_lit.checkpoint.sharded import read_full_tensors
-from dsl_lit.config.errors import ConfigError
-from dsl_lit.data.tokenizer_dir import read_tokenizer_meta
 from dsl_lit.hf.token_ids import hf_token_ids, write_token_ids
 from dsl_lit.models import ModelConfig, build_model
 from tests.conftest import ROOT

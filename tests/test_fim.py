@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
+from data_contract.errors import ConfigError
+from data_contract.format import FIM_BEGIN_TOKEN, FIM_END_TOKEN, FIM_HOLE_TOKEN
 from data_pipeline.tokenizer.fim import encode_documents, fim_token_ids, plan_document
 from data_pipeline.tokenizer.spec import load_spec
 from data_pipeline.tokenizer.training import train_tokenizer
 from dsl_lit.config.data import DataConfig
-from dsl_lit.config.errors import ConfigError
-from dsl_lit.data.format import FIM_BEGIN_TOKEN, FIM_END_TOKEN, FIM_HOLE_TOKEN
 from tests.conftest import ROOT
 
 TEXTS = [f"Verse {i}: and the waters prevailed upon the earth {i * 7} days. " * (1 + i % 3) for i in range(400)]

@@ -83,7 +83,7 @@ def test_a_prompts_file_gives_problems_the_rewards_check(tmp_path, caplog):
     import json
     import logging
 
-    from dsl_lit.config.errors import ConfigError
+    from data_contract.errors import ConfigError
     from dsl_lit.config.posttrain import GRPOConfig
     from dsl_lit.posttrain.grpo.data import problem_prompt, read_problems
     from dsl_lit.posttrain.rewards.accuracy import accuracy_reward

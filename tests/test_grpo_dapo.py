@@ -13,7 +13,8 @@ import torch
 from omegaconf import OmegaConf
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
+from data_contract.format import ASSISTANT_TOKEN, BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, USER_TOKEN
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.config.posttrain import (
     DynamicSamplingConfig,
@@ -22,7 +23,6 @@ from dsl_lit.config.posttrain import (
     SamplingConfig,
     TaskConfig,
 )
-from dsl_lit.data.format import ASSISTANT_TOKEN, BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, USER_TOKEN
 from dsl_lit.models import ModelConfig
 from dsl_lit.posttrain import GRPOModule
 from dsl_lit.posttrain.chat.tokenizer import ChatTokenizer

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.hf import adapter_for_family, from_pretrained, save_pretrained
 from dsl_lit.hf.reader import HFCheckpoint
 from dsl_lit.models import ModelConfig, Transformer, build_model

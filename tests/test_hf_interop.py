@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.hf import adapter_for_family, adapter_for_model_type, from_pretrained, save_pretrained
 from dsl_lit.hf.io import parse_size
 from dsl_lit.models import ModelConfig, Transformer, build_model

@@ -29,7 +29,7 @@ from transformers import (
 )
 from transformers.modeling_layers import MtpModel
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.hf import (
     DeepSeekV2Adapter,
     DeepSeekV3Adapter,

@@ -122,24 +122,18 @@ PIPELINE_TIERS = (
     ("io", "peak_memory", "synthetic"),
     ("context",),
 )
-# What the pipeline uses of dsl_lit: the formats both sides read or write and the config errors.
-PIPELINE_DSL_LIT_SURFACE = {
-    "dsl_lit.config.errors",  # ConfigError: a refused setting exits with code 2, as the recipes do
-    "dsl_lit.config.schema",  # dataclass_from_dict: the same field-naming messages as every config
-    "dsl_lit.data.format",  # the packed-shard and tokenizer-directory layout the trainer reads
-    "dsl_lit.data.corpus",  # the corpus fingerprint the data module compares with shards/meta.json
-    "dsl_lit.data.tokenizer_dir",  # meta.json of a tokenizer directory, written here, read there
-    "dsl_lit.data.chat_template",  # the bounded Jinja sandbox (decontaminate renders eval prompts)
-    "dsl_lit.utils.fs",  # publish_dir: a directory appears whole or not at all
-}
+CONTRACT = SRC.parent / "data_contract"
 
 
-def test_pipeline_rooms_import_down_and_dsl_lit_only_its_surface():
+def test_pipeline_rooms_import_down_and_neither_side_imports_the_other():
+    """data_pipeline's rooms import down; it and dsl_lit share only ``data_contract`` (the shard
+    format, corpus fingerprint, tokenizer-directory meta, chat-template sandbox, atomic publish,
+    config errors), which imports neither. Before: data_pipeline imported 7 dsl_lit modules."""
     tier = {room: i for i, rooms in enumerate(PIPELINE_TIERS) for room in rooms}
     rooms = {p.name.removesuffix(".py") for p in PIPELINE.iterdir()
              if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.name != "__init__.py")}
     assert rooms == set(tier), "PIPELINE_TIERS and data_pipeline/ differ"
-    upward, outside = [], []
+    upward, crossing = [], []
     for path in PIPELINE.rglob("*.py"):
         parts = path.relative_to(PIPELINE).parts
         mine = parts[0].removesuffix(".py")
@@ -150,10 +144,18 @@ def test_pipeline_rooms_import_down_and_dsl_lit_only_its_surface():
                 target = module.split(".")[1]
                 if target != mine and tier[target] < tier[mine]:
                     upward.append(f"{path.relative_to(PIPELINE)} -> {module}")
-        outside += [f"{path.relative_to(PIPELINE)} -> {m}" for m in _imports(path)
-                    if m.split(".")[0] == "dsl_lit" and m not in PIPELINE_DSL_LIT_SURFACE]
+        crossing += [f"data_pipeline/{path.relative_to(PIPELINE)} -> {m}" for m in _imports(path)
+                     if m.split(".")[0] == "dsl_lit"]
+    for path in SRC.rglob("*.py"):
+        crossing += [f"dsl_lit/{path.relative_to(SRC)} -> {m}" for m in _imports(path)
+                     if m.split(".")[0] == "data_pipeline"]
+    for path in CONTRACT.rglob("*.py"):
+        crossing += [f"data_contract/{path.relative_to(CONTRACT)} -> {m}" for m in _imports(path)
+                     if m.split(".")[0] in ("dsl_lit", "data_pipeline")]
     assert not upward, upward
-    assert not outside, outside
+    assert not crossing, crossing
+    used = {m for path in PIPELINE.rglob("*.py") for m in _imports(path) if m.split(".")[0] == "data_contract"}
+    assert {"data_contract.format", "data_contract.errors"} <= used  # the test sees the pipeline's imports
 
 
 def _pipeline_import_graph() -> dict[str, set[str]]:

@@ -54,8 +54,8 @@ def test_a_model_that_cannot_fit_is_refused_before_it_is_built(tmp_path):
 
 
 def test_the_memory_check_follows_the_planners_estimate():
+    from data_contract.errors import ConfigError
     from dsl_lit.config import TrainConfig
-    from dsl_lit.config.errors import ConfigError
     from dsl_lit.scaling.planner.fits import plan_layout_of, refuse_what_cannot_fit
     from dsl_lit.scaling.planner.memory import estimate_memory
     from tests.conftest import compose_config

@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.config.memory import MemoryConfig
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.memory.recompute import apply_recompute

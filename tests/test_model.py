@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.models.common import attention
 from dsl_lit.models.common.attention import causal_attention

@@ -128,7 +128,7 @@ def test_a_module_that_asks_for_transforms_refuses_a_strategy_that_applies_none(
 
 def test_fp8_that_converts_no_layer_is_a_config_error():
     """Before: an INFO line ("0 Linear layers ... in FP8") and a bf16 run under an FP8 name."""
-    from dsl_lit.config.errors import ConfigError
+    from data_contract.errors import ConfigError
     from dsl_lit.models import ModelConfig, build_model
     from dsl_lit.parallel.model_transforms import TransformPlan, transform_model
 

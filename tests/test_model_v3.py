@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.flops import matmul_params_per_token
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.models.common.layers import RotaryEmbedding, rope_frequencies, yarn_softmax_scale

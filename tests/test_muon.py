@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.config.optim import OPTIMIZER_NAMES, OptimConfig
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.optim import build_optimizer

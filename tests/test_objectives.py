@@ -265,9 +265,9 @@ def test_token_logps_match_log_softmax():
     ({"rollout_correction": {"sequence_bounds": [2.0, 0.5]}}, r"^grpo\.rollout_correction\.sequence_bounds=\[2\.0, 0\.5\] must be \[lo, hi\]"),
 ])
 def test_grpo_variant_settings_are_checked(values, message):
-    from dsl_lit.config.errors import ConfigError
+    from data_contract.errors import ConfigError
+    from data_contract.schema import dataclass_from_dict
     from dsl_lit.config.posttrain import GRPOConfig, RolloutCorrectionConfig
-    from dsl_lit.config.schema import dataclass_from_dict
 
     with pytest.raises(ConfigError, match=message):
         dataclass_from_dict(GRPOConfig, values, "grpo").validate()

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.flops import non_embedding_flops_per_token, training_flops_per_token
 from dsl_lit.models import ModelConfig, build_model

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+from data_contract.format import file_sha256, token_dtype
 from data_pipeline.io.packed_writer import PackedShardWriter
 from data_pipeline.io.sources import load_documents
 from data_pipeline.stages.tokenize_pack import tokenize_pack
 from data_pipeline.tokenizer.training import train_tokenizer
-from dsl_lit.data.format import file_sha256, token_dtype
 from dsl_lit.data.packed import PackedTokens
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus"

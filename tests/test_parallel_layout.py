@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from data_contract.errors import ConfigError
 from dsl_lit.config import ParallelConfig, TrainConfig
-from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.parallel import ParallelLayout
 from dsl_lit.models import ModelConfig
 from tests.conftest import compose_config

@@ -14,7 +14,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from torch import nn
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.config.passkey import PasskeyConfig
 from dsl_lit.evaluation.passkey import passkey_accuracy, passkey_prompt, with_context
 from dsl_lit.models import ModelConfig, build_model

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.flops import training_flops_per_token
 from dsl_lit.scaling.planner import ClusterConfig, PlanLayout, estimate_memory, make_plan, search_layouts

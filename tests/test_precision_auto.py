@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from data_contract.errors import ConfigError
 from dsl_lit.config import TrainConfig
-from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.precision import PrecisionConfig
 from dsl_lit.precision.auto import (
     BF16_MIN_SPEEDUP,

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
+from data_contract.errors import ConfigError
 from dsl_lit.config import TrainConfig
-from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.objective import ObjectiveConfig
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.models import ModelConfig, build_model

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from data_contract.errors import ConfigError
 from dsl_lit.config import TrainConfig
-from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.profiler import ProfilerConfig
 from dsl_lit.training.callbacks.profiler import can_snapshot_cuda_memory
 from tests.conftest import compose_config

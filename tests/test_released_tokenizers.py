@@ -20,15 +20,15 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models
 
+from data_contract.errors import ConfigError
+from data_contract.format import TOKENIZER_FILE
+from data_contract.tokenizer_dir import derive_meta, read_tokenizer_meta
 from data_pipeline.config import load_config
 from data_pipeline.io.sources import load_documents
 from data_pipeline.runner import run
 from data_pipeline.tokenizer.spec import load_spec, reserved_token, untrained_tokenizer
 from data_pipeline.tokenizer.training import tokenizer_spec, train_tokenizer
-from dsl_lit.config.errors import ConfigError
-from dsl_lit.data.format import TOKENIZER_FILE
 from dsl_lit.data.packed import PackedTokens
-from dsl_lit.data.tokenizer_dir import derive_meta, read_tokenizer_meta
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "data" / "corpus"

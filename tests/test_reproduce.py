@@ -20,7 +20,7 @@ import torch
 import yaml
 from hydra import compose
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.config.reproduce import STAGES, ReproduceConfig
 from dsl_lit.reproduce.claims import NOT_MEASURED, NOT_REPRODUCED, REPRODUCED, claims_table
 from dsl_lit.reproduce.runner import MARKER, selected
@@ -219,7 +219,7 @@ def preset(name: str, *overrides: str) -> ReproduceConfig:
     """``reproduce=<name>`` as recipes/reproduce.py composes and validates it."""
     from omegaconf import OmegaConf
 
-    from dsl_lit.config.schema import dataclass_from_dict
+    from data_contract.schema import dataclass_from_dict
 
     raw = compose("reproduce", overrides=[f"reproduce={name}", *overrides])
     return dataclass_from_dict(ReproduceConfig, OmegaConf.to_container(raw.reproduce, resolve=True), "reproduce").validate()

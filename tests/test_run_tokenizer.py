@@ -23,6 +23,8 @@ import pytest
 import torch
 import yaml
 
+from data_contract.errors import ConfigError
+from data_contract.format import file_sha256
 from dsl_lit.checkpoint.directory import DirectoryCheckpointIO
 from dsl_lit.checkpoint.files import checkpoint_problem
 from dsl_lit.checkpoint.integrity import checksum_problem
@@ -34,8 +36,6 @@ from dsl_lit.checkpoint.tokenizer import (
     tokenizer_sha256,
 )
 from dsl_lit.config import CheckpointConfig
-from dsl_lit.config.errors import ConfigError
-from dsl_lit.data.format import file_sha256
 from dsl_lit.training.pretrained import StartingWeights
 from dsl_lit.training.run_tokenizer import record_run_tokenizer, starting_tokenizer
 from tests.conftest import ROOT

@@ -7,7 +7,7 @@ from itertools import islice
 import numpy as np
 import pytest
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.data.sampler import GlobalBatchSampler, epoch_permutation, num_windows
 
 N, G, SEED = 37, 8, 1234  # N not a multiple of G: global batches straddle epochs

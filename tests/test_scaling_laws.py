@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.scaling import (
     PAPER_BATCH,

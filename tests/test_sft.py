@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from data_contract.errors import ConfigError
+from data_contract.format import ASSISTANT_TOKEN, USER_TOKEN
 from data_pipeline.io.sources import load_documents
 from data_pipeline.tokenizer.training import tokenizer_spec, train_tokenizer
 from dsl_lit.config import TrainConfig
-from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.config.posttrain import GRPOConfig, TaskConfig
 from dsl_lit.data.datamodule import PretrainDataModule
-from dsl_lit.data.format import ASSISTANT_TOKEN, USER_TOKEN
 from dsl_lit.models import ModelConfig
 from dsl_lit.ops import cross_entropy
 from dsl_lit.posttrain import SFTModule
@@ -267,7 +267,7 @@ def test_reply_token_straddling_the_generation_prompt_is_trained(v3_dir, tmp_pat
 
 
 def test_a_model_smaller_than_the_tokenizer_fails_naming_both(v3_dir, tmp_path):
-    from dsl_lit.config.errors import ConfigError
+    from data_contract.errors import ConfigError
     from dsl_lit.posttrain.run import setup_posttrain
 
     cfg = compose_config("sft", [f"tokenizer_dir={v3_dir}", "+model.vocab_size=8192", "logger=csv"])
@@ -387,7 +387,7 @@ def test_template_bombs_are_refused_naming_the_file(v3_dir, tmp_path, template, 
 
 
 def test_render_time_is_bounded(v3_dir, tmp_path, monkeypatch):
-    from dsl_lit.data import chat_template as module
+    from data_contract import chat_template as module
 
     monkeypatch.setattr(module, "MAX_RENDER_SECONDS", 0.0)  # any render is over time
     directory = _with_template(v3_dir, tmp_path, "{% for i in range(10) %}{{ i }}{% endfor %}")
@@ -403,7 +403,7 @@ def test_a_huge_template_file_is_refused_before_it_is_read(v3_dir, tmp_path):
 
 
 def test_common_prefix_is_exact_across_block_boundaries():
-    from dsl_lit.data.chat_template import _common_prefix
+    from data_contract.chat_template import _common_prefix
 
     base = "".join(chr(97 + i % 26) for i in range(20000))
     for cut in (0, 1, 4095, 4096, 4097, 12345, 19999):
@@ -426,7 +426,7 @@ def test_a_malformed_sft_dataset_is_counted_and_set_aside(tmp_path, caplog):
     import json as _json
     import logging
 
-    from dsl_lit.config.errors import ConfigError
+    from data_contract.errors import ConfigError
     from dsl_lit.posttrain.chat.conversations import read_conversations
 
     good = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
@@ -460,7 +460,7 @@ def test_sft_reads_trl_text_rows_and_datasets_directories(tokenizer, tmp_path, c
 
     import datasets
 
-    from dsl_lit.config.errors import ConfigError
+    from data_contract.errors import ConfigError
     from dsl_lit.posttrain.chat.conversations import Document, encode_example, read_conversations
     from dsl_lit.posttrain.chat.rows import sft_rows
 

@@ -23,10 +23,10 @@ import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from markupsafe import Markup
 
+from data_contract import chat_template as ct
+from data_contract.chat_template import ChatTemplate, compile_template, render_bounded
+from data_contract.errors import ConfigError
 from data_pipeline.stages.decontaminate import DecontaminateConfig, ngram_index
-from dsl_lit.config.errors import ConfigError
-from dsl_lit.data import chat_template as ct
-from dsl_lit.data.chat_template import ChatTemplate, compile_template, render_bounded
 from tests.conftest import ROOT
 from tests.forked_python import run_python
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
+from data_contract.format import BOS_TOKEN, DEEPSEEK_SPECIAL_TOKENS, EOS_TOKEN, PAD_TOKEN
 from data_pipeline.io.sources import load_documents
 from data_pipeline.tokenizer.training import (
     build_pre_tokenizer,
@@ -15,7 +16,6 @@ from data_pipeline.tokenizer.training import (
     sample_texts,
     train_tokenizer,
 )
-from dsl_lit.data.format import BOS_TOKEN, DEEPSEEK_SPECIAL_TOKENS, EOS_TOKEN, PAD_TOKEN
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus"
 VOCAB = 512
@@ -147,8 +147,8 @@ def test_training_is_deterministic_and_atomic(corpus_texts: list[str], tmp_path:
     ],
 )
 def test_tokenizer_settings_are_checked_naming_the_field(settings: dict, message: str | None) -> None:
+    from data_contract.errors import ConfigError
     from data_pipeline.stages.train_tokenizer import TokenizerConfig
-    from dsl_lit.config.errors import ConfigError
 
     config = TokenizerConfig(**{"padded_vocab_size": None, **settings})
     if message is None:

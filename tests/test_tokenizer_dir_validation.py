@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models
 
-from dsl_lit.config.errors import ConfigError
-from dsl_lit.data.tokenizer_dir import validate_tokenizer_dir
+from data_contract.errors import ConfigError
+from data_contract.tokenizer_dir import validate_tokenizer_dir
 from tests.conftest import ROOT
 from tests.forked_python import run_python
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses as dc
 from dataclasses import dataclass
 
+from data_contract.errors import ConfigError
 from data_pipeline.stage import check_fraction
-from dsl_lit.config.errors import ConfigError
 
 
 @dataclass

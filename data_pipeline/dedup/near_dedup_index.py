@@ -17,9 +17,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from data_contract.errors import ConfigError
 from data_pipeline.dedup.lsh_bands import lsh_shape
 from data_pipeline.io.shards import building_dir
-from dsl_lit.config.errors import ConfigError
 
 if TYPE_CHECKING:
     from data_pipeline.dedup.near_dedup_config import NearDedupConfig

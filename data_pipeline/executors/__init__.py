@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 
 if TYPE_CHECKING:
     from data_pipeline.context import Context

@@ -17,10 +17,10 @@ import socket
 import time
 from typing import Any
 
+from data_contract.errors import ConfigError
 from data_pipeline.context import Context
 from data_pipeline.executors import ExecutorConfig, UnitFn
 from data_pipeline.stage import Step
-from dsl_lit.config.errors import ConfigError
 
 log = logging.getLogger(__name__)
 _POLL_SECONDS = 1.0

@@ -12,8 +12,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from data_contract.errors import ConfigError
 from data_pipeline.io.shards import write_json
-from dsl_lit.config.errors import ConfigError
 
 MARKER = ".data_pipeline.json"
 # Step directories of runs from before the marker existed: ``work/<NN>-<step>-<fingerprint>``.

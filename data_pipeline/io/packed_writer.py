@@ -1,4 +1,4 @@
-"""Writing the packed token format (``dsl_lit.data.format``): documents streamed into flat shards.
+"""Writing the packed token format (``data_contract.format``): documents streamed into flat shards.
 
 Why on the pipeline's side: only ``tokenize_pack`` produces packed datasets; the trainer reads them
 with ``dsl_lit.data.packed.PackedTokens`` and shares nothing with this module but the format.
@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from data_contract.format import FORMAT_VERSION, META_FILE, index_name, shard_name, token_dtype
+from data_contract.fs import publish_dir
 from data_pipeline.io.shards import make_temp_dir
-from dsl_lit.data.format import FORMAT_VERSION, META_FILE, index_name, shard_name, token_dtype
-from dsl_lit.utils.fs import publish_dir
 
 
 class PackedShardWriter:

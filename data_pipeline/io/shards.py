@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dsl_lit.utils.fs import publish_dir
+from data_contract.fs import publish_dir
 
 REMOVED_SCHEMA = pa.schema(
     [

@@ -43,11 +43,11 @@ from typing import Any
 import pyarrow.parquet as pq
 import yaml
 
+from data_contract.errors import ConfigError
 from data_pipeline.context import Context
 from data_pipeline.document_step import Verdicts, write_split
 from data_pipeline.io.shards import read_documents, shard_file
 from data_pipeline.stage import Stage, Step
-from dsl_lit.config.errors import ConfigError
 
 BUNDLED_TASKS = Path(__file__).resolve().parents[2] / "data" / "eval_tasks"
 """The project's own lm-eval tasks: the default evaluation sets."""
@@ -161,13 +161,13 @@ def _strings(value: Any) -> Iterator[str]:
 
 def _field(template: Any, record: dict[str, Any], origin: str) -> Any:
     """An lm-eval ``doc_to_*`` value over one record: a field name, or a ``{{field}}`` template
-    (rendered in the bounded sandbox of ``dsl_lit.data.chat_template``; a rendered list such as
+    (rendered in the bounded sandbox of ``data_contract.chat_template``; a rendered list such as
     ``"{{choices}}"`` is read back as one). A Python function (``!function``) gives None."""
     if not isinstance(template, str):
         return None if isinstance(template, _Function) else template
     if template in record:
         return record[template]
-    from dsl_lit.data.chat_template import render_bounded
+    from data_contract.chat_template import render_bounded
 
     text = render_bounded(template, origin, **record)
     if text.startswith("[") and text.endswith("]"):
@@ -302,7 +302,7 @@ class Decontaminate(Stage):
 
     def settings(self) -> Any:
         """Its settings and the evaluation sets' content: editing a benchmark file reruns the stage."""
-        from dsl_lit.data.corpus import file_listing, listing_digest
+        from data_contract.corpus import file_listing, listing_digest
 
         files = [str(f.resolve()) for p in self.config.paths()
                  for f in (sorted(p.rglob("*")) if p.is_dir() else [p]) if f.is_file()]

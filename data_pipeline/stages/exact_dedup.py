@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
+from data_contract.errors import ConfigError
 from data_pipeline.context import Context
 from data_pipeline.dedup.apply import mark_duplicates
 from data_pipeline.dedup.doc_keys import column_of_keys, make_keys, shard_of
 from data_pipeline.io.shards import shard_file, write_npy
 from data_pipeline.stage import Stage, Step
-from dsl_lit.config.errors import ConfigError
 
 HASH_DTYPE = np.dtype([("h0", "<u8"), ("h1", "<u8"), ("key", "<i8")])
 DUP_DTYPE = np.dtype([("key", "<i8"), ("first", "<i8")])

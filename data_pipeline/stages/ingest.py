@@ -25,12 +25,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from data_contract.corpus import CONTENT_BUDGET_BYTES, DOCUMENT_SUFFIXES, document_files, file_listing
+from data_contract.errors import ConfigError
 from data_pipeline.context import Context
 from data_pipeline.document_step import Verdicts, write_split
 from data_pipeline.io.input_splits import json_line_ranges, parquet_row_ranges, scan_all
 from data_pipeline.stage import Stage, Step
-from dsl_lit.config.errors import ConfigError
-from dsl_lit.data.corpus import CONTENT_BUDGET_BYTES, DOCUMENT_SUFFIXES, document_files, file_listing
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz")
 SUFFIXES = DOCUMENT_SUFFIXES  # JSON lines, .txt, .parquet
@@ -56,7 +56,7 @@ class InputConfig:
     dedup, filter and tokenizer stages."""
     fingerprint_bytes: int = CONTENT_BUDGET_BYTES
     """Inputs up to this many bytes in total are identified by content (xxh3 of every file), larger
-    ones by file sizes and modification times (dsl_lit.data.corpus); 0: always by size and mtime."""
+    ones by file sizes and modification times (data_contract.corpus); 0: always by size and mtime."""
 
     def validate(self) -> InputConfig:
         if not self.path:
@@ -114,7 +114,7 @@ def find_inputs(cfg: InputConfig) -> InputFiles:
 
 def file_identities(cfg: InputConfig, inputs: InputFiles) -> list[list[Any]]:
     """``[rel, size, content hash or mtime]`` of every input file, sorted by path: what identifies
-    the input (for a directory, ``dsl_lit.data.corpus.file_listing`` of its ``document_files``, as
+    the input (for a directory, ``data_contract.corpus.file_listing`` of its ``document_files``, as
     the data module computes it)."""
     files = (
         sorted(p.name for p in inputs.root.iterdir() if p.is_file()) if inputs.saved else sorted(inputs.files)

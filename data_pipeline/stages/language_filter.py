@@ -13,12 +13,12 @@ from typing import Any
 
 import pyarrow as pa
 
+from data_contract.errors import ConfigError
 from data_pipeline.context import Context
 from data_pipeline.document_step import Verdicts, map_documents, write_split
 from data_pipeline.filters.language_id import batch_identifier
 from data_pipeline.io.shards import read_documents, shard_file
 from data_pipeline.stage import Stage, Step, check_fraction
-from dsl_lit.config.errors import ConfigError
 
 MAX_CHARS = 10_000  # the first 10k characters decide; enough for a stable answer on long pages
 

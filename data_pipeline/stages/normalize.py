@@ -11,11 +11,11 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
+from data_contract.errors import ConfigError
 from data_pipeline.context import Context
 from data_pipeline.document_step import Verdicts, map_documents, text_bytes, write_split
 from data_pipeline.io.shards import read_documents, shard_file, table_of
 from data_pipeline.stage import Stage, Step
-from dsl_lit.config.errors import ConfigError
 
 _CONTROL = re.compile(
     r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u200b-\u200f\u2028\u2029\u202a-\u202e\u2060-\u2064\ufeff]"

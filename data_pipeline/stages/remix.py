@@ -19,12 +19,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from data_contract.errors import ConfigError
 from data_pipeline.context import Context
 from data_pipeline.dedup.doc_keys import make_keys
 from data_pipeline.document_step import Verdicts, write_split
 from data_pipeline.io.shards import read_documents, shard_file, write_npy, write_table
 from data_pipeline.stage import Stage, Step
-from dsl_lit.config.errors import ConfigError
 
 NO_VALUE = "<none>"
 

@@ -1,4 +1,4 @@
-"""Stage ``tokenize_pack``: tokenize documents and pack them into shards of ``dsl_lit.data.format``.
+"""Stage ``tokenize_pack``: tokenize documents and pack them into shards of ``data_contract.format``.
 
 Why batches of flat arrays: the Rust tokenizer encodes a batch of documents on its own threads
 (``encode_batch``, which releases the GIL) while this process turns the previous batch's token lists
@@ -12,7 +12,7 @@ Why per kept shard and then a merge: tokenizing is the expensive part and parall
 kept shards (each packed on its own, resumable); the merge only links the shard files into one
 packed dataset, renumbered in shard order, with one meta.json written last.
 The tokenizer is the run's own (``train_tokenizer``) or a ready one (``tokenizer.path``: a model's
-release, read by ``dsl_lit.data.tokenizer_dir``), which the merge copies to ``output_dir/tokenizer``
+release, read by ``data_contract.tokenizer_dir``), which the merge copies to ``output_dir/tokenizer``
 with a meta.json, so the output has the layout the data module reads either way.
 """
 
@@ -38,13 +38,8 @@ import numpy as np
 import pyarrow.compute as pc
 from tokenizers import Tokenizer
 
-from data_pipeline.context import Context
-from data_pipeline.io.packed_writer import PackedShardWriter
-from data_pipeline.io.shards import building_dir, link_or_copy, read_documents, shard_file, table_of
-from data_pipeline.stage import Stage, Step
-from data_pipeline.tokenizer.fim import encode_documents, fim_token_ids, plan_document
-from dsl_lit.config.errors import ConfigError
-from dsl_lit.data.format import (
+from data_contract.errors import ConfigError
+from data_contract.format import (
     META_FILE,
     SHARDS_DIR,
     TOKENIZER_DIR,
@@ -53,7 +48,12 @@ from dsl_lit.data.format import (
     index_name,
     shard_name,
 )
-from dsl_lit.data.tokenizer_dir import TOKENIZER_FILES, read_tokenizer_meta
+from data_contract.tokenizer_dir import TOKENIZER_FILES, read_tokenizer_meta
+from data_pipeline.context import Context
+from data_pipeline.io.packed_writer import PackedShardWriter
+from data_pipeline.io.shards import building_dir, link_or_copy, read_documents, shard_file, table_of
+from data_pipeline.stage import Stage, Step
+from data_pipeline.tokenizer.fim import encode_documents, fim_token_ids, plan_document
 
 log = logging.getLogger(__name__)
 

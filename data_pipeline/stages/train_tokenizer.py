@@ -16,14 +16,14 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from data_contract.errors import ConfigError
+from data_contract.format import META_FILE, TOKENIZER_DIR
+from data_contract.tokenizer_dir import validate_tokenizer_dir
 from data_pipeline.context import Context
 from data_pipeline.io.shards import shard_file
 from data_pipeline.stage import Stage, Step
 from data_pipeline.tokenizer.spec import BUNDLED, SPEC_NAMES
 from data_pipeline.tokenizer.training import tokenizer_spec, train_tokenizer
-from dsl_lit.config.errors import ConfigError
-from dsl_lit.data.format import META_FILE, TOKENIZER_DIR
-from dsl_lit.data.tokenizer_dir import validate_tokenizer_dir
 
 
 @dataclass

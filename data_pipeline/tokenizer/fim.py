@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 from tokenizers import Tokenizer
 
-from dsl_lit.config.errors import ConfigError
-from dsl_lit.data.format import FIM_BEGIN_TOKEN, FIM_END_TOKEN, FIM_HOLE_TOKEN, FIM_TOKENS
+from data_contract.errors import ConfigError
+from data_contract.format import FIM_BEGIN_TOKEN, FIM_END_TOKEN, FIM_HOLE_TOKEN, FIM_TOKENS
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from dsl_lit.data.format import DEEPSEEK_SPECIAL_TOKENS
+from data_contract.format import DEEPSEEK_SPECIAL_TOKENS
 
 SPECS_DIR = Path(__file__).resolve().parent / "specs"
 RELEASED = ("deepseek_llm", "deepseek_v3")

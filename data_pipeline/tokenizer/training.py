@@ -23,6 +23,13 @@ from typing import Any
 
 from tokenizers import Regex, pre_tokenizers, trainers
 
+from data_contract.format import META_FILE, TOKENIZER_FILE
+from data_contract.tokenizer_dir import (
+    SPECIAL_TOKENS_MAP,
+    TOKENIZER_CONFIG,
+    padded_vocab_size,
+    token_string,
+)
 from data_pipeline.io.shards import building_dir
 from data_pipeline.tokenizer.spec import (
     BUNDLED,
@@ -31,13 +38,6 @@ from data_pipeline.tokenizer.spec import (
     finish,
     load_spec,
     untrained_tokenizer,
-)
-from dsl_lit.data.format import META_FILE, TOKENIZER_FILE
-from dsl_lit.data.tokenizer_dir import (
-    SPECIAL_TOKENS_MAP,
-    TOKENIZER_CONFIG,
-    padded_vocab_size,
-    token_string,
 )
 
 log = logging.getLogger(__name__)

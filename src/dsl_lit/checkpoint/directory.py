@@ -45,6 +45,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import CheckpointIO
 from torch.distributed.checkpoint.api import CheckpointException
 
+from data_contract.errors import ConfigError
+from data_contract.fs import publish_dir
 from dsl_lit.checkpoint.files import (
     CONFIG,
     META,
@@ -67,9 +69,7 @@ from dsl_lit.checkpoint.sharded import (
 )
 from dsl_lit.checkpoint.tokenizer import META_KEY as TOKENIZER_KEY
 from dsl_lit.checkpoint.tokenizer import checkpoint_record, copy_into_checkpoint
-from dsl_lit.config.errors import ConfigError
 from dsl_lit.models.common.hf_adapter import few
-from dsl_lit.utils.fs import publish_dir
 
 log = logging.getLogger(__name__)
 

@@ -16,13 +16,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from data_contract.errors import ConfigError
+from data_contract.fs import publish_dir
+from data_contract.tokenizer_dir import TOKENIZER_FILES
 from dsl_lit.checkpoint.reader import WEIGHT_SOURCES, find_checkpoint, load_checkpoint_model
 from dsl_lit.checkpoint.tokenizer import checkpoint_tokenizer
-from dsl_lit.config.errors import ConfigError
-from dsl_lit.data.tokenizer_dir import TOKENIZER_FILES
 from dsl_lit.hf.io import resolve_dtype, save_pretrained
 from dsl_lit.hf.token_ids import hf_token_ids, write_token_ids
-from dsl_lit.utils.fs import publish_dir
 
 log = logging.getLogger(__name__)
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import yaml
 
+from data_contract.errors import ConfigError, MissingInputError
 from dsl_lit.checkpoint.files import (
     CONFIG,
     META,
@@ -26,7 +27,6 @@ from dsl_lit.checkpoint.files import (
 )
 from dsl_lit.checkpoint.integrity import checksum_problem
 from dsl_lit.checkpoint.sharded import read_full_tensors
-from dsl_lit.config.errors import ConfigError, MissingInputError
 from dsl_lit.hf.io import adapter_for_family, load_into_meta_model, resolve_dtype, tied_groups
 from dsl_lit.models import ModelConfig, Transformer, build_model
 from dsl_lit.models.common.hf_adapter import few

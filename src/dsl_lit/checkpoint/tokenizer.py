@@ -31,11 +31,11 @@ from typing import Any
 
 import yaml
 
+from data_contract.errors import ConfigError
+from data_contract.format import META_FILE, TOKENIZER_DIR, TOKENIZER_FILE, file_sha256
+from data_contract.fs import publish_dir
+from data_contract.tokenizer_dir import TOKENIZER_FILES, read_tokenizer_meta
 from dsl_lit.checkpoint.files import CONFIG, META
-from dsl_lit.config.errors import ConfigError
-from dsl_lit.data.format import META_FILE, TOKENIZER_DIR, TOKENIZER_FILE, file_sha256
-from dsl_lit.data.tokenizer_dir import TOKENIZER_FILES, read_tokenizer_meta
-from dsl_lit.utils.fs import publish_dir
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ naming the field and the fix before a Trainer, a process group or a dataset exis
 imports the rest of dsl-lit, Lightning or a LightningModule (``tests/test_architecture.py``).
 """
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.config.parallel import ParallelConfig, ParallelLayout
 from dsl_lit.config.train import (

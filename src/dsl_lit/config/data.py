@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsl_lit.config.errors import ConfigError
-from dsl_lit.config.schema import dataclass_from_dict
+from data_contract.errors import ConfigError
+from data_contract.schema import dataclass_from_dict
 
 
 @dataclass

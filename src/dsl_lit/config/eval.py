@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 
 
 @dataclass

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Literal
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 
 AttentionBackend = Literal["sdpa", "flash_attn", "eager"]
 ATTENTION_BACKENDS = ("sdpa", "flash_attn", "eager")

@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 
 
 def piecewise_constant(progress: float, values: Sequence[float], boundaries: Sequence[float]) -> float:

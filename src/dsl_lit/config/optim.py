@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 
 MOMENT_DTYPE_NAMES = ("fp32", "bf16")
 OPTIMIZER_NAMES = ("adamw", "muon")

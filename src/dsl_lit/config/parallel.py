@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.config.model import ModelConfig
 
 PP_SCHEDULES = ("1F1B", "Interleaved1F1B", "DualPipeV", "GPipe")

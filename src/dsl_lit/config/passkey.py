@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.config.model import YARN_KEYS
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.config.fp8_recipes import FP8_RECIPES
 
 NAMES = ("fp32", "bf16", "fp16", "auto")

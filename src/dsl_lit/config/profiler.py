@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 
 
 @dataclass

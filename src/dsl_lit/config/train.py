@@ -14,8 +14,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from data_contract.errors import ConfigError
+from data_contract.schema import dataclass_from_dict
 from dsl_lit.config.data import DataConfig
-from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.eval import EvalConfig
 from dsl_lit.config.memory import MemoryConfig
 from dsl_lit.config.model import ModelConfig
@@ -26,7 +27,6 @@ from dsl_lit.config.posttrain import PostTrainConfig
 from dsl_lit.config.precision import PrecisionConfig
 from dsl_lit.config.profiler import ProfilerConfig
 from dsl_lit.config.resolvers import register_resolvers
-from dsl_lit.config.schema import dataclass_from_dict
 
 
 @dataclass

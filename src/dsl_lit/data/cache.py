@@ -1,7 +1,7 @@
 """The data module's cache: a data-pipeline output directory, built by running the pipeline.
 
 Why a separate program: the trainer and ``data_pipeline`` share only the packed-shard format
-(``dsl_lit.data.format``). When ``data.cache_dir`` holds no current tokenizer and shards, the data
+(``data_contract.format``). When ``data.cache_dir`` holds no current tokenizer and shards, the data
 module runs ``python -m data_pipeline`` (the command ``make demo`` runs, with the tokenizer
 stages only: training the bundled tokenizer, or none with ``data.tokenizer_dir``, a released
 tokenizer the corpus is packed with) and then reads back its shards; a pipeline output made by hand
@@ -25,10 +25,10 @@ from typing import Any
 
 from filelock import FileLock
 
+from data_contract.corpus import corpus_record
+from data_contract.errors import ConfigError
+from data_contract.format import META_FILE, SHARDS_DIR, TOKENIZER_DIR, TOKENIZER_FILE, file_sha256
 from dsl_lit.config.data import DataConfig
-from dsl_lit.config.errors import ConfigError
-from dsl_lit.data.corpus import corpus_record
-from dsl_lit.data.format import META_FILE, SHARDS_DIR, TOKENIZER_DIR, TOKENIZER_FILE, file_sha256
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from data_contract.errors import ConfigError
+from data_contract.format import META_FILE, SHARDS_DIR, TOKENIZER_DIR
 from dsl_lit.config.data import DataConfig
-from dsl_lit.config.errors import ConfigError
 from dsl_lit.data.cache import build_dir, prepare_cache
-from dsl_lit.data.format import META_FILE, SHARDS_DIR, TOKENIZER_DIR
 from dsl_lit.data.packed import PackedTokens
 from dsl_lit.data.sampler import GlobalBatchSampler, num_windows
 

@@ -1,4 +1,4 @@
-"""Reading the packed token format (``dsl_lit.data.format``) as one stream through ``np.memmap``.
+"""Reading the packed token format (``data_contract.format``) as one stream through ``np.memmap``.
 
 Why: pretraining reads fixed-length windows at random offsets of one long token stream (documents
 are packed without cross-document masks, as in DeepSeek-V3). Raw little-endian arrays let every
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from dsl_lit.data.format import FORMAT_VERSION, META_FILE, index_name
+from data_contract.format import FORMAT_VERSION, META_FILE, index_name
 
 
 class PackedTokens:

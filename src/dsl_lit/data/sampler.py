@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 
 
 def num_windows(num_tokens: int, seq_len: int) -> int:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.config.evaluate import EvaluateConfig
 from dsl_lit.evaluation.harness import Harness, flat_metrics, write_results
 from dsl_lit.evaluation.lm import DslLitLM

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
+from data_contract.errors import ConfigError
+from data_contract.format import TOKENIZER_FILE
 from dsl_lit.checkpoint.reader import find_checkpoint, load_checkpoint_model
 from dsl_lit.checkpoint.tokenizer import checkpoint_tokenizer
-from dsl_lit.config.errors import ConfigError
-from dsl_lit.data.format import TOKENIZER_FILE
 from dsl_lit.hf import from_pretrained
 from dsl_lit.models import Transformer
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 
 LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas")
 """``dataset_path`` values of the ``datasets`` builders that read local files (``data_files``)."""

@@ -17,7 +17,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from dsl_lit.data.format import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, TOKENIZER_FILE
+from data_contract.format import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, TOKENIZER_FILE
 
 _CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 

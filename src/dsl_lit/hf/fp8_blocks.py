@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.precision.fp8_quantize import E4M3, QuantSpec, dequantize_fp8, quantize_fp8
 
 SCALE_SUFFIX = "_scale_inv"

@@ -25,7 +25,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
+from data_contract.fs import follow_umask
 from dsl_lit.hf.fp8_blocks import SCALE_SUFFIX, BlockFP8
 from dsl_lit.hf.reader import (
     CONFIG_NAME,
@@ -37,7 +38,6 @@ from dsl_lit.hf.reader import (
 from dsl_lit.models import ModelConfig, Transformer, build_model, family_spec
 from dsl_lit.models.common.hf_adapter import TOKEN_ID_KEYS, HFAdapter, StateDict
 from dsl_lit.models.registry import hf_reader
-from dsl_lit.utils.fs import follow_umask
 from dsl_lit.utils.materialise import (
     check_materialised,
     materialise,

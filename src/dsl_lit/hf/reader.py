@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.hf.fp8_blocks import SCALE_SUFFIX, BlockFP8, Region
 from dsl_lit.hf.safetensors_file import SafetensorsFile
 from dsl_lit.models import ModelConfig

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dsl_lit.data.tokenizer_dir import derive_meta
+from data_contract.tokenizer_dir import derive_meta
 from dsl_lit.hf.io import GENERATION_CONFIG_NAME
 from dsl_lit.hf.reader import CONFIG_NAME
 

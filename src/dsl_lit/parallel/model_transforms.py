@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.config.memory import MemoryConfig
 from dsl_lit.config.precision import PrecisionConfig
 from dsl_lit.memory.recompute import apply_recompute

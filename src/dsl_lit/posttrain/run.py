@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from data_contract.errors import ConfigError
 from dsl_lit.config import ParallelConfig, TrainConfig
-from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.posttrain import PostTrainConfig
 from dsl_lit.data.datamodule import PretrainDataModule
 from dsl_lit.posttrain.chat.tokenizer import ChatTokenizer

@@ -19,7 +19,7 @@ from hydra import compose
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.config.reproduce import ReproduceConfig
 from dsl_lit.config.reproduce_stages import STAGE_ROWS
 from dsl_lit.reproduce.runner import MARKER, Stage, StageContext, marker

@@ -21,7 +21,7 @@ import signal
 import sys
 from pathlib import Path
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 
 LOCK_FILE = ".reproduce.lock"
 PR_SET_PDEATHSIG = 1

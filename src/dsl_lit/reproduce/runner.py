@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.config.reproduce import ReproduceConfig
 from dsl_lit.config.reproduce_stages import StageRow
 from dsl_lit.reproduce.run_dir_lock import hold_run_dir

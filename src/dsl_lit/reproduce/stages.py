@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.config.reproduce import ReproduceConfig
 from dsl_lit.config.reproduce_stages import EVALUATED, STAGE_ROWS, YARN_FACTOR
@@ -180,9 +180,9 @@ def carried_build(path: str) -> dict[str, Any]:
     its tokenizer and shards (a data cache's links into ``builds/<fingerprint>/`` resolved) and the
     data settings it was made with, which every stage reading it must pass (or the data module would
     rebuild it, needing the pipeline). A ConfigError naming how to make one otherwise."""
+    from data_contract.format import META_FILE, SHARDS_DIR, TOKENIZER_DIR
     from dsl_lit.config.data import DataConfig
     from dsl_lit.data.cache import stale_reason
-    from dsl_lit.data.format import META_FILE, SHARDS_DIR, TOKENIZER_DIR
 
     given = Path(path).expanduser()
     if not ((given / SHARDS_DIR / META_FILE).is_file() and (given / TOKENIZER_DIR / META_FILE).is_file()):

@@ -31,8 +31,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from dsl_lit.config.errors import ConfigError
-from dsl_lit.config.schema import dataclass_from_dict
+from data_contract.errors import ConfigError
+from data_contract.schema import dataclass_from_dict
 from dsl_lit.flops import non_embedding_flops_per_token
 from dsl_lit.scaling.fit import fit_allocation, fit_hparam_laws
 

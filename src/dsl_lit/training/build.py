@@ -16,10 +16,10 @@ import torch
 from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from data_contract.errors import ConfigError
 from dsl_lit.checkpoint.directory import DirectoryCheckpointIO, StepCheckpoint, latest_checkpoint
 from dsl_lit.checkpoint.resume import resume_checkpoint
 from dsl_lit.config import ModelConfig, TrainConfig
-from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.model import CONTEXT_FIELDS
 from dsl_lit.flops import training_flops_per_token
 from dsl_lit.models import build_model

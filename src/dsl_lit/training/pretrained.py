@@ -26,11 +26,11 @@ import yaml
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
+from data_contract.errors import ConfigError
 from dsl_lit.checkpoint.files import SHARDS
 from dsl_lit.checkpoint.reader import PREFIX, find_checkpoint, model_config
 from dsl_lit.checkpoint.sharded import saved_tensors
 from dsl_lit.checkpoint.tokenizer import RecordedTokenizer, recorded_tokenizer
-from dsl_lit.config.errors import ConfigError
 from dsl_lit.hf.reader import CONFIG_NAME, HFCheckpoint, check_state_dict
 from dsl_lit.memory.host import peak_rss_bytes
 from dsl_lit.models import ModelConfig, Transformer, build_model, spec_of

@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from data_contract.errors import ConfigError
 from dsl_lit.checkpoint.resume import resume_checkpoint
 from dsl_lit.checkpoint.tokenizer import (
     RUN_TOKENIZER,
@@ -29,7 +30,6 @@ from dsl_lit.checkpoint.tokenizer import (
     tokenizer_sha256,
 )
 from dsl_lit.config import TrainConfig
-from dsl_lit.config.errors import ConfigError
 from dsl_lit.training.pretrained import StartingWeights
 from dsl_lit.training.runs import is_launcher_process
 

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 
+from data_contract.errors import ConfigError
+from data_contract.tokenizer_dir import validate_tokenizer_dir
 from dsl_lit.config import TrainConfig
-from dsl_lit.config.errors import ConfigError
 from dsl_lit.config.resolvers import register_resolvers
-from dsl_lit.data.tokenizer_dir import validate_tokenizer_dir
 
 if TYPE_CHECKING:
     import lightning as L

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.utils.names import few  # noqa: F401 (importable from here too)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.config.model import ModelConfig
 
 

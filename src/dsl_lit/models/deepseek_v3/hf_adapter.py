@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.models.deepseek_v3.hf_layout import HF_LAYER, MLAMoEAdapter
 from dsl_lit.models.deepseek_v3.v2_hf_adapter import V2_ADAPTER

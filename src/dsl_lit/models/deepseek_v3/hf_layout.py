@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.models.common.hf_adapter import (
     BLOCK_NORM_NAMES,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.config.model import INDEX_TRAINING, INDEXER_FIELDS, ModelConfig
 from dsl_lit.models.common.attention_shape import SparseLatentAttentionShape
 from dsl_lit.models.deepseek_v3 import validation as v3

@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.models.common.hf_adapter import require
 from dsl_lit.models.deepseek_v3.hf_adapter import DeepSeekV3Adapter

@@ -3,7 +3,7 @@ shared ones: MLA's dimensions, DeepSeekMoE's experts and node-limited routing, M
 
 from __future__ import annotations
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.config.model import EXPERT_BACKENDS, SCORE_FUNCS, ModelConfig
 
 

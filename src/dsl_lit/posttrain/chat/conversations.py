@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.config.posttrain import TaskConfig
 from dsl_lit.posttrain.chat.records import as_messages, read_records
 from dsl_lit.posttrain.chat.tokenizer import ChatTokenizer, EncodedConversation

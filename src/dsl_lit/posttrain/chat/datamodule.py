@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from data_contract.errors import ConfigError
 from dsl_lit.config.data import DataConfig
-from dsl_lit.config.errors import ConfigError
 from dsl_lit.data.datamodule import PretrainDataModule
 
 Rows = dict[str, torch.Tensor]

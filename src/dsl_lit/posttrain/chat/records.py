@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 
 Row = TypeVar("Row")
 Message = dict[str, str]

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.posttrain.chat.tokenizer import EncodedConversation
 
 log = logging.getLogger(__name__)

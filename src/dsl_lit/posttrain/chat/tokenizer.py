@@ -4,7 +4,7 @@ A released tokenizer carries the template its model was trained with (``chat_tem
 tokenizer_config.json, or chat_template.jinja): the conversation is rendered with it exactly as
 ``transformers``' ``apply_chat_template`` renders it, and encoded as a whole, so the ids equal
 ``apply_chat_template(messages, tokenize=True)``. Tokens are trained on where they overlap what the
-assistant wrote (``dsl_lit.data.chat_template``): its replies as the template shows them (R1's
+assistant wrote (``data_contract.chat_template``): its replies as the template shows them (R1's
 template drops the ``<think>`` reasoning of assistant turns; V3's keeps it) and the
 end-of-sentence token after each. A tokenizer without a template (the bundled demo tokenizer) gets
 DeepSeek's format, written here:
@@ -21,9 +21,9 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from dsl_lit.data.chat_template import ChatTemplate, Span
-from dsl_lit.data.format import ASSISTANT_TOKEN, TOKENIZER_FILE, USER_TOKEN
-from dsl_lit.data.tokenizer_dir import (
+from data_contract.chat_template import ChatTemplate, Span
+from data_contract.format import ASSISTANT_TOKEN, TOKENIZER_FILE, USER_TOKEN
+from data_contract.tokenizer_dir import (
     CHAT_TEMPLATE_FILE,
     TOKENIZER_CONFIG,
     chat_template,

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.config.posttrain import TaskConfig
 from dsl_lit.posttrain.chat.datamodule import Rows
 from dsl_lit.posttrain.chat.records import as_messages, read_records

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsl_lit.config.errors import ConfigError
-from dsl_lit.config.schema import dataclass_from_dict
+from data_contract.errors import ConfigError
+from data_contract.schema import dataclass_from_dict
 
 GIB = 2**30
 

@@ -13,10 +13,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
+from data_contract.schema import dataclass_from_dict
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.config.parallel import ParallelLayout
-from dsl_lit.config.schema import dataclass_from_dict
 from dsl_lit.scaling.planner.cluster import ClusterConfig
 from dsl_lit.scaling.planner.layout import PARALLEL_FIELDS, PlanLayout
 

@@ -9,8 +9,8 @@ first, and a run that needs more than the machine has is a one-line error naming
 
 from __future__ import annotations
 
+from data_contract.errors import ConfigError
 from dsl_lit.config import TrainConfig
-from dsl_lit.config.errors import ConfigError
 from dsl_lit.memory.host import available_bytes
 from dsl_lit.scaling.planner.cluster import GIB
 from dsl_lit.scaling.planner.layout import RECOMPUTE_MODES, PlanLayout

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 from dsl_lit.config.memory import MODES
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.config.optim import OPTIMIZER_NAMES

@@ -39,8 +39,8 @@ from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace, _PassArg, generate_lorem_ipsum
 
-from dsl_lit.config.errors import ConfigError
-from dsl_lit.data.tokenizer_dir import token_string
+from data_contract.errors import ConfigError
+from data_contract.tokenizer_dir import token_string
 
 Message = Mapping[str, Any]
 Span = tuple[int, int]

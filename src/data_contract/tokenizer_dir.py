@@ -14,8 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dsl_lit.config.errors import ConfigError
-from dsl_lit.data.format import META_FILE, TOKENIZER_FILE
+from data_contract.errors import ConfigError
+from data_contract.format import META_FILE, TOKENIZER_FILE
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"

@@ -10,7 +10,7 @@ import types
 import typing
 from typing import Any, TypeVar
 
-from dsl_lit.config.errors import ConfigError
+from data_contract.errors import ConfigError
 
 T = TypeVar("T")
 

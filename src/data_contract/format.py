@@ -19,7 +19,7 @@ document), so each shard's index describes whole documents. ``shards/meta.json``
 ``format_version``, ``dtype``, ``num_tokens``, ``num_documents``, ``num_empty_skipped``, ``shards``
 (``file``, ``num_tokens``, ``num_documents`` each), ``eos_id``, ``vocab_size``,
 ``padded_vocab_size``, ``tokenizer_sha256`` (of the tokenizer.json it was encoded with),
-``corpus`` (the input it was built from: ``dsl_lit.data.corpus.corpus_record``) and ``stages`` (the
+``corpus`` (the input it was built from: ``data_contract.corpus.corpus_record``) and ``stages`` (the
 pipeline stages that produced it).
 """
 
