@@ -19,10 +19,9 @@ from typing import Any
 from data_contract.errors import ConfigError
 from data_contract.schema import dataclass_from_dict
 from data_pipeline.executors import ExecutorConfig
-from data_pipeline.registry import STAGES
-from data_pipeline.stage import Stage
-from data_pipeline.stages.finalize import Finalize
-from data_pipeline.stages.ingest import Ingest, InputConfig
+from data_pipeline.registry import ALWAYS, STAGES
+from data_pipeline.stage import Phase, Stage
+from data_pipeline.stages.ingest import InputConfig
 
 
 def section_schemas() -> dict[str, type]:
@@ -52,16 +51,12 @@ class PipelineConfig:
     for a section without usable defaults (``remix``) that was not given."""
 
     def stage_objects(self) -> list[Stage]:
-        """The run's stages in order: ingest, the document stages as listed, finalize, then the
-        stages that read ``kept/`` (tokenizer training and packing)."""
-        chosen = [STAGES[name] for name in self.stages]
-        made = [stage(self.sections[stage.section_name()], self.sections) for stage in chosen]
-        return [
-            Ingest(self.input, self.sections),
-            *[s for s in made if not s.after_finalize],
-            Finalize(None, self.sections),
-            *[s for s in made if s.after_finalize],
-        ]
+        """The run's stages in the order of their phases (``Stage.phase``: ingest, the document
+        stages as listed, finalize, then the stages that read ``kept/``), each made with its settings."""
+        settings = {**self.sections, "input": self.input}  # the input's settings are a field of their own
+        chosen = [*ALWAYS, *(STAGES[name] for name in self.stages)]
+        made = [stage(settings.get(stage.section_name()), self.sections) for stage in chosen]
+        return sorted(made, key=lambda stage: stage.phase)  # stable: as listed within a phase
 
     def validate(self) -> PipelineConfig:
         if not self.output_dir:
@@ -71,11 +66,9 @@ class PipelineConfig:
             raise ConfigError(f"stages: unknown stage(s) {unknown}; known stages: {list(STAGES)}")
         if len(set(self.stages)) != len(self.stages):
             raise ConfigError(f"stages={self.stages} names a stage twice")
-        first_late = next(
-            (i for i, s in enumerate(self.stages) if STAGES[s].after_finalize), len(self.stages)
-        )
-        if any(not STAGES[s].after_finalize for s in self.stages[first_late:]):
-            last = " and ".join(name for name, stage in STAGES.items() if stage.after_finalize)
+        phases = [STAGES[s].phase for s in self.stages]
+        if phases != sorted(phases):
+            last = " and ".join(name for name, stage in STAGES.items() if stage.phase == Phase.PUBLISHED)
             raise ConfigError(f"stages={self.stages}: {last} must come last")
         for position, name in enumerate(self.stages):
             stage = STAGES[name]

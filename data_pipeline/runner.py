@@ -14,23 +14,20 @@ import hashlib
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import datasets
 
-from data_contract.corpus import listing_digest
 from data_contract.errors import ConfigError
 from data_pipeline import peak_memory
 from data_pipeline.config import PipelineConfig
 from data_pipeline.context import Context
 from data_pipeline.executors import Executor, make_executor
-from data_pipeline.io.input_splits import CACHE_FILE
 from data_pipeline.io.output_dir import MARKER, claim_output_dir
 from data_pipeline.io.shards import marker_path, write_json
 from data_pipeline.stage import Step
-from data_pipeline.stages.ingest import InputFiles, file_identities, find_inputs, input_listing, plan_units
 
 log = logging.getLogger(__name__)
 
@@ -44,23 +41,23 @@ class Planned:
     num_units: int
 
 
-def plan(cfg: PipelineConfig, inputs: InputFiles | None = None) -> list[Planned]:
-    """Every step of the run with its directory ``work/<NN>-<name>-<fingerprint>`` and unit count."""
+def plan(cfg: PipelineConfig, found: Any = None) -> list[Planned]:
+    """Every step of the run with its directory ``work/<NN>-<name>-<fingerprint>`` and unit count;
+    the stage that reads the input (``Stage.reads_input``) splits it into the units every step
+    shares. ``found``: what that stage's ``find_input`` returned, if the caller has it."""
     output_dir = Path(cfg.output_dir)
-    inputs = find_inputs(cfg.input) if inputs is None else inputs
-    identities = file_identities(cfg.input, inputs)
+    stages = cfg.stage_objects()
+    reader = next(stage for stage in stages if stage.reads_input)
+    found = reader.find_input()[0] if found is None else found
     owned = (output_dir / MARKER).is_file()  # only then may planning keep its input scans there
-    units = plan_units(cfg.input, inputs, identities, output_dir / CACHE_FILE if owned else None)
-    listing = input_listing(identities, units)
-    corpus = {"path": str(Path(cfg.input.path).resolve()), "fingerprint": listing_digest(listing)}
-    fingerprint = hashlib.sha256(
-        json.dumps([PIPELINE_VERSION, asdict(cfg.input), listing], sort_keys=True).encode()
-    ).hexdigest()
+    source = reader.plan_input(found, output_dir if owned else None)
+    units = source.units
+    fingerprint = hashlib.sha256(json.dumps([PIPELINE_VERSION, *source.identity], sort_keys=True).encode()).hexdigest()
     planned: list[Planned] = []
     dirs: dict[str, Path] = {}
     document_steps: list[tuple[str, str, Path]] = []
     docs_dir: Path | None = None
-    steps = [(stage, step) for stage in cfg.stage_objects() for step in stage.steps()]
+    steps = [(stage, step) for stage in stages for step in stage.steps()]
     for position, (stage, step) in enumerate(steps):
         fingerprint = hashlib.sha256(
             json.dumps([fingerprint, step.name, step.settings], sort_keys=True, default=str).encode()
@@ -79,7 +76,7 @@ def plan(cfg: PipelineConfig, inputs: InputFiles | None = None) -> list[Planned]
             document_steps=list(document_steps),
             num_shards=len(units),
             input_units=units,
-            corpus=corpus,
+            corpus=source.corpus,
         )
         planned.append(Planned(step, ctx, step.num_units(len(units))))
         dirs[step.name] = step_dir
@@ -117,12 +114,13 @@ def _run_step(p: Planned, cfg: PipelineConfig, executor: Executor) -> None:
 def claim_and_plan(cfg: PipelineConfig) -> list[Planned]:
     """Check ``step`` and the input, claim ``output_dir`` (refusing one that is not the pipeline's),
     then plan: the claimed directory keeps the input's line scans for every later invocation."""
-    names = [step.name for stage in cfg.stage_objects() for step in stage.steps()]
+    stages = cfg.stage_objects()
+    names = [step.name for stage in stages for step in stage.steps()]
     if cfg.step is not None and cfg.step not in names:
         raise ConfigError(f"step={cfg.step!r} is not a step of this run; its steps are {names}")
-    inputs = find_inputs(cfg.input)
-    claim_output_dir(cfg.output_dir, None if Path(cfg.input.path).is_file() else inputs.root)
-    return plan(cfg, inputs)
+    found, root = next(stage for stage in stages if stage.reads_input).find_input()
+    claim_output_dir(cfg.output_dir, root)
+    return plan(cfg, found)
 
 
 def run(cfg: PipelineConfig, executor: Executor | None = None) -> dict[str, Any] | None:

@@ -12,6 +12,8 @@ marker and feed stats.json.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from enum import IntEnum
+from pathlib import Path
 from typing import Any, ClassVar
 
 from data_contract.errors import ConfigError
@@ -31,12 +33,33 @@ class Step:
         return num_shards if self.units is None else self.units
 
 
+class Phase(IntEnum):
+    """Where a stage's steps fall in every run; within a phase, stages run in the order ``stages``
+    lists them."""
+
+    INGEST = 0  # the input read into document shards
+    DOCUMENTS = 1  # document stages: dedup, filters, decontamination, remixing
+    FINALIZE = 2  # kept/ and removed/ published
+    PUBLISHED = 3  # stages that read the published kept/ (tokenizer training, packing)
+
+
+@dataclass(frozen=True)
+class InputPlan:
+    """The input split into units (one per document shard), as the stage that reads it plans it."""
+
+    units: list[dict[str, Any]]
+    corpus: dict[str, str]  # the input's path and fingerprint (``data_contract.corpus``)
+    identity: list[Any]  # what fingerprints every step: the input settings and its file listing
+
+
 class Stage:
     """Base of every stage. Subclasses set ``name`` and ``Config`` and implement ``steps``.
 
     ``section``: the key of the stage's settings in the config (default: ``name``); stages may share
-    one (``train_tokenizer`` and ``tokenize_pack`` read ``tokenizer``). ``after_finalize``: the stage
-    reads the published ``kept/`` documents and runs after every document stage.
+    one (``train_tokenizer`` and ``tokenize_pack`` read ``tokenizer``). ``phase``: where its steps
+    run (:class:`Phase`). ``always``: it runs in every run without being listed in ``stages``
+    (ingest, finalize). ``reads_input``: it turns ``input.path`` into the run's units
+    (:meth:`find_input`, :meth:`plan_input`); the runner asks the stage with this role, by role.
     ``needs_settings``: the section has no usable defaults; the hint says how to set it.
     ``comes_after``: stages that, when also selected, must be listed before this one.
 
@@ -48,7 +71,9 @@ class Stage:
     name: ClassVar[str]
     Config: ClassVar[type]
     section: ClassVar[str | None] = None
-    after_finalize: ClassVar[bool] = False
+    phase: ClassVar[Phase] = Phase.DOCUMENTS
+    always: ClassVar[bool] = False
+    reads_input: ClassVar[bool] = False
     needs_settings: ClassVar[str | None] = None
     comes_after: ClassVar[tuple[str, ...]] = ()
 
@@ -66,6 +91,16 @@ class Stage:
 
     def steps(self) -> list[Step]:
         raise NotImplementedError(f"stage {self.name} must list its steps")
+
+    def find_input(self) -> tuple[Any, Path | None]:
+        """(What ``input.path`` names, the directory an output claim is checked against: None for
+        a single file); a ConfigError when there is nothing. Only a stage that ``reads_input``."""
+        raise NotImplementedError(f"stage {self.name} does not read the input")
+
+    def plan_input(self, found: Any, cache_dir: Path | None) -> InputPlan:
+        """``found`` (:meth:`find_input`) split into units; ``cache_dir`` (the claimed output
+        directory, or None) keeps the input's scans for the next invocation."""
+        raise NotImplementedError(f"stage {self.name} does not read the input")
 
     def step(
         self,

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 
 from data_pipeline.context import Context
 from data_pipeline.io.shards import building_dir, link_or_copy, removed_file, shard_file
-from data_pipeline.stage import Stage, Step
+from data_pipeline.stage import Phase, Stage, Step
 
 
 def _publish(ctx: Context, name: str, files: list[tuple[Path, str]]) -> None:
@@ -37,10 +37,12 @@ def run_unit(ctx: Context, unit: int) -> dict[str, Any]:
 
 
 class Finalize(Stage):
-    """Always runs after the document stages (not listed in ``stages``); it has no settings."""
+    """Runs in every run after the document stages (not listed in ``stages``); it has no settings."""
 
     name = "finalize"
     Config = type(None)
+    phase = Phase.FINALIZE
+    always = True
 
     def settings(self) -> None:
         return None

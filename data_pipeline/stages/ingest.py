@@ -25,12 +25,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from data_contract.corpus import CONTENT_BUDGET_BYTES, DOCUMENT_SUFFIXES, document_files, file_listing
+from data_contract.corpus import (
+    CONTENT_BUDGET_BYTES,
+    DOCUMENT_SUFFIXES,
+    document_files,
+    file_listing,
+    listing_digest,
+)
 from data_contract.errors import ConfigError
 from data_pipeline.context import Context
 from data_pipeline.document_step import Verdicts, write_split
-from data_pipeline.io.input_splits import json_line_ranges, parquet_row_ranges, scan_all
-from data_pipeline.stage import Stage, Step
+from data_pipeline.io.input_splits import CACHE_FILE, json_line_ranges, parquet_row_ranges, scan_all
+from data_pipeline.stage import InputPlan, Phase, Stage, Step
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz")
 SUFFIXES = DOCUMENT_SUFFIXES  # JSON lines, .txt, .parquet
@@ -328,14 +334,29 @@ def run_unit(ctx: Context, unit: int) -> dict[str, Any]:
 
 
 class Ingest(Stage):
-    """Always the first stage (not listed in ``stages``): its settings, ``input``, fingerprint every step."""
+    """The first stage of every run (not listed in ``stages``): it reads ``input``, and its settings
+    and the input's listing fingerprint every step."""
 
     name = "ingest"
     Config = InputConfig
     section = "input"
+    phase = Phase.INGEST
+    always = True
+    reads_input = True
 
     def settings(self) -> None:
         return None
 
     def steps(self) -> list[Step]:
         return [self.step(run_unit, writes_documents=True)]
+
+    def find_input(self) -> tuple[InputFiles, Path | None]:
+        found = find_inputs(self.config)
+        return found, None if Path(self.config.path).is_file() else found.root
+
+    def plan_input(self, found: InputFiles, cache_dir: Path | None) -> InputPlan:
+        identities = file_identities(self.config, found)
+        units = plan_units(self.config, found, identities, cache_dir / CACHE_FILE if cache_dir is not None else None)
+        listing = input_listing(identities, units)
+        corpus = {"path": str(Path(self.config.path).resolve()), "fingerprint": listing_digest(listing)}
+        return InputPlan(units, corpus, [dc.asdict(self.config), listing])

@@ -52,7 +52,7 @@ from data_contract.tokenizer_dir import TOKENIZER_FILES, read_tokenizer_meta
 from data_pipeline.context import Context
 from data_pipeline.io.packed_writer import PackedShardWriter
 from data_pipeline.io.shards import building_dir, link_or_copy, read_documents, shard_file, table_of
-from data_pipeline.stage import Stage, Step
+from data_pipeline.stage import Phase, Stage, Step
 from data_pipeline.tokenizer.fim import encode_documents, fim_token_ids, plan_document
 
 log = logging.getLogger(__name__)
@@ -329,7 +329,7 @@ class TokenizePack(Stage):
     name = "tokenize_pack"
     Config = PackConfig
     section = "pack"
-    after_finalize = True
+    phase = Phase.PUBLISHED
     comes_after = ("train_tokenizer",)
 
     def settings(self) -> dict[str, Any]:

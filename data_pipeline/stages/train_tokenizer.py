@@ -21,7 +21,7 @@ from data_contract.format import META_FILE, TOKENIZER_DIR
 from data_contract.tokenizer_dir import validate_tokenizer_dir
 from data_pipeline.context import Context
 from data_pipeline.io.shards import shard_file
-from data_pipeline.stage import Stage, Step
+from data_pipeline.stage import Phase, Stage, Step
 from data_pipeline.tokenizer.spec import BUNDLED, SPEC_NAMES
 from data_pipeline.tokenizer.training import tokenizer_spec, train_tokenizer
 
@@ -104,7 +104,7 @@ class TrainTokenizer(Stage):
     name = "train_tokenizer"
     Config = TokenizerConfig
     section = "tokenizer"
-    after_finalize = True
+    phase = Phase.PUBLISHED
 
     def steps(self) -> list[Step]:
         if self.config.path is not None:
