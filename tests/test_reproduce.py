@@ -443,3 +443,53 @@ def test_a_cut_off_results_file_is_scored_again_not_a_traceback(tmp_path, conten
     assert "is not a complete lm-eval results file (cut off?): scoring this checkpoint again" in caplog.text
     (tmp_path / "results.json").write_text('{"results": {"arc": {"acc,none": 0.5}}}')
     assert scored(tmp_path) == {"arc": {"acc,none": 0.5}}
+
+
+def test_the_report_states_what_the_files_hold(tmp_path):
+    """The report from stage markers alone (no stage runs): its tables hold the markers' numbers;
+    a flat fitted exponent reads as flat, not ``C^1.52e-16``; criteria are stated, not asked; the
+    R1 bars come in pipeline order after the shortcut rule's baseline, computed on the run's own
+    held-out problems; every bar is labelled (a 0% passkey bar was an empty plot)."""
+    from dsl_lit.reproduce.report import write_report
+    from dsl_lit.reproduce.stages import shortcut_accuracy
+
+    run_dir = tmp_path / "run"
+    task = {"name": "arithmetic", "num_problems": 64, "eval_problems": 8, "max_operand": 9,
+            "operations": ["largest"], "list_length": 4, "seed": 0, "language": "en"}
+    (run_dir / "cold_start").mkdir(parents=True)
+    (run_dir / "cold_start" / "resolved_config.yaml").write_text(yaml.safe_dump({"task": task}))
+    shortcut = shortcut_accuracy(run_dir / "cold_start")
+    from dsl_lit.config.posttrain import TaskConfig
+    from dsl_lit.tasks import arithmetic
+
+    _, held_out = arithmetic.split(TaskConfig(**task).validate())
+    assert shortcut == sum(p["question"].split()[-1] == p["answer"] for p in held_out) / 8
+    results = {
+        "scaling": {"laws": {"hparams": {"batch_tokens": {"exponent": 1.52e-16}, "lr": {"exponent": -0.125}},
+                             "allocation": {"model_scale": {"exponent": 0.61}}},
+                    "batch_fit_sequences": 8, "lr_fit": 3e-3, "paper_batch_sequences": 2, "paper_lr": 2e-3,
+                    "global_batch_size": 8, "lr": 3e-3, "model_scale_M": 1.2e7, "tokens_D": 8192, "compute_C": 9.8e10,
+                    "source": "this sweep", "max_steps": 11, "ramp_start": 4, "ramp_tokens": 4915},
+        "pretrain": {"val_loss": 4.0, "load_max_over_mean": 1.2, "steps": 11},
+        "pretrain_no_mtp": {"val_loss": 4.1, "steps": 11}, "pretrain_no_bias": {"val_loss": 4.05, "load_max_over_mean": 2.5},
+        "passkey": {"accuracy": {"pretrain": {"128": 0.0, "64": 0.5}, "yarn": {"128": 0.25, "64": 0.75}}},
+        "cold_start": {"eval_accuracy": 0.25, "shortcut_accuracy": shortcut}, "grpo": {"eval_accuracy": 0.5},
+        "sft_rs": {"eval_accuracy": 0.375}, "distill": {"eval_accuracy": 0.125},
+    }
+    for stage, values in results.items():
+        (run_dir / stage).mkdir(parents=True, exist_ok=True)
+        (run_dir / stage / MARKER).write_text(json.dumps({"results": values, "seconds": 1.0}))
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = preset("smoke")
+    report = write_report(run_dir, tmp_path / "report", cfg).read_text()
+    assert "B_opt ~ C^0 (flat: the optimum did not move between budgets), lr_opt ~ C^-0.125" in report
+    assert "M_opt ~ C^0.610" in report and "e-16" not in report and "?)" not in report
+    assert "(criterion: at most 2% higher)" in report and "(criterion: at least 80% of it)" in report
+    rows = [line for line in report.split("## 5.")[1].splitlines() if line.startswith("| ") and "accuracy" not in line]
+    assert rows == [f"| shortcut rule | {shortcut:.4g} |", "| cold_start | 0.25 |", "| grpo | 0.5 |",
+                    "| sft_rs | 0.375 |", "| distill | 0.125 |"]
+    assert "| 64 | 0.5 | 0.75 |" in report.split("## 4.")[1] and "| 128 | 0 | 0.25 |" in report.split("## 4.")[1]
+    for png in ("passkey.png", "r1_accuracy.png"):
+        assert (tmp_path / "report" / png).stat().st_size > 5000

@@ -200,7 +200,7 @@ class ModelConfig:
             if name in unused:
                 has = {"n_kv_heads": "grouped-query attention"}.get(name) or (
                     "latent attention (MLA)" if name in LATENT_ATTENTION_FIELDS
-                    else "a router (DeepSeekMoE)" if name in MOE_FIELDS
+                    else "routed experts (DeepSeekMoE)" if name in MOE_FIELDS
                     else "a lightning indexer (DeepSeek Sparse Attention)" if name in INDEXER_FIELDS
                     else "multi-token prediction")
                 raise ConfigError(

@@ -37,6 +37,12 @@ def _fmt(x: float) -> str:
     return f"{x:.3g}"
 
 
+def _exponent(x: float) -> str:
+    """A fitted exponent as a reader takes it: one that rounds to 0 at three decimals is flat (a
+    sweep whose optimum never moved fits ~1e-16), not ``C^1.52e-16``."""
+    return f"{x:.3f}" if abs(x) >= 5e-4 else "0 (flat: the optimum did not move between budgets)"
+
+
 SIGNIFICANT = 0.1
 """A fitted exponent agrees when it has the paper's sign and at least this share of its size: a
 sweep whose optimum does not move between budgets fits ~1e-16, which is no law."""
@@ -46,13 +52,15 @@ def _scaling_exponents(r: Results) -> tuple[str, bool]:
     laws = r["scaling"]["results"]["laws"]["hparams"]
     b, lr = laws["batch_tokens"]["exponent"], laws["lr"]["exponent"]
     agrees = b >= SIGNIFICANT * PAPER_BATCH.exponent and lr <= SIGNIFICANT * PAPER_LR.exponent
-    return (f"B_opt ~ C^{_fmt(b)}, lr_opt ~ C^{_fmt(lr)} (paper: C^{PAPER_BATCH.exponent}, C^{PAPER_LR.exponent})",
+    return (f"B_opt ~ C^{_exponent(b)}, lr_opt ~ C^{_exponent(lr)} (paper: C^{PAPER_BATCH.exponent}, "
+            f"C^{PAPER_LR.exponent}; criterion: the paper's sign and at least {SIGNIFICANT:.0%} of its size)",
             agrees)
 
 
 def _allocation(r: Results) -> tuple[str, bool]:
     m = r["scaling"]["results"]["laws"]["allocation"]["model_scale"]["exponent"]
-    return f"M_opt ~ C^{_fmt(m)} (paper: C^{PAPER_MODEL_SCALE.exponent})", m >= SIGNIFICANT * PAPER_MODEL_SCALE.exponent
+    return (f"M_opt ~ C^{_exponent(m)} (paper: C^{PAPER_MODEL_SCALE.exponent}; criterion: at least "
+            f"{SIGNIFICANT:.0%} of it)", m >= SIGNIFICANT * PAPER_MODEL_SCALE.exponent)
 
 
 def _mtp(r: Results) -> tuple[str, bool]:
@@ -74,7 +82,8 @@ def _bias_loss(r: Results) -> tuple[str, bool]:
     with_bias, without = r["pretrain"]["results"]["val_loss"], r["pretrain_no_bias"]["results"]["val_loss"]
     description, balanced = _bias(r)
     not_hurt = with_bias <= without * 1.02
-    return (f"validation loss {_fmt(with_bias)} with the bias update, {_fmt(without)} without (at most 2% higher?)"
+    return (f"validation loss {_fmt(with_bias)} with the bias update, {_fmt(without)} without "
+            "(criterion: at most 2% higher)"
             + ("" if balanced else "; but the bias update did not balance the load, so nothing was balanced for free"),
             balanced and not_hurt)
 
@@ -103,7 +112,8 @@ def _keeps_grpo_skill(stage: str, learner: str, reference: str, no_gain: str) ->
         cold = r["cold_start"]["results"]["eval_accuracy"]
         rl, learned = r["grpo"]["results"]["eval_accuracy"], r[stage]["results"]["eval_accuracy"]
         gained = "" if rl > cold else "; " + no_gain.format(cold=f"{cold:.0%}")
-        return (f"held-out accuracy {learned:.0%} for {learner}, {rl:.0%} for {reference} (>= 80% of it?){gained}",
+        return (f"held-out accuracy {learned:.0%} for {learner}, {rl:.0%} for {reference} "
+                f"(criterion: at least 80% of it){gained}",
                 rl > cold and learned >= 0.8 * rl)
     return check
 

@@ -45,14 +45,17 @@ def _bars(out: Path, name: str, title: str, ylabel: str, groups: dict[str, dict[
     """Grouped bars: one group per x label, one bar per series."""
     if not groups:
         return None
-    labels = sorted({x for g in groups.values() for x in g}, key=lambda x: (len(x), x))
+    labels = list(dict.fromkeys(x for g in groups.values() for x in g))  # as given (the R1 models in pipeline order)
+    if all(x.isdigit() for x in labels):
+        labels.sort(key=int)  # context lengths
     width = 0.8 / len(groups)
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     for i, (series, values) in enumerate(groups.items()):
         xs = [j + i * width for j in range(len(labels))]
-        ax.bar(xs, [values.get(x, 0.0) for x in labels], width, label=series)
+        bars = ax.bar(xs, [values.get(x, 0.0) for x in labels], width, label=series)
+        ax.bar_label(bars, [f"{values[x]:.0%}" if x in values else "n/a" for x in labels], fontsize=8)  # 0% shows too
     ax.set_xticks([j + width * (len(groups) - 1) / 2 for j in range(len(labels))], labels)
-    ax.set(ylabel=ylabel, title=title)
+    ax.set(ylabel=ylabel, title=title, ylim=(0, 1.1))
     ax.grid(alpha=0.3, axis="y")
     ax.legend()
     return save_figure(fig, out / name).name
@@ -123,13 +126,13 @@ def write_report(run_dir: Path, out: Path, cfg: ReproduceConfig) -> Path:
 
     md.append("\n## 3. Pretraining (DeepSeek-V3 tiny)\n")
     pre, no_mtp, no_bias = (_series(run_dir, s) for s in ("pretrain", "pretrain_no_mtp", "pretrain_no_bias"))
-    md.append(_image(_plot(out, "pretrain_loss.png", "main-token loss, with and without MTP", "cross-entropy (nats)",
+    md.append(_image(_plot(out, "pretrain_loss.png", "main-token loss by step, with and without MTP", "cross-entropy (nats)",
                            [("train, MTP", pre.get("train/loss")), ("train, no MTP", no_mtp.get("train/loss")),
                             ("val, MTP", pre.get("val/loss")), ("val, no MTP", no_mtp.get("val/loss"))]), "loss"))
-    md.append(_image(_plot(out, "expert_load.png", "expert load max/mean (mean over MoE layers)", "max / mean",
+    md.append(_image(_plot(out, "expert_load.png", "expert load by step: max/mean over experts (mean over MoE layers)", "max / mean (1 = even)",
                            [("bias update", pre.get("moe/load_max_over_mean")),
                             ("no bias update", no_bias.get("moe/load_max_over_mean"))]), "expert load"))
-    md.append(_image(_plot(out, "batch_ramp.png", "batch ramp", "sequences per step",
+    md.append(_image(_plot(out, "batch_ramp.png", "batch ramp: global batch by step", "sequences per step",
                            [("global batch", pre.get("train/global_batch_size"))]), "batch ramp"))
     rows = [[s, r[s].get("steps"), r[s].get("train_loss"), r[s].get("val_loss"), r[s].get("load_max_over_mean")]
             for s in ("pretrain", "pretrain_no_mtp", "pretrain_no_bias", "yarn") if s in r]
@@ -138,19 +141,23 @@ def write_report(run_dir: Path, out: Path, cfg: ReproduceConfig) -> Path:
     md.append("\n## 4. Context extension (YaRN) and passkey retrieval\n")
     if "passkey" in r:
         acc = r["passkey"]["accuracy"]
-        md.append(_image(_bars(out, "passkey.png", "passkey accuracy by context length", "accuracy",
-                               {"before YaRN": acc["pretrain"], "after YaRN": acc["yarn"]}), "passkey"))
+        md.append(_image(_bars(out, "passkey.png", "passkey retrieval by context length (tokens)",
+                               "accuracy (share retrieved)", {"before YaRN": acc["pretrain"], "after YaRN": acc["yarn"]}),
+                         "passkey"))
         md.append(_table(["context length", "before", "after"],
                          [[n, acc["pretrain"].get(n), acc["yarn"].get(n)] for n in sorted(acc["yarn"], key=int)]))
 
     md.append("\n## 5. The R1 pipeline\n")
     grpo = _series(run_dir, "grpo")
-    md.append(_image(_plot(out, "grpo.png", "GRPO: reward and held-out accuracy", "value",
+    md.append(_image(_plot(out, "grpo.png", "GRPO: reward and held-out accuracy by step", "reward / share correct",
                            [("reward/mean", grpo.get("reward/mean")), ("reward/accuracy", grpo.get("reward/accuracy")),
                             ("held-out accuracy", grpo.get("eval/accuracy"))]), "GRPO"))
     accuracy = {s: r[s]["eval_accuracy"] for s in R1_MODELS if s in r and r[s].get("eval_accuracy") is not None}
-    md.append(_image(_bars(out, "r1_accuracy.png", "held-out accuracy (greedy)", "accuracy",
-                           {"accuracy": accuracy}), "R1 accuracy"))
+    shortcut = r.get("cold_start", {}).get("shortcut_accuracy")
+    if accuracy and shortcut is not None:  # the rule a model that learned only the shortcut would score
+        accuracy = {"shortcut rule": shortcut, **accuracy}
+    md.append(_image(_bars(out, "r1_accuracy.png", "held-out greedy accuracy, in pipeline order",
+                           "accuracy (share correct)", {"accuracy": accuracy}), "R1 accuracy"))
     md.append(_table(["model", "held-out accuracy"], [[s, a] for s, a in accuracy.items()]))
     if "rejection_sample" in r:
         rs = r["rejection_sample"]

@@ -292,7 +292,19 @@ def cold_start(ctx: StageContext) -> dict[str, Any]:
     unpolished cold-start data)."""
     ctx.recipe("sft.py", [*posttrain_arguments(ctx, "pretrain"), "sft.shortcut_share=0.8", "trainer.max_steps=60",
                           "data.global_batch_size=8", "data.micro_batch_size=8", "optim.lr=3e-3"])
-    return run_summary(ctx.dir)
+    return {**run_summary(ctx.dir), "shortcut_accuracy": shortcut_accuracy(ctx.dir)}
+
+
+def shortcut_accuracy(run_dir: Path) -> float:
+    """Held-out accuracy of answering every problem by the shortcut rule the cold start imitates in
+    part (``arithmetic.shortcut_answer``), on the run's own held-out problems: the baseline an R1
+    model must beat to have learned the task rather than the shortcut."""
+    from dsl_lit.config.posttrain import TaskConfig
+    from dsl_lit.tasks import arithmetic
+
+    task = yaml.safe_load((run_dir / "resolved_config.yaml").read_text())["task"]
+    _, held_out = arithmetic.split(TaskConfig(**task).validate())
+    return sum(arithmetic.shortcut_answer(p) == p["answer"] for p in held_out) / len(held_out)
 
 
 def grpo(ctx: StageContext) -> dict[str, Any]:

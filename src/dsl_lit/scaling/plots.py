@@ -38,16 +38,20 @@ def plot_isoflop(results: list[dict[str, Any]], fitted: dict[str, Any], path: Pa
     for budget, runs in groups.items():
         runs = sorted(runs, key=lambda r: r["model_scale"])
         m, loss = [r["model_scale"] for r in runs], [r["loss"] for r in runs]
-        (line,) = ax.plot(m, loss, "o", label=f"C = {budget:.1e}")
-        if len(runs) >= 3:
-            coef = np.polyfit(np.log(m), loss, 2)
+        (line,) = ax.plot(m, loss, "o", label=f"C = {budget:.1e} FLOPs")
+        coef = np.polyfit(np.log(m), loss, 2) if len(runs) >= 3 else None
+        if coef is not None:
             grid = np.geomspace(min(m), max(m), 50)
             ax.plot(grid, np.polyval(coef, np.log(grid)), "-", color=line.get_color(), alpha=0.6)
         if budget in optima:
-            o = optima[budget]
-            ax.plot(o["values"]["model_scale"], o["loss"], "*", ms=14, color=line.get_color())
-    ax.set(xscale="log", xlabel="model scale M (non-embedding FLOPs / token)", ylabel="held-out loss",
-           title="IsoFLOP curves (star: fitted optimum)")
+            # the optimum is a model scale: drawn where the curve is at that scale (a "near_optimal"
+            # estimate pairs the mean scale of the near-best runs with the best loss, which sits
+            # below any curve through them)
+            m_opt = optima[budget]["values"]["model_scale"]
+            y = float(np.polyval(coef, np.log(m_opt))) if coef is not None else float(np.interp(m_opt, m, loss))
+            ax.plot(m_opt, y, "*", ms=14, color=line.get_color())
+    ax.set(xscale="log", xlabel="model scale M (non-embedding FLOPs / token)", ylabel="held-out loss (nats)",
+           title="IsoFLOP curves (star: the fitted optimal M, on its curve)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
