@@ -1,0 +1,230 @@
+"""DeepSeek-V4's attention, in plain PyTorch: a sliding window over the recent tokens plus, in
+compressed layers, keys compressed from whole windows of the past (DeepSeek-V4, sec. 2.3).
+
+Three layer kinds share one module:
+
+- ``sliding``: each query attends to the last ``sliding_window`` tokens only;
+- ``csa`` (compressed sparse attention): every ``rate`` (4) tokens are compressed into one key from
+  overlapping windows of ``2 * rate`` tokens; a lightning indexer scores the compressed keys per
+  query and the query attends to its top ``index_topk`` of them besides its window;
+- ``hca`` (heavily compressed attention): every ``rate`` (128) tokens compressed into one key, from
+  non-overlapping windows; every query sees all compressed keys of windows it has passed.
+
+Common to all: one key/value head shared by every query head and read as both key and value
+(shared-KV MQA); RoPE on the trailing ``rope_dim`` channels of each head, pairs rotated in place,
+and undone on the output (the value carries the rotation, so the output's rotation is taken back
+at the query's position, which keeps what a key contributes a function of relative distance); a
+learned per-head attention sink (a logit that takes softmax mass and contributes nothing); and a
+grouped low-rank output projection (heads in ``o_groups`` groups, each projected to ``o_lora_rank``,
+then mixed to ``d_model``).
+
+The full-sequence forward (training) is here; the parity reference is transformers 5.24's
+``DeepseekV4Attention`` with ``cache=None`` (``tests/test_deepseek_v4_attention.py``).
+Parameter names are DeepSeek's release names (``wq_a``, ``wkv``, ``wo_a``, ``attn_sink``,
+``compressor.wkv``, ``indexer.wq_b``, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsl_lit.models.common.layers import rope_frequencies
+
+LayerKind = Literal["sliding", "csa", "hca"]
+
+
+class Fp32RMSNorm(nn.Module):
+    """RMSNorm whose weight stays fp32 and multiplies in fp32 before one cast (V4's norms)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * h).to(x.dtype)
+
+
+def rms_normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a weight, statistics in fp32 (V4's per-head query norm)."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class PairRotary(nn.Module):
+    """RoPE angles for positions given at each call: ``(cos, sin)`` of shape ``[..., rope_dim / 2]``,
+    one per rotated pair, in the activations' dtype."""
+
+    def __init__(self, rope_dim: int, theta: float, scaling: dict | None = None) -> None:
+        super().__init__()
+        self.rope_dim, self.theta, self.scaling = rope_dim, theta, dict(scaling) if scaling else None
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self) -> torch.Tensor:
+        # V4 scales no attention logit with YaRN's mscale: only the frequencies are stretched
+        return rope_frequencies(self.rope_dim, self.theta, self.scaling)[0]
+
+    def reset_parameters(self) -> None:
+        self.inv_freq.copy_(self._inv_freq().to(self.inv_freq.device))
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions[..., None].float() * self.inv_freq.float()
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the trailing ``2 * cos.shape[-1]`` channels of ``x`` [batch, seq, heads, dim] in
+    adjacent pairs, in place (no de-interleaving: the value is rotated too and read by the output
+    projection), in fp32; ``cos``/``sin`` [batch, seq, pairs] (or [seq, pairs])."""
+    cos = cos.repeat_interleave(2, dim=-1).unsqueeze(-2)
+    sin = sin.repeat_interleave(2, dim=-1).unsqueeze(-2)
+    width = cos.shape[-1]
+    plain, rope = x[..., :-width], x[..., -width:]
+    partner = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
+    rotated = (rope.float() * cos + partner.float() * sin).to(x.dtype)
+    return torch.cat([plain, rotated], dim=-1)
+
+
+class WindowCompressor(nn.Module):
+    """Compressed keys from windows of ``rate`` tokens: a gated (softmax over the window's slots,
+    per channel) sum of the tokens' projections, normalised and rotated at the window's first
+    position. ``overlap`` (CSA): each key pools its own window and the previous one (``2 * rate``
+    slots; each token projects two halves, one per window it serves)."""
+
+    def __init__(self, d_model: int, head_dim: int, rate: int, overlap: bool, rotary: PairRotary,
+                 norm_eps: float = 1e-6) -> None:
+        super().__init__()
+        self.head_dim, self.rate, self.overlap, self.rotary = head_dim, rate, overlap, rotary
+        width = 2 * head_dim if overlap else head_dim
+        self.wkv = nn.Linear(d_model, width, bias=False)
+        self.wgate = nn.Linear(d_model, width, bias=False)
+        self.ape = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32))
+        """A learned bias of each slot of the window (absolute position in it) on the gate."""
+        self.norm = Fp32RMSNorm(head_dim, norm_eps)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` [batch, seq, d_model] -> the keys of its complete windows [batch, windows, head_dim]."""
+        batch, seq, _ = hidden.shape
+        windows, m, d = seq // self.rate, self.rate, self.head_dim
+        kv = self.wkv(hidden[:, : windows * m]).view(batch, windows, m, -1)
+        gate = self.wgate(hidden[:, : windows * m]).view(batch, windows, m, -1) + self.ape
+        if windows == 0:
+            return kv.new_zeros(batch, 0, d)
+        if self.overlap:  # slots: the previous window's first halves, then this window's second halves
+            pooled_kv = kv.new_zeros(batch, windows, 2 * m, d)
+            pooled_gate = gate.new_full((batch, windows, 2 * m, d), float("-inf"))
+            pooled_kv[:, :, m:], pooled_gate[:, :, m:] = kv[..., d:], gate[..., d:]
+            pooled_kv[:, 1:, :m], pooled_gate[:, 1:, :m] = kv[:, :-1, :, :d], gate[:, :-1, :, :d]
+            kv, gate = pooled_kv, pooled_gate
+        weights = gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)
+        keys = self.norm((kv * weights).sum(dim=2))
+        starts = torch.arange(windows, device=hidden.device) * m
+        cos, sin = self.rotary(starts, keys.dtype)
+        return rotate_tail(keys.unsqueeze(2), cos, sin).squeeze(2)
+
+
+def visible_windows(positions: torch.Tensor, windows: int, rate: int) -> torch.Tensor:
+    """[batch, seq, windows]: whether a query at ``positions`` has seen all of a window's tokens."""
+    return torch.arange(windows, device=positions.device) < ((positions + 1) // rate).unsqueeze(-1)
+
+
+class LightningIndexer(nn.Module):
+    """CSA's top-k selection of compressed keys per query: its own small compressor (``index_head_dim``),
+    ``index_n_heads`` query heads from the attention's query latent, scores
+    ``sum_h w_h(x) * relu(q_h . k)``, and the ``index_topk`` best windows a query has passed."""
+
+    def __init__(self, d_model: int, q_lora_rank: int, n_heads: int, head_dim: int, topk: int, rate: int,
+                 rotary: PairRotary, norm_eps: float = 1e-6) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk, self.rate, self.rotary = n_heads, head_dim, topk, rate, rotary
+        self.compressor = WindowCompressor(d_model, head_dim, rate, overlap=True, rotary=rotary, norm_eps=norm_eps)
+        self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
+        self.weights_proj = nn.Linear(d_model, n_heads, bias=False)
+
+    def forward(self, hidden: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[batch, seq, k] indices of the selected windows, -1 where a query has fewer than k."""
+        batch, seq, _ = hidden.shape
+        keys = self.compressor(hidden)  # [batch, windows, head_dim]
+        q = self.wq_b(q_latent).view(batch, seq, self.n_heads, self.head_dim)
+        q = rotate_tail(q, *self.rotary(positions, q.dtype))
+        scores = torch.relu(q.float() @ keys.float().transpose(-1, -2).unsqueeze(1)) * self.head_dim**-0.5
+        weights = self.weights_proj(hidden).float() * self.n_heads**-0.5  # [batch, seq, heads]
+        scores = (scores * weights.unsqueeze(-1)).sum(dim=2)  # [batch, seq, windows]
+        windows = keys.shape[1]
+        k = min(self.topk, windows)
+        if windows == 0:
+            return scores.topk(k, dim=-1).indices
+        visible = visible_windows(positions, windows, self.rate).expand(batch, -1, -1)
+        chosen = scores.masked_fill(~visible, float("-inf")).topk(k, dim=-1).indices
+        return torch.where(visible.gather(-1, chosen), chosen, torch.full_like(chosen, -1))
+
+
+class V4Attention(nn.Module):
+    """One V4 attention layer (``kind``: ``sliding``, ``csa`` or ``hca``): ``forward(hidden
+    [batch, seq, d_model], positions [batch, seq]) -> [batch, seq, d_model]``."""
+
+    def __init__(self, *, kind: LayerKind, d_model: int, n_heads: int, head_dim: int, rope_dim: int,
+                 q_lora_rank: int, o_groups: int, o_lora_rank: int, sliding_window: int, rotary: PairRotary,
+                 compress_rate: int = 0, index_n_heads: int = 0, index_head_dim: int = 0, index_topk: int = 0,
+                 norm_eps: float = 1e-6) -> None:
+        super().__init__()
+        self.kind, self.n_heads, self.head_dim, self.rope_dim = kind, n_heads, head_dim, rope_dim
+        self.sliding_window, self.o_groups, self.norm_eps = sliding_window, o_groups, norm_eps
+        self.rotary = rotary
+        self.wq_a = nn.Linear(d_model, q_lora_rank, bias=False)
+        self.q_norm = Fp32RMSNorm(q_lora_rank, norm_eps)
+        self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
+        self.wkv = nn.Linear(d_model, head_dim, bias=False)
+        self.kv_norm = Fp32RMSNorm(head_dim, norm_eps)
+        self.wo_a = nn.Linear(n_heads * head_dim // o_groups, o_groups * o_lora_rank, bias=False)
+        """Per group of heads, its own [o_lora_rank, heads_per_group * head_dim] block (stacked)."""
+        self.wo_b = nn.Linear(o_groups * o_lora_rank, d_model, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(n_heads, dtype=torch.float32))
+        self.compressor = (WindowCompressor(d_model, head_dim, compress_rate, overlap=kind == "csa",
+                                            rotary=rotary, norm_eps=norm_eps) if kind != "sliding" else None)
+        self.indexer = (LightningIndexer(d_model, q_lora_rank, index_n_heads, index_head_dim, index_topk,
+                                         compress_rate, rotary, norm_eps) if kind == "csa" else None)
+        self.compress_rate = compress_rate
+
+    def _compressed(self, hidden: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compressed keys [batch, windows, head_dim] and what each query may see of them
+        [batch, seq, windows]: the windows it has passed (HCA), of those the indexer's choice (CSA)."""
+        keys = self.compressor(hidden)
+        visible = visible_windows(positions, keys.shape[1], self.compress_rate)
+        if self.indexer is not None:
+            chosen = self.indexer(hidden, q_latent, positions)
+            picked = torch.zeros(*chosen.shape[:2], keys.shape[1] + 1, dtype=torch.bool, device=hidden.device)
+            picked.scatter_(-1, torch.where(chosen >= 0, chosen, keys.shape[1]), True)
+            visible = picked[..., :-1]
+        return keys, visible.expand(hidden.shape[0], -1, -1)
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = hidden.shape
+        cos, sin = self.rotary(positions, hidden.dtype)
+        q_latent = self.q_norm(self.wq_a(hidden))
+        q = rms_normalised(self.wq_b(q_latent).view(batch, seq, self.n_heads, self.head_dim), self.norm_eps)
+        q = rotate_tail(q, cos, sin)
+        kv = rotate_tail(self.kv_norm(self.wkv(hidden)).view(batch, seq, 1, self.head_dim), cos, sin).squeeze(2)
+        offsets = positions.unsqueeze(-1) - positions.unsqueeze(-2)  # query - key position
+        visible = (offsets >= 0) & (offsets < self.sliding_window)  # [batch, seq, seq]
+        if self.compressor is not None:
+            keys, seen = self._compressed(hidden, q_latent, positions)
+            kv, visible = torch.cat([kv, keys], dim=1), torch.cat([visible, seen], dim=-1)
+        logits = (q.transpose(1, 2) @ kv.unsqueeze(1).transpose(-1, -2)) * self.head_dim**-0.5
+        logits = logits.masked_fill(~visible.unsqueeze(1), float("-inf"))
+        sink = self.attn_sink.view(1, -1, 1, 1).expand(batch, -1, seq, 1)
+        logits = torch.cat([logits, sink], dim=-1)  # the fp32 sink makes the softmax fp32 in any dtype
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]  # the sink takes mass, gives nothing
+        out = (probs.to(kv.dtype) @ kv.unsqueeze(1)).transpose(1, 2)  # [batch, seq, heads, head_dim]
+        out = rotate_tail(out, cos, -sin)
+        grouped = out.reshape(batch, seq, self.o_groups, -1)
+        blocks = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])  # [groups, o_lora_rank, in]
+        projected = torch.einsum("bsgi,goi->bsgo", grouped, blocks)
+        return self.wo_b(projected.flatten(2))
