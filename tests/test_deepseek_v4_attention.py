@@ -59,7 +59,10 @@ def _transformers_name(ours: str) -> str:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_each_kind_of_layer_equals_transformers(layer, dtype):
     from transformers.masking_utils import create_sliding_window_causal_mask
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention, DeepseekV4RotaryEmbedding
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+        DeepseekV4Attention,
+        DeepseekV4RotaryEmbedding,
+    )
 
     config = _config()
     g = torch.Generator().manual_seed(layer)
