@@ -82,7 +82,8 @@ def plot_optima(fitted: dict[str, Any], path: Path) -> Path | None:
         ax.plot(c, values, "o", label="sweep optima")
         ax.plot(grid, [law(x) for x in grid], "-", label=f"fit {law.coefficient:.3g} C^{law.exponent:.3f}")
         ax.plot(grid, [paper(x) for x in grid], "--", label=f"paper {paper.coefficient:.4g} C^{paper.exponent:.4f}")
-        ax.set(xscale="log", yscale="log", xlabel="compute C = M D (FLOPs)", ylabel=label)
+        ax.set(xscale="log", yscale="log", xlabel="compute C = M D (FLOPs)", ylabel=label,
+               title=f"{label.split(' (')[0]} against compute")
         for axis in (ax.xaxis, ax.yaxis):  # minor-tick labels of a short log range overlap
             axis.set_minor_formatter(NullFormatter())
         ax.legend(fontsize=7)
@@ -114,8 +115,8 @@ def plot_hparam_landscape(results: list[dict[str, Any]], fitted: dict[str, Any],
             ax.plot(x, y, "r*", ms=14)
         ax.set_xticks(range(len(batches)), [str(b) for b in batches])
         ax.set_yticks(range(len(lrs)), [f"{lr:.0e}" for lr in lrs])
-        ax.set(xlabel="batch (tokens)", ylabel="peak lr", title=f"C = {budget:.1e}")
-        fig.colorbar(image, ax=ax, label="held-out loss")
+        ax.set(xlabel="batch (tokens)", ylabel="peak lr", title=f"held-out loss at C = {budget:.1e} FLOPs (star: optimum)")
+        fig.colorbar(image, ax=ax, label="held-out loss (nats)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
