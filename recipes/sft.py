@@ -14,8 +14,6 @@ if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):  # groups an
 
     print_recipe_help(__file__)
 
-import logging
-import math
 
 import hydra
 import lightning as L
@@ -26,10 +24,8 @@ from dsl_lit.posttrain import SFTModule
 from dsl_lit.posttrain.chat.conversations import encode_example, load_conversations
 from dsl_lit.posttrain.chat.datamodule import RowsDataModule
 from dsl_lit.posttrain.chat.rows import sft_rows
-from dsl_lit.posttrain.run import fit, held_out_evaluation, module_kwargs, setup_posttrain
+from dsl_lit.posttrain.run import fit, held_out_evaluation, module_kwargs, setup_posttrain, train_for_epochs
 from dsl_lit.training.runs import exits_on_config_error
-
-log = logging.getLogger(__name__)
 
 
 @hydra.main(config_path="../conf", config_name="sft", version_base="1.3")
@@ -42,9 +38,7 @@ def main(hydra_cfg: DictConfig) -> None:
     examples = load_conversations(post.sft.dataset, post.task, post.sft.shortcut_share)
     conversations = [encode_example(tokenizer, e) for e in examples]  # chat through the template, plain text as is
     rows = sft_rows(conversations, cfg.data.seq_len, tokenizer.pad_id, post.sft.packing)
-    if post.sft.epochs:
-        cfg.trainer.max_steps = max(1, math.ceil(post.sft.epochs * len(rows["input_ids"]) / cfg.data.global_batch_size))
-        log.info("sft.epochs=%s: %d optimizer steps", post.sft.epochs, cfg.trainer.max_steps)
+    train_for_epochs(setup, len(rows["input_ids"]))  # sft.epochs as trainer.max_steps, recorded
     datamodule = RowsDataModule(cfg.data, lambda: rows)
     fit(setup, SFTModule(**module_kwargs(setup), **held_out_evaluation(setup)), datamodule)
 

@@ -487,3 +487,20 @@ def test_sft_reads_trl_text_rows_and_datasets_directories(tokenizer, tmp_path, c
     (tmp_path / "plain").mkdir()
     with pytest.raises(ConfigError, match=r"plain is a directory that datasets' save_to_disk did not write"):
         read_conversations(tmp_path / "plain")
+
+
+def test_sft_epochs_become_the_recorded_max_steps(tmp_path):
+    """``sft.epochs`` turns into ``trainer.max_steps`` once the rows are known, validated and written to
+    resolved_config.yaml (before: set on the validated config after that file was written, which then
+    showed the default max_steps)."""
+    import yaml
+
+    from dsl_lit.config import TrainConfig
+    from dsl_lit.posttrain.run import PostTrainSetup, train_for_epochs
+    from tests.conftest import compose_config
+
+    cfg = TrainConfig.from_hydra(compose_config("sft", ["sft.epochs=2", "data.global_batch_size=8"]),
+                                 run_dir=str(tmp_path), post_training=True)
+    train_for_epochs(PostTrainSetup(cfg, cfg.post, tokenizer=None, initial_state=None), rows=30)
+    assert cfg.trainer.max_steps == 8  # ceil(2 * 30 / 8)
+    assert yaml.safe_load((tmp_path / "resolved_config.yaml").read_text())["trainer"]["max_steps"] == 8

@@ -6,6 +6,7 @@ tokenizer replaces the default ``tokenizer_dir``: :mod:`dsl_lit.training.run_tok
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,21 @@ def setup_posttrain(hydra_cfg: DictConfig, run_dir: str, init_from: str | None =
     require_vocab(tokenizer.meta, cfg.model.vocab_size, f"tokenizer_dir={post.tokenizer_dir}")
     record_run_tokenizer(cfg, post.tokenizer_dir, initial_state, fix="leave tokenizer_dir unset to train with it")
     return PostTrainSetup(cfg, post, tokenizer, initial_state)
+
+
+def train_for_epochs(setup: PostTrainSetup, rows: int) -> None:
+    """``sft.epochs`` over ``rows`` training rows as ``trainer.max_steps``, set before the module and
+    the trainer are built: validated again and written to ``resolved_config.yaml`` (written at
+    setup, before the rows were known). Nothing without ``sft.epochs``."""
+    epochs, cfg = setup.post.sft.epochs, setup.cfg
+    if not epochs:
+        return
+    steps = max(1, math.ceil(epochs * rows / cfg.data.global_batch_size))
+    cfg.trainer = replace(cfg.trainer, max_steps=steps)
+    cfg.raw["trainer"] = {**cfg.raw.get("trainer", {}), "max_steps": steps}
+    cfg.validate()
+    save_resolved_config(cfg, announce=False)
+    log.info("sft.epochs=%s: %d optimizer steps over %d rows", epochs, steps, rows)
 
 
 def module_kwargs(setup: PostTrainSetup) -> dict[str, Any]:

@@ -83,7 +83,7 @@ def is_launcher_process() -> bool:
     return int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("RANK", "0")) == 0
 
 
-def save_resolved_config(cfg: TrainConfig) -> Path:
+def save_resolved_config(cfg: TrainConfig, announce: bool = True) -> Path:
     """Write the fully resolved config beside Hydra's ``.hydra/`` (which keeps the unresolved one),
     once it is known to suit the checkpoint the run resumes (``check_resume``: every recipe calls
     this first, before any data or model), and log the run's start-up block. The model is written
@@ -96,7 +96,7 @@ def save_resolved_config(cfg: TrainConfig) -> Path:
     path = Path(cfg.run_dir) / "resolved_config.yaml"
     if is_launcher_process():
         view = resolved_view(cfg)
-        for line in startup_lines(cfg, view["derived"]):
+        for line in startup_lines(cfg, view["derived"]) if announce else ():
             log.info(line)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("# The run's config, resolved: `model` field by field as validated (its preset filled in), "
