@@ -129,7 +129,7 @@ def test_hydra_full_error_keeps_the_traceback_of_a_config_error():
 @pytest.mark.parametrize(
     "overrides, field, lacks",
     [
-        (["model=deepseek_llm_tiny", "+model.n_routed_experts=32"], "model.n_routed_experts", "a router"),
+        (["model=deepseek_llm_tiny", "+model.n_routed_experts=32"], "model.n_routed_experts", "routed experts"),
         (["model=deepseek_llm_tiny", "+model.mtp_depth=1"], "model.mtp_depth", "multi-token prediction"),
         (["model=deepseek_llm_tiny", "+model.kv_lora_rank=64"], "model.kv_lora_rank", "latent attention"),
         (["model=deepseek_v3_tiny", "+model.n_kv_heads=2"], "model.n_kv_heads", "one key/value head per query head"),
