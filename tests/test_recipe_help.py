@@ -144,3 +144,29 @@ def test_docs_come_from_docstrings_trailing_comments_and_yaml(tmp_path):
                         "grp.nested": "a section", "grp.nested.z": "z's"}
     yaml.write_text("# @package _global_\n# header\noptim:\n  lr: 1  # why\n")
     assert yaml_comments(yaml, "experiment") == ("", "header", {"optim.lr": "why"})
+
+
+def test_cfg_job_shows_the_config_the_run_would_train_with(tmp_path):
+    """``--cfg job`` of a training recipe: the validated, resolved config (the model field by field,
+    its parameter counts, the layout), as resolved_config.yaml and W&B hold it; before, Hydra's
+    composition showed the model as ``{name: deepseek_llm_tiny}``. A bad value: one line, exit 2.
+    A recipe that is no training run (evaluate.py) keeps Hydra's own print."""
+    import yaml
+
+    from tests.forked_python import run_python
+
+    def cfg_job(recipe: str, *overrides: str) -> subprocess.CompletedProcess:
+        return run_python([sys.executable, str(ROOT / "recipes" / f"{recipe}.py"), "--cfg", "job", *overrides],
+                          cwd=tmp_path, timeout=300)
+
+    shown = cfg_job("pretrain", "model=deepseek_llm_tiny", "+model.n_layers=2")
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    view = yaml.safe_load(shown.stdout)
+    assert view["model"]["name"] == "deepseek_llm_tiny" and view["model"]["n_layers"] == 2
+    assert view["model"]["n_kv_heads"] == 4 and view["derived"]["parameters"]["total"] > 0
+    assert view["derived"]["layout"]["world_size"] == 1 and not list(tmp_path.iterdir())  # no run dir made
+    bad = cfg_job("sft", "optim.lr=-1")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: optim.lr=-1 must be > 0")
+    assert "Traceback" not in bad.stderr
+    other = cfg_job("evaluate")
+    assert other.returncode == 0 and "tasks:" in other.stdout and "derived" not in other.stdout

@@ -56,10 +56,45 @@ def check_source_tree(recipe_file: str | None) -> None:
                           f"dsl_lit from {imported}: run it with {root}/.venv/bin/python (make setup there)")
 
 
+def wants_job_config(argv: list[str]) -> bool:
+    """Whether the command line asks Hydra for the job's config (``--cfg job`` / ``-c job``)."""
+    return any(a in ("--cfg", "-c") and b == "job" for a, b in zip(argv, argv[1:]))
+
+
+def print_job_config(recipe_file: str, argv: list[str]) -> bool:
+    """``--cfg job`` of a training recipe: its config validated and resolved as the run would see it
+    (``resolved_config.yaml``'s view: the model field by field, parameter counts, the layout and the
+    precision) instead of Hydra's composition, which shows the model as ``{name: ...}``. Returns
+    False for a recipe whose config is not a training run's (Hydra then prints its own)."""
+    from omegaconf import open_dict
+
+    from dsl_lit.config.help import compose, recipe_config
+    from dsl_lit.training.run_info import resolved_view
+
+    conf, name, _ = recipe_config(Path(recipe_file))
+    composed = compose(conf, name, [a for a in argv if "=" in a and not a.startswith("-")])
+    if not {"model", "trainer"} <= set(composed):
+        return False
+    with open_dict(composed):
+        del composed["hydra"]  # Hydra's own node (its interpolations need a running app)
+    cfg = TrainConfig.from_hydra(composed, post_training="task" in composed)
+    sys.stdout.write(yaml.safe_dump(resolved_view(cfg), sort_keys=False))
+    return True
+
+
 def exits_on_config_error(main: F) -> F:
     """Decorate a recipe's ``main`` (under ``@hydra.main``): a bad config prints one line naming
     the field and the fix and exits with code 2, without Hydra's traceback (``HYDRA_FULL_ERROR=1``
-    keeps it)."""
+    keeps it). A training recipe run with ``--cfg job`` prints its resolved config
+    (:func:`print_job_config`) and exits before Hydra starts the app."""
+    if main.__module__ == "__main__" and wants_job_config(sys.argv[1:]):
+        register_resolvers()
+        try:
+            if print_job_config(inspect.getsourcefile(main), sys.argv[1:]):
+                raise SystemExit(0)
+        except ConfigError as error:
+            print(f"error: {error}", file=sys.stderr)
+            raise SystemExit(2) from None
 
     @functools.wraps(main)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
