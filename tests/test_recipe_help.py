@@ -170,3 +170,4 @@ def test_cfg_job_shows_the_config_the_run_would_train_with(tmp_path):
     assert "Traceback" not in bad.stderr
     other = cfg_job("evaluate")
     assert other.returncode == 0 and "tasks:" in other.stdout and "derived" not in other.stdout
+    assert "UserWarning" not in other.stderr  # it is not composed twice (Hydra warned about its ConfigStore node)

@@ -72,8 +72,11 @@ def print_job_config(recipe_file: str, argv: list[str]) -> bool:
     from dsl_lit.training.run_info import resolved_view
 
     conf, name, _ = recipe_config(Path(recipe_file))
+    defaults = (yaml.safe_load((conf / f"{name}.yaml").read_text()) or {}).get("defaults") or []
+    if not any(isinstance(entry, dict) and "model" in entry for entry in defaults):
+        return False  # not a training run's config (composing it here would only make Hydra warn)
     composed = compose(conf, name, [a for a in argv if "=" in a and not a.startswith("-")])
-    if not {"model", "trainer"} <= set(composed):
+    if not {"model", "trainer"} <= set(composed) or "sweep" in composed:  # (a sweep's points differ)
         return False
     with open_dict(composed):
         del composed["hydra"]  # Hydra's own node (its interpolations need a running app)
