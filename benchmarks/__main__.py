@@ -31,6 +31,7 @@ BENCHMARKS: list[tuple[str, list[str]]] = [
     ("context_parallel_overhead", ["--seq", "512", "--repeats", "3"]),
     ("data_pipeline_speed", ["--repeats", "1", "--crawl-docs", "1000"]),
     ("template_bounds", []),
+    ("precision_auto", []),
 ]
 
 

@@ -19,8 +19,9 @@ class PrecisionConfig:
       micro-batches, as DeepSeek LLM trains;
     - ``fp16``: fp16 compute with dynamic loss scaling (overflowing steps are skipped, the scale is
       logged as ``train/loss_scale``);
-    - ``auto``: bf16 where a start-up GEMM measurement shows this machine runs bf16 faster, else
-      fp32 (:mod:`dsl_lit.precision.auto`; the decision and the measured ratio are logged).
+    - ``auto``: bf16 where this machine has native bf16 arithmetic (AMX or AVX512-BF16 CPUs, GPUs
+      from compute capability 8.0), else fp32 (:mod:`dsl_lit.precision.auto`; the decision and its
+      reason are logged).
 
     The router, norms, embeddings and the loss stay fp32 under autocast (the models keep them so).
     ``fp8`` additionally runs the eligible linear layers' GEMMs in FP8 (on top of bf16).

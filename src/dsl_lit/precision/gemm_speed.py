@@ -1,5 +1,6 @@
 """How fast this device multiplies matrices in a dtype: the MFU denominator on devices without a
-spec sheet, and what ``precision=auto`` decides by.
+spec sheet, and the bf16/fp32 ratio ``benchmarks/precision_auto.py`` checks ``precision=auto``'s
+rule against.
 
 Both measurements are bounded in time, not in size: on a CPU without native bf16 a bf16 GEMM runs
 through a slow fallback (a 2048^3 product took 90 s on a 2-core AMD EPYC without AVX512-BF16), so

@@ -1,5 +1,5 @@
 """Every run-wide decision, made once per process from the validated config: where the run computes,
-the precision it trains in (``precision=auto`` measured and resolved), whether blocks are compiled,
+the precision it trains in (``precision=auto`` resolved), whether blocks are compiled,
 and the model transforms the strategy applies (FP8 with or without the routed experts, recompute,
 compile). The module, the trainer, the callbacks and ``resolved_config.yaml`` all read this one
 frozen plan instead of deciding again from the config.
