@@ -29,7 +29,7 @@ reproduce: setup
 # (pytest-xdist), a test file per worker at a time (--dist loadfile: a file's multi-process tests,
 # marked slow, share module-scoped runs), the longest files first by the seconds tests/durations.json
 # recorded (tests/conftest.py; scripts/record_test_durations.py refreshes it from a --junitxml report).
-# `make test-fast` runs the single-process tests alone.
+# `make test-fast` runs the unit and architecture trees (tests/unit mirrors the packages), slow tests left out.
 # one more pytest worker than cores, at least 3: the tests wait about half their time on process
 # start-up, collectives and files (2 workers kept 2 cores 47% busy; 3 workers: 1,106 s -> 999 s here;
 # 4 workers: 1,019 s)
@@ -39,7 +39,7 @@ test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 test-fast: setup
-	$(PY) -m pytest -q -n auto -m "not slow"
+	$(PY) -m pytest -q -n auto -m "not slow" tests/unit tests/architecture
 
 lint: setup
 	$(PY) -m ruff check .

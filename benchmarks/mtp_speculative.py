@@ -19,7 +19,7 @@ import torch
 from benchmarks.headline import headline
 from benchmarks.timing import interleaved_medians
 from dsl_lit.inference.generation import generate
-from tests.test_speculative import _trained_on_a_cycle
+from tests.unit.inference.test_speculative import _trained_on_a_cycle
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """How long a hostile chat template runs before the sandbox stops it, as a user runs it (no
-tracemalloc): every payload of ``tests/test_template_bounds.py``, the slowest printed.
+tracemalloc): every payload of ``tests/unit/data_contract/test_template_bounds.py``, the slowest printed.
 
     .venv/bin/python -m benchmarks.template_bounds
 
@@ -16,7 +16,7 @@ import time
 from benchmarks.headline import headline
 from data_contract.errors import ConfigError
 from dsl_lit.utils.machine import machine_description
-from tests.test_template_bounds import PAYLOADS, _render
+from tests.unit.data_contract.test_template_bounds import PAYLOADS, _render
 
 
 def main() -> None:

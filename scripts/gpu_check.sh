@@ -94,7 +94,7 @@ part() {
   printf '%s\t%s\t%s\n' "$name" "$result" "$(( $(date +%s) - start ))" >> "$OUT/parts.tsv"
   echo "== $name: $result in $(( $(date +%s) - start )) s" | tee -a "$OUT/$log"
 }
-PYTEST=("$PY" -m pytest -v -rfE -p no:cacheprovider tests/test_gpu.py)
+PYTEST=("$PY" -m pytest -v -rfE -p no:cacheprovider tests/e2e/gpu/test_gpu.py)
 "${PYTEST[@]}" -m "gpu$long_tests" --collect-only -q 2>/dev/null | grep '::' > "$OUT/collected.txt"
 
 part "exclusive GPU tests" "${GPU_EXCLUSIVE_TIMEOUT:-80}" gpu_tests.log \

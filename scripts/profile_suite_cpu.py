@@ -4,7 +4,7 @@ every process's user + system time from ``/proc`` twice a second, then print the
 starts, multiprocessing ranks, Ray, ...).
 
     python scripts/profile_suite_cpu.py                     # make test, then the table
-    python scripts/profile_suite_cpu.py -- .venv/bin/python -m pytest -q tests/test_muon.py
+    python scripts/profile_suite_cpu.py -- .venv/bin/python -m pytest -q tests/unit/optim/test_muon.py
 
 On two cores the suite is CPU-bound (its wall time is about its CPU time / 2), so this table, not
 the per-test durations (which include waiting for a core), says what a cut would save. Linux only;

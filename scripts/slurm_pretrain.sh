@@ -9,7 +9,7 @@
 # the job with the same run_name resumes from the latest complete checkpoint. SLURM sends SIGTERM
 # before preemption (--signal): every rank finishes its step, the step is saved, the job exits 143
 # and --requeue starts it again. The same two-node path is tested on one machine with torchrun in
-# tests/test_multi_node.py.
+# tests/e2e/recipes/test_multi_node.py.
 #SBATCH --job-name=dsl-lit
 #SBATCH --ntasks-per-node=8
 #SBATCH --gpus-per-node=8

@@ -43,7 +43,7 @@ class Mutation:
     """pytest node ids or paths, relative to the repository root."""
 
 
-REFERENCES = "tests/test_objective_references.py"
+REFERENCES = "tests/unit/training/test_objective_references.py"
 PRETRAIN_GRADIENTS = f"{REFERENCES}::test_pretrain_gradients_equal_autograd_of_the_v3_objective_across_the_mtp_weight_boundary"
 
 MUTATIONS = (
@@ -51,61 +51,61 @@ MUTATIONS = (
         "dropped MTP loss term",
         "objective = objective + self.objective.mtp_weight_at(self.progress) * mtp_loss",
         "objective = objective + 0.0 * mtp_loss",
-        (PRETRAIN_GRADIENTS, "tests/test_pretrain_module.py"),
+        (PRETRAIN_GRADIENTS, "tests/unit/training/test_pretrain_module.py"),
     ),
     Mutation(
         "dropped balance loss term",
         "            objective = objective + balance\n",
         "            objective = objective + 0.0 * balance\n",
-        (PRETRAIN_GRADIENTS, "tests/test_pretrain_module.py"),
+        (PRETRAIN_GRADIENTS, "tests/unit/training/test_pretrain_module.py"),
     ),
     Mutation(
         "skipped fp16 unscale",
         "grad_norm = self.finish_gradients(optimizer.optimizer, self.optim_config.grad_clip or None, scale)",
         "grad_norm = self.finish_gradients(optimizer.optimizer, self.optim_config.grad_clip or None, 1.0)",
-        (f"{REFERENCES}::test_fp16_step_matches_fp32_with_clipping_configured", "tests/test_precision.py"),
+        (f"{REFERENCES}::test_fp16_step_matches_fp32_with_clipping_configured", "tests/unit/precision/test_precision.py"),
     ),
     Mutation(
         "flipped sign in the bias update",
         "self.expert_bias += rate * torch.sign(load.mean() - load)",
         "self.expert_bias -= rate * torch.sign(load.mean() - load)",
-        ("tests/test_bias_balancing.py", "tests/test_model_v3.py", "tests/test_pretrain_module.py"),
+        ("tests/e2e/parallel/test_bias_balancing.py", "tests/unit/models/test_model_v3.py", "tests/unit/training/test_pretrain_module.py"),
     ),
     Mutation(
         "biased scores leaking into gate values",
         "weights = scores.gather(1, indices)",
         "weights = (scores + self.expert_bias).gather(1, indices)",
-        ("tests/test_model_v3.py",),
+        ("tests/unit/models/test_model_v3.py",),
     ),
     Mutation(
         "wrong dp data offset in the sampler",
         "start = batch_start + self.dp_rank * self.local_batch_size",
         "start = batch_start + self.dp_rank * self.global_batch_size",
-        ("tests/test_sampler.py", "tests/test_datamodule.py"),
+        ("tests/unit/data/test_sampler.py", "tests/unit/data/test_datamodule.py"),
     ),
     Mutation(
         "swapped loss normalizer in GRPO",
         'normalizers["tokens"] = local if self.grpo.loss_type == "bnpo" else normalizers["targets"]',
         'normalizers["tokens"] = normalizers["targets"] if self.grpo.loss_type == "bnpo" else local',
-        ("tests/test_grpo_data_parallel.py",),
+        ("tests/e2e/parallel/test_grpo_data_parallel.py",),
     ),
     Mutation(
         "a balance-loss term with both alphas 0",
         "        if not (self.seq_balance_alpha or self.batch_balance_alpha):\n            return None\n",
         "        if not (self.seq_balance_alpha or self.batch_balance_alpha):\n            return scores.sum() * 0.0\n",
-        ("tests/test_model_v3.py",),
+        ("tests/unit/models/test_model_v3.py",),
     ),
     Mutation(
         "sdpa attention without the causal mask",
         "q, k, v, attn_mask=mask, is_causal=plain_causal, scale=scale, enable_gqa=True",
         "q, k, v, attn_mask=mask, is_causal=False, scale=scale, enable_gqa=True",
-        ("tests/test_model.py",),
+        ("tests/unit/models/test_model.py",),
     ),
     Mutation(
         "MTP weight of the other phase",
         "return piecewise_constant(progress, self.mtp_weight, self.mtp_weight_boundaries)",
         "return piecewise_constant(progress, self.mtp_weight[::-1], self.mtp_weight_boundaries)",
-        (PRETRAIN_GRADIENTS, "tests/test_pretrain_module.py"),
+        (PRETRAIN_GRADIENTS, "tests/unit/training/test_pretrain_module.py"),
     ),
 )
 

@@ -2,7 +2,7 @@
 around each step after the warm-up but the last, which reads the queued checks by design (``CausalLMModule.optimizer_step_on``: forwards, backwards,
 clipping, the optimizer, the schedule and the expert biases; not Lightning's logging). The GPU test
 watches with ``torch.cuda.set_sync_debug_mode("error")``, the CPU test counts the operations that
-make a CUDA host wait (tests/test_step_syncs.py)."""
+make a CUDA host wait (tests/unit/optim/test_step_syncs.py)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Why specs as data: a from-scratch tokenizer that is to stand in for DeepSeek's m
 same way (normalizer, the exact Split/Digits/ByteLevel pre-tokenizer sequence), decode the same
 way, and put every added token at its released id with its released ``special`` flag; only the
 vocabulary and merges are learned. ``specs/<name>.json`` holds those facts as published
-with DeepSeek LLM 7B base and DeepSeek-V3 (``tests/test_released_tokenizers.py`` checks them against
+with DeepSeek LLM 7B base and DeepSeek-V3 (``tests/unit/data_pipeline/test_released_tokenizers.py`` checks them against
 the reference copy of the releases); ``bundled`` is this project's demo tokenizer, built in code.
 
 Ids: added tokens below ``bpe_vocab_size`` (V3's bos/eos/pad at 0, 1, 2) are trained as the BPE

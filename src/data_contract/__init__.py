@@ -10,5 +10,5 @@ code both import: neither imports the other.
 - ``errors`` and ``schema``: one-line config errors (exit 2) and the dataclass reader that names a
   wrong field, so both programs refuse bad input alike.
 
-It imports neither side (``tests/test_import_layers.py``).
+It imports neither side (``tests/architecture/test_import_layers.py``).
 """

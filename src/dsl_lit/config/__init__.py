@@ -4,7 +4,7 @@ Each Hydra group has its dataclass here (``model``, ``data``, ``optim``, ``sched
 ``precision``, ``parallel``, ``memory``, ``objective``, the post-training sections); ``TrainConfig``
 and ``PostTrainConfig`` turn a composed Hydra config into them and raise :class:`ConfigError`
 naming the field and the fix before a Trainer, a process group or a dataset exists. Nothing here
-imports the rest of dsl-lit, Lightning or a LightningModule (``tests/test_architecture.py``).
+imports the rest of dsl-lit, Lightning or a LightningModule (``tests/architecture/test_architecture.py``).
 """
 
 from data_contract.errors import ConfigError

@@ -3,7 +3,7 @@ does (``dsl_lit.precision``) are both read from a recipe's row, never from its n
 
 A new recipe is one row here plus one ``conf/precision/<name>.yaml``; every behaviour follows from
 its fields: the quantisation of each GEMM operand, the kernels' shape rules, torchao's module for it
-and the GPU it needs. ``tests/test_precision.py`` adds a recipe that way.
+and the GPU it needs. ``tests/unit/precision/test_precision.py`` adds a recipe that way.
 """
 
 from __future__ import annotations

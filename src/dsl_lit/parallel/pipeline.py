@@ -69,7 +69,7 @@ SPLIT_BACKWARD = ("DualPipeV",)
 """Schedules that split each backward into its input and its weight gradients, the first keeping the
 graph for the second (``retain_graph=True``): compiled blocks must then not donate the buffers they
 saved for backward (AOTAutograd's ``donated_buffer``), or their backward refuses to run (found by
-tests/test_parallel_e2e.py's compiled DualPipeV layout)."""
+tests/e2e/parallel/test_parallel_e2e.py's compiled DualPipeV layout)."""
 
 
 def layer_cost(cfg: ModelConfig, layer_id: int) -> float:

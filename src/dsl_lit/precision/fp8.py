@@ -75,7 +75,7 @@ Where it runs (``apply_fp8``'s ``backend``):
   ``expert_backend=split`` or ``loop``; its blockwise Linear and FP8 grouped GEMM are Triton
   kernels (CUDA only), so asking for those raises.
 
-The reference path against torchao 0.18 on CPU (tests/test_fp8_torchao.py; oneDNN off, so that torch's
+The reference path against torchao 0.18 on CPU (tests/unit/precision/test_fp8_torchao.py; oneDNN off, so that torch's
 ``_scaled_mm`` dequantises and multiplies in fp32 as the reference does): outputs, dX and dW are
 bit-identical for ``fp8_tensorwise`` (fp32 and bf16 modules) and ``fp8_rowwise`` (bf16), and so are
 routed experts under torchao (``split`` / ``loop``) and the reference's ``fp8_rowwise`` experts. Not
@@ -94,7 +94,7 @@ experts stay in high precision; both orders warn (apply_fp8 skips experts whose 
 already sharded, and sharding an :class:`Fp8GroupedExperts` logs it). Tensor-parallel (DTensor)
 weights are not supported by the reference path.
 
-Measured on CPU (tests/test_fp8.py, benchmarks/fp8_reference_error.py): the FP8 values equal a
+Measured on CPU (tests/unit/precision/test_fp8.py, benchmarks/fp8_reference_error.py): the FP8 values equal a
 float64 emulation of this arithmetic bit for bit (dequantised values to one fp32 rounding), the
 Linear's three GEMMs match a float64 emulation of the recipe to ~4e-7 and are ~3.7% off fp32
 (bf16: 0.24%), and five AdamW steps of ``deepseek_v3_tiny`` under ``fp8_blockwise`` end within

@@ -9,7 +9,7 @@ One text format serves both sides, so a model is asked exactly what it was train
   with the key at a chosen depth (``dsl_lit.evaluation.passkey`` scores them).
 
 Regenerate the shipped corpora with ``python -m dsl_lit.tasks.passkey``: the output is a function
-of the seed only (``tests/test_passkey.py`` checks the shipped files against it).
+of the seed only (``tests/unit/evaluation/test_passkey.py`` checks the shipped files against it).
 """
 
 from __future__ import annotations

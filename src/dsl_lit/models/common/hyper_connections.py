@@ -10,7 +10,7 @@ sec. 2.2). The three weights come from one linear map of the RMS-normalised stre
 computed in fp32 whatever the activation dtype, as DeepSeek keeps them.
 
 Semantics follow transformers 5.24's ``DeepseekV4HyperConnection`` / ``DeepseekV4HyperHead``
-(the parity reference, ``tests/test_hyper_connections.py``): ``streams`` mixed as
+(the parity reference, ``tests/unit/models/test_hyper_connections.py``): ``streams`` mixed as
 ``comb^T @ streams``, ``post`` in (0, 2), ``pre`` in (eps, 1 + eps).
 """
 

@@ -19,7 +19,7 @@ grouped low-rank output projection (heads in ``o_groups`` groups, each projected
 then mixed to ``d_model``).
 
 The full-sequence forward (training) is here; the parity reference is transformers 5.24's
-``DeepseekV4Attention`` with ``cache=None`` (``tests/test_deepseek_v4_attention.py``).
+``DeepseekV4Attention`` with ``cache=None`` (``tests/unit/models/test_deepseek_v4_attention.py``).
 Parameter names are DeepSeek's release names (``wq_a``, ``wkv``, ``wo_a``, ``attn_sink``,
 ``compressor.wkv``, ``indexer.wq_b``, ...).
 """

@@ -8,7 +8,7 @@ PPO's clipped surrogate plus a KL penalty to a reference policy with the k3 esti
     ratio = exp(logp - old_logp)
     loss_t = -min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A) + beta (exp(d) - d - 1),  d = ref_logp - logp
 
-Two variants of the surrogate, both TRL's (``tests/test_grpo_trl_reference.py``):
+Two variants of the surrogate, both TRL's (``tests/unit/posttrain/test_grpo_trl_reference.py``):
 
 - GSPO (``importance_sampling="sequence"``, Qwen3's Group Sequence Policy Optimization): one ratio
   per completion, ``s_i = exp(mean_t (logp - old_logp))``, clipped as a whole and shared by its
@@ -29,7 +29,7 @@ How token losses become one number (``loss_type``):
 The keyword normalisers let a caller that splits a step into micro-batches (or data-parallel ranks)
 pass the counts of the whole step, so that summing the micro-batch losses gives the step's loss.
 
-Against TRL's ``GRPOTrainer`` (trl 1.16, ``tests/test_grpo_trl_reference.py``: the same rollouts,
+Against TRL's ``GRPOTrainer`` (trl 1.16, ``tests/unit/posttrain/test_grpo_trl_reference.py``: the same rollouts,
 rewards and old/reference log-probs through TRL's own scoring and ``_compute_loss``): per-token
 losses, advantages (the same ``1e-4`` added to the std; ``dr_grpo`` divides by the configured
 maximum completion length, ``grpo.sampling.max_new_tokens`` = TRL's ``max_completion_length``, not

@@ -3,7 +3,7 @@
 Each run is a ``plan_experiment`` preset holding its published layout (the preset's header says
 where each value comes from and what was assumed); :func:`compare` plans each one with the same
 model and constants and sets the prediction beside the published figure. ``recipes/plan.py
-plan.published=true`` prints the table; ``tests/test_planner.py`` holds each within its tolerance.
+plan.published=true`` prints the table; ``tests/unit/scaling/test_planner.py`` holds each within its tolerance.
 
 The three published DeepSeek-V3 (671B, 37B activated) runs:
 

@@ -1,0 +1,1 @@
+"""The structure: import directions, the one hook, the source tree's rules."""

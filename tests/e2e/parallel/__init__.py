@@ -1,0 +1,1 @@
+"""Layouts over several gloo processes, held to one process's numbers."""

@@ -1,0 +1,1 @@
+"""The recipes run as a user runs them, in subprocesses."""

@@ -1,0 +1,495 @@
+"""`make reproduce` (recipes/reproduce.py): every stage of the method feeds the next, a run killed
+mid-GRPO resumes to the same numbers, subsets and changed settings are refused early, and the
+report's claims are judged by their written thresholds."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from hydra import compose
+
+from data_contract.errors import ConfigError
+from dsl_lit.config.reproduce import STAGES, ReproduceConfig
+from dsl_lit.reproduce.claims import NOT_MEASURED, NOT_REPRODUCED, REPRODUCED, claims_table
+from dsl_lit.reproduce.runner import MARKER, selected
+from dsl_lit.reproduce.stages import EVALUATED, STAGE_TABLE, pretraining_hparams
+
+ROOT = Path(__file__).resolve().parents[3]
+RECIPE = [sys.executable, str(ROOT / "recipes" / "reproduce.py"), "reproduce=smoke"]
+ENV = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+
+
+def reproduce(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*RECIPE, f"hydra.run.dir={run_dir}", *overrides], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=900)
+
+
+def metrics(run_dir: Path) -> dict[int, dict[str, float]]:
+    with (run_dir / "metrics.csv").open() as f:
+        return {int(r["step"]): {k: float(v) for k, v in r.items() if v and k not in ("step", "epoch")}
+                for r in csv.DictReader(f) if r.get("train/loss")}
+
+
+@pytest.fixture(scope="module")
+def interrupted_run(tmp_path_factory) -> tuple[Path, str]:
+    """The smoke chain, stopped by SIGTERM once GRPO has saved its first checkpoint, then rerun."""
+    run_dir = tmp_path_factory.mktemp("reproduce") / "smoke"
+    first_checkpoint = run_dir / "grpo" / "checkpoints" / "step-2" / "meta.json"
+    with open(run_dir.parent / "first.log", "w") as out:
+        child = subprocess.Popen([*RECIPE, f"hydra.run.dir={run_dir}"], cwd=ROOT, env=ENV, stdout=out,
+                                 stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 900
+        while not first_checkpoint.is_file() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        child.send_signal(signal.SIGTERM)
+        code = child.wait(timeout=300)
+    first = (run_dir.parent / "first.log").read_text()
+    assert code == 143, first[-3000:]  # stopped, not failed
+    assert not (run_dir / "grpo" / MARKER).exists() and (run_dir / "cold_start" / MARKER).is_file()
+    rerun = reproduce(run_dir)
+    assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-3000:]
+    return run_dir, rerun.stdout + rerun.stderr
+
+
+@pytest.mark.slow
+def test_every_stage_feeds_the_next_and_the_report_has_every_section(interrupted_run):
+    run_dir, log = interrupted_run
+    for index, stage in enumerate(STAGES[:8], 1):  # finished before the stop: skipped
+        assert f"stage {index}/14 {stage}: finished earlier" in log
+    assert "stage 9/14 grpo: GRPO" in log and "about" in log and "elapsed" in log
+    assert "resuming from" in (run_dir / "grpo" / "stage.log").read_text()
+    done = {s: json.loads((run_dir / s / MARKER).read_text()) for s in STAGES}
+
+    def resolved(stage: str) -> dict:
+        return yaml.safe_load((run_dir / stage / "resolved_config.yaml").read_text())
+
+    # checkpoints chain through init_from (and teacher_from); the data stage's shards and tokenizer everywhere
+    assert resolved("yarn")["init_from"] == str(run_dir / "pretrain")
+    assert resolved("cold_start")["init_from"] == str(run_dir / "pretrain")
+    assert resolved("grpo")["init_from"] == str(run_dir / "cold_start")
+    assert resolved("sft_rs")["init_from"] == str(run_dir / "pretrain")
+    assert resolved("sft_rs")["sft"]["dataset"] == str(run_dir / "rejection_sample" / "samples.jsonl")
+    assert f"teacher_from='{run_dir / 'grpo'}'" in done["distill"]["commands"][0]
+    for stage in ("pretrain", "pretrain_no_mtp", "pretrain_no_bias", "yarn"):
+        assert resolved(stage)["data"]["cache_dir"] == str(run_dir / "data" / "pipeline")
+    # the fitted lr and batch (with its ramp) are what pretraining ran with
+    hp = done["scaling"]["results"]
+    pre = resolved("pretrain")
+    assert pre["optim"]["lr"] == hp["lr"] and pre["data"]["global_batch_size"] == hp["global_batch_size"] == 8
+    assert pre["data"]["batch_ramp"] == {"start": 4, "tokens": hp["ramp_tokens"], "increment": 4}
+    ramp = {int(s): r["train/global_batch_size"] for s, r in metrics(run_dir / "pretrain").items()}
+    assert ramp[min(ramp)] == 4 and ramp[max(ramp)] == 8
+    # the ablations differ from pretraining in their one setting only
+    assert resolved("pretrain_no_mtp")["model"]["mtp_depth"] == 0
+    assert done["pretrain"]["results"]["mtp_loss"] > 0 and done["pretrain_no_mtp"]["results"]["mtp_loss"] is None
+    assert resolved("pretrain_no_bias")["objective"]["bias_update_rate"] == [0.0, 0.0]
+    assert resolved("yarn")["model"]["rope_scaling"]["factor"] == 4 and resolved("yarn")["data"]["seq_len"] == 512
+    assert set(done["passkey"]["results"]["accuracy"]) == {"pretrain", "yarn"}
+    assert set(done["evaluate"]["results"]["scores"]) == set(EVALUATED)
+    for model in EVALUATED:
+        assert "acc" in done["evaluate"]["results"]["scores"][model]["dsl_kjv_next_sentence"]
+    # one report, its figures beside it
+    report = (run_dir / "report" / "report.md").read_text()
+    for heading in ("What the papers say", "1. Scaling laws", "2. Data pipeline", "3. Pretraining",
+                    "4. Context extension", "5. The R1 pipeline", "6. lm-eval"):
+        assert heading in report
+    for png in ("pretrain_loss.png", "expert_load.png", "batch_ramp.png", "passkey.png", "grpo.png",
+                "r1_accuracy.png", "scaling_hparam_landscape.png"):
+        assert f"]({png})" in report and (run_dir / "report" / png).stat().st_size > 5000
+    verdicts = [line.rsplit("|", 2)[-2].strip() for line in report.split("## 1.")[0].splitlines()
+                if line.startswith("| ") and "DeepSeek" in line]
+    assert len(verdicts) == 9 and set(verdicts) <= {REPRODUCED, NOT_REPRODUCED}
+
+
+@pytest.mark.slow
+def test_a_run_killed_mid_grpo_ends_with_the_numbers_of_one_never_stopped(interrupted_run):
+    run_dir, _ = interrupted_run
+    resumed = run_dir / "grpo"
+    # a copy of the run without GRPO: it runs again there, never stopped
+    fresh = run_dir.parent / "grpo_never_stopped"
+    shutil.copytree(run_dir, fresh, ignore=lambda d, names: ["grpo"] if Path(d) == run_dir else [])
+    again = reproduce(fresh, "reproduce.stages=[grpo]")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming from" not in (fresh / "grpo" / "stage.log").read_text()
+    expected, actual = metrics(fresh / "grpo"), metrics(resumed)
+    assert sorted(actual) == sorted(expected) == [0, 1, 2, 3]
+    for step, row in expected.items():
+        for key in ("train/loss", "reward/mean", "train/grad_norm", "completion/length"):
+            assert actual[step][key] == pytest.approx(row[key], rel=1e-5, abs=1e-7), (step, key)
+    first = json.loads((resumed / MARKER).read_text())["results"]
+    second = json.loads((fresh / "grpo" / MARKER).read_text())["results"]
+    assert first["eval_accuracy"] is not None and first["eval_accuracy"] == second["eval_accuracy"]
+    assert first["train_loss"] == pytest.approx(second["train_loss"], rel=1e-5)
+
+
+def test_bad_subsets_and_changed_settings_are_refused_before_any_stage_runs(tmp_path):
+    cfg = ReproduceConfig(stages=["grpo"]).validate()
+    with pytest.raises(ConfigError, match="stage grpo needs data, which has not finished"):
+        selected(cfg, STAGE_TABLE, tmp_path)
+    with pytest.raises(ConfigError, match="unknown stage 'grop'"):
+        ReproduceConfig(stages=["grop"]).validate()
+    with pytest.raises(ConfigError, match="reproduce.overrides.pretrain must be a list of Hydra overrides"):
+        ReproduceConfig(overrides={"pretrain": "trainer.max_steps=3"}).validate()
+    # a stage finished with other settings (here: another pretraining budget) is not silently reused
+    (tmp_path / "scaling").mkdir()
+    (tmp_path / "scaling" / MARKER).write_text(json.dumps({"fingerprint": "0" * 16, "seconds": 1, "results": {}}))
+    with pytest.raises(ConfigError, match="stage scaling finished in .* with other settings"):
+        selected(ReproduceConfig().validate(), STAGE_TABLE, tmp_path)
+    # a new eval_limit touches the evaluation only: the finished pretraining still stands
+    from dsl_lit.reproduce.runner import fingerprints
+
+    before, after = fingerprints(ReproduceConfig(), STAGE_TABLE), fingerprints(ReproduceConfig(eval_limit=4), STAGE_TABLE)
+    assert [s for s in STAGES if before[s] != after[s]] == ["evaluate"]
+    bigger = ReproduceConfig(overrides={"pretrain": ["++model.n_layers=6"]})  # another model: another batch and lr
+    changed = [s for s in STAGES if fingerprints(bigger, STAGE_TABLE)[s] != before[s]]
+    assert changed[:4] == ["scaling", "pretrain", "pretrain_no_mtp", "pretrain_no_bias"] and "data" not in changed
+    # an interrupted stage's checkpoints were made with its settings: resuming them under others is refused
+    (tmp_path / "started" / "data").mkdir(parents=True)
+    (tmp_path / "started" / "data" / "STARTED.json").write_text(json.dumps({"fingerprint": "1" * 16}))
+    with pytest.raises(ConfigError, match="stage data started in .* with other settings"):
+        selected(ReproduceConfig().validate(), STAGE_TABLE, tmp_path / "started")
+    # and the recipe says so in one line, exit 2, having run nothing
+    result = reproduce(tmp_path / "run", "reproduce.stages=[grpo]")
+    assert result.returncode == 2 and "stage grpo needs" in result.stderr
+    assert not (tmp_path / "run" / "grpo").exists()
+
+
+def test_pretraining_batch_and_lr_come_from_the_fit_clamped_with_a_ramp_that_spends_the_tokens():
+    cfg = ReproduceConfig(pretrain_tokens=400_000, seq_len=128, batch_range=[16, 32], micro_batch_size=4).validate()
+    laws = {"hparams": {"batch_tokens": {"coefficient": 1.0, "exponent": 0.3}, "lr": {"coefficient": 0.5,
+                                                                                       "exponent": -0.15}}}
+    hp = pretraining_hparams(laws, cfg)
+    c = hp["compute_C"]
+    assert hp["batch_fit_sequences"] == pytest.approx(c**0.3 / 128) and hp["lr_fit"] == pytest.approx(0.5 * c**-0.15)
+    assert 16 <= hp["global_batch_size"] <= 32 and hp["global_batch_size"] % 4 == 0
+    assert hp["lr"] == pytest.approx(min(max(hp["lr_fit"], 3e-4), 3e-3))
+    assert hp["ramp_start"] == hp["global_batch_size"] // 4 // 4 * 4 and hp["ramp_tokens"] == 100_000
+    # the steps spend D: one step fewer would not
+    from dsl_lit.config.data import BatchRampConfig, BatchSchedule
+
+    schedule = BatchSchedule(hp["global_batch_size"], 128, BatchRampConfig(hp["ramp_start"], hp["ramp_tokens"], 4))
+    assert schedule.advance(0, hp["max_steps"]) * 128 >= 400_000 > schedule.advance(0, hp["max_steps"] - 1) * 128
+    # no fitted law (a sweep of one budget): the paper's
+    assert pretraining_hparams({}, cfg)["source"].startswith("paper")
+
+
+def _done(results: dict) -> dict:
+    return {stage: {"results": r} for stage, r in results.items()}
+
+
+def test_claims_are_judged_by_their_written_thresholds():
+    flat = {"hparams": {"batch_tokens": {"exponent": 1e-16}, "lr": {"exponent": 3e-16}},
+            "allocation": {"model_scale": {"exponent": 0.6}}}
+    table = {row[0]: row[3] for row in claims_table(_done({"scaling": {"laws": flat}}))}
+    assert table["Optimal batch size grows and optimal learning rate shrinks with compute, as power laws"] == NOT_REPRODUCED
+    assert table["The compute-optimal model scale grows with compute"] == REPRODUCED
+    assert table["Multi-token prediction improves the main model at equal training steps"] == NOT_MEASURED
+    results = {"pretrain": {"val_loss": 4.0, "load_max_over_mean": 1.2}, "pretrain_no_mtp": {"val_loss": 4.1},
+               "pretrain_no_bias": {"val_loss": 4.05, "load_max_over_mean": 2.5},
+               "grpo": {"eval_accuracy": 0.0}, "cold_start": {"eval_accuracy": 0.0}, "distill": {"eval_accuracy": 0.0},
+               "sft_rs": {"eval_accuracy": 0.0}}
+    table = {row[0]: (row[2], row[3]) for row in claims_table(_done(results))}
+    assert table["Multi-token prediction improves the main model at equal training steps"][1] == REPRODUCED
+    assert table["Auxiliary-loss-free balancing (the bias update) keeps expert load balanced"] == (
+        "expert load max/mean 1.2 with the bias update, 2.5 without (last 20% of steps; 1.0 is perfect)", REPRODUCED)
+    free = "... without hurting the model (no worse loss)"
+    assert table[free][1] == REPRODUCED  # balanced, and the loss within 2%
+    unbalanced = {**results, "pretrain": {"val_loss": 4.0, "load_max_over_mean": 2.6}}
+    table_unbalanced = {row[0]: (row[2], row[3]) for row in claims_table(_done(unbalanced))}
+    assert table_unbalanced[free][1] == NOT_REPRODUCED  # before: reproduced on the loss alone
+    assert "did not balance the load" in table_unbalanced[free][0]
+    # a teacher that solves nothing leaves nothing to keep: not a reproduction
+    assert table["A distilled smaller student keeps most of the teacher's accuracy"][1] == NOT_REPRODUCED
+    assert table["RL with rule-based rewards raises accuracy over the cold-start model"][1] == NOT_REPRODUCED
+
+
+def preset(name: str, *overrides: str) -> ReproduceConfig:
+    """``reproduce=<name>`` as recipes/reproduce.py composes and validates it."""
+    from omegaconf import OmegaConf
+
+    from data_contract.schema import dataclass_from_dict
+
+    raw = compose("reproduce", overrides=[f"reproduce={name}", *overrides])
+    return dataclass_from_dict(ReproduceConfig, OmegaConf.to_container(raw.reproduce, resolve=True), "reproduce").validate()
+
+
+@pytest.fixture(scope="module")
+def carried_build() -> Path:
+    """The data cache any recipe builds on its first run, ``$DSL_LIT_CACHE_ROOT/bundled_corpus_v8192``:
+    what a GPU machine without ``datasets`` is handed and ``reproduce=gpu_short`` reads."""
+    from dsl_lit.config.data import DataConfig
+    from dsl_lit.data.cache import prepare_cache
+
+    cache = Path(os.environ["DSL_LIT_CACHE_ROOT"]) / "bundled_corpus_v8192"
+    prepare_cache(DataConfig(corpus_dir=str(ROOT / "data" / "corpus"), cache_dir=str(cache)))
+    return cache
+
+
+@pytest.mark.parametrize("name", ["cpu_mini", "smoke", "gpu_small", "gpu_short"])
+def test_every_presets_stage_commands_compose_and_validate(name, tmp_path, request):
+    """Each training stage's command line (wiring + the preset's overrides) composes under Hydra
+    and validates as its recipe would, for the GPU presets too (which no CPU run exercises): the
+    check recipes/reproduce.py runs at start-up."""
+    from hydra import initialize_config_dir
+
+    from dsl_lit.reproduce.preflight import check_commands, stage_commands
+
+    build = request.getfixturevalue("carried_build") if name == "gpu_short" else None
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = preset(name)
+        configs = check_commands(cfg, STAGE_TABLE, tmp_path)
+    assert sorted(configs) == sorted(set(STAGES) - {"data", "passkey", "evaluate", "report"})
+    hp = pretraining_hparams({}, cfg)  # no finished scaling stage here: the paper's laws stand in
+    for stage, train in configs.items():
+        if stage != "scaling":
+            assert train.trainer.accelerator == cfg.accelerator, stage
+    pre = configs["pretrain"]
+    assert pre.data.global_batch_size == hp["global_batch_size"] and pre.optim.lr == hp["lr"]
+    if name == "gpu_small":  # the model the budget was computed for is the one trained
+        assert (pre.model.d_model, pre.model.n_layers, pre.precision.name) == (768, 12, "bf16")
+    if name == "gpu_short":  # a bare GPU image: the carried build everywhere, eager, no W&B
+        assert cfg.data_build == str(build) and cfg.device == "cuda"
+        real = str((build / "shards").resolve().parent)  # the cache's links resolved: its build
+        for stage, train in configs.items():
+            if stage != "scaling":
+                assert train.data.cache_dir == real and train.data.fim_rate == 0.0, stage
+                assert train.trainer.compile is False and not train.logger.wandb.enabled, stage
+        sweep = " ".join(stage_commands(cfg, STAGE_TABLE, tmp_path)["scaling"])
+        assert f"data.cache_dir='{real}'" in sweep and "data.tokenizer_vocab_size=8192" in sweep
+        assert "trainer.compile=false" in sweep
+        assert pre.precision.name == "bf16" and pre.data.seq_len == 256 and hp["global_batch_size"] == 32
+
+
+def test_without_datasets_and_lm_eval_gpu_short_reads_the_carried_build_and_skips_the_evaluation(
+        carried_build, tmp_path, monkeypatch, caplog):
+    """What a bare GPU image does with reproduce=gpu_short: the data stage takes the carried build
+    (one line saying why and which), the evaluation is skipped with one line and the report says
+    so, a later run tries the evaluation again; without a build the missing pipeline stops the run
+    at start-up, and a build that is not there is refused before any stage."""
+    import logging
+
+    from hydra import initialize_config_dir
+
+    from dsl_lit.reproduce.preflight import check_packages
+    from dsl_lit.reproduce.runner import fingerprints, run_stages, write_marker
+    from dsl_lit.reproduce.stages import carried_build as read_build
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = preset("gpu_short", "reproduce.stages=[data,evaluate,report]")
+        without_build = preset("gpu_short", "reproduce.data_build=null")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets / lm_eval: ImportError
+    monkeypatch.setitem(sys.modules, "lm_eval", None)
+    with pytest.raises(ConfigError, match=r"^stage data needs datasets \(.*\): install it, or set reproduce\.data_build"):
+        check_packages(without_build, tmp_path)
+    check_packages(cfg, tmp_path)
+    with pytest.raises(ConfigError, match="holds no finished data build"):
+        read_build(str(tmp_path / "nothing"))
+
+    prints = fingerprints(cfg, STAGE_TABLE)  # the checkpoints lm-eval would score: finished
+    for stage in EVALUATED:
+        (tmp_path / stage).mkdir()
+        write_marker(tmp_path / stage, {"fingerprint": prints[stage], "seconds": 1.0,
+                                        "results": {"steps": 10, "val_loss": 5.0, "eval_accuracy": 0.3}})
+    lines: list[str] = []
+    with caplog.at_level(logging.INFO, logger="dsl_lit.reproduce.stages"):
+        run_stages(cfg, STAGE_TABLE, tmp_path, progress=lines.append)
+    build = str((carried_build / "shards").resolve().parent)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data: ")]
+    assert len(said) == 1 and "the pipeline does not run" in said[0] and "datasets, which is not installed" in said[0]
+    assert build in said[0] and "decontaminate, train_tokenizer, tokenize_pack" in said[0]
+    data = json.loads((tmp_path / "data" / MARKER).read_text())["results"]
+    assert data["build"] == build and data["documents_out"] > 1000 and data["fim"] is None
+    evaluate = [line for line in lines if " evaluate: " in line]
+    assert evaluate[1:] == ["stage 2/3 evaluate: skipped: lm_eval cannot be imported (import of lm_eval halted; "
+                            "None in sys.modules): the checkpoints are not scored; pip install lm-eval and rerun "
+                            "to score them"]
+    assert not (tmp_path / "evaluate" / "pretrain").exists()  # no recipe ran
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "skipped here: evaluate" in report and "| evaluate | skipped |" in report
+    assert "_Not run on this machine: lm_eval cannot be imported" in report
+    assert f"every stage read the build `{build}`" in report and "No FIM." in report
+    # the next run (lm-eval installed by then) evaluates: a skipped stage is not a finished one
+    lines.clear()
+    run_stages(cfg, STAGE_TABLE, tmp_path, progress=lines.append)
+    assert "stage 1/3 data: finished earlier" in lines[0] and "stage 2/3 evaluate: skipped: " in "".join(lines)
+
+
+def test_a_typo_in_a_late_stages_overrides_stops_the_run_before_the_first_stage(tmp_path):
+    result = reproduce(tmp_path / "run", "reproduce.overrides.distill=['studnet.n_layers=2']")
+    assert result.returncode == 2, result.stderr[-2000:]
+    error = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "stage distill (recipes/distill.py with reproduce.overrides.distill)" in error[0]
+    assert "studnet" in error[0] and not (tmp_path / "run" / "scaling").exists()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["reproduce.seq_len=-128"], "reproduce.seq_len=-128 must be a positive integer"),
+    # every stage's command composed and validated first (the scaling sweep counts FLOPs to plan its points)
+    (["reproduce=smoke", "reproduce.overrides.distill=['studnet.n_layers=2']"], "studnet"),
+])
+def test_the_runner_checks_every_stage_without_loading_torch(tmp_path, overrides, message):
+    """The runner only orchestrates: validating the preset and every stage's command, and refusing
+    a bad one, imports neither torch nor Lightning (~8 s here); it preloads them once the first
+    stage is about to be forked."""
+    argv = [str(ROOT / "recipes" / "reproduce.py"), f"hydra.run.dir={tmp_path / 'run'}", *overrides]
+    probe = (f"import runpy, sys\nsys.argv = {argv!r}\n"
+             "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+             "except SystemExit as stop:\n    print('exit', stop.code, sorted({'torch', 'lightning'} & set(sys.modules)))\n")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert message in result.stderr, result.stderr[-2000:]
+    assert result.stdout.strip() == "exit 2 []", result.stdout
+
+
+@pytest.mark.parametrize("path", ["/plain/run", "/my runs/it's,[a]=b{c}", "/a\\b", "/ends\\", "q\\'z"])
+def test_paths_reach_the_recipes_as_one_value_whatever_they_hold(path):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from dsl_lit.reproduce.runner import path_override
+
+    override = OverridesParser.create().parse_override(path_override("init_from", path))
+    assert override.key_or_group == "init_from" and override.value() == path
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("seq_len", -128, "reproduce.seq_len=-128 must be a positive integer"),
+    ("seq_len", 0, "reproduce.seq_len=0 must be a positive integer"),
+    ("micro_batch_size", 0, "reproduce.micro_batch_size=0 must be a positive integer"),
+    ("pretrain_tokens", 10**15, "reproduce.pretrain_tokens=1000000000000000 is over 1e+10"),
+])
+def test_sizes_that_hang_or_crash_the_start_up_are_one_line(field, value, message):
+    """Before: seq_len=-128 hung at start-up (the step-count loop never ended), a huge budget sat
+    silent for minutes, micro_batch_size=0 and seq_len=0 were tracebacks (ZeroDivisionError)."""
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
+        ReproduceConfig(**{field: value}).validate()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")
+def test_a_gpu_preset_is_refused_at_start_up_without_a_gpu(tmp_path):
+    """Before: reproduce=gpu_small on a CPU ran until its first stage failed."""
+    result = reproduce(tmp_path / "run", "reproduce=gpu_short")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "reproduce=gpu_short trains on a GPU (reproduce.device=cuda) and torch sees none here" in result.stderr
+    assert not (tmp_path / "run" / "scaling").exists()
+
+
+@pytest.mark.parametrize("content, lacks", [("[1, 2]", "a JSON object"), ('{"fingerprint": "ab"}', "a 'results' object"),
+                                            ('{"fingerprint": "ab", "results": [1]}', "a 'results' object")])
+def test_a_marker_that_is_json_but_not_ours_is_one_line(tmp_path, content, lacks):
+    """Before: valid JSON that is not an object, or lacks its results, was a traceback."""
+    from dsl_lit.reproduce.runner import marker
+
+    (tmp_path / "pretrain").mkdir()
+    (tmp_path / "pretrain" / MARKER).write_text(content)
+    with pytest.raises(ConfigError, match=rf"is not a marker this runner wrote \(it lacks {re.escape(lacks)}\); move "):
+        marker(tmp_path / "pretrain")
+
+
+CHILD = """import pathlib, signal, sys, time
+out = pathlib.Path(sys.argv[1])
+signal.signal(signal.SIGTERM, lambda *_: (out.write_text("SIGTERM"), sys.exit(0)))
+out.with_suffix(".ready").write_text("")
+time.sleep(60)
+"""
+PARENT = """import subprocess, sys, time
+from dsl_lit.reproduce.run_dir_lock import die_with_parent
+subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], preexec_fn=die_with_parent)
+time.sleep(60)
+"""
+
+
+def test_one_run_per_run_dir_and_no_stage_outlives_its_run(tmp_path):
+    """Before: two runs on one run dir collided, and a SIGKILLed run left its stage running."""
+    from dsl_lit.reproduce.run_dir_lock import hold_run_dir
+
+    fd = hold_run_dir(tmp_path)
+    with pytest.raises(ConfigError, match=rf"^another make reproduce \(pid {os.getpid()}\) or one of its stages is running"):
+        hold_run_dir(tmp_path)
+    os.close(fd)
+    os.close(hold_run_dir(tmp_path))  # released with its holder
+    out = tmp_path / "child.txt"
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD, str(out)], cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while not out.with_suffix(".ready").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    parent.kill()
+    parent.wait()
+    while not out.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert out.read_text() == "SIGTERM"
+
+
+@pytest.mark.parametrize("content", ['{"results": {"arc": {"acc,none": 0.5', "[]", '{"configs": {}}'])
+def test_a_cut_off_results_file_is_scored_again_not_a_traceback(tmp_path, content, caplog):
+    """Before: a truncated per-model results.json (written in place) was a JSON traceback."""
+    import logging
+
+    from dsl_lit.reproduce.stages import scored
+
+    (tmp_path / "results.json").write_text(content)
+    with caplog.at_level(logging.WARNING):
+        assert scored(tmp_path) is None
+    assert "is not a complete lm-eval results file (cut off?): scoring this checkpoint again" in caplog.text
+    (tmp_path / "results.json").write_text('{"results": {"arc": {"acc,none": 0.5}}}')
+    assert scored(tmp_path) == {"arc": {"acc,none": 0.5}}
+
+
+def test_the_report_states_what_the_files_hold(tmp_path):
+    """The report from stage markers alone (no stage runs): its tables hold the markers' numbers;
+    a flat fitted exponent reads as flat, not ``C^1.52e-16``; criteria are stated, not asked; the
+    R1 bars come in pipeline order after the shortcut rule's baseline, computed on the run's own
+    held-out problems; every bar is labelled (a 0% passkey bar was an empty plot)."""
+    from dsl_lit.reproduce.report import write_report
+    from dsl_lit.reproduce.stages import shortcut_accuracy
+
+    run_dir = tmp_path / "run"
+    task = {"name": "arithmetic", "num_problems": 64, "eval_problems": 8, "max_operand": 9,
+            "operations": ["largest"], "list_length": 4, "seed": 0, "language": "en"}
+    (run_dir / "cold_start").mkdir(parents=True)
+    (run_dir / "cold_start" / "resolved_config.yaml").write_text(yaml.safe_dump({"task": task}))
+    shortcut = shortcut_accuracy(run_dir / "cold_start")
+    from dsl_lit.config.posttrain import TaskConfig
+    from dsl_lit.tasks import arithmetic
+
+    _, held_out = arithmetic.split(TaskConfig(**task).validate())
+    assert shortcut == sum(p["question"].split()[-1] == p["answer"] for p in held_out) / 8
+    results = {
+        "scaling": {"laws": {"hparams": {"batch_tokens": {"exponent": 1.52e-16}, "lr": {"exponent": -0.125}},
+                             "allocation": {"model_scale": {"exponent": 0.61}}},
+                    "batch_fit_sequences": 8, "lr_fit": 3e-3, "paper_batch_sequences": 2, "paper_lr": 2e-3,
+                    "global_batch_size": 8, "lr": 3e-3, "model_scale_M": 1.2e7, "tokens_D": 8192, "compute_C": 9.8e10,
+                    "source": "this sweep", "max_steps": 11, "ramp_start": 4, "ramp_tokens": 4915},
+        "pretrain": {"val_loss": 4.0, "load_max_over_mean": 1.2, "steps": 11},
+        "pretrain_no_mtp": {"val_loss": 4.1, "steps": 11}, "pretrain_no_bias": {"val_loss": 4.05, "load_max_over_mean": 2.5},
+        "passkey": {"accuracy": {"pretrain": {"128": 0.0, "64": 0.5}, "yarn": {"128": 0.25, "64": 0.75}}},
+        "cold_start": {"eval_accuracy": 0.25, "shortcut_accuracy": shortcut}, "grpo": {"eval_accuracy": 0.5},
+        "sft_rs": {"eval_accuracy": 0.375}, "distill": {"eval_accuracy": 0.125},
+    }
+    for stage, values in results.items():
+        (run_dir / stage).mkdir(parents=True, exist_ok=True)
+        (run_dir / stage / MARKER).write_text(json.dumps({"results": values, "seconds": 1.0}))
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = preset("smoke")
+    report = write_report(run_dir, tmp_path / "report", cfg).read_text()
+    assert "B_opt ~ C^0 (flat: the optimum did not move between budgets), lr_opt ~ C^-0.125" in report
+    assert "M_opt ~ C^0.610" in report and "e-16" not in report and "?)" not in report
+    assert "(criterion: at most 2% higher)" in report and "(criterion: at least 80% of it)" in report
+    rows = [line for line in report.split("## 5.")[1].splitlines() if line.startswith("| ") and "accuracy" not in line]
+    assert rows == [f"| shortcut rule | {shortcut:.4g} |", "| cold_start | 0.25 |", "| grpo | 0.5 |",
+                    "| sft_rs | 0.375 |", "| distill | 0.125 |"]
+    assert "| 64 | 0.5 | 0.75 |" in report.split("## 4.")[1] and "| 128 | 0 | 0.25 |" in report.split("## 4.")[1]
+    for png in ("passkey.png", "r1_accuracy.png"):
+        assert (tmp_path / "report" / png).stat().st_size > 5000
