@@ -22,7 +22,7 @@ from data_contract.errors import ConfigError
 
 AttentionBackend = Literal["sdpa", "flash_attn", "eager"]
 ATTENTION_BACKENDS = ("sdpa", "flash_attn", "eager")
-SCORE_FUNCS = ("sigmoid", "softmax")
+SCORE_FUNCS = ("sigmoid", "softmax", "sqrtsoftplus")
 EXPERT_BACKENDS = ("grouped_mm", "split", "loop")
 EXECUTION_FIELDS = ("attn_backend", "expert_backend")
 """Kernels computing the same function: the run's own on resume and under ``init_from``."""
@@ -44,6 +44,12 @@ MTP_FIELDS = ("mtp_depth",)
 INDEXER_FIELDS = ("index_n_heads", "index_head_dim", "index_topk", "index_training")
 INDEX_TRAINING = ("off", "warmup", "sparse")
 """Fields only families with DeepSeek Sparse Attention (a lightning indexer) read."""
+V4_FIELDS = ("attention_head_dim", "attention_kinds", "csa_rate", "hca_rate", "compress_rope_theta", "sliding_window",
+             "o_groups", "o_lora_rank", "n_hash_layers", "swiglu_limit", "hc_mult", "hc_sinkhorn_iters", "hc_eps")
+"""Fields of DeepSeek-V4's blocks (shared-KV sliding/compressed attention, hash routing, mHC): read
+only by families whose card lists them in ``reads``."""
+ATTENTION_KINDS = ("sliding", "csa", "hca")
+"""DeepSeek-V4's attention layer kinds: sliding window only, compressed sparse, heavily compressed."""
 
 
 def _families() -> ModuleType:
@@ -107,7 +113,7 @@ class ModelConfig:
     """Node-limited routing: experts split into this many groups ..."""
     n_limited_groups: int = 1
     """... and only this many groups (ranked by the family's router) are searched for the top-k."""
-    score_func: Literal["sigmoid", "softmax"] = "sigmoid"
+    score_func: Literal["sigmoid", "softmax", "sqrtsoftplus"] = "sigmoid"
     route_scale: float = 1.0
     norm_topk_prob: bool = True
     seq_balance_alpha: float = 0.0
@@ -132,11 +138,47 @@ class ModelConfig:
     no indexer loss: inference, or training the rest only); ``warmup`` (dense attention; only the
     indexer learns, by KL to the main attention over every causal key); ``sparse`` (top-k attention;
     the indexer learns by KL over the selected keys, its input detached from the language model)."""
+    # -- DeepSeek-V4's blocks (families whose card reads them) ---------------------------------------
+    attention_head_dim: int = 512
+    """The width of every head of V4's shared-KV attention (one key/value head of this width, read
+    as both key and value), not tied to ``d_model / n_heads``."""
+    attention_kinds: list[str] | None = None
+    """Per layer, ``sliding``, ``csa`` (compressed sparse) or ``hca`` (heavily compressed); None:
+    transformers' default schedule (two ``hca`` layers, then ``hca`` and ``csa`` alternating);
+    :meth:`attention_kind` reads it."""
+    csa_rate: int = 4
+    """Tokens per compressed key in ``csa`` layers (windows of twice this, overlapping)."""
+    hca_rate: int = 128
+    """Tokens per compressed key in ``hca`` layers."""
+    compress_rope_theta: float = 160000.0
+    """RoPE base of the compressed layers (``rope_scaling``, when set, applies to them only)."""
+    sliding_window: int = 128
+    """Recent tokens every query attends to in every V4 layer."""
+    o_groups: int = 8
+    """Head groups of the grouped low-rank output projection."""
+    o_lora_rank: int = 1024
+    """Each group's projection width before the mix back to ``d_model``."""
+    n_hash_layers: int = 3
+    """The first MoE layers route by a fixed token-id -> experts table instead of the router's top-k."""
+    swiglu_limit: float = 0.0
+    """Clamp of the experts' SwiGLU pre-activations (gate from above, up both ways); 0: none."""
+    hc_mult: int = 4
+    """Residual streams of the manifold-constrained hyper-connections (mHC)."""
+    hc_sinkhorn_iters: int = 20
+    """Sinkhorn-Knopp iterations projecting the stream mix onto doubly-stochastic matrices."""
+    hc_eps: float = 1e-6
+    """The floor of mHC's gates and of its Sinkhorn normalisation."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    def attention_kind(self, layer_id: int) -> str:
+        """DeepSeek-V4's attention kind of layer ``layer_id`` (:data:`ATTENTION_KINDS`)."""
+        if self.attention_kinds is not None:
+            return self.attention_kinds[layer_id]
+        return "hca" if layer_id < 2 or layer_id % 2 == 0 else "csa"
 
     @property
     def qk_head_dim(self) -> int:
@@ -172,6 +214,11 @@ class ModelConfig:
         return self.is_moe and layer_id >= self.n_dense_layers
 
     @property
+    def unsupported_parallel(self) -> dict[str, str]:
+        """Parallel dimensions this family cannot run under, each with why (its card says)."""
+        return dict(self._family().unsupported_parallel)
+
+    @property
     def sparse_attention(self) -> bool:
         """Whether the attention is DeepSeek Sparse Attention (a lightning indexer picks the keys)."""
         return self._family().sparse_attention
@@ -184,12 +231,17 @@ class ModelConfig:
     def unused_fields(self) -> tuple[str, ...]:
         """The fields this config's family never reads (a value there changes nothing it builds)."""
         card = self._family()
+        if card.reads:  # the card lists what it reads of the families' optional fields
+            pools = (*GROUPED_QUERY_FIELDS, *LATENT_ATTENTION_FIELDS, *MOE_FIELDS, *MTP_FIELDS, *INDEXER_FIELDS,
+                     *V4_FIELDS)
+            return tuple(name for name in pools if name not in card.reads) + card.ignores
         unused: list[str] = []
         unused += GROUPED_QUERY_FIELDS if card.attention.latent else LATENT_ATTENTION_FIELDS
         unused += () if card.moe else MOE_FIELDS
         unused += () if card.mtp else MTP_FIELDS
         unused += () if card.sparse_attention else INDEXER_FIELDS
-        return tuple(unused)
+        unused += V4_FIELDS
+        return tuple(unused) + card.ignores
 
     def refuse_unused(self, fields: Any, prefix: str = "model") -> None:
         """ConfigError naming the first of ``fields`` (the ones the user set) that this family never
@@ -199,7 +251,9 @@ class ModelConfig:
         for name in fields:
             if name in unused:
                 has = {"n_kv_heads": "grouped-query attention"}.get(name) or (
-                    "latent attention (MLA)" if name in LATENT_ATTENTION_FIELDS
+                    "DeepSeek-V4's blocks" if name in V4_FIELDS
+                    else f"a use for {name}" if name in self._family().ignores or self._family().reads
+                    else "latent attention (MLA)" if name in LATENT_ATTENTION_FIELDS
                     else "routed experts (DeepSeekMoE)" if name in MOE_FIELDS
                     else "a lightning indexer (DeepSeek Sparse Attention)" if name in INDEXER_FIELDS
                     else "multi-token prediction")
@@ -252,5 +306,5 @@ class ModelConfig:
         return cls(name=name, **values).validate()
 
 
-_NULLABLE = ("q_lora_rank", "rope_scaling")
+_NULLABLE = ("q_lora_rank", "rope_scaling", "attention_kinds")
 """Fields where an explicit ``null`` override means "none" rather than "keep the preset"."""

@@ -232,14 +232,11 @@ class TrainConfig:
             raise ConfigError("model.index_training=warmup trains only the indexers, against the attention of a "
                               "trained model, and freezes the rest: set init_from to a deepseek_v3 (or deepseek_v32) "
                               "checkpoint, e.g. init_from=outputs/pretrain/<run_name>")
-        if self.model.sparse_attention:
-            for dim, why in (("tp", "the indexer is not sharded over tensor-parallel ranks"),
-                             ("pp", "the indexer's loss is not carried through the pipeline schedule"),
-                             ("cp", "the indexer's keys are not gathered over context-parallel ranks")):
-                if getattr(self.parallel, dim) > 1:
-                    raise ConfigError(f"parallel.{dim}={getattr(self.parallel, dim)} with model {self.model.name} "
-                                      f"(DeepSeek Sparse Attention) is not supported yet: {why}; use data and expert "
-                                      f"parallelism (parallel.{dim}=1)")
+        for dim, why in self.model.unsupported_parallel.items():
+            if getattr(self.parallel, dim) > 1:
+                raise ConfigError(f"parallel.{dim}={getattr(self.parallel, dim)} with model {self.model.name} "
+                                  f"(family {self.model.family}) is not supported yet: {why}; use data and expert "
+                                  f"parallelism (parallel.{dim}=1)")
         check_context_parallel_seq_len(self.parallel.cp, self.data.seq_len)
         self.data.validate(dp_size=dp)
         self.layout.check_micro_batches(self.data.smallest_global_batch, self.data.micro_batch_size)

@@ -230,7 +230,10 @@ class HFCheckpoint:
             return None
         if self.adapter.keeps_fp32(source.names[0]):
             return torch.float32
-        return dtype or self.stored_dtype(source.names[0])
+        stored = self.stored_dtype(source.names[0])
+        if not stored.is_floating_point:  # a table of ids (DeepSeek-V4's tid2eid) is never cast
+            return stored
+        return dtype or stored
 
     @torch.no_grad()
     def fill(self, targets: Mapping[str, Target]) -> None:

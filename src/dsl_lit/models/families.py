@@ -26,6 +26,7 @@ _FAMILY_CARDS: dict[str, str] = {
     "deepseek_v3": "dsl_lit.models.deepseek_v3.card",
     "deepseek_v2": "dsl_lit.models.deepseek_v3.v2_card",
     "deepseek_v32": "dsl_lit.models.deepseek_v3.v32_card",
+    "deepseek_v4": "dsl_lit.models.deepseek_v4.card",
 }
 """Family id -> the module holding its ``CARD``."""
 
@@ -62,6 +63,15 @@ class FamilyCard:
     (DeepSeek-V3.2 continues DeepSeek-V3's pretraining with the indexers added)."""
     added_fields: tuple[str, ...] = ()
     """The fields of those added modules, taken from the run's model config."""
+    unsupported_parallel: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Parallel dimensions (``tp``, ``pp``, ``cp``, ``ep``) the family cannot run under, each with why:
+    ``TrainConfig.validate`` refuses them before any process starts."""
+    reads: tuple[str, ...] = ()
+    """Set: every field of the optional groups (grouped-query, MLA, MoE, MTP, indexer, V4 blocks:
+    ``config/model.py``) it reads, the rest of them unused; empty: the flags above decide (and the
+    V4 block fields are unused)."""
+    ignores: tuple[str, ...] = ()
+    """Fields beyond those its flags rule out that it never reads (a value there is refused)."""
 
 
 def family_names() -> tuple[str, ...]:

@@ -38,17 +38,23 @@ class FamilySpec:
     card: FamilyCard
     """What a config knows of the family (presets, checks, attention shape); the composition agrees."""
     composition: Composition
-    tp_plan: Callable[[ModelConfig, int, bool], Plan]
-    """``(cfg, tp, sequence_parallel) -> {module FQN: style name}`` (``dsl_lit.models.common.tp_plan``)."""
+    tp_plan: Callable[[ModelConfig, int, bool], Plan] | None
+    """``(cfg, tp, sequence_parallel) -> {module FQN: style name}`` (``dsl_lit.models.common.tp_plan``);
+    None: no tensor-parallel plan (the card lists ``tp`` in ``unsupported_parallel``)."""
     hf_adapter: HFAdapter
     """Writes this family's models as a Hugging Face checkpoint."""
     hf_readers: tuple[HFAdapter, ...]
     """Read Hugging Face checkpoints (by ``model_type``) into this family."""
+    model: Callable[[ModelConfig], Transformer] | None = None
+    """Builds the family's decoder when its blocks are not the shared :class:`Transformer`'s (DeepSeek-V4's
+    residual streams); None: ``Transformer(cfg, composition)``."""
 
     def __post_init__(self) -> None:
         card, composition = self.card, self.composition
         if not issubclass(composition.attention, card.attention) or (composition.router is not None) != card.moe:
             raise TypeError(f"the {card.name!r} family's composition does not match its card")
+        if self.tp_plan is None and "tp" not in card.unsupported_parallel:
+            raise TypeError(f"the {card.name!r} family has no tp_plan: its card must refuse parallel.tp")
 
     @property
     def name(self) -> str:
@@ -56,7 +62,7 @@ class FamilySpec:
         return self.card.name
 
     def build(self, cfg: ModelConfig) -> Transformer:
-        return Transformer(cfg, self.composition)
+        return self.model(cfg) if self.model is not None else Transformer(cfg, self.composition)
 
     @property
     def flops(self) -> DecoderFlops:

@@ -40,8 +40,17 @@ def named_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module) -
     each rank returns the moments of the parameters it owns, so no rank gathers them all."""
     state = getattr(optimizer, "sharded_state_dict", optimizer.state_dict)()
     names = _names(optimizer, module)
+    named = {names[int(i)]: dict(per_param) for i, per_param in state["state"].items()}
+    # A parameter no loss has reached yet (DeepSeek-V4's CSA indexer, an indexer under
+    # index_training=off) has no state: its untouched template is saved, so that a resume finds every
+    # parameter's state; step 0 and zero moments are what the optimizer creates on a first gradient.
+    if named:
+        owned = params_with_state(optimizer)
+        for name, param in zip(_names(optimizer, module, owned), owned):
+            if name not in named:
+                named[name] = optimizer.state_template(param)
     return {
-        "state": {names[int(i)]: dict(per_param) for i, per_param in state["state"].items()},
+        "state": named,
         "param_groups": [
             {**{k: v for k, v in g.items() if k != "params"}, "params": [names[int(i)] for i in g["params"]]}
             for g in state["param_groups"]

@@ -93,7 +93,10 @@ _HOOKS = frozenset({styles.SHARED_ROPE_KEY})
 
 def declared_plan(cfg: ModelConfig, tp: int, sequence_parallel: bool = False) -> dict[str, str]:
     """The family's plan, module FQN -> style name; ValueError for a name no style is known for."""
-    plan = spec_of(cfg).tp_plan(cfg, tp, sequence_parallel)
+    spec = spec_of(cfg)
+    if spec.tp_plan is None:  # TrainConfig.validate refuses the layout before any process starts
+        raise ValueError(f"the {spec.name} family has no tensor-parallel plan")
+    plan = spec.tp_plan(cfg, tp, sequence_parallel)
     unknown = sorted(set(plan.values()) - set(_STYLES) - _HOOKS)
     if unknown:
         raise ValueError(f"the {cfg.family} tensor-parallel plan names unknown style(s) {unknown}")

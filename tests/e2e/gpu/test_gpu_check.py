@@ -33,7 +33,7 @@ def test_gpu_check_summary_reports_every_test_and_figure(tmp_path):
     a failure keeps its first error line, each benchmark headline is a row."""
     (tmp_path / "device.txt").write_text("device: NVIDIA H200 (sm90), torch 2.11.0+cu130, CUDA 13.0\ntorchao 0.18.0\n")
     (tmp_path / "parts.tsv").write_text("recipe GPU tests\ttimeout\t140\ntrain-step benchmark\tpassed\t98\n")
-    (tmp_path / "collected.txt").write_text("tests/e2e/gpu/test_gpu.py::test_a\ntests/test_gpu.py::test_b[x]\ntests/test_gpu.py::test_c\n")
+    (tmp_path / "collected.txt").write_text("tests/e2e/gpu/test_gpu.py::test_a\ntests/e2e/gpu/test_gpu.py::test_b[x]\ntests/e2e/gpu/test_gpu.py::test_c\n")
     (tmp_path / "tests.tsv").write_text("tests/e2e/gpu/test_gpu.py::test_a\tpassed\t12\t\n"
                                         "tests/e2e/gpu/test_gpu.py::test_b[x]\tfailed\t30\tAssertionError: loss 9.1 vs 6.5\n")
     headline = "HEADLINE\tdense MFU, bf16 + compile\t50.4\t%\t>= 55%\n"

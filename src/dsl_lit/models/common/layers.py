@@ -140,14 +140,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return x * cos + rotated * sin
 
 
-class SwiGLU(nn.Module):
-    """Gated feed-forward: w2(silu(w1 x) * w3 x)."""
+def gated_silu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """``silu(gate) * up``; with ``limit`` (DeepSeek-V4's ``swiglu_limit``) the gate clamped from
+    above and ``up`` to [-limit, limit] first, which bounds what one expert can add to the residual."""
+    if limit:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
 
-    def __init__(self, dim: int, hidden: int) -> None:
+
+class SwiGLU(nn.Module):
+    """Gated feed-forward: w2(silu(w1 x) * w3 x) (pre-activations clamped to ``limit`` if given)."""
+
+    def __init__(self, dim: int, hidden: int, limit: float | None = None) -> None:
         super().__init__()
+        self.limit = limit
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(gated_silu(self.w1(x), self.w3(x), self.limit))

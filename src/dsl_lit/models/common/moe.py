@@ -2,7 +2,7 @@
 
 Routing (DeepSeek-V3 section 2.1.2), all in fp32 whatever the activation dtype:
 
-1. affinities ``s = sigmoid(x W^T)`` (or softmax, as V2);
+1. affinities ``s = sigmoid(x W^T)`` (or softmax, as V2; ``sqrt(softplus(.))``, as V4);
 2. selection uses ``s + b``, where ``b`` is the per-expert ``expert_bias`` buffer: it has no
    gradient and never enters the gate values, it only changes *which* experts are picked;
 3. node-limited routing: experts form ``n_expert_groups`` groups; a token keeps the
@@ -33,7 +33,7 @@ from torch import nn
 
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.models.common.compute_copies import ComputeCopies, autocast_dtype, local_tensor
-from dsl_lit.models.common.layers import SwiGLU
+from dsl_lit.models.common.layers import SwiGLU, gated_silu
 from dsl_lit.models.common.token_padding import align_token_groups, call_with_padded_tokens
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,25 @@ class ExpertLoad(nn.Module):
         self.counts.zero_()
 
 
+def affinities(logits: torch.Tensor, score_func: str) -> torch.Tensor:
+    """Token-to-expert affinities from the router logits (fp32)."""
+    if score_func == "sigmoid":
+        return logits.sigmoid()
+    if score_func == "softmax":
+        return logits.softmax(dim=-1)
+    if score_func == "sqrtsoftplus":  # DeepSeek-V4
+        return F.softplus(logits).sqrt()
+    raise ValueError(f"unknown score_func {score_func!r}")
+
+
+def gate_values(scores: torch.Tensor, indices: torch.Tensor, normalise: bool, scale: float) -> torch.Tensor:
+    """The chosen experts' unbiased affinities, normalised to sum to one if asked, times ``scale``."""
+    weights = scores.gather(1, indices)
+    if normalise:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale
+
+
 class TopKRouter(nn.Module):
     """The gate: scores, node-limited top-k selection with the balancing bias, and gate values."""
 
@@ -70,13 +89,14 @@ class TopKRouter(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
         self.load = ExpertLoad(cfg.n_routed_experts)
 
-    def forward(self, x: torch.Tensor, counted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, counted: torch.Tensor | None = None, token_ids: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` [tokens, d_model] -> (scores [tokens, E] fp32, gate values [tokens, k] fp32,
         expert ids [tokens, k]). ``counted`` [tokens] bool: the tokens the expert loads count
-        (None: all)."""
+        (None: all). ``token_ids``: read by the hash router only."""
         with torch.autocast(x.device.type, enabled=False):  # bf16 autocast must not reach the gate
             logits = F.linear(x.float(), self.weight.float())
-        scores = logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(dim=-1)
+        scores = affinities(logits, self.score_func)
         with torch.no_grad():
             choice = scores + self.expert_bias
             if self.n_limited_groups < self.n_groups:
@@ -88,10 +108,7 @@ class TopKRouter(nn.Module):
             indices = choice.topk(self.top_k, dim=-1).indices
             if self.tape is not None:  # rollout routing: recorded, compared, or replayed
                 indices = self.tape(indices)
-        weights = scores.gather(1, indices)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        weights = weights * self.route_scale
+        weights = gate_values(scores, indices, self.norm_topk_prob, self.route_scale)
         if self.training:
             with torch.no_grad():
                 chosen = indices if counted is None else indices[counted]
@@ -128,6 +145,41 @@ class TopKRouter(nn.Module):
         self.expert_bias += rate * torch.sign(load.mean() - load)
 
 
+class HashRouter(nn.Module):
+    """DeepSeek-V4's hash routing (its first MoE layers): each token id's experts are fixed by a
+    table ``tid2eid`` [vocab, k] (a buffer, read from the checkpoint; no gradient, no balancing
+    bias), while the learned ``weight`` still scores them for the gate values. Not a
+    :class:`TopKRouter`: no bias update, and rollout routing replay has nothing to record here (the
+    choice is a function of the token alone, the same in every forward)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_experts = cfg.n_routed_experts
+        self.top_k = cfg.n_activated_experts
+        self.score_func = cfg.score_func
+        self.route_scale = cfg.route_scale
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.d_model))
+        self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.n_activated_experts, dtype=torch.long))
+
+    def reset_parameters(self) -> None:
+        """A table a fresh model can train with: token ``t``'s experts ``t*k, t*k+1, ...`` modulo the
+        expert count (every expert gets the same share of the vocabulary); a checkpoint's replaces it."""
+        ids = torch.arange(self.tid2eid.shape[0], device=self.tid2eid.device).unsqueeze(1) * self.top_k
+        self.tid2eid.copy_((ids + torch.arange(self.top_k, device=ids.device)) % self.n_experts)
+
+    def forward(self, x: torch.Tensor, counted: torch.Tensor | None = None, token_ids: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """As :meth:`TopKRouter.forward`, the experts looked up from ``token_ids`` [tokens]."""
+        if token_ids is None:
+            raise ValueError("a hash-routed MoE layer needs the token ids of its tokens (DeepSeek-V4's first layers)")
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.weight.float())
+        scores = affinities(logits, self.score_func)
+        indices = self.tid2eid.index_select(0, token_ids.reshape(-1))
+        return scores, gate_values(scores, indices, self.norm_topk_prob, self.route_scale), indices
+
+
 def expert_counts(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
     """[n_experts] int64 tokens per expert of the flat expert ids ``ids``. Not ``torch.bincount``:
     its output length depends on the data, which makes CUDA wait for the device (a host sync every
@@ -161,7 +213,7 @@ for bf16 too (16 for FP8, which ``GroupedExperts.token_group_multiple`` already 
 
 def grouped_swiglu(
     x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, backend: str,
-    groups_aligned_to: int = 1,
+    groups_aligned_to: int = 1, limit: float | None = None,
 ) -> torch.Tensor:
     """SwiGLU experts on tokens sorted by expert: ``x`` [tokens, dim], ``counts`` [experts] tokens
     per expert, weights stacked [experts, out, in]. A function of the weights (not of a module) so
@@ -173,7 +225,7 @@ def grouped_swiglu(
 
     ``groups_aligned_to``: the multiple the caller already laid the groups out to (each at least that
     long); the grouped GEMM pads them to :data:`BF16_GROUP_MULTIPLE` itself otherwise (exact:
-    zero rows, cropped)."""
+    zero rows, cropped). ``limit``: DeepSeek-V4's clamp of the pre-activations (:func:`gated_silu`)."""
     if torch.is_autocast_enabled(x.device.type):
         x = x.to(torch.get_autocast_dtype(x.device.type))
     if backend == "grouped_mm" and not _grouped_mm_usable(x):
@@ -188,20 +240,21 @@ def grouped_swiglu(
     if backend == "grouped_mm":
         if groups_aligned_to % BF16_GROUP_MULTIPLE:
             padded, padded_counts, positions = align_token_groups(x, counts, BF16_GROUP_MULTIPLE)
-            out = grouped_swiglu(padded, padded_counts, w1, w2, w3, backend, BF16_GROUP_MULTIPLE)
+            out = grouped_swiglu(padded, padded_counts, w1, w2, w3, backend, BF16_GROUP_MULTIPLE, limit)
             return out.index_select(0, positions)
         offsets = counts.cumsum(0).to(torch.int32)
 
         def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             return torch._grouped_mm(a, w.to(a.dtype).transpose(-2, -1), offs=offsets)
 
-        return mm(F.silu(mm(x, w1)) * mm(x, w3), w2)
-    return _split_swiglu(x, counts, w1, w2, w3)
+        return mm(gated_silu(mm(x, w1), mm(x, w3), limit), w2)
+    return _split_swiglu(x, counts, w1, w2, w3, limit)
 
 
 @torch.compiler.disable
 def _split_swiglu(
-    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+    limit: float | None = None,
 ) -> torch.Tensor:
     """One matmul per expert slice. Left to eager under ``torch.compile``: the slice sizes are data,
     so a compiled graph would be specialised on, and recompiled for, every step's counts."""
@@ -209,7 +262,7 @@ def _split_swiglu(
     for e, chunk in enumerate(x.split(counts.tolist())):
         if chunk.shape[0]:
             a, b, c = (expert_weight(w, e).to(chunk.dtype) for w in (w1, w2, w3))
-            outputs.append(F.linear(F.silu(F.linear(chunk, a)) * F.linear(chunk, c), b))
+            outputs.append(F.linear(gated_silu(F.linear(chunk, a), F.linear(chunk, c), limit), b))
     return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[-1])
 
 
@@ -240,10 +293,12 @@ class GroupedExperts(nn.Module):
     """Compute-dtype copies of the weights kept between forwards (``precision.expert_weight_copies``,
     set by :mod:`dsl_lit.precision.weight_copies`); None: cast by every forward."""
 
-    def __init__(self, n_experts: int, dim: int, hidden: int, backend: str = "grouped_mm") -> None:
+    def __init__(self, n_experts: int, dim: int, hidden: int, backend: str = "grouped_mm",
+                 limit: float | None = None) -> None:
         super().__init__()
         self.n_experts = n_experts
         self.backend = backend
+        self.limit = limit
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
@@ -257,7 +312,7 @@ class GroupedExperts(nn.Module):
 
     def run_groups(self, x: torch.Tensor, counts: torch.Tensor, aligned_to: int = 1) -> torch.Tensor:
         """The experts on ``x`` sorted by expert, groups laid out to multiples of ``aligned_to``."""
-        return grouped_swiglu(x, counts, *self.stacked_weights(), self.backend, aligned_to)
+        return grouped_swiglu(x, counts, *self.stacked_weights(), self.backend, aligned_to, self.limit)
 
     def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w1, w2, w3) as the experts compute with them (a DTensor's local shard under expert
@@ -292,7 +347,7 @@ class GroupedExperts(nn.Module):
     def expert(self, h: torch.Tensor, e: int) -> torch.Tensor:
         """Expert ``e`` on its tokens ``h`` [tokens, dim]."""
         w1, w2, w3 = (expert_weight(w, e) for w in (self.w1, self.w2, self.w3))
-        return F.linear(F.silu(F.linear(h, w1)) * F.linear(h, w3), w2)
+        return F.linear(gated_silu(F.linear(h, w1), F.linear(h, w3), self.limit), w2)
 
 
 class SequenceView(Protocol):
@@ -314,27 +369,29 @@ class MoE(nn.Module):
     loads for the bias update.
     """
 
-    def __init__(self, cfg: ModelConfig, router: type[TopKRouter] = TopKRouter) -> None:
+    def __init__(self, cfg: ModelConfig, router: type[TopKRouter] | type[HashRouter] = TopKRouter) -> None:
         super().__init__()
         self.n_experts = cfg.n_routed_experts
         self.top_k = cfg.n_activated_experts
         self.seq_balance_alpha = cfg.seq_balance_alpha
         self.batch_balance_alpha = cfg.batch_balance_alpha
         self.gate = router(cfg)
-        self.experts = GroupedExperts(cfg.n_routed_experts, cfg.d_model, cfg.moe_ffn_hidden, cfg.expert_backend)
+        limit = cfg.swiglu_limit or None
+        self.experts = GroupedExperts(cfg.n_routed_experts, cfg.d_model, cfg.moe_ffn_hidden, cfg.expert_backend, limit)
         self.shared_experts = (
-            SwiGLU(cfg.d_model, cfg.n_shared_experts * cfg.moe_ffn_hidden) if cfg.n_shared_experts else None
+            SwiGLU(cfg.d_model, cfg.n_shared_experts * cfg.moe_ffn_hidden, limit) if cfg.n_shared_experts else None
         )
         self.balance_loss: torch.Tensor | None = None
         self.sequence: SequenceView | None = None
         """Set under context parallelism: this layer's view of whole rows, so that routing
         statistics cover whole sequences (None: every forward holds its whole rows)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``token_ids`` [batch, seq]: what a hash router routes by (other routers ignore them)."""
         batch, seq, dim = x.shape
         flat = x.reshape(-1, dim)
         counted = self.sequence.counted(batch, seq, x.device) if self.sequence is not None else None
-        scores, weights, indices = self.gate(flat, counted)
+        scores, weights, indices = self.gate(flat, counted, token_ids)
         if self.experts.backend == "loop":
             routed = self.experts.forward_reference(flat, weights, indices)
         else:

@@ -39,6 +39,10 @@ def validate(cfg: ModelConfig, prefix: str) -> None:
         raise ConfigError(f"{prefix}: balance alphas must be >= 0 and route_scale > 0")
 
 
+V3_SCORE_FUNCS = ("sigmoid", "softmax")
+"""What DeepSeek-V2/V3 checkpoints route with (their Hugging Face layouts know no other)."""
+
+
 def _validate_routing(cfg: ModelConfig, prefix: str) -> None:
     e, k, g, kg = cfg.n_routed_experts, cfg.n_activated_experts, cfg.n_expert_groups, cfg.n_limited_groups
     if e % g:
@@ -52,6 +56,9 @@ def _validate_routing(cfg: ModelConfig, prefix: str) -> None:
         )
     if cfg.score_func not in SCORE_FUNCS:
         raise ConfigError(f"{prefix}.score_func={cfg.score_func!r} is unknown; choose one of {SCORE_FUNCS}")
+    if cfg.score_func not in V3_SCORE_FUNCS:
+        raise ConfigError(f"{prefix}.score_func={cfg.score_func!r} is DeepSeek-V4's routing (model=deepseek_v4_tiny); "
+                          f"the {cfg.family} family routes with one of {V3_SCORE_FUNCS}")
     if cfg.expert_backend not in EXPERT_BACKENDS:
         raise ConfigError(
             f"{prefix}.expert_backend={cfg.expert_backend!r} is unknown; choose one of {EXPERT_BACKENDS}"

@@ -32,7 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsl_lit.config.model import ModelConfig
 from dsl_lit.models.common.layers import rope_frequencies
+from dsl_lit.models.deepseek_v4.attention_shape import V4AttentionShape
 
 LayerKind = Literal["sliding", "csa", "hca"]
 
@@ -44,6 +46,9 @@ class Fp32RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
@@ -107,6 +112,9 @@ class WindowCompressor(nn.Module):
         """A learned bias of each slot of the window (absolute position in it) on the gate."""
         self.norm = Fp32RMSNorm(head_dim, norm_eps)
 
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.ape)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` [batch, seq, d_model] -> the keys of its complete windows [batch, windows, head_dim]."""
         batch, seq, _ = hidden.shape
@@ -164,9 +172,21 @@ class LightningIndexer(nn.Module):
         return torch.where(visible.gather(-1, chosen), chosen, torch.full_like(chosen, -1))
 
 
-class V4Attention(nn.Module):
+class V4Attention(V4AttentionShape, nn.Module):
     """One V4 attention layer (``kind``: ``sliding``, ``csa`` or ``hca``): ``forward(hidden
-    [batch, seq, d_model], positions [batch, seq]) -> [batch, seq, d_model]``."""
+    [batch, seq, d_model], positions [batch, seq]) -> [batch, seq, d_model]``. Its class answers the
+    shape questions (:class:`~dsl_lit.models.deepseek_v4.attention_shape.V4AttentionShape`)."""
+
+    @classmethod
+    def of_config(cls, cfg: ModelConfig, layer_id: int, rotary: PairRotary) -> V4Attention:
+        """Layer ``layer_id`` of ``cfg`` (its kind from ``cfg.attention_kind``), rotating with ``rotary``."""
+        kind = cfg.attention_kind(layer_id)
+        rate = {"sliding": 0, "csa": cfg.csa_rate, "hca": cfg.hca_rate}[kind]
+        return cls(kind=kind, d_model=cfg.d_model, n_heads=cfg.n_heads, head_dim=cfg.attention_head_dim,
+                   rope_dim=cfg.qk_rope_head_dim, q_lora_rank=cfg.q_lora_rank, o_groups=cfg.o_groups,
+                   o_lora_rank=cfg.o_lora_rank, sliding_window=cfg.sliding_window, rotary=rotary, compress_rate=rate,
+                   index_n_heads=cfg.index_n_heads, index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk,
+                   norm_eps=cfg.norm_eps)
 
     def __init__(self, *, kind: LayerKind, d_model: int, n_heads: int, head_dim: int, rope_dim: int,
                  q_lora_rank: int, o_groups: int, o_lora_rank: int, sliding_window: int, rotary: PairRotary,
@@ -190,6 +210,9 @@ class V4Attention(nn.Module):
         self.indexer = (LightningIndexer(d_model, q_lora_rank, index_n_heads, index_head_dim, index_topk,
                                          compress_rate, rotary, norm_eps) if kind == "csa" else None)
         self.compress_rate = compress_rate
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.attn_sink)
 
     def _compressed(self, hidden: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor,
                     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,244 @@
+"""DeepSeek-V4 checkpoints in the layout DeepSeek releases them (the hub's ``deepseek-ai/DeepSeek-V4-*``
+files, which transformers 5.24 renames on load with its ``deepseek_v4`` conversion mapping).
+
+Names, ours -> released (no ``model.`` prefix):
+
+* ``tok_embeddings`` -> ``embed``, ``output`` -> ``head``, ``norm`` -> ``norm``,
+  ``hc_head.{fn,base,scale}`` -> ``hc_head_{fn,base,scale}``;
+* per block ``layers.<i>.``: ``attention.`` -> ``attn.`` (inside, DeepSeek's own names already:
+  ``wq_a``, ``q_norm``, ``wkv``, ``attn_sink``, ``compressor.ape``, ``indexer.compressor.wkv``, ...),
+  ``attention_norm`` -> ``attn_norm``, ``ffn_norm`` -> ``ffn_norm``, ``attention_hc.{fn,base,scale}``
+  -> ``hc_attn_{fn,base,scale}``, ``ffn_hc.*`` -> ``hc_ffn_*``, ``feed_forward.`` -> ``ffn.`` with
+  ``gate.expert_bias`` -> ``gate.bias`` (hash layers: ``gate.tid2eid``, no bias) and the stacked
+  experts ``experts.w1/w2/w3`` [E, out, in] written one per expert (``ffn.experts.<e>.w1.weight``).
+
+config.json is transformers' ``DeepseekV4Config`` (``layer_types``, ``mlp_layer_types``,
+``compress_rates``, nested ``rope_parameters``). The released MTP layer (``mtp.*``) is not built
+here (transformers skips it too): reading a checkpoint that has one leaves it out, with a log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from data_contract.errors import ConfigError
+from dsl_lit.config.model import ATTENTION_KINDS, ModelConfig
+from dsl_lit.models.common.hf_adapter import (
+    HFAdapter,
+    HFSource,
+    StateDict,
+    check_rope_theta_writable,
+    renamed_from_hf,
+    renamed_sources,
+    renamed_to_hf,
+    require,
+    token_ids_from_hf,
+    token_ids_to_hf,
+)
+
+log = logging.getLogger(__name__)
+
+LAYER_TYPES = dict(zip(ATTENTION_KINDS, ("sliding_attention", "compressed_sparse_attention",
+                                          "heavily_compressed_attention"), strict=True))
+"""Our attention kind -> transformers' ``layer_types`` value."""
+_KIND = {hf: ours for ours, hf in LAYER_TYPES.items()}
+_TOP = {"tok_embeddings.weight": "embed.weight", "output.weight": "head.weight", "norm.weight": "norm.weight",
+        **{f"hc_head.{p}": f"hc_head_{p}" for p in ("fn", "base", "scale")}}
+_TOP_INV = {hf: ours for ours, hf in _TOP.items()}
+_BLOCK_PREFIXES = (("attention.", "attn."), ("feed_forward.", "ffn."))
+_BLOCK = {"attention_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
+          "feed_forward.gate.expert_bias": "ffn.gate.bias",
+          **{f"attention_hc.{p}": f"hc_attn_{p}" for p in ("fn", "base", "scale")},
+          **{f"ffn_hc.{p}": f"hc_ffn_{p}" for p in ("fn", "base", "scale")}}
+_BLOCK_INV = {hf: ours for ours, hf in _BLOCK.items()}
+_STACK = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])")
+_HF_EXPERT = re.compile(r"layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight")
+_OUR_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+FP32_SUFFIXES = ("attn_sink", ".ape", "gate.bias", "norm.weight", *(f"hc_{w}_{p}" for w in ("attn", "ffn", "head")
+                                                                     for p in ("fn", "base", "scale")))
+"""Released names kept in fp32 whatever dtype the rest is written in (transformers'
+``_keep_in_fp32_modules_strict`` for V4: norms, sinks, window biases, mHC, the balancing bias)."""
+
+
+class DeepseekV4Adapter(HFAdapter):
+    family = "deepseek_v4"
+    model_type = "deepseek_v4"
+    architecture = "DeepseekV4ForCausalLM"
+    fp32_suffixes = FP32_SUFFIXES
+
+    # -- config -----------------------------------------------------------------------------------
+    def config_from_hf(self, hf: Mapping[str, Any]) -> ModelConfig:
+        n_layers = int(require(hf, "num_hidden_layers"))
+        head_dim = int(require(hf, "head_dim"))
+        if int(hf.get("num_key_value_heads", 1)) != 1:
+            raise ConfigError(f"config.json num_key_value_heads={hf['num_key_value_heads']!r}: DeepSeek-V4's "
+                              "attention has one shared key/value head")
+        layer_types = hf.get("layer_types") or []
+        unknown = [t for t in layer_types if t not in _KIND]
+        if unknown or len(layer_types) != n_layers:
+            raise ConfigError(f"config.json layer_types must list one of {sorted(_KIND)} per layer ({n_layers}); "
+                              f"got {layer_types!r}")
+        mlp_types = list(hf.get("mlp_layer_types") or [])
+        n_hash = sum(1 for t in mlp_types if t == "hash_moe")
+        if mlp_types != ["hash_moe"] * n_hash + ["moe"] * (n_layers - n_hash):
+            raise ConfigError(f"config.json mlp_layer_types must be hash_moe layers first, then moe; got {mlp_types!r}")
+        rates = hf.get("compress_rates") or {}
+        rope = hf.get("rope_parameters") or {}
+        main, compress = rope.get("main") or {}, rope.get("compress") or {}
+        partial = float(hf.get("partial_rotary_factor") or main.get("partial_rotary_factor") or 0.125)
+        return ModelConfig(
+            name="hf", family=self.family,
+            vocab_size=int(require(hf, "vocab_size")), n_layers=n_layers, d_model=int(require(hf, "hidden_size")),
+            n_heads=int(require(hf, "num_attention_heads")), max_seq_len=int(hf.get("max_position_embeddings", 4096)),
+            rope_theta=float(main.get("rope_theta", hf.get("rope_theta", 10000.0))),
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)), init_std=float(hf.get("initializer_range", 0.02)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_head_dim=head_dim, q_lora_rank=int(require(hf, "q_lora_rank")),
+            qk_rope_head_dim=int(round(head_dim * partial)),
+            rope_scaling=self._yarn_from_hf(compress),
+            n_routed_experts=int(require(hf, "n_routed_experts")), n_shared_experts=int(hf.get("n_shared_experts", 1)),
+            n_activated_experts=int(require(hf, "num_experts_per_tok")),
+            moe_ffn_hidden=int(require(hf, "moe_intermediate_size")),
+            score_func=hf.get("scoring_func", "sqrtsoftplus"), route_scale=float(hf.get("routed_scaling_factor", 1.0)),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            attention_kinds=[_KIND[t] for t in layer_types],
+            csa_rate=int(rates.get("compressed_sparse_attention", 4)),
+            hca_rate=int(rates.get("heavily_compressed_attention", 128)),
+            compress_rope_theta=float(compress.get("rope_theta", hf.get("compress_rope_theta", 160000.0))),
+            sliding_window=int(require(hf, "sliding_window")), o_groups=int(require(hf, "o_groups")),
+            o_lora_rank=int(require(hf, "o_lora_rank")), index_n_heads=int(require(hf, "index_n_heads")),
+            index_head_dim=int(require(hf, "index_head_dim")), index_topk=int(require(hf, "index_topk")),
+            n_hash_layers=n_hash, swiglu_limit=float(hf.get("swiglu_limit") or 0.0),
+            hc_mult=int(hf.get("hc_mult", 4)), hc_sinkhorn_iters=int(hf.get("hc_sinkhorn_iters", 20)),
+            hc_eps=float(hf.get("hc_eps", 1e-6)), extra=token_ids_from_hf(hf),
+        )
+
+    @staticmethod
+    def _yarn_from_hf(compress: Mapping[str, Any]) -> dict[str, Any] | None:
+        if compress.get("rope_type", "default") != "yarn":
+            return None
+        scaling = {"factor": compress["factor"],
+                   "original_max_seq_len": compress["original_max_position_embeddings"]}
+        for key in ("beta_fast", "beta_slow"):
+            if compress.get(key) is not None:
+                scaling[key] = compress[key]
+        return scaling
+
+    def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
+        check_rope_theta_writable(cfg)
+        partial = cfg.qk_rope_head_dim / cfg.attention_head_dim
+        compress: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.compress_rope_theta,
+                                    "partial_rotary_factor": partial}
+        if cfg.rope_scaling:
+            compress.update(rope_type="yarn", factor=cfg.rope_scaling["factor"], attention_factor=1.0,
+                            original_max_position_embeddings=cfg.rope_scaling["original_max_seq_len"],
+                            **{k: cfg.rope_scaling[k] for k in ("beta_fast", "beta_slow") if k in cfg.rope_scaling})
+        out = {
+            "architectures": [self.architecture], "model_type": self.model_type,
+            "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers,
+            "num_attention_heads": cfg.n_heads, "num_key_value_heads": 1, "head_dim": cfg.attention_head_dim,
+            "q_lora_rank": cfg.q_lora_rank, "partial_rotary_factor": partial,
+            "moe_intermediate_size": cfg.moe_ffn_hidden, "n_routed_experts": cfg.n_routed_experts,
+            "n_shared_experts": cfg.n_shared_experts, "num_experts_per_tok": cfg.n_activated_experts,
+            "scoring_func": cfg.score_func, "norm_topk_prob": cfg.norm_topk_prob,
+            "routed_scaling_factor": cfg.route_scale, "max_position_embeddings": cfg.max_seq_len,
+            "rope_theta": cfg.rope_theta, "compress_rope_theta": cfg.compress_rope_theta,
+            "rope_parameters": {"main": {"rope_type": "default", "rope_theta": cfg.rope_theta,
+                                         "partial_rotary_factor": partial}, "compress": compress},
+            "layer_types": [LAYER_TYPES[cfg.attention_kind(i)] for i in range(cfg.n_layers)],
+            "compress_rates": {"compressed_sparse_attention": cfg.csa_rate, "heavily_compressed_attention": cfg.hca_rate},
+            "mlp_layer_types": ["hash_moe"] * cfg.n_hash_layers + ["moe"] * (cfg.n_layers - cfg.n_hash_layers),
+            "hc_mult": cfg.hc_mult, "hc_sinkhorn_iters": cfg.hc_sinkhorn_iters, "hc_eps": cfg.hc_eps,
+            "swiglu_limit": cfg.swiglu_limit, "sliding_window": cfg.sliding_window, "o_groups": cfg.o_groups,
+            "o_lora_rank": cfg.o_lora_rank, "index_n_heads": cfg.index_n_heads, "index_head_dim": cfg.index_head_dim,
+            "index_topk": cfg.index_topk, "num_nextn_predict_layers": 0, "hidden_act": "silu",
+            "rms_norm_eps": cfg.norm_eps, "initializer_range": cfg.init_std,
+            "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "use_cache": True,
+        }
+        out.update(token_ids_to_hf(cfg))
+        return out
+
+    # -- weights ----------------------------------------------------------------------------------
+    def from_hf(self, hf_state: StateDict, cfg: ModelConfig) -> StateDict:
+        mtp = [n for n in hf_state if n.startswith("mtp.")]
+        if mtp:
+            log.info("left out the checkpoint's %d multi-token-prediction tensors (mtp.*): not built for DeepSeek-V4",
+                     len(mtp))
+        experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+        plain: StateDict = {}
+        for name, tensor in hf_state.items():
+            if name.startswith("mtp."):
+                continue
+            expert = _HF_EXPERT.fullmatch(name)
+            if expert:
+                experts.setdefault((int(expert[1]), expert[3]), {})[int(expert[2])] = tensor
+            else:
+                plain[name] = tensor
+        state = renamed_from_hf(plain, cfg, self._hf_to_ours, self.family)
+        for (layer, w), per_expert in experts.items():
+            if sorted(per_expert) != list(range(cfg.n_routed_experts)):
+                raise ConfigError(f"checkpoint layer {layer} holds experts {sorted(per_expert)[:5]}... of {w}; "
+                                  f"the model has {cfg.n_routed_experts}")
+            state[f"layers.{layer}.feed_forward.experts.{w}"] = torch.stack([per_expert[e] for e in sorted(per_expert)])
+        return state
+
+    def to_hf(self, state: StateDict, cfg: ModelConfig) -> StateDict:
+        flat: StateDict = {}
+        for name, tensor in state.items():
+            stack = _STACK.fullmatch(name)
+            if stack:
+                for e, weight in enumerate(tensor.unbind(0)):
+                    flat[f"layers.{stack[1]}.ffn.experts.{e}.{stack[2]}.weight"] = weight
+            else:
+                flat[name] = tensor
+        return renamed_to_hf(flat, cfg, lambda n: n if _HF_EXPERT.fullmatch(n) else self._ours_to_hf(n))
+
+    def hf_sources(self, names: Iterable[str], cfg: ModelConfig) -> dict[str, HFSource]:
+        out: dict[str, HFSource] = {}
+        renamed: list[str] = []
+        for name in names:
+            stack = _STACK.fullmatch(name)
+            if stack:
+                out[name] = HFSource(tuple(f"layers.{stack[1]}.ffn.experts.{e}.{stack[2]}.weight"
+                                           for e in range(cfg.n_routed_experts)), stacked=True)
+            else:
+                renamed.append(name)
+        return out | renamed_sources(renamed, cfg, self._ours_to_hf)
+
+    @staticmethod
+    def _ours_to_hf(name: str) -> str | None:
+        if name in _TOP:
+            return _TOP[name]
+        layer = _OUR_LAYER.fullmatch(name)
+        if layer is None or name.endswith("inv_freq"):
+            return None
+        prefix, rest = f"layers.{layer[1]}.", layer[2]
+        if rest in _BLOCK:
+            return prefix + _BLOCK[rest]
+        for ours, hf in _BLOCK_PREFIXES:
+            if rest.startswith(ours) and not rest.startswith("feed_forward.experts."):
+                return prefix + hf + rest[len(ours):]
+        return None
+
+    @staticmethod
+    def _hf_to_ours(hf_name: str) -> str | None:
+        if hf_name in _TOP_INV:
+            return _TOP_INV[hf_name]
+        layer = _OUR_LAYER.fullmatch(hf_name)
+        if layer is None:
+            return None
+        prefix, rest = f"layers.{layer[1]}.", layer[2]
+        if rest in _BLOCK_INV:
+            return prefix + _BLOCK_INV[rest]
+        for ours, hf in _BLOCK_PREFIXES:
+            if rest.startswith(hf) and not rest.startswith("ffn.experts."):
+                return prefix + ours + rest[len(hf):]
+        return None
+
+
+V4_ADAPTER = DeepseekV4Adapter()

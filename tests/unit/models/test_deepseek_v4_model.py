@@ -1,0 +1,158 @@
+"""DeepSeek-V4 (``models/deepseek_v4/``) against transformers 5.24's ``DeepseekV4ForCausalLM``: the
+MoE layer (top-k with sqrt-softplus scores and the balancing bias, hash routing, the clamped
+SwiGLU), and the whole model through checkpoints in DeepSeek's release layout both ways, fp32
+logits within reordering tolerance; plus what the config refuses."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_contract.errors import ConfigError
+from dsl_lit.config.model import ModelConfig
+from dsl_lit.hf import from_pretrained, save_pretrained
+from dsl_lit.models import build_model
+from dsl_lit.models.common.moe import MoE
+from tests.numerics import assert_close_fp32
+
+VOCAB, D, LAYERS, SEQ = 96, 64, 4, 40
+
+
+def _cfg(**overrides) -> ModelConfig:
+    """deepseek_v4_tiny narrowed to a small vocabulary and width, every kind of layer and router."""
+    values = dict(vocab_size=VOCAB, d_model=D, n_heads=4, attention_head_dim=32, q_lora_rank=24, qk_rope_head_dim=8,
+                  moe_ffn_hidden=32, o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16, index_topk=3,
+                  sliding_window=8, hca_rate=16, n_layers=LAYERS, attention_kinds=["hca", "sliding", "csa", "hca"],
+                  n_hash_layers=1, swiglu_limit=0.5, init_std=0.05)
+    values.update(overrides)
+    return ModelConfig.from_name("deepseek_v4_tiny", **values)
+
+
+def _randomised(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Every float weight drawn afresh (biases, sinks and window biases too: zeros would hide a
+    misplaced one), hash tables shuffled."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            scale = 0.3 if p.ndim == 1 or name.endswith(("ape", "base", "scale")) else p.shape[-1] ** -0.5
+            p.copy_(torch.randn(p.shape, generator=g) * scale + (1.0 if name.endswith("norm.weight") else 0.0))
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+            elif name.endswith("tid2eid"):  # k distinct experts of 8 per token id
+                b.copy_(torch.stack([torch.randperm(8, generator=g)[: b.shape[1]] for _ in range(b.shape[0])]))
+    return model
+
+
+def _ids(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def _transformers_model(path: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("hash_routed", [False, True], ids=["topk", "hash"])
+def test_the_moe_layer_equals_transformers(hash_routed):
+    from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4SparseMoeBlock
+
+    cfg = _cfg()
+    layer = 0 if hash_routed else 2
+    ours = _randomised(build_model(cfg)).layers[str(layer)].feed_forward
+    assert isinstance(ours, MoE)
+    config = DeepseekV4Config(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=LAYERS, n_routed_experts=8,
+                              num_experts_per_tok=2, moe_intermediate_size=32, scoring_func="sqrtsoftplus",
+                              routed_scaling_factor=1.5, swiglu_limit=0.5, mlp_layer_types=["hash_moe"] + ["moe"] * 3)
+    reference = DeepseekV4SparseMoeBlock(config, layer)
+    state = {"gate.weight": ours.gate.weight,
+             "experts.gate_up_proj": torch.cat([ours.experts.w1, ours.experts.w3], dim=1),
+             "experts.down_proj": ours.experts.w2,
+             **{f"shared_experts.{hf}.weight": getattr(ours.shared_experts, w).weight
+                for w, hf in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))}}
+    state |= {"gate.tid2eid": ours.gate.tid2eid} if hash_routed else {"gate.e_score_correction_bias": ours.gate.expert_bias}
+    reference.load_state_dict(state)
+    x = torch.randn(2, SEQ, D, generator=torch.Generator().manual_seed(3))
+    ids = _ids()
+    ours.eval()
+    with torch.no_grad():
+        expected = reference(x, input_ids=ids)
+        assert_close_fp32(ours(x, ids), expected, D * 3)
+        # the clamp is in the experts: without it the output moves
+        ours.experts.limit = ours.shared_experts.limit = None
+        assert (ours(x, ids) - expected).abs().max() > 1e-3
+
+
+def test_ours_to_release_layout_loads_in_transformers_with_the_same_logits(tmp_path: Path):
+    ours = _randomised(build_model(_cfg())).eval()
+    save_pretrained(ours, tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["model_type"] == "deepseek_v4" and written["layer_types"][2] == "compressed_sparse_attention"
+    assert written["mlp_layer_types"] == ["hash_moe", "moe", "moe", "moe"]
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    # DeepSeek's release names, one tensor per expert
+    for name in ("embed.weight", "head.weight", "hc_head_fn", "layers.0.ffn.gate.tid2eid", "layers.1.ffn.gate.bias",
+                 "layers.2.attn.indexer.compressor.wkv.weight", "layers.2.hc_attn_fn", "layers.3.ffn.experts.7.w2.weight",
+                 "layers.0.attn.attn_sink", "layers.0.attn_norm.weight"):
+        assert name in names, name
+    reference = _transformers_model(tmp_path)
+    ids = _ids()
+    with torch.no_grad():
+        assert_close_fp32(ours(ids), reference(input_ids=ids).logits, D * LAYERS * SEQ)
+
+
+def test_a_release_checkpoint_loads_into_ours_and_round_trips_exactly(tmp_path: Path):
+    save_pretrained(_randomised(build_model(_cfg()), seed=5), tmp_path / "first")
+    reference = _transformers_model(tmp_path / "first")
+    ours, cfg = from_pretrained(tmp_path / "first")
+    assert cfg.family == "deepseek_v4" and cfg.attention_kinds == ["hca", "sliding", "csa", "hca"]
+    assert (cfg.n_hash_layers, cfg.swiglu_limit, cfg.score_func) == (1, 0.5, "sqrtsoftplus")
+    ids = _ids(seed=4)
+    with torch.no_grad():
+        assert_close_fp32(ours.eval()(ids), reference(input_ids=ids).logits, D * LAYERS * SEQ)
+    save_pretrained(ours, tmp_path / "back")
+    from safetensors.torch import load_file
+
+    first, back = load_file(tmp_path / "first" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert first.keys() == back.keys() and all(torch.equal(first[k], back[k]) for k in first)
+    assert first["layers.0.ffn.gate.tid2eid"].dtype == torch.int64 and first["layers.0.attn.attn_sink"].dtype == torch.float32
+
+
+def test_a_fresh_hash_table_spreads_the_vocabulary_over_every_expert():
+    router = build_model(_cfg()).layers["0"].feed_forward.gate
+    counts = torch.bincount(router.tid2eid.flatten(), minlength=8)
+    assert counts.min() == counts.max() == VOCAB * 2 // 8
+    assert (router.tid2eid[:, 0] != router.tid2eid[:, 1]).all()  # k different experts per token
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"n_dense_layers": 1}, "every DeepSeek-V4 block is MoE"),
+    ({"attention_kinds": ["hca", "csa"]}, "one kind per layer"),
+    ({"attention_kinds": ["hca", "full", "csa", "hca"]}, "'full' is unknown"),
+    ({"o_groups": 3}, "o_groups=3 does not divide"),
+    ({"n_hash_layers": 5}, "n_hash_layers=5 must be between 0 and n_layers=4"),
+])
+def test_bad_v4_fields_are_refused_naming_them(override, message):
+    with pytest.raises(ConfigError, match=message):
+        _cfg(**override)
+
+
+def test_fields_v4_does_not_read_are_refused_and_v4_fields_elsewhere_too():
+    with pytest.raises(ConfigError, match=r"model.kv_lora_rank is not used by model.name=deepseek_v4_tiny"):
+        _cfg().refuse_unused(["kv_lora_rank"])
+    with pytest.raises(ConfigError, match=r"model.hc_mult is not used by model.name=deepseek_v3_tiny .*DeepSeek-V4"):
+        ModelConfig.from_name("deepseek_v3_tiny").refuse_unused(["hc_mult"])
+    _cfg().refuse_unused(["q_lora_rank", "index_topk", "hc_mult", "n_routed_experts"])  # read by V4: accepted
+
+
+def test_score_func_sqrtsoftplus_is_v4s_alone():
+    with pytest.raises(ConfigError, match="DeepSeek-V4's routing"):
+        ModelConfig.from_name("deepseek_v3_tiny", score_func="sqrtsoftplus")
