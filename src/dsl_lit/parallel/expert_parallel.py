@@ -123,7 +123,7 @@ def _all_to_all_dispatch(
     x = received.index_select(0, regroup)
     w1, w2, w3 = self.experts.stacked_weights()
     if x.shape[0]:
-        out = grouped_swiglu(x, recv_counts.sum(dim=0), w1, w2, w3, self.experts.backend)
+        out = grouped_swiglu(x, recv_counts.sum(dim=0), w1, w2, w3, self.experts.backend, limit=self.experts.limit)
     else:  # nothing arrived: stay in the graph (x and weights) so backward's all-to-all and grad hooks run
         out = x * 0 + (w1.sum() + w2.sum() + w3.sum()).to(x.dtype) * 0
     out = out.index_select(0, regroup.argsort())  # back to (source rank, local expert)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from dsl_lit.models.common.layers import gated_silu
 from dsl_lit.models.common.moe import GroupedExperts
 from dsl_lit.models.common.token_padding import call_with_padded_tokens
 from dsl_lit.precision.fp8_kernel_rules import (
@@ -198,7 +198,7 @@ class Fp8GroupedExperts(GroupedExperts):
         def linear(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             return fp8_linear(a, w[e], r, checks=False)  # the grouped GEMM's rule, checked above
 
-        return linear(F.silu(linear(h, self.w1)) * linear(h, self.w3), self.w2)
+        return linear(gated_silu(linear(h, self.w1), linear(h, self.w3), self.limit), self.w2)
 
     @classmethod
     def convert(cls, experts: GroupedExperts, recipe: Fp8Recipe | str, pad_tokens: bool = True) -> Fp8GroupedExperts:

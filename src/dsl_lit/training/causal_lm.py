@@ -28,7 +28,7 @@ from dsl_lit.config.objective import ObjectiveConfig
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.config.precision import PrecisionConfig
 from dsl_lit.models import ModelConfig, build_model
-from dsl_lit.models.common.moe import TopKRouter
+from dsl_lit.models.common.moe import Router, TopKRouter
 from dsl_lit.optim import build_lr_scheduler
 from dsl_lit.parallel.model_setup import ModelSetup
 from dsl_lit.parallel.model_transforms import TransformPlan, is_fitting
@@ -424,6 +424,8 @@ class CausalLMModule(L.LightningModule):
     def update_expert_bias(self, rate: float) -> None:
         """Auxiliary-loss-free balancing after the optimizer step: every router's bias moves by
         ``rate * sign(mean load - load)`` using the loads of all micro-batches and all ranks."""
+        for fixed in (m for m in self.model.modules() if isinstance(m, Router) and not isinstance(m, TopKRouter)):
+            fixed.load.reset_parameters()  # DeepSeek-V4's hash routes: counted, nothing to balance
         routers = [m for m in self.model.modules() if isinstance(m, TopKRouter)]
         if not routers:
             return

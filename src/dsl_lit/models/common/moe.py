@@ -73,11 +73,39 @@ def gate_values(scores: torch.Tensor, indices: torch.Tensor, normalise: bool, sc
     return weights * scale
 
 
-class TopKRouter(nn.Module):
-    """The gate: scores, node-limited top-k selection with the balancing bias, and gate values."""
+class Router(nn.Module):
+    """What every router has: the tokens it sent to each expert since the last bias update or
+    reset (``load``, counted in training, once per token even under activation recompute)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.load = ExpertLoad(cfg.n_routed_experts)
+
+    recomputed: bool = False
+    """Set by activation recompute (``memory.recompute``): this forward re-runs in backward, where
+    its tokens must not be counted again."""
+
+    def count(self, indices: torch.Tensor, counted: torch.Tensor | None) -> None:
+        """Add the chosen experts ``indices`` [tokens, k] of the ``counted`` tokens to ``load``."""
+        with torch.no_grad():
+            chosen = indices if counted is None else indices[counted]
+            counts = expert_counts(chosen.flatten(), self.load.counts.shape[0]).float()
+            if self.recomputed:
+                self._count_outside_backward(counts)
+            else:
+                self.load.counts += counts
+
+    @torch.compiler.disable  # the graph task id is no tensor: the compiler cannot trace it
+    def _count_outside_backward(self, counts: torch.Tensor) -> None:
+        if torch._C._current_graph_task_id() == -1:  # -1: not inside a backward pass
+            self.load.counts += counts
+
+
+class TopKRouter(Router):
+    """The gate: scores, node-limited top-k selection with the balancing bias, and gate values."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
         self.n_experts = cfg.n_routed_experts
         self.top_k = cfg.n_activated_experts
         self.n_groups = cfg.n_expert_groups
@@ -87,7 +115,6 @@ class TopKRouter(nn.Module):
         self.norm_topk_prob = cfg.norm_topk_prob
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.d_model))
         self.register_buffer("expert_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
-        self.load = ExpertLoad(cfg.n_routed_experts)
 
     def forward(self, x: torch.Tensor, counted: torch.Tensor | None = None, token_ids: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -110,27 +137,12 @@ class TopKRouter(nn.Module):
                 indices = self.tape(indices)
         weights = gate_values(scores, indices, self.norm_topk_prob, self.route_scale)
         if self.training:
-            with torch.no_grad():
-                chosen = indices if counted is None else indices[counted]
-                counts = expert_counts(chosen.flatten(), self.n_experts).float()
-                if self.recomputed:
-                    self._count_outside_backward(counts)
-                else:
-                    self.load.counts += counts
+            self.count(indices, counted)
         return scores, weights, indices
 
     tape: Callable[[torch.Tensor], torch.Tensor] | None = None
     """Set by RL (:mod:`~dsl_lit.models.common.routing_replay`): maps the chosen expert ids to the ones
     to use, recording them in the sampler and replaying them in the training forward."""
-
-    recomputed: bool = False
-    """Set by activation recompute (``memory.recompute``): this forward re-runs in backward, where
-    its tokens must not be counted again."""
-
-    @torch.compiler.disable  # the graph task id is no tensor: the compiler cannot trace it
-    def _count_outside_backward(self, counts: torch.Tensor) -> None:
-        if torch._C._current_graph_task_id() == -1:  # -1: not inside a backward pass
-            self.load.counts += counts
 
     @staticmethod
     def group_scores(grouped: torch.Tensor) -> torch.Tensor:
@@ -145,7 +157,7 @@ class TopKRouter(nn.Module):
         self.expert_bias += rate * torch.sign(load.mean() - load)
 
 
-class HashRouter(nn.Module):
+class HashRouter(Router):
     """DeepSeek-V4's hash routing (its first MoE layers): each token id's experts are fixed by a
     table ``tid2eid`` [vocab, k] (a buffer, read from the checkpoint; no gradient, no balancing
     bias), while the learned ``weight`` still scores them for the gate values. Not a
@@ -153,7 +165,7 @@ class HashRouter(nn.Module):
     choice is a function of the token alone, the same in every forward)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
+        super().__init__(cfg)
         self.n_experts = cfg.n_routed_experts
         self.top_k = cfg.n_activated_experts
         self.score_func = cfg.score_func
@@ -177,6 +189,8 @@ class HashRouter(nn.Module):
             logits = F.linear(x.float(), self.weight.float())
         scores = affinities(logits, self.score_func)
         indices = self.tid2eid.index_select(0, token_ids.reshape(-1))
+        if self.training:
+            self.count(indices, counted)
         return scores, gate_values(scores, indices, self.norm_topk_prob, self.route_scale), indices
 
 
@@ -369,7 +383,7 @@ class MoE(nn.Module):
     loads for the bias update.
     """
 
-    def __init__(self, cfg: ModelConfig, router: type[TopKRouter] | type[HashRouter] = TopKRouter) -> None:
+    def __init__(self, cfg: ModelConfig, router: type[Router] = TopKRouter) -> None:
         super().__init__()
         self.n_experts = cfg.n_routed_experts
         self.top_k = cfg.n_activated_experts
