@@ -1,5 +1,5 @@
 """DeepSeek-V4 through the pretraining recipe as a user runs it (``model=deepseek_v4_tiny``): the
-loss falls, a run stopped at a checkpoint resumes to the uninterrupted run's losses bit for bit
+loss falls, the CSA indexer's KL is logged, a run stopped at a checkpoint resumes to the uninterrupted run's losses bit for bit
 (mHC, hash tables, the routers' bias and load all restored), and its export loads in transformers
 with our logits; layouts the family cannot run are refused at start-up."""
 
@@ -12,7 +12,7 @@ import torch
 
 from tests.conftest import ROOT
 from tests.forked_python import run_python
-from tests.recipe_runs import losses, run_recipe
+from tests.recipe_runs import losses, metric, run_recipe
 
 V4 = ("model=deepseek_v4_tiny", "model.n_layers=4", "checkpoint.every_n_steps=4")  # all four kinds of layer
 
@@ -26,6 +26,8 @@ def test_v4_trains_resumes_exactly_and_exports(tmp_path):
     uninterrupted = losses(full)
     assert sorted(uninterrupted) == list(range(8)) and losses(stopped) == uninterrupted
     assert float(uninterrupted[7]) < float(uninterrupted[0]) - 1.0
+    kl = metric(full, "train/index_kl")  # the CSA layer's indexer trains by its KL (index_training=sparse)
+    assert sorted(kl) == list(range(8)) and all(float(v) > 0 for v in kl.values())
 
     export = tmp_path / "hf"
     run_python([sys.executable, str(ROOT / "recipes" / "export_hf.py"), f"checkpoint={full / 'checkpoints' / 'step-8'}",

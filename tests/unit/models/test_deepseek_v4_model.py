@@ -175,3 +175,34 @@ def test_the_attention_shape_counts_what_the_modules_hold():
     dense = 2.0 * flash.n_heads * 2 * flash.attention_head_dim * 65536
     assert V4AttentionShape.score_flops(flash, 65536) < 0.1 * dense
     assert (flash.kv_heads, flash.rope_dim) == (1, 64)
+
+
+def test_the_csa_indexer_learns_by_its_kl_alone():
+    """A training forward leaves the CSA layer's indexer KL (and only there); the language-model loss
+    gives the indexer no gradient and the KL gives nothing else one; steps on the KL alone lower it
+    and raise the share of attention mass the selected windows hold."""
+    torch.manual_seed(0)
+    model = _randomised(build_model(_cfg(index_topk=2)), seed=2).train()
+    csa = model.layers["2"].attention
+    ids = _ids()
+    logits = model(ids)
+    assert csa.index_loss is not None and all(
+        model.layers[i].attention.index_loss is None for i in ("0", "1", "3"))
+    indexer = {id(p) for p in csa.indexer.parameters()}
+    lm = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+    lm_grads = torch.autograd.grad(lm, list(model.parameters()), allow_unused=True, retain_graph=True)
+    assert all(g is None for p, g in zip(model.parameters(), lm_grads) if id(p) in indexer)
+    kl_grads = torch.autograd.grad(csa.index_loss, list(model.parameters()), allow_unused=True)
+    touched = {id(p) for p, g in zip(model.parameters(), kl_grads) if g is not None and g.abs().sum() > 0}
+    assert touched and touched <= indexer
+
+    optimizer = torch.optim.Adam(csa.indexer.parameters(), lr=1e-2)
+    first_kl, first_recall = float(csa.index_loss), float(csa.index_recall)
+    for _ in range(30):
+        model(ids)
+        optimizer.zero_grad()
+        csa.index_loss.backward()
+        optimizer.step()
+    model(ids)
+    assert float(csa.index_loss) < 0.5 * first_kl
+    assert float(csa.index_recall) > first_recall

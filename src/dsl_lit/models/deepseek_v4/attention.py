@@ -154,22 +154,36 @@ class LightningIndexer(nn.Module):
         self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
         self.weights_proj = nn.Linear(d_model, n_heads, bias=False)
 
-    def forward(self, hidden: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[batch, seq, k] indices of the selected windows, -1 where a query has fewer than k."""
+    def scores(self, hidden: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[batch, seq, windows] fp32 index scores of every complete window (visible or not)."""
         batch, seq, _ = hidden.shape
         keys = self.compressor(hidden)  # [batch, windows, head_dim]
         q = self.wq_b(q_latent).view(batch, seq, self.n_heads, self.head_dim)
         q = rotate_tail(q, *self.rotary(positions, q.dtype))
         scores = torch.relu(q.float() @ keys.float().transpose(-1, -2).unsqueeze(1)) * self.head_dim**-0.5
         weights = self.weights_proj(hidden).float() * self.n_heads**-0.5  # [batch, seq, heads]
-        scores = (scores * weights.unsqueeze(-1)).sum(dim=2)  # [batch, seq, windows]
-        windows = keys.shape[1]
+        return (scores * weights.unsqueeze(-1)).sum(dim=2)
+
+    def forward(self, hidden: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[batch, seq, k] indices of the selected windows, -1 where a query has fewer than k."""
+        scores = self.scores(hidden, q_latent, positions)
+        batch, windows = scores.shape[0], scores.shape[-1]
         k = min(self.topk, windows)
         if windows == 0:
             return scores.topk(k, dim=-1).indices
         visible = visible_windows(positions, windows, self.rate).expand(batch, -1, -1)
         chosen = scores.masked_fill(~visible, float("-inf")).topk(k, dim=-1).indices
         return torch.where(visible.gather(-1, chosen), chosen, torch.full_like(chosen, -1))
+
+
+def indexer_kl(target: torch.Tensor, index_scores: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3.2's sparse-stage indexer loss: KL(p || softmax(I)) over the ``selected`` keys
+    [batch, seq, keys], ``p`` the main attention's distribution over them (``target``, normalised per
+    query); the mean over the queries that selected any key."""
+    rows = selected.any(-1)
+    log_q = index_scores.masked_fill(~selected, float("-inf")).log_softmax(-1)
+    kl = torch.where(target > 0, target * (target.clamp_min(1e-30).log() - log_q), 0.0).sum(-1)
+    return (kl * rows).sum() / rows.sum().clamp_min(1)
 
 
 class V4Attention(V4AttentionShape, nn.Module):
@@ -186,12 +200,12 @@ class V4Attention(V4AttentionShape, nn.Module):
                    rope_dim=cfg.qk_rope_head_dim, q_lora_rank=cfg.q_lora_rank, o_groups=cfg.o_groups,
                    o_lora_rank=cfg.o_lora_rank, sliding_window=cfg.sliding_window, rotary=rotary, compress_rate=rate,
                    index_n_heads=cfg.index_n_heads, index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk,
-                   norm_eps=cfg.norm_eps)
+                   norm_eps=cfg.norm_eps, index_training=cfg.index_training)
 
     def __init__(self, *, kind: LayerKind, d_model: int, n_heads: int, head_dim: int, rope_dim: int,
                  q_lora_rank: int, o_groups: int, o_lora_rank: int, sliding_window: int, rotary: PairRotary,
                  compress_rate: int = 0, index_n_heads: int = 0, index_head_dim: int = 0, index_topk: int = 0,
-                 norm_eps: float = 1e-6) -> None:
+                 norm_eps: float = 1e-6, index_training: str = "off") -> None:
         super().__init__()
         self.kind, self.n_heads, self.head_dim, self.rope_dim = kind, n_heads, head_dim, rope_dim
         self.sliding_window, self.o_groups, self.norm_eps = sliding_window, o_groups, norm_eps
@@ -210,9 +224,32 @@ class V4Attention(V4AttentionShape, nn.Module):
         self.indexer = (LightningIndexer(d_model, q_lora_rank, index_n_heads, index_head_dim, index_topk,
                                          compress_rate, rotary, norm_eps) if kind == "csa" else None)
         self.compress_rate = compress_rate
+        self.index_training = index_training
+        """``sparse``: a training forward leaves the CSA indexer's KL (:func:`indexer_kl`) in
+        ``index_loss``, its inputs detached; ``off``: none (the indexer keeps its weights)."""
+        self.index_loss: torch.Tensor | None = None
+        self.index_recall: torch.Tensor | None = None
+        """Share of the attention mass over every visible compressed key that the selected ones hold."""
 
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.attn_sink)
+
+    def _indexer_objective(self, hidden: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor,
+                           compressed_logits: torch.Tensor, selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(KL of the indexer to the attention over the selected compressed keys, recall), as
+        DeepSeek-V3.2's sparse stage trains its indexer: the target is the main attention's
+        distribution over the selected keys (per head, then the mean over heads), the indexer
+        reads detached inputs, so this loss trains the indexer only and the language-model loss
+        never reaches it (top-k selection has no gradient either)."""
+        with torch.no_grad():
+            windows = compressed_logits.shape[-1]
+            visible = visible_windows(positions, windows, self.compress_rate).expand(hidden.shape[0], -1, -1)
+            logits = compressed_logits.float().transpose(1, 2)  # [batch, seq, heads, windows]
+            dense = logits.masked_fill(~visible.unsqueeze(2), float("-inf")).softmax(-1).nan_to_num(0.0).mean(2)
+            recall = (dense * selected).sum(-1).sum() / visible.any(-1).sum().clamp_min(1)
+            target = logits.masked_fill(~selected.unsqueeze(2), float("-inf")).softmax(-1).nan_to_num(0.0).mean(2)
+        scores = self.indexer.scores(hidden.detach(), q_latent.detach(), positions)
+        return indexer_kl(target, scores, selected), recall
 
     def _compressed(self, hidden: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor,
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,6 +277,10 @@ class V4Attention(V4AttentionShape, nn.Module):
             keys, seen = self._compressed(hidden, q_latent, positions)
             kv, visible = torch.cat([kv, keys], dim=1), torch.cat([visible, seen], dim=-1)
         logits = (q.transpose(1, 2) @ kv.unsqueeze(1).transpose(-1, -2)) * self.head_dim**-0.5
+        self.index_loss = self.index_recall = None
+        if self.training and self.indexer is not None and self.index_training == "sparse":
+            self.index_loss, self.index_recall = self._indexer_objective(hidden, q_latent, positions, logits[..., seq:],
+                                                                         seen)
         logits = logits.masked_fill(~visible.unsqueeze(1), float("-inf"))
         sink = self.attn_sink.view(1, -1, 1, 1).expand(batch, -1, seq, 1)
         logits = torch.cat([logits, sink], dim=-1)  # the fp32 sink makes the softmax fp32 in any dtype

@@ -29,7 +29,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         score_func="sqrtsoftplus", route_scale=1.5, norm_topk_prob=True, max_seq_len=1048576, rope_theta=10000.0,
         compress_rope_theta=160000.0, csa_rate=4, hca_rate=128, sliding_window=128, o_groups=8, o_lora_rank=1024,
         index_n_heads=64, index_head_dim=128, index_topk=512, n_hash_layers=3, swiglu_limit=10.0, hc_mult=4,
-        hc_sinkhorn_iters=20, hc_eps=1e-6, init_std=0.02,
+        hc_sinkhorn_iters=20, hc_eps=1e-6, init_std=0.02, index_training="sparse",
     ),
     # CPU-sized, every mechanism on: each attention kind (a 16-token window, CSA every 4 tokens
     # keeping 4 windows, HCA every 16), a hash-routed layer, sqrt-softplus top-2 of 8 experts with the
@@ -40,14 +40,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         score_func="sqrtsoftplus", route_scale=1.5, norm_topk_prob=True, max_seq_len=1024,
         attention_kinds=["hca", "sliding", "csa", "hca"], csa_rate=4, hca_rate=16, sliding_window=16, o_groups=2,
         o_lora_rank=64, index_n_heads=4, index_head_dim=32, index_topk=4, n_hash_layers=1, swiglu_limit=10.0,
-        hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
+        hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, index_training="sparse",
     ),
 }
 
 READS = ("q_lora_rank", "qk_rope_head_dim", *(f for f in MOE_FIELDS if f not in ("n_dense_layers", "n_expert_groups",
-         "n_limited_groups")), *(f for f in INDEXER_FIELDS if f != "index_training"), *V4_FIELDS)
+         "n_limited_groups")), *INDEXER_FIELDS, *V4_FIELDS)
 """What V4 reads of the optional fields: the query latent and the rotated width, the router and
-experts (no dense layers, no expert groups), the indexer (it trains with the model), its own blocks."""
+experts (no dense layers, no expert groups), the CSA indexer, its own blocks."""
+INDEX_TRAINING = ("off", "sparse")
+"""How V4's CSA indexer trains: ``sparse`` by KL to the attention over the keys it selects (V3.2's
+sparse stage; the presets), ``off`` not at all (a checkpoint read for inference)."""
 
 
 def _positive_ints(cfg: ModelConfig, prefix: str, names: tuple[str, ...]) -> None:
@@ -91,6 +94,9 @@ def validate(cfg: ModelConfig, prefix: str) -> None:
         raise ConfigError(f"{prefix}.expert_backend={cfg.expert_backend!r} is unknown; choose one of {EXPERT_BACKENDS}")
     if cfg.swiglu_limit < 0 or cfg.hc_eps <= 0:
         raise ConfigError(f"{prefix}.swiglu_limit must be >= 0 (0: no clamp) and hc_eps > 0")
+    if cfg.index_training not in INDEX_TRAINING:
+        raise ConfigError(f"{prefix}.index_training={cfg.index_training!r}: DeepSeek-V4's CSA indexer trains "
+                          f"with the model ({INDEX_TRAINING[1]}) or not at all ({INDEX_TRAINING[0]})")
     if cfg.compress_rope_theta <= 0:
         raise ConfigError(f"{prefix}.compress_rope_theta must be > 0")
 
