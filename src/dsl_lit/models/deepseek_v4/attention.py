@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsl_lit.config.model import ModelConfig
+from dsl_lit.models.common.kv_cache import KVCache
 from dsl_lit.models.common.layers import rope_frequencies
 from dsl_lit.models.deepseek_v4.attention_shape import V4AttentionShape
 
@@ -115,14 +116,20 @@ class WindowCompressor(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.ape)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden`` [batch, seq, d_model] -> the keys of its complete windows [batch, windows, head_dim]."""
-        batch, seq, _ = hidden.shape
+    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's share of its windows: (kv, gate logits) [batch, seq, width] (a KV cache keeps
+        these, so a decoding step pools windows without projecting the past again)."""
+        return self.wkv(hidden), self.wgate(hidden)
+
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """The keys of the complete windows [batch, windows, head_dim] of tokens whose projections
+        (:meth:`project`) are ``kv``, ``gate`` [batch, seq, width], the first at position 0."""
+        batch, seq, _ = kv.shape
         windows, m, d = seq // self.rate, self.rate, self.head_dim
-        kv = self.wkv(hidden[:, : windows * m]).view(batch, windows, m, -1)
-        gate = self.wgate(hidden[:, : windows * m]).view(batch, windows, m, -1) + self.ape
         if windows == 0:
             return kv.new_zeros(batch, 0, d)
+        kv = kv[:, : windows * m].reshape(batch, windows, m, -1)
+        gate = gate[:, : windows * m].reshape(batch, windows, m, -1) + self.ape
         if self.overlap:  # slots: the previous window's first halves, then this window's second halves
             pooled_kv = kv.new_zeros(batch, windows, 2 * m, d)
             pooled_gate = gate.new_full((batch, windows, 2 * m, d), float("-inf"))
@@ -131,9 +138,25 @@ class WindowCompressor(nn.Module):
             kv, gate = pooled_kv, pooled_gate
         weights = gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)
         keys = self.norm((kv * weights).sum(dim=2))
-        starts = torch.arange(windows, device=hidden.device) * m
+        starts = torch.arange(windows, device=kv.device) * m
         cos, sin = self.rotary(starts, keys.dtype)
         return rotate_tail(keys.unsqueeze(2), cos, sin).squeeze(2)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` [batch, seq, d_model] -> the keys of its complete windows [batch, windows, head_dim]."""
+        return self.pool(*self.project(hidden))
+
+
+def left_aligned(tensors: list[torch.Tensor], key_valid: torch.Tensor | None) -> list[torch.Tensor]:
+    """Each row of ``tensors`` [batch, seq, ...] shifted left past its left padding (``key_valid``
+    False), the pads wrapped to the end: windows are counted from a row's first real token, and a
+    window reaching into the wrapped pads lies past every query of the row, so none sees it."""
+    if key_valid is None:
+        return tensors
+    seq = tensors[0].shape[1]
+    pads = (~key_valid[:, :seq]).sum(-1, keepdim=True)
+    index = (torch.arange(seq, device=key_valid.device) + pads) % seq  # [batch, seq]
+    return [t.gather(1, index.view(*index.shape, *([1] * (t.dim() - 2))).expand_as(t)) for t in tensors]
 
 
 def visible_windows(positions: torch.Tensor, windows: int, rate: int) -> torch.Tensor:
@@ -154,26 +177,32 @@ class LightningIndexer(nn.Module):
         self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
         self.weights_proj = nn.Linear(d_model, n_heads, bias=False)
 
-    def scores(self, hidden: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[batch, seq, windows] fp32 index scores of every complete window (visible or not)."""
+    def scores(self, hidden: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor,
+               keys: torch.Tensor | None = None) -> torch.Tensor:
+        """[batch, seq, windows] fp32 index scores of every complete window (visible or not);
+        ``keys`` [batch, windows, head_dim]: the indexer's compressed keys (None: from ``hidden``)."""
         batch, seq, _ = hidden.shape
-        keys = self.compressor(hidden)  # [batch, windows, head_dim]
+        keys = self.compressor(hidden) if keys is None else keys
         q = self.wq_b(q_latent).view(batch, seq, self.n_heads, self.head_dim)
         q = rotate_tail(q, *self.rotary(positions, q.dtype))
         scores = torch.relu(q.float() @ keys.float().transpose(-1, -2).unsqueeze(1)) * self.head_dim**-0.5
         weights = self.weights_proj(hidden).float() * self.n_heads**-0.5  # [batch, seq, heads]
         return (scores * weights.unsqueeze(-1)).sum(dim=2)
 
-    def forward(self, hidden: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[batch, seq, k] indices of the selected windows, -1 where a query has fewer than k."""
-        scores = self.scores(hidden, q_latent, positions)
+    def select(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[batch, seq, windows] bool: the ``topk`` visible windows of highest score per query (all
+        of them when it has passed fewer)."""
         batch, windows = scores.shape[0], scores.shape[-1]
-        k = min(self.topk, windows)
-        if windows == 0:
-            return scores.topk(k, dim=-1).indices
         visible = visible_windows(positions, windows, self.rate).expand(batch, -1, -1)
-        chosen = scores.masked_fill(~visible, float("-inf")).topk(k, dim=-1).indices
-        return torch.where(visible.gather(-1, chosen), chosen, torch.full_like(chosen, -1))
+        if windows == 0:
+            return visible
+        chosen = scores.masked_fill(~visible, float("-inf")).topk(min(self.topk, windows), dim=-1).indices
+        picked = torch.zeros_like(visible).scatter_(-1, chosen, True)
+        return picked & visible
+
+    def forward(self, hidden: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[batch, seq, windows] bool: the windows each query selects."""
+        return self.select(self.scores(hidden, q_latent, positions), positions)
 
 
 def indexer_kl(target: torch.Tensor, index_scores: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
@@ -200,13 +229,15 @@ class V4Attention(V4AttentionShape, nn.Module):
                    rope_dim=cfg.qk_rope_head_dim, q_lora_rank=cfg.q_lora_rank, o_groups=cfg.o_groups,
                    o_lora_rank=cfg.o_lora_rank, sliding_window=cfg.sliding_window, rotary=rotary, compress_rate=rate,
                    index_n_heads=cfg.index_n_heads, index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk,
-                   norm_eps=cfg.norm_eps, index_training=cfg.index_training)
+                   norm_eps=cfg.norm_eps, index_training=cfg.index_training, layer_id=layer_id)
 
     def __init__(self, *, kind: LayerKind, d_model: int, n_heads: int, head_dim: int, rope_dim: int,
                  q_lora_rank: int, o_groups: int, o_lora_rank: int, sliding_window: int, rotary: PairRotary,
                  compress_rate: int = 0, index_n_heads: int = 0, index_head_dim: int = 0, index_topk: int = 0,
-                 norm_eps: float = 1e-6, index_training: str = "off") -> None:
+                 norm_eps: float = 1e-6, index_training: str = "off", layer_id: int = 0) -> None:
         super().__init__()
+        self.layer_id = layer_id
+        """Where its entries sit in a :class:`~dsl_lit.models.common.kv_cache.KVCache`."""
         self.kind, self.n_heads, self.head_dim, self.rope_dim = kind, n_heads, head_dim, rope_dim
         self.sliding_window, self.o_groups, self.norm_eps = sliding_window, o_groups, norm_eps
         self.rotary = rotary
@@ -251,36 +282,50 @@ class V4Attention(V4AttentionShape, nn.Module):
         scores = self.indexer.scores(hidden.detach(), q_latent.detach(), positions)
         return indexer_kl(target, scores, selected), recall
 
-    def _compressed(self, hidden: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor,
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Compressed keys [batch, windows, head_dim] and what each query may see of them
-        [batch, seq, windows]: the windows it has passed (HCA), of those the indexer's choice (CSA)."""
-        keys = self.compressor(hidden)
-        visible = visible_windows(positions, keys.shape[1], self.compress_rate)
-        if self.indexer is not None:
-            chosen = self.indexer(hidden, q_latent, positions)
-            picked = torch.zeros(*chosen.shape[:2], keys.shape[1] + 1, dtype=torch.bool, device=hidden.device)
-            picked.scatter_(-1, torch.where(chosen >= 0, chosen, keys.shape[1]), True)
-            visible = picked[..., :-1]
-        return keys, visible.expand(hidden.shape[0], -1, -1)
-
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """``key_valid`` [batch, keys]: the real tokens of a left-padded batch (None: all);
+        ``cache``: this call continues the cached positions (it keeps each token's rotated key
+        and its compressors' projections, so a step pools windows without projecting the past)."""
         batch, seq, _ = hidden.shape
         cos, sin = self.rotary(positions, hidden.dtype)
         q_latent = self.q_norm(self.wq_a(hidden))
         q = rms_normalised(self.wq_b(q_latent).view(batch, seq, self.n_heads, self.head_dim), self.norm_eps)
         q = rotate_tail(q, cos, sin)
         kv = rotate_tail(self.kv_norm(self.wkv(hidden)).view(batch, seq, 1, self.head_dim), cos, sin).squeeze(2)
-        offsets = positions.unsqueeze(-1) - positions.unsqueeze(-2)  # query - key position
-        visible = (offsets >= 0) & (offsets < self.sliding_window)  # [batch, seq, seq]
+        projections: list[torch.Tensor] = []
         if self.compressor is not None:
-            keys, seen = self._compressed(hidden, q_latent, positions)
-            kv, visible = torch.cat([kv, keys], dim=1), torch.cat([visible, seen], dim=-1)
+            projections += self.compressor.project(hidden)
+        if self.indexer is not None:
+            projections += self.indexer.compressor.project(hidden)
+        if cache is not None:
+            kv, *projections = cache.update(self.layer_id, kv, *projections)
+        keys_len = kv.shape[1]
+        if cache is None and key_valid is None:
+            key_positions = positions
+        elif key_valid is None:
+            key_positions = torch.arange(keys_len, device=hidden.device).unsqueeze(0)
+        else:
+            key_positions = key_valid[:, :keys_len].long().cumsum(-1) - 1
+        offsets = positions.unsqueeze(-1) - key_positions.unsqueeze(-2)  # query - key position
+        visible = (offsets >= 0) & (offsets < self.sliding_window)  # [batch, seq, keys]
+        if key_valid is not None:
+            visible = visible & key_valid[:, None, :keys_len]
+        seen = None
+        if self.compressor is not None:
+            projections = left_aligned(projections, key_valid)
+            keys = self.compressor.pool(projections[0], projections[1])
+            if self.indexer is not None:
+                index_keys = self.indexer.compressor.pool(projections[2], projections[3])
+                seen = self.indexer.select(self.indexer.scores(hidden, q_latent, positions, index_keys), positions)
+            else:
+                seen = visible_windows(positions, keys.shape[1], self.compress_rate).expand(batch, -1, -1)
+            kv, visible = torch.cat([kv, keys], dim=1), torch.cat([visible.expand(batch, -1, -1), seen], dim=-1)
         logits = (q.transpose(1, 2) @ kv.unsqueeze(1).transpose(-1, -2)) * self.head_dim**-0.5
         self.index_loss = self.index_recall = None
         if self.training and self.indexer is not None and self.index_training == "sparse":
-            self.index_loss, self.index_recall = self._indexer_objective(hidden, q_latent, positions, logits[..., seq:],
-                                                                         seen)
+            self.index_loss, self.index_recall = self._indexer_objective(hidden, q_latent, positions,
+                                                                         logits[..., keys_len:], seen)
         logits = logits.masked_fill(~visible.unsqueeze(1), float("-inf"))
         sink = self.attn_sink.view(1, -1, 1, 1).expand(batch, -1, seq, 1)
         logits = torch.cat([logits, sink], dim=-1)  # the fp32 sink makes the softmax fp32 in any dtype

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from dsl_lit.config.model import ModelConfig
+from dsl_lit.models.common.compute_copies import refresh_compute_copies
 from dsl_lit.models.common.hyper_connections import HyperConnection, HyperHead, expand_streams
 from dsl_lit.models.common.kv_cache import KVCache
 from dsl_lit.models.common.moe import HashRouter, MoE, TopKRouter
@@ -37,8 +38,9 @@ class V4Block(nn.Module):
         self.attention_hc = HyperConnection(cfg.d_model, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
         self.ffn_hc = HyperConnection(cfg.d_model, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
 
-    def forward(self, streams: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        streams = self.attention_hc(streams, lambda x: self.attention(self.attention_norm(x), positions))
+    def forward(self, streams: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor,
+                key_valid: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
+        streams = self.attention_hc(streams, lambda x: self.attention(self.attention_norm(x), positions, key_valid, cache))
         return self.ffn_hc(streams, lambda x: self.feed_forward(self.ffn_norm(x), token_ids))
 
 
@@ -46,7 +48,7 @@ class V4Transformer(Transformer):
     """``forward(input_ids[batch, seq]) -> logits[batch, seq, vocab]``, the interface of
     :class:`Transformer` (whose head, losses and counts it inherits); built here rather than by
     ``Transformer.__init__`` because its blocks take streams, token ids and per-kind rotaries. No
-    MTP modules and no KV cache yet: generation runs the whole sequence per token."""
+    MTP modules yet."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         nn.Module.__init__(self)
@@ -88,14 +90,18 @@ class V4Transformer(Transformer):
         key_valid: torch.Tensor | None = None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """The collapsed residual before the final norm; ``positions`` [batch, seq] (default 0..seq-1)."""
-        if cache is not None or key_valid is not None:
-            raise NotImplementedError("DeepSeek-V4 has no KV cache or padded-batch attention here yet: "
-                                      "generation runs the whole sequence per token")
+        """The collapsed residual before the final norm; ``positions`` [batch, seq] (default: from
+        the cache's length on), ``key_valid`` [batch, cached + seq] for left-padded batches, ``cache``
+        to continue from (:class:`KVCache`: each layer keeps its rotated keys and its compressors'
+        per-token projections)."""
+        refresh_compute_copies(self)
         batch, seq = tokens.shape[:2]
+        offset = cache.length if cache is not None else 0
         if positions is None:
-            positions = torch.arange(seq, device=tokens.device).expand(batch, -1)
+            positions = torch.arange(offset, offset + seq, device=tokens.device).expand(batch, -1)
         streams = expand_streams(self.tok_embeddings(tokens), self.config.hc_mult)
         for layer in self.layers.values():
-            streams = layer(streams, positions, tokens)
+            streams = layer(streams, positions, tokens, key_valid, cache)
+        if cache is not None:
+            cache.advance(seq)
         return self.hc_head(streams)
