@@ -143,7 +143,9 @@ class ModelConfig:
     """The width of every head of V4's shared-KV attention (one key/value head of this width, read
     as both key and value), not tied to ``d_model / n_heads``."""
     attention_kinds: list[str] | None = None
-    """Per layer, ``sliding``, ``csa`` (compressed sparse) or ``hca`` (heavily compressed); None:
+    """Per layer, ``sliding``, ``csa`` (compressed sparse) or ``hca`` (heavily compressed), the first
+    ``n_layers`` used (as transformers truncates ``layer_types``, so ``model.n_layers=2`` on a preset
+    keeps its first two kinds); None:
     transformers' default schedule (two ``hca`` layers, then ``hca`` and ``csa`` alternating);
     :meth:`attention_kind` reads it."""
     csa_rate: int = 4
@@ -217,6 +219,11 @@ class ModelConfig:
     def unsupported_parallel(self) -> dict[str, str]:
         """Parallel dimensions this family cannot run under, each with why (its card says)."""
         return dict(self._family().unsupported_parallel)
+
+    @property
+    def packs_documents(self) -> bool:
+        """Whether the attention follows documents packed into one row (SFT's ``sft.packing``)."""
+        return self._family().packed_documents
 
     @property
     def sparse_attention(self) -> bool:

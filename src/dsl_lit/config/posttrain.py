@@ -70,8 +70,10 @@ class SFTConfig:
     dataset: str = "task"
     """``task``: the generated task's reference replies; else a .jsonl (or a ``datasets`` save_to_disk
     directory) of TRL's rows: ``{"messages": [...]}``, ``{"prompt", "completion"}`` or ``{"text"}``."""
-    packing: bool = True
-    """Pack conversations into rows with per-document positions and attention."""
+    packing: bool | None = None
+    """Pack conversations into rows with per-document positions and attention; null: pack where the
+    model's attention follows packed documents (every family but DeepSeek-V4), resolved by
+    ``TrainConfig.validate``."""
     epochs: float | None = None
     """When set, trainer.max_steps is derived from it (passes over the data)."""
     shortcut_share: float = 0.0

@@ -232,6 +232,12 @@ class TrainConfig:
             raise ConfigError("model.index_training=warmup trains only the indexers, against the attention of a "
                               "trained model, and freezes the rest: set init_from to a deepseek_v3 (or deepseek_v32) "
                               "checkpoint, e.g. init_from=outputs/pretrain/<run_name>")
+        if self.post is not None:
+            if self.post.sft.packing is None:
+                self.post.sft.packing = self.model.packs_documents
+            elif self.post.sft.packing and not self.model.packs_documents:
+                raise ConfigError(f"sft.packing=true with model {self.model.name} (family {self.model.family}): its "
+                                  "compressed attention windows do not follow packed documents yet; set sft.packing=false")
         for dim, why in self.model.unsupported_parallel.items():
             if getattr(self.parallel, dim) > 1:
                 raise ConfigError(f"parallel.{dim}={getattr(self.parallel, dim)} with model {self.model.name} "

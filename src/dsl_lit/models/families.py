@@ -66,6 +66,8 @@ class FamilyCard:
     unsupported_parallel: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """Parallel dimensions (``tp``, ``pp``, ``cp``, ``ep``) the family cannot run under, each with why:
     ``TrainConfig.validate`` refuses them before any process starts."""
+    packed_documents: bool = True
+    """Whether its attention follows packed documents (a per-query key mask); False: SFT must not pack."""
     reads: tuple[str, ...] = ()
     """Set: every field of the optional groups (grouped-query, MLA, MoE, MTP, indexer, V4 blocks:
     ``config/model.py``) it reads, the rest of them unused; empty: the flags above decide (and the

@@ -132,7 +132,7 @@ def sample_to_file(setup: PostTrainSetup, output: Path) -> dict[str, Any]:
 
 
 def cold_start_sft(hydra_cfg: DictConfig, run_dir: Path, steps: int, lr: float, shortcut_share: float = 0.0) -> Path:
-    """R1's cold start: ``steps`` of SFT (peak ``lr``, cosine, 8 packed rows a step) of the config's
+    """R1's cold start: ``steps`` of SFT (peak ``lr``, cosine, 8 rows a step, packed where the model allows) of the config's
     (random) model on the task's reference replies (a ``shortcut_share`` of them answering with the
     task's shortcut rule), as a run of its own in ``<run_dir>/cold_start`` (resumable); returns that run dir,
     whose latest checkpoint is the next stage's ``init_from``. Single process only."""
@@ -156,7 +156,7 @@ def cold_start_sft(hydra_cfg: DictConfig, run_dir: Path, steps: int, lr: float, 
     cfg = setup.cfg
     L.seed_everything(cfg.trainer.seed, workers=True)  # its random init: the same run for the same seed
     conversations = [setup.tokenizer.encode_conversation(c) for c in task_conversations(setup.post.task, shortcut_share)]
-    rows = sft_rows(conversations, cfg.data.seq_len, setup.tokenizer.pad_id, packing=True)
+    rows = sft_rows(conversations, cfg.data.seq_len, setup.tokenizer.pad_id, packing=setup.post.sft.packing)
     kwargs = module_kwargs(setup) | {"total_steps": steps, "micro_batch_size": 8}
     fit(setup, SFTModule(**kwargs), RowsDataModule(cfg.data, lambda: rows))
     return directory

@@ -50,3 +50,25 @@ def test_layouts_v4_cannot_run_are_refused_before_any_process_starts(tmp_path, l
     assert result.returncode == 2, result.stderr[-2000:]
     dim = layout.split("=")[0]
     assert f"error: {dim}=2 with model deepseek_v4_tiny (family deepseek_v4) is not supported yet" in result.stderr
+
+
+@pytest.mark.slow
+def test_v4_through_r1s_cold_start_and_grpo(tmp_path):
+    """recipes/grpo.py on DeepSeek-V4: the cold-start SFT unpacked (``sft.packing`` null resolves to
+    false: its windows do not follow packed documents), then GRPO sampling with V4's KV cache."""
+    import yaml
+
+    run_dir = tmp_path / "grpo"
+    result = run_python(
+        [sys.executable, str(ROOT / "recipes" / "grpo.py"), f"hydra.run.dir={run_dir}", "model=deepseek_v4_tiny",
+         "logger=csv", "trainer.progress_bar=false", "task=arithmetic", "task.num_problems=200",
+         "grpo.cold_start_steps=3", "data.global_batch_size=4", "data.micro_batch_size=2", "grpo.group_size=4",
+         "grpo.sampling.max_new_tokens=16", "grpo.eval_every_n_steps=0", "checkpoint.every_n_steps=2",
+         "trainer.max_steps=2"], cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    cold = yaml.safe_load((run_dir / "cold_start" / "resolved_config.yaml").read_text())
+    assert cold["model"]["family"] == "deepseek_v4"  # (a packed row's per-document mask would have stopped V4's attention)
+    assert sorted(losses(run_dir / "cold_start")) == [0, 1, 2] and (run_dir / "checkpoints" / "step-2").is_dir()
+    refused = run_python([sys.executable, str(ROOT / "recipes" / "sft.py"), f"hydra.run.dir={tmp_path / 'sft'}",
+                          "model=deepseek_v4_tiny", "sft.packing=true"], cwd=ROOT, timeout=300)
+    assert refused.returncode == 2 and "sft.packing=true with model deepseek_v4_tiny" in refused.stderr

@@ -135,7 +135,7 @@ def test_a_fresh_hash_table_spreads_the_vocabulary_over_every_expert():
 
 @pytest.mark.parametrize("override, message", [
     ({"n_dense_layers": 1}, "every DeepSeek-V4 block is MoE"),
-    ({"attention_kinds": ["hca", "csa"]}, "one kind per layer"),
+    ({"attention_kinds": ["hca", "csa"]}, "a kind for each of the 4 layers"),
     ({"attention_kinds": ["hca", "full", "csa", "hca"]}, "'full' is unknown"),
     ({"o_groups": 3}, "o_groups=3 does not divide"),
     ({"n_hash_layers": 5}, "n_hash_layers=5 must be between 0 and n_layers=4"),

@@ -154,7 +154,7 @@ def left_aligned(tensors: list[torch.Tensor], key_valid: torch.Tensor | None) ->
     if key_valid is None:
         return tensors
     seq = tensors[0].shape[1]
-    pads = (~key_valid[:, :seq]).sum(-1, keepdim=True)
+    pads = key_valid[:, :seq].long().argmax(-1, keepdim=True)  # the first real token (right pads stay put)
     index = (torch.arange(seq, device=key_valid.device) + pads) % seq  # [batch, seq]
     return [t.gather(1, index.view(*index.shape, *([1] * (t.dim() - 2))).expand_as(t)) for t in tensors]
 
@@ -288,6 +288,9 @@ class V4Attention(V4AttentionShape, nn.Module):
         ``cache``: this call continues the cached positions (it keeps each token's rotated key
         and its compressors' projections, so a step pools windows without projecting the past)."""
         batch, seq, _ = hidden.shape
+        if key_valid is not None and key_valid.dim() != 2:
+            raise ValueError("DeepSeek-V4's attention takes a [batch, keys] padding mask; packed documents (a "
+                             "per-query mask) are not followed by its compressed windows yet")
         cos, sin = self.rotary(positions, hidden.dtype)
         q_latent = self.q_norm(self.wq_a(hidden))
         q = rms_normalised(self.wq_b(q_latent).view(batch, seq, self.n_heads, self.head_dim), self.norm_eps)

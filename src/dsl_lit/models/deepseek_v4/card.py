@@ -76,8 +76,9 @@ def validate(cfg: ModelConfig, prefix: str) -> None:
         raise ConfigError(f"{prefix}.o_groups={cfg.o_groups} does not divide n_heads={cfg.n_heads}")
     kinds = cfg.attention_kinds
     if kinds is not None:
-        if not isinstance(kinds, (list, tuple)) or len(kinds) != cfg.n_layers:
-            raise ConfigError(f"{prefix}.attention_kinds must list one kind per layer ({cfg.n_layers}), got {kinds!r}")
+        if not isinstance(kinds, (list, tuple)) or len(kinds) < cfg.n_layers:
+            raise ConfigError(f"{prefix}.attention_kinds must list a kind for each of the {cfg.n_layers} layers "
+                              f"(the first n_layers are used), got {kinds!r}")
         bad = [k for k in kinds if k not in ATTENTION_KINDS]
         if bad:
             raise ConfigError(f"{prefix}.attention_kinds: {bad[0]!r} is unknown; choose among {ATTENTION_KINDS}")
@@ -115,6 +116,7 @@ CARD = FamilyCard(
         "tp": "its shared-KV attention and compressors have no tensor-parallel plan yet",
         "pp": "the residual streams (mHC) and the token ids hash routing reads are not carried between stages yet",
         "cp": "the compressed keys and the sliding window are not gathered over context-parallel ranks yet"},
+    packed_documents=False,  # its compressors window a row from its first real token, not per document
     reads=READS,
     ignores=("ffn_hidden",),
 )
