@@ -44,8 +44,10 @@ def named_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module) -
     # A parameter no loss has reached yet (DeepSeek-V4's CSA indexer, an indexer under
     # index_training=off) has no state: its untouched template is saved, so that a resume finds every
     # parameter's state; step 0 and zero moments are what the optimizer creates on a first gradient.
-    if named:
-        owned = params_with_state(optimizer)
+    # (Not under ZeRO-1: each rank returns the parameters it owns, and a template filled in for one
+    # owned elsewhere would overwrite that rank's moments in the checkpoint.)
+    if named and not hasattr(optimizer, "sharded_state_dict"):
+        owned = optimizer_params(optimizer)
         for name, param in zip(_names(optimizer, module, owned), owned):
             if name not in named:
                 named[name] = optimizer.state_template(param)

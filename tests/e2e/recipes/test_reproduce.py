@@ -398,7 +398,8 @@ def test_a_marker_that_is_json_but_not_ours_is_one_line(tmp_path, content, lacks
 
 CHILD = """import pathlib, signal, sys, time
 out = pathlib.Path(sys.argv[1])
-signal.signal(signal.SIGTERM, lambda *_: (out.write_text("SIGTERM"), sys.exit(0)))
+tmp = out.with_suffix(".tmp")  # written whole, then renamed: the test never reads it half-written
+signal.signal(signal.SIGTERM, lambda *_: (tmp.write_text("SIGTERM"), tmp.rename(out), sys.exit(0)))
 out.with_suffix(".ready").write_text("")
 time.sleep(60)
 """
