@@ -153,3 +153,26 @@ def test_a_dense_model_records_nothing():
     with recording_routes(model, 2) as recorded:
         generate(model, [[5, 9], [7]], 4, pad_token_id=0)
     assert recorded == []
+
+
+def test_deepseek_v4_replays_its_top_k_layers_and_its_hash_layers_need_nothing():
+    """DeepSeek-V4: the sampler (KV cache, left-padded prompts) and the training forward over GRPO's
+    padded rows compute the same log-probs; routes are recorded for the top-k layers only (a hash
+    layer's experts follow from the token), and replaying them undoes a redrawn bias."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig.from_name("deepseek_v4_tiny", index_training="off")).eval()
+    rows = sampled_rows(model)
+    cfg = model.config
+    assert rows["routed_experts"].shape[2] == len(stack_routers(model)) == cfg.n_layers - cfg.n_hash_layers
+    mask = rows["labels"] != -100
+    rollout = rows["rollout_logps"][mask]
+    n = cfg.d_model * cfg.n_layers * rows["input_ids"].shape[1]
+    with torch.no_grad():
+        assert_close_fp32(train_logps(model, rows)[mask], rollout, n)
+        redraw_biases(model)
+        free = train_logps(model, rows)[mask]
+        install_routes(model, rows["routed_experts"], enforce=True)
+        replayed = train_logps(model, rows)[mask]
+    remove_routes(model)
+    assert (free - rollout).abs().max() > 1e-3  # the redrawn bias moved the routers: another network
+    assert_close_fp32(replayed, rollout, n)
