@@ -241,3 +241,33 @@ def test_cached_decoding_of_a_left_padded_batch_equals_recomputing_each_row_alon
         alone = generate(model, [prompt], max_new_tokens=20, output_logits=True)
         assert alone.sequences[0].tolist()[-20:] == cached.sequences[row].tolist()[-20:]
         assert_close_fp32(alone.logits[0], cached.logits[row], D * LAYERS * 40)
+
+
+def test_an_fp8_release_checkpoint_quantises_what_deepseek_quantises(tmp_path: Path):
+    """``save_pretrained(fp8=True)``: the attention projections, the indexer's query projection and
+    the experts in FP8 with a scale beside each; the compressors, the indexer's weights_proj, the
+    router and mHC not. Read back, they are their dequantised values and the logits stay close."""
+    from safetensors.torch import load_file
+
+    model = _randomised(build_model(_cfg()), seed=8).eval()
+    save_pretrained(model, tmp_path, fp8=True)
+    stored = load_file(tmp_path / "model.safetensors")
+    fp8 = {n for n, t in stored.items() if t.dtype == torch.float8_e4m3fn}
+    for name in ("layers.2.attn.wq_a.weight", "layers.2.attn.wo_b.weight", "layers.2.attn.indexer.wq_b.weight",
+                 "layers.0.ffn.experts.3.w2.weight", "layers.1.ffn.shared_experts.w1.weight"):
+        assert name in fp8 and name.replace(".weight", ".weight_scale_inv") in stored, name
+    for name in ("layers.2.attn.compressor.wkv.weight", "layers.2.attn.indexer.compressor.wgate.weight",
+                 "layers.2.attn.indexer.weights_proj.weight", "layers.1.ffn.gate.weight", "embed.weight", "head.weight"):
+        assert name not in fp8 and name.replace(".weight", ".weight_scale_inv") not in stored, name
+    from dsl_lit.hf import adapter_for_family
+    from tests.unit.hf.test_hf_fp8 import _dequantise
+
+    back, _ = from_pretrained(tmp_path)
+    adapter = adapter_for_family("deepseek_v4")
+    read, original = adapter.to_hf(back.state_dict(), back.config), adapter.to_hf(model.state_dict(), model.config)
+    for name in fp8:
+        expected = _dequantise(stored[name], stored[name.replace(".weight", ".weight_scale_inv")])
+        assert torch.equal(read[name], expected.to(read[name].dtype)), name
+        # within e4m3's step of the weights written (3 mantissa bits: a relative step of 1/8 at most)
+        assert (read[name] - original[name]).abs().max() <= original[name].abs().max() / 8, name
+    assert torch.equal(read["layers.2.attn.compressor.wkv.weight"], original["layers.2.attn.compressor.wkv.weight"])

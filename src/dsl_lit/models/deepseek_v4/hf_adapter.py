@@ -63,6 +63,12 @@ FP32_SUFFIXES = ("attn_sink", ".ape", "gate.bias", "norm.weight", *(f"hc_{w}_{p}
                                                                      for p in ("fn", "base", "scale")))
 """Released names kept in fp32 whatever dtype the rest is written in (transformers'
 ``_keep_in_fp32_modules_strict`` for V4: norms, sinks, window biases, mHC, the balancing bias)."""
+FP8_WEIGHTS = re.compile(r"layers\.\d+\.(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
+                         r"|ffn\.(?:shared_experts|experts\.\d+)\.w[123])\.weight")
+"""Released names stored in FP8 (128x128 blocks, a ``weight_scale_inv`` beside each): the attention's
+projections, the indexer's query projection and every expert; the compressors' ``wkv`` and
+``wgate``, the indexer's ``weights_proj`` (transformers' V4 lists them as shipping in BF16), the
+router, embedding and head stay in the model's dtype."""
 
 
 class DeepseekV4Adapter(HFAdapter):
@@ -70,6 +76,7 @@ class DeepseekV4Adapter(HFAdapter):
     model_type = "deepseek_v4"
     architecture = "DeepseekV4ForCausalLM"
     fp32_suffixes = FP32_SUFFIXES
+    fp8_weights = FP8_WEIGHTS
 
     # -- config -----------------------------------------------------------------------------------
     def config_from_hf(self, hf: Mapping[str, Any]) -> ModelConfig:
