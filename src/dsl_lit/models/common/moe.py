@@ -79,7 +79,19 @@ class Router(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.n_experts = cfg.n_routed_experts
+        self.top_k = cfg.n_activated_experts
+        self.score_func = cfg.score_func
+        self.route_scale = cfg.route_scale
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.d_model))
         self.load = ExpertLoad(cfg.n_routed_experts)
+
+    def affinities(self, x: torch.Tensor) -> torch.Tensor:
+        """[tokens, E] fp32 token-to-expert affinities of ``x`` [tokens, d_model]."""
+        with torch.autocast(x.device.type, enabled=False):  # bf16 autocast must not reach the gate
+            logits = F.linear(x.float(), self.weight.float())
+        return affinities(logits, self.score_func)
 
     recomputed: bool = False
     """Set by activation recompute (``memory.recompute``): this forward re-runs in backward, where
@@ -106,14 +118,8 @@ class TopKRouter(Router):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
-        self.n_experts = cfg.n_routed_experts
-        self.top_k = cfg.n_activated_experts
         self.n_groups = cfg.n_expert_groups
         self.n_limited_groups = cfg.n_limited_groups
-        self.score_func = cfg.score_func
-        self.route_scale = cfg.route_scale
-        self.norm_topk_prob = cfg.norm_topk_prob
-        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.d_model))
         self.register_buffer("expert_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, counted: torch.Tensor | None = None, token_ids: torch.Tensor | None = None,
@@ -121,9 +127,7 @@ class TopKRouter(Router):
         """``x`` [tokens, d_model] -> (scores [tokens, E] fp32, gate values [tokens, k] fp32,
         expert ids [tokens, k]). ``counted`` [tokens] bool: the tokens the expert loads count
         (None: all). ``token_ids``: read by the hash router only."""
-        with torch.autocast(x.device.type, enabled=False):  # bf16 autocast must not reach the gate
-            logits = F.linear(x.float(), self.weight.float())
-        scores = affinities(logits, self.score_func)
+        scores = self.affinities(x)
         with torch.no_grad():
             choice = scores + self.expert_bias
             if self.n_limited_groups < self.n_groups:
@@ -166,12 +170,6 @@ class HashRouter(Router):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
-        self.n_experts = cfg.n_routed_experts
-        self.top_k = cfg.n_activated_experts
-        self.score_func = cfg.score_func
-        self.route_scale = cfg.route_scale
-        self.norm_topk_prob = cfg.norm_topk_prob
-        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.d_model))
         self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.n_activated_experts, dtype=torch.long))
 
     def reset_parameters(self) -> None:
@@ -185,9 +183,7 @@ class HashRouter(Router):
         """As :meth:`TopKRouter.forward`, the experts looked up from ``token_ids`` [tokens]."""
         if token_ids is None:
             raise ValueError("a hash-routed MoE layer needs the token ids of its tokens (DeepSeek-V4's first layers)")
-        with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.weight.float())
-        scores = affinities(logits, self.score_func)
+        scores = self.affinities(x)
         indices = self.tid2eid.index_select(0, token_ids.reshape(-1))
         if self.training:
             self.count(indices, counted)

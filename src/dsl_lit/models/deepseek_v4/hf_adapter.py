@@ -219,33 +219,28 @@ class DeepseekV4Adapter(HFAdapter):
 
     @staticmethod
     def _ours_to_hf(name: str) -> str | None:
-        if name in _TOP:
-            return _TOP[name]
-        layer = _OUR_LAYER.fullmatch(name)
-        if layer is None or name.endswith("inv_freq"):
-            return None
-        prefix, rest = f"layers.{layer[1]}.", layer[2]
-        if rest in _BLOCK:
-            return prefix + _BLOCK[rest]
-        for ours, hf in _BLOCK_PREFIXES:
-            if rest.startswith(ours) and not rest.startswith("feed_forward.experts."):
-                return prefix + hf + rest[len(ours):]
-        return None
+        return None if name.endswith("inv_freq") else _renamed(name, _TOP, _BLOCK, _BLOCK_PREFIXES)
 
     @staticmethod
     def _hf_to_ours(hf_name: str) -> str | None:
-        if hf_name in _TOP_INV:
-            return _TOP_INV[hf_name]
-        layer = _OUR_LAYER.fullmatch(hf_name)
-        if layer is None:
-            return None
-        prefix, rest = f"layers.{layer[1]}.", layer[2]
-        if rest in _BLOCK_INV:
-            return prefix + _BLOCK_INV[rest]
-        for ours, hf in _BLOCK_PREFIXES:
-            if rest.startswith(hf) and not rest.startswith("ffn.experts."):
-                return prefix + ours + rest[len(hf):]
+        return _renamed(hf_name, _TOP_INV, _BLOCK_INV, tuple((hf, ours) for ours, hf in _BLOCK_PREFIXES))
+
+
+def _renamed(name: str, top: dict[str, str], block: dict[str, str], prefixes: tuple[tuple[str, str], ...]) -> str | None:
+    """``name`` in the other layout (one direction's tables; None: no counterpart). The stacked
+    experts are not renamed here: they are split or stacked by the adapter."""
+    if name in top:
+        return top[name]
+    layer = _OUR_LAYER.fullmatch(name)
+    if layer is None:
         return None
+    prefix, rest = f"layers.{layer[1]}.", layer[2]
+    if rest in block:
+        return prefix + block[rest]
+    for source, target in prefixes:
+        if rest.startswith(source) and not rest.startswith(source + "experts."):
+            return prefix + target + rest[len(source):]
+    return None
 
 
 V4_ADAPTER = DeepseekV4Adapter()
