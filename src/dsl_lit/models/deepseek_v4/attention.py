@@ -265,22 +265,21 @@ class V4Attention(V4AttentionShape, nn.Module):
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.attn_sink)
 
-    def _indexer_objective(self, hidden: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor,
-                           compressed_logits: torch.Tensor, selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _indexer_objective(self, index_scores: torch.Tensor, positions: torch.Tensor, compressed_logits: torch.Tensor,
+                           selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(KL of the indexer to the attention over the selected compressed keys, recall), as
         DeepSeek-V3.2's sparse stage trains its indexer: the target is the main attention's
-        distribution over the selected keys (per head, then the mean over heads), the indexer
-        reads detached inputs, so this loss trains the indexer only and the language-model loss
-        never reaches it (top-k selection has no gradient either)."""
+        distribution over the selected keys (per head, then the mean over heads); ``index_scores``
+        were computed from detached inputs (:meth:`forward`), so this loss trains the indexer only
+        and the language-model loss never reaches it (top-k selection has no gradient either)."""
         with torch.no_grad():
             windows = compressed_logits.shape[-1]
-            visible = visible_windows(positions, windows, self.compress_rate).expand(hidden.shape[0], -1, -1)
+            visible = visible_windows(positions, windows, self.compress_rate).expand(index_scores.shape[0], -1, -1)
             logits = compressed_logits.float().transpose(1, 2)  # [batch, seq, heads, windows]
             dense = logits.masked_fill(~visible.unsqueeze(2), float("-inf")).softmax(-1).nan_to_num(0.0).mean(2)
             recall = (dense * selected).sum(-1).sum() / visible.any(-1).sum().clamp_min(1)
             target = logits.masked_fill(~selected.unsqueeze(2), float("-inf")).softmax(-1).nan_to_num(0.0).mean(2)
-        scores = self.indexer.scores(hidden.detach(), q_latent.detach(), positions)
-        return indexer_kl(target, scores, selected), recall
+        return indexer_kl(target, index_scores, selected), recall
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:
@@ -300,7 +299,9 @@ class V4Attention(V4AttentionShape, nn.Module):
         if self.compressor is not None:
             projections += self.compressor.project(hidden)
         if self.indexer is not None:
-            projections += self.indexer.compressor.project(hidden)
+            # the indexer reads detached inputs: only its own KL trains it (and its scores serve both
+            # the selection and that KL, computed once)
+            projections += self.indexer.compressor.project(hidden.detach())
         if cache is not None:
             kv, *projections = cache.update(self.layer_id, kv, *projections)
         keys_len = kv.shape[1]
@@ -314,20 +315,21 @@ class V4Attention(V4AttentionShape, nn.Module):
         visible = (offsets >= 0) & (offsets < self.sliding_window)  # [batch, seq, keys]
         if key_valid is not None:
             visible = visible & key_valid[:, None, :keys_len]
-        seen = None
+        seen = index_scores = None
         if self.compressor is not None:
             projections = left_aligned(projections, key_valid)
             keys = self.compressor.pool(projections[0], projections[1])
             if self.indexer is not None:
                 index_keys = self.indexer.compressor.pool(projections[2], projections[3])
-                seen = self.indexer.select(self.indexer.scores(hidden, q_latent, positions, index_keys), positions)
+                index_scores = self.indexer.scores(hidden.detach(), q_latent.detach(), positions, index_keys)
+                seen = self.indexer.select(index_scores, positions)
             else:
                 seen = visible_windows(positions, keys.shape[1], self.compress_rate).expand(batch, -1, -1)
             kv, visible = torch.cat([kv, keys], dim=1), torch.cat([visible.expand(batch, -1, -1), seen], dim=-1)
         logits = (q.transpose(1, 2) @ kv.unsqueeze(1).transpose(-1, -2)) * self.head_dim**-0.5
         self.index_loss = self.index_recall = None
         if self.training and self.indexer is not None and self.index_training == "sparse":
-            self.index_loss, self.index_recall = self._indexer_objective(hidden, q_latent, positions,
+            self.index_loss, self.index_recall = self._indexer_objective(index_scores, positions,
                                                                          logits[..., keys_len:], seen)
         logits = logits.masked_fill(~visible.unsqueeze(1), float("-inf"))
         sink = self.attn_sink.view(1, -1, 1, 1).expand(batch, -1, seq, 1)
