@@ -220,14 +220,9 @@ class TrainConfig:
                 "carry their own positions and attention masks, which context parallelism does not shard yet; "
                 "use parallel.cp=1"
             )
-        if self.post is not None and self.post.grpo.routing_replay:
-            if not self.model.is_moe:
-                raise ConfigError(f"grpo.routing_replay=true replays which experts each token was routed to, but model "
-                                  f"{self.model.name} has no routed experts; drop grpo.routing_replay or pick an MoE model")
-            if self.parallel.pp > 1:
-                raise ConfigError(f"grpo.routing_replay=true with parallel.pp={self.parallel.pp} is not supported: the "
-                                  "pipeline schedule does not carry the recorded routes to its stages; use parallel.pp=1 "
-                                  "(tp and ep replay)")
+        if self.post is not None and self.post.grpo.routing_replay and not self.model.is_moe:
+            raise ConfigError(f"grpo.routing_replay=true replays which experts each token was routed to, but model "
+                              f"{self.model.name} has no routed experts; drop grpo.routing_replay or pick an MoE model")
         if self.model.sparse_attention and self.model.index_training == "warmup" and not self.init_from:
             raise ConfigError("model.index_training=warmup trains only the indexers, against the attention of a "
                               "trained model, and freezes the rest: set init_from to a deepseek_v3 (or deepseek_v32) "

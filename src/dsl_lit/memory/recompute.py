@@ -11,11 +11,14 @@
 ``blocks`` picks the block indices (None: all), so a run can recompute only where memory peaks
 (e.g. the first pipeline stage's blocks, which hold the most in-flight micro-batches). The
 block's ``forward`` is wrapped on the instance, so parameter and module names do not change
-(checkpoints, tensor-parallel plans and pipeline splits address the same names).
+(checkpoints, tensor-parallel plans and pipeline splits address the same names). A block whose
+routers hold RL's routing tapes (:mod:`dsl_lit.models.common.routing_replay`) recomputes with the
+tapes its forward had, whatever was installed since (compiled blocks: the tapes installed then).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -48,13 +51,47 @@ def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+class _TapesInstalled:
+    """Puts the forward's routing tapes back on the routers while a recompute runs (re-enterable:
+    a schedule that splits backward into input and weight gradients recomputes twice)."""
+
+    def __init__(self, routers: list[nn.Module], tapes: list[Any], inner: Any) -> None:
+        self.routers, self.tapes, self.inner = routers, tapes, inner
+        self.current: list[list[Any]] = []
+
+    def __enter__(self) -> None:
+        self.current.append([router.tape for router in self.routers])
+        for router, tape in zip(self.routers, self.tapes):
+            router.tape = tape
+        self.inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.inner.__exit__(*exc)
+        finally:
+            for router, tape in zip(self.routers, self.current.pop()):
+                router.tape = tape
+
+
+def _with_forward_tapes(routers: list[nn.Module], selective: Callable[[], tuple[Any, Any]] | None) -> tuple[Any, Any]:
+    """A ``context_fn``: the recompute runs with the routing tapes the forward had. A pipeline
+    schedule runs later micro-batches' forwards (installing their tapes) before this one's backward."""
+    forward_ctx, recompute_ctx = selective() if selective is not None else (contextlib.nullcontext(),
+                                                                           contextlib.nullcontext())
+    return forward_ctx, _TapesInstalled(routers, [router.tape for router in routers], recompute_ctx)
+
+
 def _checkpointed(forward: Callable[..., torch.Tensor], block: nn.Module, mode: str) -> Callable[..., torch.Tensor]:
-    context_fn = functools.partial(create_selective_checkpoint_contexts, _policy) if mode == "selective" else None
+    selective = functools.partial(create_selective_checkpoint_contexts, _policy) if mode == "selective" else None
+    routers = [m for m in block.modules() if hasattr(m, "tape")]  # RL's routing tapes (routing_replay)
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> torch.Tensor:
         if not (block.training and torch.is_grad_enabled()):  # evaluation and cached decoding
             return forward(*args, **kwargs)
+        context_fn = selective
+        if any(router.tape is not None for router in routers) and not torch.compiler.is_compiling():
+            context_fn = functools.partial(_with_forward_tapes, routers, selective)
         extra = {"context_fn": context_fn} if context_fn is not None else {}
         return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
 

@@ -19,7 +19,9 @@ How a model becomes stages (the model code knows nothing of it):
   (no duplicated, tied embedding to keep in sync as Megatron does).
 - Per-row inputs other than the tokens (per-document ``positions`` of packed rows, the attention
   mask ``key_valid`` of padded or packed rows) are not activations: every stage gets its
-  micro-batch's slice as keyword arguments of the schedule's ``step``.
+  micro-batch's slice as keyword arguments of the schedule's ``step``. RL's ``routed_experts``
+  (the experts the sampler sent each token to, :mod:`dsl_lit.models.common.routing_replay`) travel
+  so too: each stage installs its routers' share per micro-batch, to replay or to count flips.
 - Under context parallelism (``cp_group``) every stage holds its cp rank's positions: the first
   stage embeds them, each stage's attention gathers keys over the cp ranks of its pp rank, and the
   hidden states (and embeddings) sent down the pipeline are [rows, seq / cp, d_model]; the last
@@ -56,6 +58,7 @@ from dsl_lit.config.model import ModelConfig
 from dsl_lit.models import spec_of
 from dsl_lit.models.common.compute_copies import refresh_compute_copies
 from dsl_lit.models.common.moe import MoE
+from dsl_lit.models.common.routing_replay import RouteTape, install_routes, named_stack_routers
 from dsl_lit.parallel.context_parallel import ContextParallelKeys
 
 SCHEDULES = {
@@ -178,6 +181,11 @@ class PipelineStageModule(nn.Module):
         self.in_metadata_pass = False
         self.loss_scale = 1.0
         """fp16 loss scaling: the attached balance loss's gradient is scaled like the main loss's."""
+        self.replay_routes = False
+        """RL on an MoE: send tokens to the sampler's recorded experts (``routed_experts``), not only
+        count where the routers differ from them."""
+        self.route_tapes: list[tuple[str, RouteTape]] = []
+        """This step's tapes of this stage's routers, one per micro-batch forward (their flip counts)."""
 
     def owned_modules(self) -> list[nn.Module]:
         m = self.model
@@ -224,9 +232,15 @@ class PipelineStageModule(nn.Module):
         embeddings: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         key_valid: torch.Tensor | None = None,
+        routed_experts: torch.Tensor | None = None,
     ) -> Any:
         m = self.model
         refresh_compute_copies(m)
+        if routed_experts is not None:  # the sampler's routes of the rank's routers: this stage's share
+            names = [name for name, _ in named_stack_routers(m) if int(name.removeprefix("layer")) in self.layer_ids]
+            tapes = install_routes(m, routed_experts, self.replay_routes, layers=self.layer_ids)
+            if not self.in_metadata_pass:
+                self.route_tapes += list(zip(names, tapes))
         shard = None
         if self.cp_group is not None:  # whole rows' length: the first stage's ids, or the shards' x cp
             seq = x.shape[1] if self.is_first else x.shape[1] * dist.get_world_size(self.cp_group)
@@ -310,6 +324,7 @@ class PipelineRunner:
         self.has_last = any(m.is_last for m in self.modules)
         self.schedule: Any = None
         self._n_microbatches = 0
+        self._rows_shape: tuple[int, ...] | None = None
 
     def prune(self, model: nn.Module) -> None:
         """Cut ``model`` (the policy, or a frozen copy of it such as a KL reference) to this rank's stages."""
@@ -319,10 +334,14 @@ class PipelineRunner:
         """Whether ``model`` was cut to this rank's stages (not a whole copy)."""
         return set(model.layers.keys()) == {str(i) for s in self.owned for i in self.stage_layers[s]}
 
-    def build_schedule(self, n_microbatches: int, loss_fn: Callable[..., torch.Tensor]) -> None:
-        """Create the stages and the schedule (once per number of micro-batches)."""
-        if self.schedule is not None and n_microbatches == self._n_microbatches:
+    def build_schedule(self, n_microbatches: int, loss_fn: Callable[..., torch.Tensor],
+                       rows_shape: tuple[int, ...] | None = None) -> None:
+        """Create the stages and the schedule, again when the number of micro-batches or the step's
+        ``rows_shape`` changes (the stages learn their activations' shapes once, in their first
+        step: an RL step's rows are as long as its longest rollout)."""
+        if self.schedule is not None and (n_microbatches, rows_shape) == (self._n_microbatches, self._rows_shape):
             return
+        self._rows_shape = rows_shape
         stages = [
             _Stage(module, s, self.n_stages, self.device, group=self.pp_group)
             for module, s in zip(self.modules, self.owned)
@@ -347,15 +366,18 @@ class PipelineRunner:
         backward: bool = True,
         loss_scale: float = 1.0,
         inputs: dict[str, torch.Tensor] | None = None,
+        replay_routes: bool = False,
     ) -> None:
         """Forward and backward of every micro-batch (gradients accumulate in the parameters), or
         with ``backward=False`` the forwards and losses only (validation). ``target`` reaches the
         loss function split into micro-batches; ``inputs`` (``positions``, ``key_valid``: rows
-        first) reach every stage split the same way."""
+        first) reach every stage split the same way (``routed_experts`` among them: the sampler's
+        routes, replayed with ``replay_routes`` and compared either way, :meth:`route_flips`)."""
         for module in self.modules:
             module.balance_scale = 1.0 / step_sequences
             module.balance_total = None
             module.loss_scale = loss_scale
+            module.replay_routes, module.route_tapes = replay_routes, []
         args = (input_ids,) if self.has_first else ()
         inputs = inputs or {}
         if backward:
@@ -396,6 +418,15 @@ class PipelineRunner:
                 if owner[s + 1] != pp_rank:
                     for t in held:
                         dist.send(t.float().contiguous(), group=self.pp_group, group_dst=owner[s + 1])
+
+    def route_flips(self) -> dict[str, torch.Tensor]:
+        """Tokens whose router's own choice differed from the sampler's in this step, by router name
+        (this rank's stages' routers; empty when the rows carried no routes)."""
+        flipped: dict[str, torch.Tensor] = {}
+        for module in self.modules:
+            for name, tape in module.route_tapes:
+                flipped[name] = flipped[name] + tape.flipped if name in flipped else tape.flipped
+        return flipped
 
     def balance_total(self) -> torch.Tensor | None:
         totals = [m.balance_total for m in self.modules if m.balance_total is not None]

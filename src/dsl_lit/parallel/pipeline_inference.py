@@ -63,6 +63,11 @@ class PipelinedInference:
         return self.model.parameters(recurse)
 
     @property
+    def layers(self) -> nn.ModuleDict:
+        """This rank's layers (what routing replay records and replays: its routers)."""
+        return self.model.layers
+
+    @property
     def training(self) -> bool:
         return self.model.training
 

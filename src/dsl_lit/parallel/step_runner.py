@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from dsl_lit.config.optim import OptimConfig
 from dsl_lit.config.parallel import ParallelLayout
+from dsl_lit.models.common.routing_replay import flip_rates, mean_flip_rate
 from dsl_lit.optim import build_optimizer
 from dsl_lit.optim.build import OPTIMIZERS, optimizer_groups
 from dsl_lit.optim.clip import clip_grad_norm_
@@ -77,6 +78,11 @@ class StepModule(Protocol):
     @property
     def trains_mtp(self) -> bool:
         """Whether the objective reads the MTP modules' logits (a pipeline's last stage runs them)."""
+
+    @property
+    def routing_replay(self) -> bool:
+        """Whether the rows' ``routed_experts`` (the sampler's routes) are replayed, not only compared
+        (a pipeline's stages install them on their routers)."""
 
     def micro_batch_loss(self, micro_batch: Batch, normalizers: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
         """Run the model on one micro-batch: (objective incl. auxiliary losses, detached metrics)."""
@@ -354,20 +360,24 @@ class PipelineStepRunner(MeshStepRunner):
     def run(self, module: StepModule, batch: Batch, normalizers: dict, backward: bool = True) -> Metrics:
         pipeline = self.stages()
         rows = batch["input_ids"].shape[0]
-        pipeline.build_schedule(rows // module.micro_batch_size, self._last_stage_loss)
+        pipeline.build_schedule(rows // module.micro_batch_size, self._last_stage_loss, tuple(batch["input_ids"].shape))
         self._module, self._normalizers, self._batch, self._totals = module, normalizers, batch, {}
         row_ids = torch.arange(rows, device=batch["input_ids"].device)  # the loss reads its rows' fields
         try:
             with self.loss_context():
                 pipeline.step(batch["input_ids"], row_ids, float(rows), backward=backward,
-                              loss_scale=module.loss_scale, inputs=module.model_inputs(batch))
+                              loss_scale=module.loss_scale, inputs=module.model_inputs(batch),
+                              replay_routes=module.routing_replay)
             totals: Metrics = dict(self._totals)
         finally:
             self._module = self._normalizers = self._batch = None
         balance = pipeline.balance_total()
         if balance is not None:
             totals["balance_loss"] = balance
-        return self._sum_over_stages(totals, "train" if backward else "val")
+        flipped = pipeline.route_flips()
+        if flipped:  # this rank's routers; the mean over all of them once the stages summed theirs
+            totals.update(flip_rates(flipped, normalizers["routed_tokens"]))
+        return mean_flip_rate(self._sum_over_stages(totals, "train" if backward else "val"))
 
     def inference_view(self, model: nn.Module) -> nn.Module | PipelinedInference:
         pipeline = self.stages()

@@ -1,6 +1,6 @@
 """Pipeline parallelism: how layers are split and placed, layout-independent optimizer state, and
 on real gloo process groups, every schedule's gradients, losses and expert loads against one
-process running the same micro-batches."""
+process running the same micro-batches, routing replay's included."""
 
 from __future__ import annotations
 
@@ -9,7 +9,14 @@ import torch
 import torch.distributed as dist
 
 from dsl_lit.config.optim import OptimConfig
+from dsl_lit.memory.recompute import apply_recompute
 from dsl_lit.models import ModelConfig, build_model
+from dsl_lit.models.common.routing_replay import (
+    install_routes,
+    named_stack_routers,
+    recording_routes,
+    remove_routes,
+)
 from dsl_lit.ops import cross_entropy
 from dsl_lit.optim import build_optimizer
 from dsl_lit.parallel.optimizer_state import (
@@ -25,6 +32,7 @@ from dsl_lit.parallel.pipeline import (
 )
 from tests.numerics import assert_close_fp32
 from tests.ranks import spawn
+from tests.unit.posttrain.test_routing_replay import redraw_biases
 
 V3 = ModelConfig.from_name("deepseek_v3_tiny", n_layers=4, mtp_depth=1, seq_balance_alpha=0.01)
 
@@ -166,3 +174,78 @@ def test_pipeline_gradients_equal_one_process(tmp_path, family, schedule):
     """Each stage's gradients (MTP, balance loss and the embedding fed to MTP included) equal the
     single-process ones for the same 4 micro-batches, and so does the forward-only validation."""
     spawn(_worker, args=(2, str(tmp_path / "init"), schedule, family), nprocs=2)
+
+
+def _routed_model(cfg: ModelConfig, tokens: torch.Tensor) -> tuple[torch.nn.Module, torch.Tensor]:
+    """V3 with every block recomputed in backward, its routes recorded by a forward (as a sampler
+    records them), then its balancing biases redrawn: its own routing now differs from the routes."""
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    with torch.no_grad(), recording_routes(model, tokens.shape[0]) as recorded:
+        model.eval()(tokens)
+    model.train()
+    redraw_biases(model)
+    apply_recompute(model, "full")
+    return model, recorded[0]
+
+
+def _replay_worker(rank: int, world: int, init_file: str, schedule: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        tokens = torch.randint(0, V3.vocab_size, (8, 16), generator=torch.Generator().manual_seed(1))
+        labels = torch.roll(tokens, -1, dims=1)
+        labels[:, -1] = -100
+        counts = ((labels != -100).sum(), (labels[:, 1:] != -100).sum())
+        # one process: each micro-batch's routes installed, forward and backward, then the next
+        reference, routes = _routed_model(V3, tokens)
+        flipped: dict[str, int] = {}
+        for mb_tokens, mb_labels, mb_routes in zip(tokens.split(2), labels.split(2), routes.split(2)):
+            tapes = install_routes(reference, mb_routes, enforce=True)
+            hidden = reference.hidden_states(mb_tokens)
+            objective, _ = _objective(V3, (reference.head(hidden), *reference.mtp_logits(hidden, mb_tokens)),
+                                      mb_labels, counts)
+            (objective + reference.balance_loss() * mb_tokens.shape[0] / tokens.shape[0]).backward()
+            for (name, _), tape in zip(named_stack_routers(reference), tapes):
+                flipped[name] = flipped.get(name, 0) + int(tape.flipped)
+        # the stages: the rows carry this rank's routers' routes; later micro-batches' forwards run
+        # before an earlier one's backward recomputes its blocks
+        model, _ = _routed_model(V3, tokens)
+        names = [name for name, _ in named_stack_routers(model)]
+        runner = PipelineRunner(model, V3, dist.group.WORLD, schedule, 2, torch.device("cpu"))
+        mine = [names.index(name) for name, _ in named_stack_routers(model)]
+        runner.build_schedule(4, lambda outputs, target, record: _objective(V3, outputs, target, counts)[0])
+        runner.step(tokens, labels, float(tokens.shape[0]), inputs={"routed_experts": routes[:, :, mine]},
+                    replay_routes=True)
+        reference_params = dict(reference.named_parameters())
+        for name, p in model.named_parameters():
+            assert_close_fp32(p.grad, reference_params[name].grad, tokens.numel(), msg=name)
+        got = {name: int(count) for name, count in runner.route_flips().items()}
+        assert got == {name: flipped[name] for name, _ in named_stack_routers(model)}, (got, flipped)
+        assert all(count > 0 for count in got.values())  # the redrawn biases flip tokens in every router
+        remove_routes(model)  # as GRPO does after its step
+        # the next step's rows are shorter (an RL step's rows are as long as its longest rollout): the
+        # stages learn the new activation shapes (before, the receiving stage kept the first step's)
+        seen: list[torch.Tensor] = []
+
+        def shorter_loss(outputs, target, record):
+            objective, loss = _objective(V3, outputs, target, counts)
+            if record:  # not the shape-inference pass (on uninitialised buffers)
+                seen.append(loss)
+            return objective
+
+        runner.build_schedule(4, shorter_loss, (8, 12))
+        runner.step(tokens[:, :12], labels[:, :12], 8.0)
+        assert not runner.has_last or (len(seen) == 4 and all(torch.isfinite(x) for x in seen)), seen
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1F1B", "DualPipeV"])
+def test_routing_replay_through_the_schedule_equals_one_process(tmp_path, schedule):
+    """RL's routing replay under pipeline parallelism: each stage replays the sampler's routes of its
+    routers, micro-batch by micro-batch, and activation recompute replays the routes of the
+    micro-batch it recomputes (not the last one installed): gradients equal one process replaying
+    the same routes, and each router's flips are counted once."""
+    spawn(_replay_worker, args=(2, str(tmp_path / "init"), schedule), nprocs=2)

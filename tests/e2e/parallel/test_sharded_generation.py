@@ -22,7 +22,12 @@ from torch.distributed.tensor import DTensor
 
 from dsl_lit.inference.generation import generate, positions_from_mask
 from dsl_lit.models import build_model
-from dsl_lit.models.common.routing_replay import install_routes, recording_routes, remove_routes
+from dsl_lit.models.common.routing_replay import (
+    install_routes,
+    named_stack_routers,
+    recording_routes,
+    remove_routes,
+)
 from dsl_lit.parallel.expert_parallel import apply_expert_parallel
 from dsl_lit.parallel.pipeline import prune_to_stages, split_layers, stages_of_rank
 from dsl_lit.parallel.pipeline_inference import PipelinedInference
@@ -83,10 +88,15 @@ def _replay_after_redraw(model: torch.nn.Module, prompts: list[list[int]], all_f
     redraw_biases(model)
     mask = out.attention_mask[:, :-1]
     tapes = install_routes(model, recorded[0], enforce=True)
+    tokens, labels, positions = out.sequences[:, :-1], out.sequences[:, 1:], positions_from_mask(mask)
     with torch.no_grad():
-        scored = token_logps(model(out.sequences[:, :-1], positions_from_mask(mask), mask), out.sequences[:, 1:])
+        if isinstance(model, PipelinedInference):  # GRPO's old-policy log-probs through the stages
+            scored = model.token_values(tokens, positions, mask, lambda logits: token_logps(logits, labels))
+        else:
+            scored = token_logps(model(tokens, positions, mask), labels)
     remove_routes(model)
-    return {"routes": recorded[0], "flips": [int(t.flipped) for t in tapes], "replayed": scored,
+    names = [name for name, _ in named_stack_routers(model)]
+    return {"routes": recorded[0], "flips": {name: int(t.flipped) for name, t in zip(names, tapes)}, "replayed": scored,
             "logprobs": out.logprobs, "completion": out.completion_mask}
 
 
@@ -130,6 +140,11 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         view = PipelinedInference(deep, stage_layers, owner, dist.group.WORLD)
         results["pp"] = _sample_and_score(view, _prompts(1))
         results["pp_bytes"] = (_bytes(deep), whole_bytes)
+        # routing replay: each rank's routers record the sampler's routes and replay them
+        routed = _model("v3_deep")
+        prune_to_stages(routed, stage_layers, stages_of_rank(rank, world, 2, "DualPipeV"))
+        results["pp_replay"] = _replay_after_redraw(PipelinedInference(routed, stage_layers, owner, dist.group.WORLD),
+                                                    _prompts(1))
         with pytest.raises(ValueError, match="needs generator"):  # only the last stage would draw
             generate(view, _prompts(1), 2, temperature=1.0)
         # Interleaved1F1B's round robin: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3
@@ -159,7 +174,7 @@ def test_sampling_from_tensor_expert_and_pipeline_parallel_shards_draws_what_one
         got, expected = ranks[rank]["ep_replay"], _replay_after_redraw(_model("v3"), _prompts(rank))
         n = expected["routes"].shape[1]
         assert torch.equal(got["routes"][:, :n], expected["routes"]), rank
-        assert min(got["flips"]) > 0 and min(expected["flips"]) > 0
+        assert min(got["flips"].values()) > 0 and min(expected["flips"].values()) > 0
         torch.testing.assert_close(got["replayed"][:, :n], expected["replayed"], rtol=0, atol=64 * 5 * EPS32)
         done = got["completion"]  # and they are the sampler's own log-probs
         torch.testing.assert_close(got["replayed"][:, -done.shape[1]:][done], got["logprobs"][done], rtol=0,
@@ -184,6 +199,18 @@ def test_sampling_from_tensor_expert_and_pipeline_parallel_shards_draws_what_one
         torch.testing.assert_close(got["logprobs"], expected["logprobs"], rtol=0, atol=64 * 5 * EPS32)
         torch.testing.assert_close(got["scored"], expected["scored"], rtol=0, atol=64 * 5 * EPS32)
     assert len({len(c) for c in expected["completions"]}) > 1  # sequences ended at different steps
+    # routing replay through the stages: each rank recorded its routers' share of one process's
+    # routes, counted the same flips, and the replayed log-probs are one process's
+    expected = _replay_after_redraw(_model("v3_deep"), _prompts(1))
+    names = list(expected["flips"])
+    for rank in range(2):
+        got = ranks[rank]["pp_replay"]
+        assert got["flips"] == {name: expected["flips"][name] for name in got["flips"]}, rank
+        columns = [names.index(name) for name in got["flips"]]
+        assert torch.equal(got["routes"], expected["routes"][:, :, columns]), rank
+        torch.testing.assert_close(got["replayed"], expected["replayed"], rtol=0, atol=64 * 5 * EPS32)
+    assert sorted({*ranks[0]["pp_replay"]["flips"], *ranks[1]["pp_replay"]["flips"]}) == sorted(names)
+    assert min(expected["flips"].values()) > 0
     sharded, whole = ranks[0]["pp_bytes"]  # rank 0: stages 0 and 3 (embedding, a layer, head, MTP)
     assert sharded < 0.8 * whole, (sharded, whole)
     sharded_1, _ = ranks[1]["pp_bytes"]  # rank 1: stages 1 and 2 (two layers)

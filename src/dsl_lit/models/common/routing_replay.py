@@ -19,7 +19,7 @@ record; only :class:`~dsl_lit.models.common.moe.TopKRouter` layers carry a tape.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import torch
 from torch import nn
@@ -96,19 +96,37 @@ def recording_routes(model: nn.Module, batch: int) -> Iterator[list[torch.Tensor
                                dim=2))
 
 
-def install_routes(model: nn.Module, routed_experts: torch.Tensor, enforce: bool) -> list[RouteTape]:
+def install_routes(model: nn.Module, routed_experts: torch.Tensor, enforce: bool,
+                   layers: Collection[int] | None = None) -> list[RouteTape]:
     """Give the main stack's routers the recorded ``routed_experts`` [rows, seq, routers, k] of the
-    rows the next forwards run (until :func:`remove_routes` or the next install), so that
-    activation recompute in backward replays them too. Returns the tapes (their flip counts)."""
-    routers = stack_routers(model)
+    rows the next forwards run (until :func:`remove_routes` or the next install; activation
+    recompute in backward replays the tapes its forward had, :mod:`dsl_lit.memory.recompute`).
+    ``layers``: only the routers of these layer ids (a pipeline stage's), the rows still carrying
+    every router of ``model`` (a rank's stages). Returns the tapes (their flip counts)."""
+    routers = named_stack_routers(model)
     if routed_experts.shape[2] != len(routers):
         raise RuntimeError(f"routing replay: the rows carry {routed_experts.shape[2]} routers' choices, the model "
                            f"has {len(routers)} routers")
     ids = routed_experts.long()
-    tapes = [RouteTape(ids[:, :, i].reshape(-1, ids.shape[-1]), enforce) for i in range(len(routers))]
-    for router, tape in zip(routers, tapes):
-        router.tape = tape
+    chosen = [i for i, (name, _) in enumerate(routers) if layers is None or int(name.removeprefix("layer")) in layers]
+    tapes = [RouteTape(ids[:, :, i].reshape(-1, ids.shape[-1]), enforce) for i in chosen]
+    for i, tape in zip(chosen, tapes):
+        routers[i][1].tape = tape
     return tapes
+
+
+def flip_rates(flipped: dict[str, torch.Tensor], routed_tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``router_flips_<layer>``: each router's flipped tokens over the sampler-routed tokens of the
+    step (``flipped``: counts by router name), and ``router_flips``, their mean over routers."""
+    rates = {f"router_flips_{name}": count.float() / routed_tokens for name, count in flipped.items()}
+    return {"router_flips": torch.stack(list(rates.values())).mean(), **rates} if rates else {}
+
+
+def mean_flip_rate(metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``router_flips`` recomputed as the mean of the per-router rates (after pipeline stages, each
+    holding some routers, summed theirs)."""
+    rates = [v for k, v in metrics.items() if k.startswith("router_flips_")]
+    return {**metrics, "router_flips": torch.stack(rates).mean()} if rates else metrics
 
 
 def remove_routes(model: nn.Module) -> None:

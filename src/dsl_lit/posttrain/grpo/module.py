@@ -39,6 +39,7 @@ import torch
 from dsl_lit.config.posttrain import GRPOConfig, SamplingConfig
 from dsl_lit.inference.generation import generate
 from dsl_lit.models.common.routing_replay import (
+    flip_rates,
     install_routes,
     named_stack_routers,
     recording_routes,
@@ -206,11 +207,21 @@ class GRPOModule(PostTrainModule):
             return super().micro_batch_objective(micro_batch, normalizers)
         tapes = install_routes(self.model, micro_batch["routed_experts"], enforce=self.grpo.routing_replay)
         objective, metrics = super().micro_batch_objective(micro_batch, normalizers)
-        per_router = [t.flipped.float() / normalizers["routed_tokens"] for t in tapes]
-        metrics["router_flips"] = torch.stack(per_router).mean()
-        for (name, _), flips in zip(named_stack_routers(self.model), per_router):
-            metrics[f"router_flips_{name}"] = flips
-        return objective, metrics
+        flipped = {name: tape.flipped for (name, _), tape in zip(named_stack_routers(self.model), tapes)}
+        return objective, {**metrics, **flip_rates(flipped, normalizers["routed_tokens"])}
+
+    @property
+    def routing_replay(self) -> bool:
+        """Whether the training forwards replay the sampler's routes (a pipeline's stages read it)."""
+        return self.grpo.routing_replay
+
+    def model_inputs(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Plus the sampler's ``routed_experts``: a pipeline's stages install their routers' share
+        (one process installs them in :meth:`micro_batch_objective`; the model ignores the input)."""
+        inputs = super().model_inputs(batch)
+        if "routed_experts" in batch:
+            inputs["routed_experts"] = batch["routed_experts"]
+        return inputs
 
     def _frozen_logps(self, batch: Batch, model: torch.nn.Module | PipelinedInference, temperature: float) -> torch.Tensor:
         """The sampling policy's log-probs (mu > 1) replay the rollout's routing too; the reference's
