@@ -11,21 +11,34 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from data_contract.format import META_FILE, SHARDS_DIR, TOKENIZER_DIR
 from dsl_lit.data.cache import BUILDS_DIR, build_dir, prepare_cache, settings_fingerprint, stale_reason
 from dsl_lit.data.datamodule import PretrainDataModule
 from tests.conftest import ROOT
 
-CORPUS = ROOT / "data" / "corpus"
+BUNDLED = ROOT / "data" / "corpus"
+
+
+def part_of_bundled(path: Path, name: str, lines: int) -> Path:
+    """A corpus of the first ``lines`` documents of one bundled file: what the cache's bookkeeping
+    is tested on (the bundled corpus whole would only make each build take longer)."""
+    path.mkdir()
+    with gzip.open(BUNDLED / name, "rt") as src, gzip.open(path / "part.jsonl.gz", "wt") as dst:
+        for i, line in enumerate(src):
+            if i < lines:
+                dst.write(line)
+    return path
 
 
 def other_corpus(path: Path) -> Path:
-    path.mkdir()
-    with gzip.open(CORPUS / "devils_dictionary.jsonl.gz", "rt") as src, gzip.open(path / "part.jsonl.gz", "wt") as dst:
-        for i, line in enumerate(src):
-            if i < 300:
-                dst.write(line)
-    return path
+    return part_of_bundled(path, "devils_dictionary.jsonl.gz", 300)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return part_of_bundled(tmp_path_factory.mktemp("corpus") / "kjv", "kjv_bible.jsonl.gz", 600)
 
 
 def data_cfg(cache: Path, corpus: Path, **extra) -> dict:
@@ -37,9 +50,9 @@ def corpus_of(shards: Path) -> str:
     return json.loads((shards / META_FILE).read_text())["corpus"]["fingerprint"]
 
 
-def test_switching_settings_back_and_forth_on_one_cache(tmp_path):
+def test_switching_settings_back_and_forth_on_one_cache(tmp_path, corpus):
     cache, other = tmp_path / "cache", other_corpus(tmp_path / "other")
-    a, b, a_fim = data_cfg(cache, CORPUS), data_cfg(cache, other), data_cfg(cache, CORPUS, fim_rate=0.5)
+    a, b, a_fim = data_cfg(cache, corpus), data_cfg(cache, other), data_cfg(cache, corpus, fim_rate=0.5)
     modules = {}
     for name, values in (("a", a), ("b", b), ("a again", a), ("a fim", a_fim), ("a last", a)):
         module = PretrainDataModule(values)
@@ -58,9 +71,9 @@ def test_switching_settings_back_and_forth_on_one_cache(tmp_path):
     assert fresh_b.shards_dir == modules["b"].shards_dir
 
 
-def test_a_cache_built_before_builds_is_moved_aside_not_deleted(tmp_path):
+def test_a_cache_built_before_builds_is_moved_aside_not_deleted(tmp_path, corpus):
     cache, other = tmp_path / "cache", other_corpus(tmp_path / "other")
-    a = PretrainDataModule(data_cfg(cache, CORPUS))
+    a = PretrainDataModule(data_cfg(cache, corpus))
     a.prepare_data()
     fingerprint = settings_fingerprint(a.cfg)
     for name in (TOKENIZER_DIR, SHARDS_DIR):  # the old layout: real directories in cache_dir
@@ -76,24 +89,22 @@ def test_a_cache_built_before_builds_is_moved_aside_not_deleted(tmp_path):
     assert corpus_of(cache / SHARDS_DIR) == corpus_of(b.shards_dir)
 
 
-def test_prepare_cache_twice_is_a_no_op(tmp_path):
-    cfg = PretrainDataModule(data_cfg(tmp_path / "cache", CORPUS)).cfg
+def test_prepare_cache_twice_is_a_no_op(tmp_path, corpus):
+    cfg = PretrainDataModule(data_cfg(tmp_path / "cache", corpus)).cfg
     prepare_cache(cfg)
     meta = (build_dir(cfg) / SHARDS_DIR / META_FILE).stat().st_mtime_ns
     prepare_cache(cfg)
     assert (build_dir(cfg) / SHARDS_DIR / META_FILE).stat().st_mtime_ns == meta
 
 
-def test_a_damaged_build_record_is_built_again_not_a_traceback(tmp_path, caplog):
+def test_a_damaged_build_record_is_built_again_not_a_traceback(tmp_path, caplog, corpus):
     """Before: a cut-off meta.json in a cache (the build's record) was a JSON traceback at start-up."""
     import logging
-
-    import pytest
 
     from dsl_lit.config.data import DataConfig
     from dsl_lit.data.packed import PackedTokens
 
-    cfg = DataConfig(corpus_dir=str(ROOT / "data" / "corpus"), cache_dir=str(tmp_path / "cache"))
+    cfg = DataConfig(corpus_dir=str(corpus), cache_dir=str(tmp_path / "cache"), tokenizer_vocab_size=1024)
     prepare_cache(cfg)
     meta = tmp_path / "cache" / TOKENIZER_DIR / META_FILE
     meta.write_text(meta.read_text()[: len(meta.read_text()) // 2])
