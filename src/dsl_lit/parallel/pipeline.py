@@ -28,7 +28,8 @@ How a model becomes stages (the model code knows nothing of it):
   stage's MTP gathers the embeddings to shift them along whole rows.
 - The sequence-wise balance loss of MoE layers is made where the layer is, not on the last stage:
   :class:`_AttachAuxLoss` hooks its gradient onto the stage's output (as DeepSeek-V2's reference
-  code does), scaled by the micro-batch's share of the step's sequences.
+  code does), scaled by the micro-batch's share of the step's sequences; DeepSeek-V3.2's indexer
+  KL (its inputs detached: it trains the indexers only) rides the same way.
 
 The loss function the schedule calls on the last stage is the LightningModule's own
 ``loss_from_outputs``, divided by step-wide counts, so the schedule runs with
@@ -178,6 +179,10 @@ class PipelineStageModule(nn.Module):
         balance loss is its rows times this."""
         self.balance_total: torch.Tensor | None = None
         """Detached sum of this stage's balance losses over the step (for the metric)."""
+        self.index_totals: dict[str, torch.Tensor] = {}
+        """DeepSeek-V3.2's indexers on this stage, over the step: ``index_kl`` (their KL, each micro-
+        batch's times its share of the step's sequences), ``index_recall_sum`` (their top-k recalls,
+        weighted alike) and ``index_layers`` (how many indexers: the recall's mean needs every stage's)."""
         self.in_metadata_pass = False
         self.loss_scale = 1.0
         """fp16 loss scaling: the attached balance loss's gradient is scaled like the main loss's."""
@@ -265,13 +270,27 @@ class PipelineStageModule(nn.Module):
         return (logits, *mtp_logits) if mtp_logits else logits
 
     def _attach_balance_losses(self, x: torch.Tensor) -> torch.Tensor:
-        losses = [m.balance_loss for m in self.moe_layers() if m.balance_loss is not None]
-        if not losses or not torch.is_grad_enabled():
+        """The stage's auxiliary losses (MoE balance, DeepSeek-V3.2's indexer KL), this micro-batch's
+        share of the step's, hooked onto its output so the schedule's backward reaches them."""
+        if not torch.is_grad_enabled():
             return x
-        aux = torch.stack(losses).sum() * (x.shape[0] * self.balance_scale)
-        if not self.in_metadata_pass:
+        share = x.shape[0] * self.balance_scale
+        losses = [m.balance_loss for m in self.moe_layers() if m.balance_loss is not None]
+        aux = torch.stack(losses).sum() * share if losses else None
+        if aux is not None and not self.in_metadata_pass:
             self.balance_total = aux.detach() if self.balance_total is None else self.balance_total + aux.detach()
-        return _AttachAuxLoss.apply(x, aux * self.loss_scale)
+        indexers = [m for module in self.owned_modules() for m in module.modules()
+                    if getattr(m, "index_loss", None) is not None]
+        if indexers:
+            kl = torch.stack([m.index_loss for m in indexers]).sum() * share
+            aux = kl if aux is None else aux + kl
+            if not self.in_metadata_pass:
+                add = {"index_kl": kl.detach(),
+                       "index_recall_sum": torch.stack([m.index_recall for m in indexers]).sum() * share,
+                       "index_layers": torch.tensor(float(len(indexers)), device=x.device) * share}
+                for name, value in add.items():
+                    self.index_totals[name] = self.index_totals[name] + value if name in self.index_totals else value
+        return x if aux is None else _AttachAuxLoss.apply(x, aux * self.loss_scale)
 
 
 class _Stage(PipelineStage):
@@ -376,6 +395,7 @@ class PipelineRunner:
         for module in self.modules:
             module.balance_scale = 1.0 / step_sequences
             module.balance_total = None
+            module.index_totals = {}
             module.loss_scale = loss_scale
             module.replay_routes, module.route_tapes = replay_routes, []
         args = (input_ids,) if self.has_first else ()
@@ -427,6 +447,14 @@ class PipelineRunner:
             for name, tape in module.route_tapes:
                 flipped[name] = flipped[name] + tape.flipped if name in flipped else tape.flipped
         return flipped
+
+    def index_totals(self) -> dict[str, torch.Tensor]:
+        """This rank's stages' :attr:`PipelineStageModule.index_totals`, summed."""
+        totals: dict[str, torch.Tensor] = {}
+        for module in self.modules:
+            for name, value in module.index_totals.items():
+                totals[name] = totals[name] + value if name in totals else value
+        return totals
 
     def balance_total(self) -> torch.Tensor | None:
         totals = [m.balance_total for m in self.modules if m.balance_total is not None]

@@ -377,7 +377,12 @@ class PipelineStepRunner(MeshStepRunner):
         flipped = pipeline.route_flips()
         if flipped:  # this rank's routers; the mean over all of them once the stages summed theirs
             totals.update(flip_rates(flipped, normalizers["routed_tokens"]))
-        return mean_flip_rate(self._sum_over_stages(totals, "train" if backward else "val"))
+        totals.update(pipeline.index_totals())
+        summed = mean_flip_rate(self._sum_over_stages(totals, "train" if backward else "val"))
+        if "index_layers" in summed:  # the recalls' mean over every stage's indexers, as one process's
+            layers, recalls = summed.pop("index_layers"), summed.pop("index_recall_sum")
+            summed["index_recall"] = recalls / layers.clamp_min(1e-12) * (layers > 0)
+        return summed
 
     def inference_view(self, model: nn.Module) -> nn.Module | PipelinedInference:
         pipeline = self.stages()

@@ -233,6 +233,11 @@ class CausalLMModule(L.LightningModule):
         """Whether the objective uses the MTP modules' logits (pretraining does)."""
         return True
 
+    @property
+    def routing_replay(self) -> bool:
+        """Whether rows carrying a sampler's routes (RL) have them replayed: not outside RL."""
+        return False
+
     def model_inputs(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Per-row model inputs besides the token ids (``positions``, ``key_valid``), rows first:
         what every pipeline stage receives with its micro-batch. Plain causal rows need none."""

@@ -35,6 +35,10 @@ from tests.ranks import spawn
 from tests.unit.posttrain.test_routing_replay import redraw_biases
 
 V3 = ModelConfig.from_name("deepseek_v3_tiny", n_layers=4, mtp_depth=1, seq_balance_alpha=0.01)
+# DeepSeek-V3.2 in sparse training: each query attends to its indexer's top 8 of up to 16 keys, and
+# the indexers' KL (inputs detached) is an auxiliary loss made on the stage where each layer is
+V32 = ModelConfig.from_name("deepseek_v32_tiny", n_layers=4, mtp_depth=1, seq_balance_alpha=0.01, index_topk=8,
+                            index_training="sparse")
 
 
 def test_split_balances_cost_and_gives_the_head_to_the_last_stage():
@@ -100,33 +104,39 @@ def _objective(cfg: ModelConfig, outputs, labels, counts) -> tuple[torch.Tensor,
 
 
 def _reference(cfg: ModelConfig, tokens: torch.Tensor, labels: torch.Tensor, micro: int):
-    """One process: the same objective (main + MTP + balance) over the same micro-batches."""
+    """One process: the same objective (main + MTP + balance + indexer KL) over the same
+    micro-batches; also the indexers' (KL, recall) over the step, each micro-batch by its share."""
     torch.manual_seed(0)
     model = build_model(cfg)
-    total = 0.0
+    total, index = 0.0, torch.zeros(2)
     counts = ((labels != -100).sum(), (labels[:, 1:] != -100).sum())
     for mb_tokens, mb_labels in zip(tokens.split(micro), labels.split(micro)):
+        share = mb_tokens.shape[0] / tokens.shape[0]
         hidden = model.hidden_states(mb_tokens)
         outputs = (model.head(hidden), *(model.mtp_logits(hidden, mb_tokens) if len(model.mtp) else []))
         objective, loss = _objective(cfg, outputs, mb_labels, counts)
         balance = model.balance_loss()
         if balance is not None:
-            objective = objective + balance * mb_tokens.shape[0] / tokens.shape[0]
+            objective = objective + balance * share
+        if model.index_losses() is not None:
+            kl, recall = model.index_losses()
+            objective = objective + kl * share
+            index += torch.stack([kl.detach(), recall]) * share
         objective.backward()
         total += loss.item()
-    return model, total
+    return model, total, index
 
 
 def _worker(rank: int, world: int, init_file: str, schedule: str, family: str) -> None:
     torch.set_num_threads(1)  # two processes on two cores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        cfg = V3 if family == "deepseek_v3" else LLM
+        cfg = {"deepseek_v3": V3, "deepseek_v32": V32, "deepseek_llm": LLM}[family]
         generator = torch.Generator().manual_seed(1)
         tokens = torch.randint(0, cfg.vocab_size, (8, 16), generator=generator)
         labels = torch.roll(tokens, -1, dims=1)
         labels[:, -1] = -100
-        reference, reference_loss = _reference(cfg, tokens, labels, micro=2)
+        reference, reference_loss, reference_index = _reference(cfg, tokens, labels, micro=2)
         torch.manual_seed(0)
         model = build_model(cfg)
         runner = PipelineRunner(model, cfg, dist.group.WORLD, schedule, 2, torch.device("cpu"))
@@ -151,7 +161,15 @@ def _worker(rank: int, world: int, init_file: str, schedule: str, family: str) -
         if runner.has_last:
             assert len(seen) == 4
             assert sum(seen).item() == pytest.approx(reference_loss, rel=1e-6)
-        assert (runner.balance_total() is not None) == (family == "deepseek_v3")
+        assert (runner.balance_total() is not None) == (family != "deepseek_llm")
+        index = runner.index_totals()
+        assert bool(index) == (family == "deepseek_v32")
+        if index:  # every stage's indexers: the KL summed, the recall's mean over all of them, as one process's
+            summed = torch.stack([index["index_kl"], index["index_recall_sum"], index["index_layers"]])
+            dist.all_reduce(summed)
+            assert summed[2].item() == pytest.approx(V32.n_layers + V32.mtp_modules)
+            torch.testing.assert_close(torch.stack([summed[0], summed[1] / summed[2]]), reference_index,
+                                       rtol=1e-5, atol=1e-7)
         # validation: the forward-only pass gives the same losses and leaves no gradient behind
         model.eval()
         model.zero_grad(set_to_none=True)
@@ -168,11 +186,12 @@ def _worker(rank: int, world: int, init_file: str, schedule: str, family: str) -
 @pytest.mark.parametrize(
     ("family", "schedule"),
     [("deepseek_v3", "1F1B"), ("deepseek_v3", "DualPipeV"), ("deepseek_v3", "Interleaved1F1B"),
-     ("deepseek_v3", "GPipe"), ("deepseek_llm", "DualPipeV")],
+     ("deepseek_v3", "GPipe"), ("deepseek_llm", "DualPipeV"), ("deepseek_v32", "1F1B")],
 )
 def test_pipeline_gradients_equal_one_process(tmp_path, family, schedule):
-    """Each stage's gradients (MTP, balance loss and the embedding fed to MTP included) equal the
-    single-process ones for the same 4 micro-batches, and so does the forward-only validation."""
+    """Each stage's gradients (MTP, balance loss, DeepSeek-V3.2's indexer KL and the embedding fed to
+    MTP included) equal the single-process ones for the same 4 micro-batches, and so does the
+    forward-only validation."""
     spawn(_worker, args=(2, str(tmp_path / "init"), schedule, family), nprocs=2)
 
 

@@ -58,6 +58,5 @@ CARD = FamilyCard(
     continues="deepseek_v3",  # DeepSeek-V3.2-Exp: continued pretraining of a V3 checkpoint
     added_fields=INDEXER_FIELDS,
     unsupported_parallel={"tp": "the indexer is not sharded over tensor-parallel ranks",
-                          "pp": "the indexer's loss is not carried through the pipeline schedule",
                           "cp": "the indexer's keys are not gathered over context-parallel ranks"},
 )
