@@ -37,6 +37,7 @@ from dsl_lit.models.common.moe import (
     combine_expert_outputs,
     expert_counts,
     grouped_swiglu,
+    in_expert_dtype,
 )
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
@@ -124,7 +125,10 @@ def _all_to_all_dispatch(
     w1, w2, w3 = self.experts.stacked_weights()
     if x.shape[0]:
         out = grouped_swiglu(x, recv_counts.sum(dim=0), w1, w2, w3, self.experts.backend, limit=self.experts.limit)
-    else:  # nothing arrived: stay in the graph (x and weights) so backward's all-to-all and grad hooks run
+    else:  # nothing arrived: stay in the graph (x and weights) so backward's all-to-all and grad hooks run,
+        # answering in the experts' dtype as the other ranks do (else, under bf16 autocast, a rank sent
+        # bf16 rows would leave half of its fp32 output buffer unwritten: garbage in the combine)
+        x = in_expert_dtype(x)
         out = x * 0 + (w1.sum() + w2.sum() + w3.sum()).to(x.dtype) * 0
     out = out.index_select(0, regroup.argsort())  # back to (source rank, local expert)
     returned = all_to_all_single_autograd(out, send_splits, recv_splits, group)

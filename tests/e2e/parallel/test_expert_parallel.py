@@ -212,6 +212,46 @@ def _worker(rank: int, world: int, init_file: str) -> None:
         dist.destroy_process_group()
 
 
+def _check_bf16_rank_without_tokens(rank: int, world: int, mesh: DeviceMesh) -> None:
+    """Under bf16 autocast, the same tokens on both ranks, every one routed to rank 0's experts: rank 1
+    receives nothing, yet its empty expert output must be bf16 like rank 0's (each all-to-all
+    allocates its output in its input's dtype: a rank expecting fp32 from one sending bf16 keeps half
+    of its buffer unwritten, uninitialised memory). Rank 0 computes both ranks' copies side by side,
+    so the losses and the dense gradients agree bit for bit."""
+    cfg = _cfg()
+    model = _model(cfg)
+    for m in model.moe_layers():
+        m.gate.expert_bias[: cfg.n_routed_experts // world] = 10.0
+    apply_expert_parallel(model, mesh)
+    tokens = _data(1)[0]  # every rank's
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = _loss(model, tokens)
+    loss.backward()
+    experts = {id(p) for p in expert_parameters(model)}
+    dense = torch.cat([p.grad.flatten() for p in model.parameters() if id(p) not in experts and p.grad is not None])
+    mine = torch.cat([loss.detach().reshape(1), dense])
+    assert torch.isfinite(mine).all()
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    torch.testing.assert_close(gathered[rank], gathered[0], atol=0, rtol=0)
+
+
+def _bf16_worker(rank: int, world: int, init_file: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        _check_bf16_rank_without_tokens(rank, world, init_device_mesh("cpu", (world,), mesh_dim_names=("ep",)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_rank_sent_no_tokens_answers_in_the_experts_dtype_under_bf16(tmp_path):
+    """Before: GRPO under expert parallelism in bf16 sampled differently run to run (a decoding step
+    whose few tokens all went to one rank's experts read uninitialised memory on the other)."""
+    spawn(_bf16_worker, args=(2, str(tmp_path / "init")), nprocs=2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_matches_one_device(tmp_path, world):

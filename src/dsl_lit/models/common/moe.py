@@ -221,6 +221,15 @@ graphs rely on; an empty group gives that GEMM a zero-length contraction. torcht
 for bf16 too (16 for FP8, which ``GroupedExperts.token_group_multiple`` already gives)."""
 
 
+def in_expert_dtype(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the dtype the experts compute (and answer) in: autocast's when it is on. Expert
+    parallelism's ranks must agree on it even where no token arrived (an all-to-all allocates its
+    output in its input's dtype, and gloo does not check that the senders' match)."""
+    if torch.is_autocast_enabled(x.device.type):
+        return x.to(torch.get_autocast_dtype(x.device.type))
+    return x
+
+
 def grouped_swiglu(
     x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, backend: str,
     groups_aligned_to: int = 1, limit: float | None = None,
@@ -236,8 +245,7 @@ def grouped_swiglu(
     ``groups_aligned_to``: the multiple the caller already laid the groups out to (each at least that
     long); the grouped GEMM pads them to :data:`BF16_GROUP_MULTIPLE` itself otherwise (exact:
     zero rows, cropped). ``limit``: DeepSeek-V4's clamp of the pre-activations (:func:`gated_silu`)."""
-    if torch.is_autocast_enabled(x.device.type):
-        x = x.to(torch.get_autocast_dtype(x.device.type))
+    x = in_expert_dtype(x)
     if backend == "grouped_mm" and not _grouped_mm_usable(x):
         message = (
             f"expert_backend=grouped_mm is not available for device={x.device.type}, dtype={x.dtype} "
