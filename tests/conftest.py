@@ -130,3 +130,44 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         str(report.longrepr[-1]) if report.skipped and isinstance(report.longrepr, tuple) else "")
     with open(path, "a") as f:
         f.write(f"{report.nodeid}\t{report.outcome}\t{report.duration:.0f}\t{error}\n")
+
+
+def _tree_cpu_seconds(root: int) -> float:
+    """CPU seconds of process ``root`` and its live descendants, each with its waited-for children's
+    (a recipe run that ended is counted in the zygote or pytest worker that waited for it)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, int] = {}
+    seconds: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        parents[int(entry)] = int(fields[1])
+        seconds[int(entry)] = sum(int(x) for x in fields[11:15]) / tick
+    tree, grew = {root}, True
+    while grew:
+        grown = tree | {pid for pid, parent in parents.items() if parent in tree}
+        grew, tree = grown != tree, grown
+    return sum(seconds.get(pid, 0.0) for pid in tree)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """With ``DSL_LIT_TEST_CPU`` naming a folder (Linux): each test's CPU seconds (this process and
+    every process it started), one JSON line per test in ``<folder>/<worker>.jsonl``: on two cores
+    the suite is CPU-bound, so these, not the wall times, say what a cut saves."""
+    folder = os.environ.get("DSL_LIT_TEST_CPU")
+    if not folder:
+        yield
+        return
+    before = _tree_cpu_seconds(os.getpid())
+    yield
+    spent = _tree_cpu_seconds(os.getpid()) - before
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(Path(folder) / f"{worker}.jsonl", "a") as f:
+        f.write(json.dumps({"test": item.nodeid, "cpu_s": round(spent, 2)}) + "\n")
