@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from data_contract.errors import ConfigError
 from dsl_lit.config.model import ModelConfig
-
-PP_SCHEDULES = ("1F1B", "Interleaved1F1B", "DualPipeV", "GPipe")
+from dsl_lit.config.pipeline_schedules import RUNNABLE as PP_SCHEDULES
+from dsl_lit.config.pipeline_schedules import schedule
 
 
 @dataclass
@@ -202,18 +202,21 @@ def validate_layout(parallel: ParallelConfig, model: ModelConfig, world_size: in
             )
         if model.vocab_size % tp:
             raise ConfigError(f"parallel.tp={tp} does not divide model.vocab_size={model.vocab_size} (vocab-parallel head)")
-    virtual = parallel.pp_virtual_stages
-    if parallel.pp_schedule == "DualPipeV":
-        if virtual not in (1, 2):
+    virtual, row = parallel.pp_virtual_stages, schedule(parallel.pp_schedule)
+    fixed = row.stages_per_rank
+    if fixed is not None and fixed > 1:
+        if virtual not in (1, fixed):
+            shape = " (a V)" if row.placement == "v" else ""
             raise ConfigError(
-                f"parallel.pp_schedule=DualPipeV runs exactly 2 stages per rank (a V); "
-                f"parallel.pp_virtual_stages={virtual} must be 2 (or 1, read as 2)"
+                f"parallel.pp_schedule={row.name} runs exactly {fixed} stages per rank{shape}; "
+                f"parallel.pp_virtual_stages={virtual} must be {fixed} (or 1, read as {fixed})"
             )
-        virtual = 2
-    elif parallel.pp_schedule in ("1F1B", "GPipe") and virtual != 1:
+        virtual = fixed
+    elif fixed == 1 and virtual != 1:
+        several = next(name for name in PP_SCHEDULES if schedule(name).stages_per_rank is None)
         raise ConfigError(
-            f"parallel.pp_schedule={parallel.pp_schedule} runs one stage per rank; set parallel.pp_virtual_stages=1 "
-            "or use parallel.pp_schedule=Interleaved1F1B"
+            f"parallel.pp_schedule={row.name} runs one stage per rank; set parallel.pp_virtual_stages=1 "
+            f"or use parallel.pp_schedule={several}"
         )
     stages = pp * virtual
     if pp > 1 and stages > model.n_layers:
@@ -221,9 +224,9 @@ def validate_layout(parallel: ParallelConfig, model: ModelConfig, world_size: in
             f"parallel.pp={pp} x parallel.pp_virtual_stages={parallel.pp_virtual_stages} = {stages} stages "
             f"exceed model.n_layers={model.n_layers}; each stage needs at least one layer"
         )
-    if parallel.pp_schedule == "Interleaved1F1B" and pp > 1 and virtual < 2:
+    if fixed is None and pp > 1 and virtual < 2:
         raise ConfigError(
-            "parallel.pp_schedule=Interleaved1F1B runs several stages per rank; set parallel.pp_virtual_stages=2 (or more)"
+            f"parallel.pp_schedule={row.name} runs several stages per rank; set parallel.pp_virtual_stages=2 (or more)"
         )
     if pp > 1 and model.tie_embeddings:
         raise ConfigError(
@@ -249,18 +252,17 @@ def validate_layout(parallel: ParallelConfig, model: ModelConfig, world_size: in
 def validate_pipeline_micro_batches(parallel: ParallelConfig | ParallelLayout, n_micro_batches: int) -> None:
     """What each schedule needs of the micro-batches per rank and step
     (``data.global_batch_size / (dp x data.micro_batch_size)``)."""
-    pp, schedule = parallel.pp, parallel.pp_schedule
+    pp, row = parallel.pp, schedule(parallel.pp_schedule)
     if pp == 1:
         return
     fix = "raise data.global_batch_size or lower data.micro_batch_size"
-    if schedule == "1F1B" and n_micro_batches < pp:
-        raise ConfigError(f"parallel.pp_schedule=1F1B needs at least parallel.pp={pp} micro-batches per step, got "
+    factor = row.min_micro_batches_per_pp_rank
+    if n_micro_batches < factor * pp:
+        least = f"parallel.pp={pp}" if factor == 1 else f"{factor} x parallel.pp={factor * pp}"
+        raise ConfigError(f"parallel.pp_schedule={row.name} needs at least {least} micro-batches per step, got "
                           f"{n_micro_batches}; {fix}")
-    if schedule == "DualPipeV" and n_micro_batches < 2 * pp:
-        raise ConfigError(f"parallel.pp_schedule=DualPipeV needs at least 2 x parallel.pp={2 * pp} micro-batches "
-                          f"per step, got {n_micro_batches}; {fix}")
-    if schedule == "Interleaved1F1B":
+    if row.micro_batches_multiple_of_pp:
         rounds = max(1, n_micro_batches // pp)
         if n_micro_batches % rounds:
-            raise ConfigError(f"parallel.pp_schedule=Interleaved1F1B needs the {n_micro_batches} micro-batches per step "
+            raise ConfigError(f"parallel.pp_schedule={row.name} needs the {n_micro_batches} micro-batches per step "
                               f"to be a multiple of parallel.pp={pp} (or fewer than it); {fix}")

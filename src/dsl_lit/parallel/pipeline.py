@@ -46,34 +46,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.pipelining as pipelining
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
+from torch.distributed.pipelining import PipelineStage
 
 from dsl_lit.config.model import ModelConfig
+from dsl_lit.config.pipeline_schedules import schedule as schedule_row
+from dsl_lit.config.pipeline_schedules import stages_of_rank
 from dsl_lit.models import spec_of
 from dsl_lit.models.common.compute_copies import refresh_compute_copies
 from dsl_lit.models.common.moe import MoE
 from dsl_lit.models.common.routing_replay import RouteTape, install_routes, named_stack_routers
 from dsl_lit.parallel.context_parallel import ContextParallelKeys
-
-SCHEDULES = {
-    "GPipe": ScheduleGPipe,
-    "1F1B": Schedule1F1B,
-    "Interleaved1F1B": ScheduleInterleaved1F1B,
-    "DualPipeV": ScheduleDualPipeV,
-}
-MULTI_STAGE = ("Interleaved1F1B", "DualPipeV")
-SPLIT_BACKWARD = ("DualPipeV",)
-"""Schedules that split each backward into its input and its weight gradients, the first keeping the
-graph for the second (``retain_graph=True``): compiled blocks must then not donate the buffers they
-saved for backward (AOTAutograd's ``donated_buffer``), or their backward refuses to run (found by
-tests/e2e/parallel/test_parallel_e2e.py's compiled DualPipeV layout)."""
 
 
 def layer_cost(cfg: ModelConfig, layer_id: int) -> float:
@@ -115,13 +99,6 @@ def split_layers(cfg: ModelConfig, n_stages: int) -> list[list[int]]:
         bounds.append((cut[s][i], i))
         i = cut[s][i]
     return [list(range(a, b)) for a, b in reversed(bounds)]
-
-
-def stages_of_rank(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
-    """Indices of the stages this pp rank runs, in the order the schedule expects."""
-    if schedule == "DualPipeV":
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + k * pp for k in range(virtual)]
 
 
 def prune_to_stages(model: nn.Module, stage_layers: list[list[int]], owned: list[int]) -> None:
@@ -322,13 +299,18 @@ class PipelineRunner:
         cp_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.pp_group, self.schedule_name, self.device = pp_group, schedule, device
-        if schedule in SPLIT_BACKWARD:  # before any block compiles (compile is the last transform)
+        self.row = schedule_row(schedule)
+        if self.row.splits_backward:  # before any block compiles (compile is the last transform)
+            # each backward runs as input then weight gradients, the first keeping the graph for the
+            # second (retain_graph): compiled blocks must not donate the buffers they saved for backward
+            # (AOTAutograd's donated_buffer), or their backward refuses to run (found by the compiled
+            # DualPipeV layout of tests/e2e/recipes/test_compile.py)
             import torch._functorch.config
 
             torch._functorch.config.donated_buffer = False
         self.cp = dist.get_world_size(cp_group) if cp_group is not None else 1
         pp = dist.get_world_size(pp_group)
-        virtual = 2 if schedule == "DualPipeV" else (virtual_stages if schedule in MULTI_STAGE else 1)
+        virtual = self.row.chunks_per_rank(virtual_stages)
         self.n_stages = pp * virtual
         self.stage_layers = split_layers(cfg, self.n_stages)
         self.owned = stages_of_rank(dist.get_rank(pp_group), pp, virtual, schedule)
@@ -365,8 +347,8 @@ class PipelineRunner:
             _Stage(module, s, self.n_stages, self.device, group=self.pp_group)
             for module, s in zip(self.modules, self.owned)
         ]
-        schedule_cls = SCHEDULES[self.schedule_name]
-        arg: Any = stages if self.schedule_name in MULTI_STAGE else stages[0]
+        schedule_cls = getattr(pipelining, self.row.torch_class)
+        arg: Any = stages if self.row.stages_per_rank != 1 else stages[0]  # multi-stage schedules take a list
         last = next((m for m in self.modules if m.is_last), None)
 
         def stage_loss(outputs: Any, target: torch.Tensor) -> torch.Tensor:

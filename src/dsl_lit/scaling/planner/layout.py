@@ -4,7 +4,8 @@ It holds the ``parallel`` group's layout (a :class:`ParallelLayout`: dp/tp/pp/ep
 schedule, virtual stages, world size) plus what the planner also needs from other groups: batch and sequence sizes (``data``), recompute
 (``memory``), precision and AdamW's moment dtype. Two schedules exist on paper only: ``ZB1P``
 (zero-bubble 1F1B) and ``DualPipe`` (DeepSeek-V3's bidirectional pipeline, two copies of the
-weights); our runtime runs ``DualPipeV``, DualPipe cut in half. :meth:`PlanLayout.runtime_issue`
+weights); our runtime runs ``DualPipeV``, DualPipe cut in half. Every schedule is a row of
+:mod:`dsl_lit.config.pipeline_schedules`, the table the runtime reads too. :meth:`PlanLayout.runtime_issue`
 says whether dsl-lit itself could run a layout, without stopping the plan.
 """
 
@@ -25,8 +26,10 @@ from dsl_lit.config.parallel import (
     check_heads,
     check_world_size,
 )
+from dsl_lit.config.pipeline_schedules import RUNNABLE, SCHEDULE_TABLE, schedule
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZB1P", "DualPipe", "DualPipeV")
+SCHEDULES = tuple(SCHEDULE_TABLE)
+"""Every row of :data:`~dsl_lit.config.pipeline_schedules.SCHEDULE_TABLE`: the runtime's and the planned-only ones."""
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 V3_RECIPE = "deepseek_v3"
 """The recompute mode named after DeepSeek-V3's own recipe (sections 3.2.3 and 3.3.2), planned
@@ -100,9 +103,7 @@ class PlanLayout:
         parallel = self.parallel
         if parallel.pp == 1:
             return 1
-        if parallel.pp_schedule in ("DualPipe", "DualPipeV"):
-            return 2
-        return parallel.pp_virtual_stages if parallel.pp_schedule == "Interleaved1F1B" else 1
+        return schedule(parallel.pp_schedule).chunks_per_rank(parallel.pp_virtual_stages)
 
     @property
     def overlaps_all_to_all(self) -> bool:
@@ -111,13 +112,13 @@ class PlanLayout:
             return False
         if self.ep_overlap is not None:
             return self.ep_overlap
-        return self.parallel.pp > 1 and self.parallel.pp_schedule in ("DualPipe", "DualPipeV")
+        return self.parallel.pp > 1 and schedule(self.parallel.pp_schedule).overlaps_all_to_all
 
     @property
     def n_stages(self) -> int:
         """Distinct stages the layers are cut into (DualPipe's two directions share theirs)."""
         pp = self.parallel.pp
-        return pp if self.parallel.pp_schedule == "DualPipe" else pp * self.chunks_per_rank
+        return pp if schedule(self.parallel.pp_schedule).copies_per_stage > 1 else pp * self.chunks_per_rank
 
     @property
     def micro_batches(self) -> int:
@@ -170,12 +171,14 @@ class PlanLayout:
 
     def runtime_issue(self, model: ModelConfig) -> str | None:
         """Why dsl-lit's own runtime could not run this layout (None: it could)."""
-        if self.parallel.pp_schedule in ("ZB1P", "DualPipe"):
-            return f"parallel.pp_schedule={self.parallel.pp_schedule} is planned only; dsl-lit runs GPipe, 1F1B, Interleaved1F1B, DualPipeV"
+        row = schedule(self.parallel.pp_schedule)
+        if not row.runs:
+            return f"parallel.pp_schedule={row.name} is planned only; dsl-lit runs {', '.join(RUNNABLE)}"
         if self.recompute not in MODES:
             return f"plan.recompute={self.recompute} is planned only; dsl-lit's memory.recompute runs {list(MODES)}"
-        if self.ep_overlap and self.parallel.pp_schedule != "DualPipeV":
-            return f"plan.ep_overlap=true under {self.parallel.pp_schedule} is planned only; dsl-lit overlaps the all-to-alls in DualPipeV"
+        if self.ep_overlap and not row.overlaps_all_to_all:
+            overlapping = ", ".join(name for name in RUNNABLE if schedule(name).overlaps_all_to_all)
+            return f"plan.ep_overlap=true under {row.name} is planned only; dsl-lit overlaps the all-to-alls in {overlapping}"
         layout = self.parallel
         if self.precision == "fp8" and layout.tp > 1:
             return "FP8 linears do not take tensor-parallel weights yet"

@@ -22,11 +22,13 @@ Not counted: an EMA of the weights (DeepSeek-V3 keeps it in CPU memory), FP8 cop
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from dsl_lit.config.model import ModelConfig
+from dsl_lit.config.pipeline_schedules import schedule, stages_of_rank
 from dsl_lit.flops import attention_params
-from dsl_lit.parallel.pipeline import split_layers, stages_of_rank
+from dsl_lit.parallel.pipeline import split_layers
 from dsl_lit.scaling.planner.cluster import GIB, ClusterConfig
 from dsl_lit.scaling.planner.layout import V3_RECIPE, PlanLayout
 
@@ -75,10 +77,6 @@ def stage_layers_of(cfg: ModelConfig, layout: PlanLayout) -> list[list[int]]:
 def stages_on_rank(rank: int, layout: PlanLayout) -> list[int]:
     if layout.parallel.pp == 1:
         return [0]
-    if layout.parallel.pp_schedule == "DualPipe":  # both directions: stage r of one, stage pp-1-r of the other
-        return [rank, layout.parallel.pp - 1 - rank]
-    if layout.parallel.pp_schedule in ("GPipe", "1F1B", "ZB1P"):
-        return [rank]
     return stages_of_rank(rank, layout.parallel.pp, layout.chunks_per_rank, layout.parallel.pp_schedule)
 
 
@@ -113,7 +111,7 @@ def optimizer_shard(params: ParamCounts, layout: PlanLayout) -> float:
     stages live on two ranks)."""
     if not layout.parallel.zero1:
         return params.dense + params.experts
-    copies = 2 if layout.parallel.pp_schedule == "DualPipe" else 1
+    copies = schedule(layout.parallel.pp_schedule).copies_per_stage
     return params.dense / (layout.parallel.dp * copies) + params.experts / (max(1, layout.parallel.dp // layout.parallel.ep) * copies)
 
 
@@ -213,16 +211,19 @@ def in_flight(rank: int, layout: PlanLayout) -> float:
     pp, m, v = layout.parallel.pp, layout.micro_batches, layout.chunks_per_rank
     if pp == 1:
         return 1.0
-    schedule = layout.parallel.pp_schedule
-    if schedule == "GPipe":
-        return float(m * v)
-    if schedule in ("1F1B", "ZB1P"):
-        return float(min(m, pp - rank))
-    if schedule == "Interleaved1F1B":
-        return float(min(m * v, pp * v + pp - 1 - 2 * rank))
-    if schedule == "DualPipe":
-        return float(min(m, pp + 1))
-    return float(min(m * v, 2 * pp + 1))  # DualPipeV
+    return float(IN_FLIGHT[layout.parallel.pp_schedule](pp, m, v, rank))
+
+
+IN_FLIGHT: dict[str, Callable[[int, int, int, int], int]] = {
+    "GPipe": lambda pp, m, v, rank: m * v,
+    "1F1B": lambda pp, m, v, rank: min(m, pp - rank),
+    "ZB1P": lambda pp, m, v, rank: min(m, pp - rank),
+    "Interleaved1F1B": lambda pp, m, v, rank: min(m * v, pp * v + pp - 1 - 2 * rank),
+    "DualPipe": lambda pp, m, v, rank: min(m, pp + 1),
+    "DualPipeV": lambda pp, m, v, rank: min(m * v, 2 * pp + 1),
+}
+"""(pp, micro-batches, chunks per rank, pp rank) -> chunk-micro-batches held at the peak, per row of
+:data:`~dsl_lit.config.pipeline_schedules.SCHEDULE_TABLE` (see :func:`in_flight`; a test ties the two)."""
 
 
 def moe_buffers(cfg: ModelConfig, layout: PlanLayout) -> float:

@@ -10,6 +10,7 @@ from typing import Any
 from data_contract.errors import ConfigError
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.config.parallel import ParallelLayout
+from dsl_lit.config.pipeline_schedules import schedule as schedule_row
 from dsl_lit.flops import training_flops_per_token
 from dsl_lit.scaling.planner.cluster import GIB, ClusterConfig
 from dsl_lit.scaling.planner.layout import PlanLayout
@@ -123,7 +124,7 @@ def search_layouts(model: ModelConfig, base: PlanLayout, cluster: ClusterConfig,
         for ep in eps:
             layout = base.replace(dp=dp, tp=tp, pp=pp, ep=ep, pp_schedule=schedule, recompute=recompute,
                                   micro_batch_size=micro,
-                                  pp_virtual_stages=2 if schedule in ("Interleaved1F1B", "DualPipeV") else 1)
+                                  pp_virtual_stages=schedule_row(schedule).stages_per_rank or 2)
             try:
                 plan = make_plan(model, layout, cluster)
             except (ConfigError, ValueError):

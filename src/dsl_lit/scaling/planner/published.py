@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
+from dsl_lit.config.pipeline_schedules import schedule
 from dsl_lit.scaling.planner.config import plan_inputs
 from dsl_lit.scaling.planner.plan import Plan, make_plan
 
@@ -126,7 +127,8 @@ def _layout(plan: Plan) -> str:
     parts = [f"{par.world_size} {plan.cluster.gpu}"]
     parts += [f"{name.upper()}{value}" for name, value in (("tp", par.tp), ("pp", par.pp), ("ep", par.ep)) if value > 1]
     if par.pp > 1:
-        parts.append(par.pp_schedule + (f" v{par.pp_virtual_stages}" if par.pp_schedule == "Interleaved1F1B" else ""))
+        several = schedule(par.pp_schedule).stages_per_rank is None  # the stages per rank are the layout's
+        parts.append(par.pp_schedule + (f" v{par.pp_virtual_stages}" if several else ""))
     if lay.ep_overlap:
         parts.append("a2a overlapped")
     if lay.routed_nodes is not None:

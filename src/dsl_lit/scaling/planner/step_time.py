@@ -53,9 +53,11 @@ project's single-GPU steps.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from dsl_lit.config.model import ModelConfig
+from dsl_lit.config.pipeline_schedules import schedule
 from dsl_lit.flops import attention_params, ffn_params_per_token
 from dsl_lit.scaling.planner.cluster import ClusterConfig
 from dsl_lit.scaling.planner.layout import V3_RECIPE, PlanLayout
@@ -188,7 +190,8 @@ def estimate_step_time(cfg: ModelConfig, layout: PlanLayout, cluster: ClusterCon
     block_peak = cluster.peak_flops("fp8") * eff.fp8_gemm if layout.precision == "fp8" else gemm_peak
     attention_peak = cluster.peak_flops(_gemm_dtype(layout)) * eff.attention
     hbm = cluster.hbm_tbps * 1e12 * eff.hbm
-    dualpipe = layout.parallel.pp_schedule in ("DualPipe", "DualPipeV") and layout.parallel.pp > 1
+    row = schedule(layout.parallel.pp_schedule)
+    dualpipe = row.overlaps_all_to_all and layout.parallel.pp > 1  # its stage sends hide under compute too
     overlapped = layout.overlaps_all_to_all
     slowdown = cluster.sms / (cluster.sms - cluster.comm_sms) if overlapped else 1.0
     tp_bw = _bandwidth(cluster, tp, 1)
@@ -228,7 +231,7 @@ def estimate_step_time(cfg: ModelConfig, layout: PlanLayout, cluster: ClusterCon
 
     m = layout.micro_batches
     chunks = layout.chunks_per_rank
-    passes = m / 2 if layout.parallel.pp_schedule == "DualPipe" else m  # each of DualPipe's two chunks sees half
+    passes = m / row.copies_per_stage  # each of DualPipe's two directions sees half of the micro-batches
     if overlapped:  # a chunk's all-to-all runs under the paired chunk's compute
         ep_exposed = max(0.0, ep_comm - (forward + backward))
     else:
@@ -275,10 +278,22 @@ def _bubble(layout: PlanLayout, f: float, b: float, w: float) -> float:
     pp = layout.parallel.pp
     if pp == 1:
         return 0.0
-    schedule = layout.parallel.pp_schedule
-    if schedule in ("GPipe", "1F1B", "Interleaved1F1B"):
-        return (pp - 1) * (f + b)  # per chunk: Interleaved's (pp-1)(F+B)/v
-    if schedule == "ZB1P":
-        return (pp - 1) * (f + b - 2 * w)
-    stages = pp if schedule == "DualPipe" else 2 * pp
-    return max(0.0, stages / 2 - 1) * (f + b + b - 3 * w)
+    return BUBBLE[layout.parallel.pp_schedule](pp, f, b, w)
+
+
+def _dualpipe_bubble(stages_per_direction: int) -> Callable[[int, float, float, float], float]:
+    """DeepSeek-V3's Table 2 for DualPipe over PP stages: (PP/2 - 1)(F&B + B - 3W); DualPipeV's V
+    over pp ranks has 2 pp stages."""
+    return lambda pp, f, b, w: max(0.0, stages_per_direction * pp / 2 - 1) * (f + b + b - 3 * w)
+
+
+BUBBLE: dict[str, Callable[[int, float, float, float], float]] = {
+    "GPipe": lambda pp, f, b, w: (pp - 1) * (f + b),
+    "1F1B": lambda pp, f, b, w: (pp - 1) * (f + b),
+    "Interleaved1F1B": lambda pp, f, b, w: (pp - 1) * (f + b),  # per chunk: Interleaved's (pp-1)(F+B)/v
+    "ZB1P": lambda pp, f, b, w: (pp - 1) * (f + b - 2 * w),
+    "DualPipe": _dualpipe_bubble(1),
+    "DualPipeV": _dualpipe_bubble(2),
+}
+"""(pp, one chunk's forward, backward and weight-gradient seconds) -> a rank's idle seconds per
+step, per row of :data:`~dsl_lit.config.pipeline_schedules.SCHEDULE_TABLE` (a test ties the two)."""
