@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.forked_python import run_python
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -54,16 +56,16 @@ def test_gpu_check_summary_reports_every_test_and_figure(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_train_step_benchmark_smoke():
-    result = subprocess.run(
+    result = run_python(  # forked from the tests' zygote: torch and transformers imported once
         [sys.executable, "-m", "benchmarks.gpu_train_step", "--smoke", "--models", "dense",
          "--variants", "ours bf16,ours fp8_tensorwise,transformers bf16"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        cwd=ROOT, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     rows = {line.split("  ")[0]: line for line in lines if line.startswith(("ours", "transformers"))}
     assert set(rows) == {"ours bf16", "ours fp8_tensorwise", "transformers bf16"}
     assert any(line.startswith("HEADLINE\tdense train step vs transformers, bf16 eager") for line in lines)
-    bad = subprocess.run([sys.executable, "-m", "benchmarks.gpu_train_step", "--smoke", "--variants", "ours fp9"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    bad = run_python([sys.executable, "-m", "benchmarks.gpu_train_step", "--smoke", "--variants", "ours fp9"],
+                     cwd=ROOT, timeout=120)
     assert bad.returncode != 0 and "cannot read ['ours fp9']" in bad.stderr

@@ -25,6 +25,7 @@ from dsl_lit.config.reproduce import STAGES, ReproduceConfig
 from dsl_lit.reproduce.claims import NOT_MEASURED, NOT_REPRODUCED, REPRODUCED, claims_table
 from dsl_lit.reproduce.runner import MARKER, selected
 from dsl_lit.reproduce.stages import EVALUATED, STAGE_TABLE, pretraining_hparams
+from tests.forked_python import run_python, start_python
 
 ROOT = Path(__file__).resolve().parents[3]
 RECIPE = [sys.executable, str(ROOT / "recipes" / "reproduce.py"), "reproduce=smoke"]
@@ -32,8 +33,9 @@ ENV = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
 
 
 def reproduce(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*RECIPE, f"hydra.run.dir={run_dir}", *overrides], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=900)
+    """The runner forked from the tests' zygote (torch and Lightning imported there once), as its
+    stages are forked from it: the same process as ``python recipes/reproduce.py``."""
+    return run_python([*RECIPE, f"hydra.run.dir={run_dir}", *overrides], cwd=ROOT, env=ENV, timeout=900)
 
 
 def metrics(run_dir: Path) -> dict[int, dict[str, float]]:
@@ -47,14 +49,12 @@ def interrupted_run(tmp_path_factory) -> tuple[Path, str]:
     """The smoke chain, stopped by SIGTERM once GRPO has saved its first checkpoint, then rerun."""
     run_dir = tmp_path_factory.mktemp("reproduce") / "smoke"
     first_checkpoint = run_dir / "grpo" / "checkpoints" / "step-2" / "meta.json"
-    with open(run_dir.parent / "first.log", "w") as out:
-        child = subprocess.Popen([*RECIPE, f"hydra.run.dir={run_dir}"], cwd=ROOT, env=ENV, stdout=out,
-                                 stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 900
-        while not first_checkpoint.is_file() and child.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        child.send_signal(signal.SIGTERM)
-        code = child.wait(timeout=300)
+    child = start_python([*RECIPE, f"hydra.run.dir={run_dir}"], cwd=ROOT, env=ENV, stdout=run_dir.parent / "first.log")
+    deadline = time.monotonic() + 900
+    while not first_checkpoint.is_file() and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    child.send_signal(signal.SIGTERM)
+    code = child.wait(timeout=300)
     first = (run_dir.parent / "first.log").read_text()
     assert code == 143, first[-3000:]  # stopped, not failed
     assert not (run_dir / "grpo" / MARKER).exists() and (run_dir / "cold_start" / MARKER).is_file()
