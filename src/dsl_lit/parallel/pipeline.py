@@ -110,10 +110,9 @@ def prune_to_stages(model: nn.Module, stage_layers: list[list[int]], owned: list
     last = len(stage_layers) - 1
     if 0 not in owned:
         model.tok_embeddings = None
-    if last not in owned:
-        model.norm = None
-        model.output = None
-        model.mtp = nn.ModuleDict()
+    if last not in owned:  # the final norm, head, MTP (and what else the family runs after its last layer)
+        for name in model.last_stage_modules:
+            setattr(model, name, nn.ModuleDict() if isinstance(getattr(model, name), nn.ModuleDict) else None)
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -175,7 +174,7 @@ class PipelineStageModule(nn.Module):
         if self.is_first:
             owned.append(m.tok_embeddings)
         if self.is_last:
-            owned += [m.norm, m.output, m.mtp]
+            owned += [getattr(m, name) for name in m.last_stage_modules]
         return owned
 
     def parameters(self, recurse: bool = True):  # noqa: D102 - only this stage's weights
@@ -215,6 +214,7 @@ class PipelineStageModule(nn.Module):
         positions: torch.Tensor | None = None,
         key_valid: torch.Tensor | None = None,
         routed_experts: torch.Tensor | None = None,
+        token_ids: torch.Tensor | None = None,
     ) -> Any:
         m = self.model
         refresh_compute_copies(m)
@@ -230,17 +230,16 @@ class PipelineStageModule(nn.Module):
             positions = shard.query_positions.expand(x.shape[0], -1)
             x = shard.shard(x) if self.is_first else x
         if self.is_first:
-            x = m.tok_embeddings(x)
+            x = m.embed(x)
             embeddings = x if self.carries_embeddings else None
-        rope = m.rope(x.shape[1], 0, positions)
-        for i in self.layer_ids:
-            x = m.layers[str(i)](x, rope, shard, key_valid)
+        x = m.run_layers(x, self.layer_ids, positions, key_valid, token_ids, shard)
         if not self.is_last:
             x = self._attach_balance_losses(x)
             if not self.carries_embeddings:
                 return x
             # a stage's outputs must be its own tensors (the zero-bubble schedules detach_ them)
             return x, embeddings if self.is_first else embeddings.clone()
+        x = m.collapse(x)
         logits = m.head(x)
         mtp_logits = m.mtp_logits(x, embeddings, shard) if len(m.mtp) and self.with_mtp else []
         logits = self._attach_balance_losses(logits)  # after the MTP blocks ran: theirs count too
@@ -382,6 +381,8 @@ class PipelineRunner:
             module.replay_routes, module.route_tapes = replay_routes, []
         args = (input_ids,) if self.has_first else ()
         inputs = inputs or {}
+        if self.modules[0].model.needs_token_ids:  # every stage's layers read them (V4's hash routing)
+            inputs = {**inputs, "token_ids": input_ids}
         if backward:
             self.schedule.step(*args, target=target if self.has_last else None, return_outputs=False, **inputs)
         else:
@@ -396,7 +397,7 @@ class PipelineRunner:
         owner = self.owner
         mine = dict(zip(self.owned, self.modules))
         n, (rows, seq) = self._n_microbatches, input_ids.shape
-        d_model = self.modules[0].model.config.d_model
+        model = self.modules[0].model
         carried = 2 if self.modules[0].carries_embeddings else 1
         size = rows // n
         for k, (mb_tokens, mb_target) in enumerate(zip(input_ids.split(size), target.split(size))):
@@ -406,8 +407,9 @@ class PipelineRunner:
                 if owner[s] != pp_rank:
                     continue
                 if s > 0 and owner[s - 1] != pp_rank:  # receive the previous stage's outputs
-                    shape = (mb_tokens.shape[0], seq // self.cp, d_model)
-                    held = tuple(torch.empty(shape, device=self.device) for _ in range(carried))
+                    residual = model.residual_shape(mb_tokens.shape[0], seq // self.cp)
+                    shapes = [residual, (mb_tokens.shape[0], seq // self.cp, model.config.d_model)][:carried]
+                    held = tuple(torch.empty(shape, device=self.device) for shape in shapes)
                     for t in held:
                         dist.recv(t, group=self.pp_group, group_src=owner[s - 1])
                 stage_args = held if isinstance(held, tuple) else (held,)

@@ -81,29 +81,28 @@ class PipelinedInference:
     # -- one forward through the stages ------------------------------------------------------------
     def last_hidden(self, tokens: torch.Tensor, positions: torch.Tensor | None, key_valid: torch.Tensor | None,
                     cache: KVCache | None = None) -> torch.Tensor | None:
-        """The last stage's output (before the final norm) on the rank holding it, None elsewhere.
-        Stage outputs travel in fp32 (the residual stream's dtype under autocast)."""
+        """The last stage's output (collapsed, before the final norm) on the rank holding it, None
+        elsewhere. Stage outputs travel in fp32 (the residual stream's dtype under autocast)."""
         m = self.model
         batch, seq = tokens.shape
         refresh_compute_copies(m)
-        rope = m.rope(seq, cache.length if cache is not None else 0, positions)
+        offset = cache.length if cache is not None else 0
         hidden: torch.Tensor | None = None
         for stage, layers in enumerate(self.stage_layers):
             if self.owner[stage] != self.pp_rank:
                 continue
             if stage == 0:
-                hidden = m.tok_embeddings(tokens)
+                hidden = m.embed(tokens)
             elif self.owner[stage - 1] != self.pp_rank:
-                hidden = torch.empty((batch, seq, self.config.d_model), device=tokens.device)
+                hidden = torch.empty(m.residual_shape(batch, seq), device=tokens.device)
                 dist.recv(hidden, group=self.pp_group, group_src=self.owner[stage - 1])
                 hidden = hidden.to(self.dtype)
-            for i in layers:
-                hidden = m.layers[str(i)](hidden, rope, cache, key_valid)
+            hidden = m.run_layers(hidden, layers, positions, key_valid, tokens, cache, offset)
             if stage < self.last and self.owner[stage + 1] != self.pp_rank:
                 dist.send(hidden.float().contiguous(), group=self.pp_group, group_dst=self.owner[stage + 1])
         if cache is not None:
             cache.advance(seq)
-        return hidden if self.holds_last else None
+        return m.collapse(hidden) if self.holds_last else None
 
     def _share(self, tensor: torch.Tensor) -> torch.Tensor:
         """The last stage's ``tensor`` on every pp rank (others pass a buffer of its shape and dtype)."""

@@ -104,14 +104,42 @@ class Transformer(nn.Module):
         batches; ``cache`` makes the call incremental (positions continue from ``cache.length``).
         """
         refresh_compute_copies(self)
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        h = self.embed(tokens) if self.tok_embeddings is not None else tokens
         offset = cache.length if cache is not None else 0
-        rope = self.rope(h.shape[1], offset, positions)
-        for layer in self.layers.values():
-            h = layer(h, rope, cache, key_valid)
+        h = self.run_layers(h, [int(name) for name in self.layers], positions, key_valid, tokens, cache, offset)
         if cache is not None:
-            cache.advance(h.shape[1])
+            cache.advance(tokens.shape[1])
+        return self.collapse(h)
+
+    # -- the forward cut at layer boundaries: what a pipeline stage runs of it ------------------------
+    needs_token_ids: bool = False
+    """Whether the layers read the token ids (DeepSeek-V4's hash-routed MoE): every pipeline stage
+    then receives them with its inputs."""
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The residual the first layer reads: the token embeddings."""
+        return self.tok_embeddings(tokens)
+
+    def run_layers(self, h: torch.Tensor, layer_ids: list[int], positions: torch.Tensor | None,
+                   key_valid: torch.Tensor | None, token_ids: torch.Tensor | None,
+                   cache: KVCache | SequenceShard | None = None, offset: int = 0) -> torch.Tensor:
+        """Layers ``layer_ids`` over the residual ``h``; ``cache``: a KV cache to continue, or a
+        context-parallel shard of whole rows' keys; ``offset``: the cache's length."""
+        rope = self.rope(h.shape[1], offset, positions)
+        for i in layer_ids:
+            h = self.layers[str(i)](h, rope, cache, key_valid)
         return h
+
+    def collapse(self, h: torch.Tensor) -> torch.Tensor:
+        """The last layer's residual -> what the final norm (and the MTP modules) read: itself here."""
+        return h
+
+    def residual_shape(self, rows: int, seq: int) -> tuple[int, ...]:
+        """The residual's shape between layers (what one pipeline stage sends the next)."""
+        return (rows, seq, self.config.d_model)
+
+    last_stage_modules: tuple[str, ...] = ("norm", "output", "mtp")
+    """Modules only the last pipeline stage runs (after the last layer)."""
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and output projection (each only on the stage that holds it)."""

@@ -114,7 +114,6 @@ CARD = FamilyCard(
     sparse_attention=False,  # its indexer is part of V4's own attention (the V4 fields), not V3.2's DSA
     unsupported_parallel={
         "tp": "its shared-KV attention and compressors have no tensor-parallel plan yet",
-        "pp": "the residual streams (mHC) and the token ids hash routing reads are not carried between stages yet",
         "cp": "the compressed keys and the sliding window are not gathered over context-parallel ranks yet"},
     packed_documents=False,  # its compressors window a row from its first real token, not per document
     reads=READS,

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from dsl_lit.config.model import ModelConfig
-from dsl_lit.models.common.compute_copies import refresh_compute_copies
 from dsl_lit.models.common.hyper_connections import HyperConnection, HyperHead, expand_streams
 from dsl_lit.models.common.kv_cache import KVCache
 from dsl_lit.models.common.moe import HashRouter, MoE, TopKRouter
@@ -83,25 +82,29 @@ class V4Transformer(Transformer):
             if isinstance(module, (HyperConnection, HyperHead)):
                 module.reset_parameters(std=self.config.init_std)
 
-    def hidden_states(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        key_valid: torch.Tensor | None = None,
-        cache: KVCache | None = None,
-    ) -> torch.Tensor:
-        """The collapsed residual before the final norm; ``positions`` [batch, seq] (default: from
-        the cache's length on), ``key_valid`` [batch, cached + seq] for left-padded batches, ``cache``
-        to continue from (:class:`KVCache`: each layer keeps its rotated keys and its compressors'
-        per-token projections)."""
-        refresh_compute_copies(self)
-        batch, seq = tokens.shape[:2]
-        offset = cache.length if cache is not None else 0
+    # -- the forward's pieces (Transformer.hidden_states runs them; a pipeline stage runs its share) --
+    needs_token_ids = True  # the hash-routed layers choose experts from the token ids
+    last_stage_modules = (*Transformer.last_stage_modules, "hc_head")
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The embedding copied into the ``hc_mult`` residual streams [batch, seq, n, d_model]."""
+        return expand_streams(self.tok_embeddings(tokens), self.config.hc_mult)
+
+    def run_layers(self, streams: torch.Tensor, layer_ids: list[int], positions: torch.Tensor | None,
+                   key_valid: torch.Tensor | None, token_ids: torch.Tensor | None,
+                   cache: KVCache | None = None, offset: int = 0) -> torch.Tensor:
+        """``positions`` [batch, seq] (default: from ``offset`` on), ``key_valid`` [batch, cached + seq]
+        for left-padded batches, ``cache``: each layer keeps its rotated keys and its compressors'
+        per-token projections."""
         if positions is None:
-            positions = torch.arange(offset, offset + seq, device=tokens.device).expand(batch, -1)
-        streams = expand_streams(self.tok_embeddings(tokens), self.config.hc_mult)
-        for layer in self.layers.values():
-            streams = layer(streams, positions, tokens, key_valid, cache)
-        if cache is not None:
-            cache.advance(seq)
+            batch, seq = streams.shape[:2]
+            positions = torch.arange(offset, offset + seq, device=streams.device).expand(batch, -1)
+        for i in layer_ids:
+            streams = self.layers[str(i)](streams, positions, token_ids, key_valid, cache)
+        return streams
+
+    def collapse(self, streams: torch.Tensor) -> torch.Tensor:
         return self.hc_head(streams)
+
+    def residual_shape(self, rows: int, seq: int) -> tuple[int, ...]:
+        return (rows, seq, self.config.hc_mult, self.config.d_model)
