@@ -116,6 +116,8 @@ def apply_context_parallel(model: Transformer, group: dist.ProcessGroup) -> None
         for module in mtp.modules():
             if isinstance(module, MoE):
                 module.sequence = MoESequenceView(group, drop_last=int(index) + 1)
+            if hasattr(module, "drop_last"):  # DeepSeek-V3.2's sparse attention: its indexer's objective
+                module.drop_last = int(index) + 1
 
 
 class ContextParallelKeys:

@@ -19,7 +19,7 @@ from dsl_lit.parallel.context_parallel import (
     gather_order,
     rank_positions,
 )
-from tests.numerics import assert_close_fp32
+from tests.numerics import EPS32, assert_close_fp32
 from tests.ranks import spawn
 
 SEQ, BATCH = 32, 2
@@ -51,6 +51,8 @@ def _model(name: str) -> torch.nn.Module:
     """Two layers; V3 with two MTP depths and both balance losses at a weight that shows in gradients."""
     torch.manual_seed(0)
     extra = {"mtp_depth": 2, "seq_balance_alpha": 0.1, "batch_balance_alpha": 0.1} if "v3" in name else {}
+    if "v32" in name:  # sparse training: top 8 of up to 32 keys, the indexers' KL in the objective
+        extra |= {"index_topk": 8, "index_training": "sparse"}
     return build_model(ModelConfig.from_name(name, n_layers=2, max_seq_len=SEQ, **extra)).float()
 
 
@@ -67,7 +69,9 @@ def _objective(model, logits, mtp_logits, labels_of, counts, balance_weight) -> 
     for k, depth_logits in enumerate(mtp_logits, start=1):
         loss = loss + cross_entropy(depth_logits, labels_of(k), reduction="sum") / counts[k] / len(mtp_logits)
     balance = model.balance_loss()
-    return loss if balance is None else loss + balance_weight * balance
+    loss = loss if balance is None else loss + balance_weight * balance
+    index = model.index_losses()  # DeepSeek-V3.2's indexers: whole rows' KL on every rank, like balance
+    return loss if index is None else loss + balance_weight * index[0]
 
 
 def _rank(rank: int, init_file: str, name: str) -> None:
@@ -98,6 +102,14 @@ def _rank(rank: int, init_file: str, name: str) -> None:
                               msg=f"MTP depth {k}")
         if reference.balance_loss() is not None:
             assert_close_fp32(model.balance_loss(), reference.balance_loss(), 1.0, msg="balance loss")
+        if reference.index_losses() is not None:  # over whole rows' queries, an MTP block's last k left out
+            (kl, recall), (kl_ref, recall_ref) = model.index_losses(), reference.index_losses()
+            # recall: a mean of softmax masses in [0, 1] (an MTP block's softmaxes run over seq, not
+            # seq - k, keys here): fp32 rounding of sums of SEQ terms; an extra query (the MTP block's
+            # last, past the row's end) moved it by 1e-2. KL: each query's is ~1e-6 made of 8 terms of
+            # ~0.4 that nearly cancel, so its rounding is a few percent of it
+            torch.testing.assert_close(recall, recall_ref, rtol=0, atol=SEQ * EPS32)
+            torch.testing.assert_close(kl, kl_ref, rtol=5e-2, atol=0)
         routers = [(m, r) for m, r in zip(model.modules(), reference.modules(), strict=True) if isinstance(m, TopKRouter)]
         for ours, theirs in routers:  # expert loads (the bias update's input) over the ranks' tokens
             dist.all_reduce(ours.load.counts)
@@ -114,6 +126,6 @@ def _rank(rank: int, init_file: str, name: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["deepseek_llm_tiny", "deepseek_v3_tiny"])
+@pytest.mark.parametrize("name", ["deepseek_llm_tiny", "deepseek_v3_tiny", "deepseek_v32_tiny"])
 def test_cp2_matches_one_process(tmp_path, name):
     spawn(_rank, args=(str(tmp_path / "init"), name), nprocs=2)

@@ -110,12 +110,12 @@ class SparseLatentAttention(SparseLatentAttentionShape, MultiHeadLatentAttention
         self.index_loss = self.index_recall = None
         if self.training and self.index_training != "off":
             self.index_loss, self.index_recall = self._indexer_objective(x, q_latent, q, k, cos, sin, allowed, selected,
-                                                                         attended)
+                                                                         attended, cache)
         return self.wo(out.reshape(batch, seq, -1))
 
     def _indexer_objective(self, x: torch.Tensor, q_latent: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                            cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor, selected: torch.Tensor,
-                           attended: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                           attended: torch.Tensor, shard: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """DeepSeek-V3.2's indexer loss, KL(p || softmax(I)) over the keys attended (every causal key in
         the warm-up, the selected ones in sparse training), ``p`` the main attention's distribution
         over them summed over heads and normalised; mean over queries. The indexer's inputs are
@@ -124,16 +124,28 @@ class SparseLatentAttention(SparseLatentAttentionShape, MultiHeadLatentAttention
         with torch.no_grad():
             scores = torch.einsum("bshd,bthd->bsht", q.float(), k.float()) * self.softmax_scale
             dense = scores.masked_fill(~allowed[:, :, None], float("-inf")).softmax(-1).mean(2)  # [b, s, t]
-            recall = (dense * selected).sum(-1).mean()
+            recall = (dense * selected).sum(-1)  # [b, s] per query
             if attended is allowed:
                 target = dense
             else:
                 target = scores.masked_fill(~attended[:, :, None], float("-inf")).softmax(-1).mean(2)
         x, q_latent = x.detach(), q_latent.detach()
-        index = self.indexer.scores(x, q_latent, self.indexer.keys(x, cos, sin), cos, sin)
+        keys = self.indexer.keys(x, cos, sin)
+        if shard is not None:  # whole rows' keys (autograd reaches every rank's key projection)
+            (keys,) = shard.update(self.layer_id, keys)
+        index = self.indexer.scores(x, q_latent, keys, cos, sin)
         log_q = index.masked_fill(~attended, float("-inf")).log_softmax(-1)
         kl = torch.where(target > 0, target * (target.clamp_min(1e-30).log() - log_q), 0.0).sum(-1)
-        return kl.mean(), recall
+        if shard is not None:  # the means over whole rows' queries on every rank (gradient: the gather's
+            kl, recall = shard.update(self.layer_id, kl, recall)  # backward sums each rank's share back)
+            if self.drop_last:  # an MTP block's positions past the row's end, which one process never runs
+                kl, recall = kl[:, : -self.drop_last], recall[:, : -self.drop_last]
+        return kl.mean(), recall.mean()
+
+    drop_last: int = 0
+    """Under context parallelism, an MTP block of depth k runs every position of its rows, the last k
+    shifted past the row's end: set to k (``apply_context_parallel``), they are left out of the
+    indexer's KL and recall as one process, which runs the block over the first seq - k, leaves them."""
 
     @torch.no_grad()
     def select(self, x: torch.Tensor, q_latent: torch.Tensor, index_keys: torch.Tensor, cos: torch.Tensor,
