@@ -56,7 +56,7 @@ from dsl_lit.config.pipeline_schedules import stages_of_rank
 from dsl_lit.models import spec_of
 from dsl_lit.models.common.compute_copies import refresh_compute_copies
 from dsl_lit.models.common.moe import MoE
-from dsl_lit.models.common.routing_replay import RouteTape, install_routes, named_stack_routers
+from dsl_lit.models.common.routing_replay import RouteTape, install_routes, layer_of, named_stack_routers
 from dsl_lit.parallel.context_parallel import ContextParallelKeys
 
 
@@ -160,6 +160,7 @@ class PipelineStageModule(nn.Module):
         batch's times its share of the step's sequences), ``index_recall_sum`` (their top-k recalls,
         weighted alike) and ``index_layers`` (how many indexers: the recall's mean needs every stage's)."""
         self.in_metadata_pass = False
+        self._indexers: list[nn.Module] | None = None
         self.loss_scale = 1.0
         """fp16 loss scaling: the attached balance loss's gradient is scaled like the main loss's."""
         self.replay_routes = False
@@ -194,6 +195,13 @@ class PipelineStageModule(nn.Module):
         """This stage's MoE layers (the MTP blocks' too, on the last stage)."""
         return [m for module in self.owned_modules() for m in module.modules() if isinstance(m, MoE)]
 
+    def indexers(self) -> list[nn.Module]:
+        """This stage's sparse-attention modules (DeepSeek-V3.2, V4's CSA): they leave an indexer KL.
+        Found once: the stage's modules are fixed once the model is pruned."""
+        if self._indexers is None:
+            self._indexers = [m for module in self.owned_modules() for m in module.modules() if hasattr(m, "index_loss")]
+        return self._indexers
+
     @contextlib.contextmanager
     def metadata_pass(self) -> Iterator[None]:
         """``torch.distributed.pipelining`` runs each stage once on the first micro-batch (or on
@@ -219,7 +227,7 @@ class PipelineStageModule(nn.Module):
         m = self.model
         refresh_compute_copies(m)
         if routed_experts is not None:  # the sampler's routes of the rank's routers: this stage's share
-            names = [name for name, _ in named_stack_routers(m) if int(name.removeprefix("layer")) in self.layer_ids]
+            names = [name for name, _ in named_stack_routers(m) if layer_of(name) in self.layer_ids]
             tapes = install_routes(m, routed_experts, self.replay_routes, layers=self.layer_ids)
             if not self.in_metadata_pass:
                 self.route_tapes += list(zip(names, tapes))
@@ -234,7 +242,7 @@ class PipelineStageModule(nn.Module):
             embeddings = x if self.carries_embeddings else None
         x = m.run_layers(x, self.layer_ids, positions, key_valid, token_ids, shard)
         if not self.is_last:
-            x = self._attach_balance_losses(x)
+            x = self._attach_aux_losses(x)
             if not self.carries_embeddings:
                 return x
             # a stage's outputs must be its own tensors (the zero-bubble schedules detach_ them)
@@ -242,10 +250,10 @@ class PipelineStageModule(nn.Module):
         x = m.collapse(x)
         logits = m.head(x)
         mtp_logits = m.mtp_logits(x, embeddings, shard) if len(m.mtp) and self.with_mtp else []
-        logits = self._attach_balance_losses(logits)  # after the MTP blocks ran: theirs count too
+        logits = self._attach_aux_losses(logits)  # after the MTP blocks ran: theirs count too
         return (logits, *mtp_logits) if mtp_logits else logits
 
-    def _attach_balance_losses(self, x: torch.Tensor) -> torch.Tensor:
+    def _attach_aux_losses(self, x: torch.Tensor) -> torch.Tensor:
         """The stage's auxiliary losses (MoE balance, DeepSeek-V3.2's indexer KL), this micro-batch's
         share of the step's, hooked onto its output so the schedule's backward reaches them."""
         if not torch.is_grad_enabled():
@@ -255,8 +263,7 @@ class PipelineStageModule(nn.Module):
         aux = torch.stack(losses).sum() * share if losses else None
         if aux is not None and not self.in_metadata_pass:
             self.balance_total = aux.detach() if self.balance_total is None else self.balance_total + aux.detach()
-        indexers = [m for module in self.owned_modules() for m in module.modules()
-                    if getattr(m, "index_loss", None) is not None]
+        indexers = [m for m in self.indexers() if m.index_loss is not None]
         if indexers:
             kl = torch.stack([m.index_loss for m in indexers]).sum() * share
             aux = kl if aux is None else aux + kl

@@ -18,6 +18,7 @@ from dsl_lit.inference.generation import generate, positions_from_mask
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.models.common.routing_replay import (
     install_routes,
+    layer_of,
     named_stack_routers,
     recording_routes,
     remove_routes,
@@ -55,7 +56,7 @@ def redraw_biases(model: torch.nn.Module, seed: int = 7) -> None:
     """Each router's bias from its layer's own seed: a pipeline rank holding some layers redraws
     them as one process redraws all."""
     for name, router in named_stack_routers(model):
-        generator = torch.Generator().manual_seed(seed + 1000 * int(name.removeprefix("layer")))
+        generator = torch.Generator().manual_seed(seed + 1000 * layer_of(name))
         router.expert_bias.copy_(torch.randn(router.expert_bias.shape, generator=generator) * 0.003)
 
 

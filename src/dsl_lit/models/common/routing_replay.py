@@ -108,11 +108,16 @@ def install_routes(model: nn.Module, routed_experts: torch.Tensor, enforce: bool
         raise RuntimeError(f"routing replay: the rows carry {routed_experts.shape[2]} routers' choices, the model "
                            f"has {len(routers)} routers")
     ids = routed_experts.long()
-    chosen = [i for i, (name, _) in enumerate(routers) if layers is None or int(name.removeprefix("layer")) in layers]
+    chosen = [i for i, (name, _) in enumerate(routers) if layers is None or layer_of(name) in layers]
     tapes = [RouteTape(ids[:, :, i].reshape(-1, ids.shape[-1]), enforce) for i in chosen]
     for i, tape in zip(chosen, tapes):
         routers[i][1].tape = tape
     return tapes
+
+
+def layer_of(router_name: str) -> int:
+    """The layer id of a :func:`named_stack_routers` name (``layer<i>``)."""
+    return int(router_name.removeprefix("layer"))
 
 
 def flip_rates(flipped: dict[str, torch.Tensor], routed_tokens: torch.Tensor) -> dict[str, torch.Tensor]:
