@@ -169,5 +169,6 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     yield
     spent = _tree_cpu_seconds(os.getpid()) - before
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    Path(folder).mkdir(parents=True, exist_ok=True)  # (a missing folder was an internal error mid-test)
     with open(Path(folder) / f"{worker}.jsonl", "a") as f:
         f.write(json.dumps({"test": item.nodeid, "cpu_s": round(spent, 2)}) + "\n")
