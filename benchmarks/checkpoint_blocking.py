@@ -52,7 +52,7 @@ from torch.utils.data import DataLoader
 from dsl_lit.checkpoint.directory import DirectoryCheckpointIO, StepCheckpoint
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.models import ModelConfig
-from dsl_lit.parallel.one_device import OneDeviceStrategy
+from dsl_lit.parallel.strategy import DeepSeekStrategy
 from dsl_lit.training import PretrainModule
 
 
@@ -95,7 +95,7 @@ def run(model_name: str, async_save: bool, steps: int, every: int, batch: int, s
     checkpoint = StepCheckpoint(ckpt_dir, every_n_steps=every)
     io = TimedIO(async_save=async_save, keep_last=2)
     times = StepTimes()
-    trainer = L.Trainer(accelerator="cpu", strategy=OneDeviceStrategy(torch.device("cpu")), max_steps=steps,
+    trainer = L.Trainer(accelerator="cpu", strategy=DeepSeekStrategy(), max_steps=steps,
                         logger=False, callbacks=[times, checkpoint], enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=False, plugins=[io])
     start = time.perf_counter()

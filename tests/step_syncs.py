@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.config.precision import PrecisionConfig
 from dsl_lit.models import ModelConfig
-from dsl_lit.parallel.one_device import OneDeviceStrategy
+from dsl_lit.parallel.strategy import DeepSeekStrategy
 from dsl_lit.precision.plugin import AutocastPrecision
 from dsl_lit.training.pretrain import PretrainModule
 
@@ -61,7 +61,7 @@ def run_watched_steps(device: torch.device, precision: str, watch: Callable[[L.L
     module.step_checks_on_device = checks_on_device
     tokens = [torch.randint(0, cfg.vocab_size, (8, 65), generator=torch.Generator().manual_seed(i)) for i in range(steps)]
     batches = [{"input_ids": t[:, :-1], "labels": t[:, 1:].clone()} for t in tokens]
-    trainer = L.Trainer(accelerator=device.type, devices=1, strategy=OneDeviceStrategy(device=device), max_steps=steps, logger=False, enable_checkpointing=False,
+    trainer = L.Trainer(accelerator=device.type, devices=1, strategy=DeepSeekStrategy(), max_steps=steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                         log_every_n_steps=steps, plugins=[AutocastPrecision(module.precision.name, device.type)])
     trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))

@@ -221,6 +221,11 @@ class ModelConfig:
         return dict(self._family().unsupported_parallel)
 
     @property
+    def split_over_tp(self) -> tuple[str, ...]:
+        """Fields tensor parallelism divides over its ranks (its card says)."""
+        return tuple(self._family().split_over_tp)
+
+    @property
     def packs_documents(self) -> bool:
         """Whether the attention follows documents packed into one row (SFT's ``sft.packing``)."""
         return self._family().packed_documents

@@ -175,9 +175,10 @@ def check_world_size(dp: int, tp: int, pp: int, cp: int, world_size: int,
 
 
 def check_heads(model: ModelConfig, tp: int) -> None:
-    """Tensor parallelism splits the attention heads."""
-    if model.n_heads % tp:
-        raise ConfigError(f"parallel.tp={tp} does not divide model.n_heads={model.n_heads}; pick a divisor")
+    """Tensor parallelism splits the attention heads (and what else the family's card lists)."""
+    for field in model.split_over_tp:
+        if getattr(model, field) % tp:
+            raise ConfigError(f"parallel.tp={tp} does not divide model.{field}={getattr(model, field)}; pick a divisor")
 
 
 def check_ep_over_dp(ep: int, dp: int) -> None:

@@ -234,10 +234,11 @@ class TrainConfig:
                 raise ConfigError(f"sft.packing=true with model {self.model.name} (family {self.model.family}): its "
                                   "compressed attention windows do not follow packed documents yet; set sft.packing=false")
         for dim, why in self.model.unsupported_parallel.items():
-            if getattr(self.parallel, dim) > 1:
-                raise ConfigError(f"parallel.{dim}={getattr(self.parallel, dim)} with model {self.model.name} "
-                                  f"(family {self.model.family}) is not supported yet: {why}; use data and expert "
-                                  f"parallelism (parallel.{dim}=1)")
+            value = getattr(self.parallel, dim)
+            if value is True or (not isinstance(value, bool) and value > 1):
+                off = "false" if isinstance(value, bool) else "1"
+                raise ConfigError(f"parallel.{dim}={str(value).lower()} with model {self.model.name} "
+                                  f"(family {self.model.family}) is not supported yet: {why}; set parallel.{dim}={off}")
         check_context_parallel_seq_len(self.parallel.cp, self.data.seq_len)
         self.data.validate(dp_size=dp)
         self.layout.check_micro_batches(self.data.smallest_global_batch, self.data.micro_batch_size)

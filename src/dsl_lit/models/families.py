@@ -66,6 +66,9 @@ class FamilyCard:
     unsupported_parallel: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """Parallel dimensions (``tp``, ``pp``, ``cp``, ``ep``) the family cannot run under, each with why:
     ``TrainConfig.validate`` refuses them before any process starts."""
+    split_over_tp: tuple[str, ...] = ("n_heads",)
+    """Fields tensor parallelism divides over its ranks (the attention's heads; DeepSeek-V4 also its
+    output projection's groups of heads): ``parallel.tp`` must divide each."""
     packed_documents: bool = True
     """Whether its attention follows packed documents (a per-query key mask); False: SFT must not pack."""
     reads: tuple[str, ...] = ()

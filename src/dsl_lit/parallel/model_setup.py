@@ -1,4 +1,4 @@
-"""The one hook that sets a module's model up for its run, shared by every strategy of ours.
+"""The one hook that sets a module's model up for its run, the strategy's (:mod:`dsl_lit.parallel.strategy`).
 
 A run's model is changed from outside in one place, :func:`~dsl_lit.parallel.model_transforms.transform_model`,
 and this hook is its only caller: Lightning's ``_setup_model`` (the step where a strategy would wrap

@@ -1,8 +1,12 @@
-"""The Lightning Strategy that runs our LightningModules on a device mesh.
+"""The Lightning Strategy that runs our LightningModules, on one process or on a device mesh.
 
-It runs a (pp, edp, ep, cp, tp) device mesh (dp = edp x ep) over ``trainer.devices x
-trainer.num_nodes`` processes (gloo on CPU, NCCL on GPU); tp ranks are adjacent (one node), then
-cp, then ep, then the rest of dp, with pipeline stages outermost. What it applies, from outside the model:
+Every run has it, whatever its world size. On several processes it runs a (pp, edp, ep, cp, tp)
+device mesh (dp = edp x ep) over ``trainer.devices x trainer.num_nodes`` processes (gloo on CPU,
+NCCL on GPU); tp ranks are adjacent (one node), then cp, then ep, then the rest of dp, with
+pipeline stages outermost. On one process the mesh is the trivial one: no process group is
+started, nothing is launched, and the step runs through the same runner with every dimension 1
+(what Lightning's single-device strategy did, without a second class to keep in step). What it
+applies, from outside the model:
 
 - data parallelism, plain or with ZeRO-1 (:mod:`dsl_lit.parallel.zero1`);
 - tensor (+ sequence) parallelism with each family's plan (:mod:`dsl_lit.parallel.tensor_parallel`);
@@ -33,7 +37,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, Strategy
 from torch.distributed.device_mesh import DeviceMesh
 
 from dsl_lit.config.parallel import ParallelLayout
@@ -47,30 +51,53 @@ from dsl_lit.parallel.tensor_parallel import place_gradients_like_parameters
 from dsl_lit.precision.auto import check_ranks_agree
 from dsl_lit.utils.materialise import has_meta_tensors
 
+ONE_PROCESS = ParallelLayout(world_size=1, dp=1)
+"""The layout of a one-process run: every mesh dimension 1."""
+
 
 class DeepSeekStrategy(ModelSetup, ShardedCheckpointing, DDPStrategy):
-    """Several processes on a (pp, dp, ep, cp, tp) device mesh: no DDP wrapper (the step runner
-    reduces gradients), the model transformed with this layout's steps in :class:`ModelSetup`'s
-    hook when fitting, alone otherwise (Lightning shards nothing then)."""
+    """Every run's strategy: one process, or several on a (pp, dp, ep, cp, tp) device mesh. No DDP
+    wrapper (the step runner reduces gradients); the model transformed in :class:`ModelSetup`'s
+    hook, with this layout's steps when fitting, alone otherwise (Lightning shards nothing then).
+    The Trainer's ``accelerator`` and ``devices`` place every rank, the one of a one-process run
+    included."""
 
     strategy_name = "dsl_lit"
 
-    def __init__(self, layout: ParallelLayout, **kwargs: Any) -> None:
+    def __init__(self, layout: ParallelLayout = ONE_PROCESS, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.layout = layout
         self.mesh: DeviceMesh | None = None
         self._runner: MeshStepRunner | None = None
 
+    @property
+    def one_process(self) -> bool:
+        """Whether the layout is one process: no process group, no launcher, no mesh."""
+        return self.layout.world_size == 1
+
+    def _configure_launcher(self) -> None:
+        if self.one_process:
+            self._launcher = None  # nothing to start (Lightning's launcher would set rank variables here)
+            return
+        super()._configure_launcher()
+
     def setup_environment(self) -> None:
-        super().setup_environment()
+        if self.one_process:
+            self.set_world_ranks()  # rank 0 of 1 (Lightning's rank_zero_only included)
+            super(DDPStrategy, self).setup_environment()  # the device alone: no process group
+        else:
+            super().setup_environment()
         if self.world_size != self.layout.world_size:
             raise RuntimeError(f"the layout was validated for {self.layout.world_size} processes, "
                                f"Lightning started {self.world_size}")
-        self.mesh = build_device_mesh(self.layout, self.root_device.type)
+        self.mesh = None if self.one_process else build_device_mesh(self.layout, self.root_device.type)
         self._runner = None  # built again on the mesh
         check_ranks_agree()
 
     def setup(self, trainer: Any) -> None:
+        if self.one_process:  # no module states to synchronise, no replicas to broadcast to
+            Strategy.setup(self, trainer)
+            return
         if not is_fitting(trainer):  # DDPStrategy sets the model up (configure_ddp) only when fitting
             self.model = self._setup_model(self.model)
         super().setup(trainer)
@@ -105,6 +132,8 @@ class DeepSeekStrategy(ModelSetup, ShardedCheckpointing, DDPStrategy):
         """Prune to this rank's pipeline stages, then shard over the tp, ep and cp mesh dimensions
         (:mod:`dsl_lit.parallel.layout_steps`); a frozen copy that samples on the shards (a KL
         reference) alike."""
+        if self.one_process:
+            return {}  # nothing to cut or shard
         plan = module.transform_plan
         if plan.fp8 is not None and plan.fp8_experts and self.layout.ep > 1:
             raise ValueError("the module's transform plan converts the routed experts to FP8 under expert "

@@ -20,6 +20,7 @@ and nothing here knows which family it shards.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -88,7 +89,7 @@ _STYLES: dict[str, Callable[[ModelConfig], ParallelStyle]] = {
 }
 """Style name -> the ParallelStyle it means; :data:`~dsl_lit.models.common.tp_plan.SHARED_ROPE_KEY`
 is a gradient hook instead (:func:`apply_tensor_parallel`)."""
-_HOOKS = frozenset({styles.SHARED_ROPE_KEY})
+_HOOKS = frozenset({styles.SHARED_ROPE_KEY, styles.SHARED_BY_HEADS, styles.HEAD_SHARDED})
 
 
 def declared_plan(cfg: ModelConfig, tp: int, sequence_parallel: bool = False) -> dict[str, str]:
@@ -188,7 +189,8 @@ class KVHeadPerRank(ParallelStyle):
 
 
 class _SumGradOfTail(torch.autograd.Function):
-    """Identity forward; backward all-reduces the gradient of the last features over tp.
+    """Identity forward; backward all-reduces the gradient of the last features (from ``start``:
+    all of them at 0) over tp.
 
     MLA's shared rotary key leaves the replicated ``wkv_a`` beside the latent and is used by every
     rank's *own* heads, so each rank holds only part of its gradient (Megatron's "f" operator).
@@ -242,8 +244,13 @@ def apply_tensor_parallel(
     on the meta device, allocated later).
     """
     modules = dict(model.named_modules())
+    parameters = dict(model.named_parameters())
     declared = {name: style for name, style in declared_plan(cfg, tp_mesh.size(), sequence_parallel).items()
-                if name in modules}
+                if name in modules or (style == styles.HEAD_SHARDED and name in parameters)}
+    for name, style in declared.items():
+        if style == styles.HEAD_SHARDED:  # a per-head parameter: the rank's heads' entries
+            owner, _, attribute = name.rpartition(".")
+            setattr(modules[owner], attribute, nn.Parameter(distribute_tensor(parameters[name].data, tp_mesh, [Shard(0)])))
     plan = {name: _STYLES[style](cfg) for name, style in declared.items() if style not in _HOOKS}
     parallelize_module(model, tp_mesh, plan)
     embedding, output = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
@@ -257,4 +264,17 @@ def apply_tensor_parallel(
             modules[name].register_forward_hook(
                 lambda _m, _i, out: _SumGradOfTail.apply(out, out.shape[-1] - cfg.rope_dim, group)
             )
+        elif style == styles.SHARED_BY_HEADS:  # every feature is read by every rank's own heads
+            modules[name].register_forward_hook(lambda _m, _i, out: _SumGradOfTail.apply(out, 0, group))
+    for module in modules.values():
+        if hasattr(module, "sum_over_head_ranks"):  # DeepSeek-V3.2's sparse attention: its indexer's target
+            module.sum_over_head_ranks = functools.partial(_summed_over, group=group)
     return model
+
+
+@torch.no_grad()
+def _summed_over(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``tensor`` summed over ``group`` (a copy; no gradient: an attention target)."""
+    total = tensor.clone()
+    dist.all_reduce(total, group=group)
+    return total

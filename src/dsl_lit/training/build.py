@@ -23,7 +23,6 @@ from dsl_lit.config import ModelConfig, TrainConfig
 from dsl_lit.config.model import CONTEXT_FIELDS
 from dsl_lit.flops import training_flops_per_token
 from dsl_lit.models import build_model
-from dsl_lit.parallel.one_device import OneDeviceStrategy
 from dsl_lit.parallel.strategy import DeepSeekStrategy
 from dsl_lit.precision.plugin import AutocastPrecision
 from dsl_lit.training.callbacks.downstream_eval import DownstreamEvaluation
@@ -172,13 +171,9 @@ def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = N
     callbacks.append(RankFailureReporter(checkpoint_dir(cfg), resume=stop_hint(cfg)))
     callbacks.append(PreemptionHandler())  # before the checkpoint callback (Lightning runs those last)
     callbacks.append(RunLog())  # after every callback that logs (its lines read this step's values) and the preemption's
-    # One process: Lightning's single-device strategy. Several: ours (pp x dp x tp mesh, ZeRO-1).
-    # Both save and load the same sharded, layout-independent checkpoints.
-    strategy = (
-        DeepSeekStrategy(cfg.layout, timeout=timedelta(seconds=cfg.trainer.collective_timeout_s))
-        if cfg.world_size > 1
-        else OneDeviceStrategy(device=torch.device("cuda", 0) if plan.device_type == "cuda" else torch.device("cpu"))
-    )
+    # One strategy for every world size (one process: no process group, the trivial mesh), so every
+    # run saves and loads the same sharded, layout-independent checkpoints the same way.
+    strategy = DeepSeekStrategy(cfg.layout, timeout=timedelta(seconds=cfg.trainer.collective_timeout_s))
     return L.Trainer(
         accelerator=cfg.trainer.accelerator,
         strategy=strategy,

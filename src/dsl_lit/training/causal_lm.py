@@ -120,9 +120,9 @@ class CausalLMModule(L.LightningModule):
         trainer = self._trainer  # None: built by hand, transformed by whichever strategy runs it later
         wanted = self.transform_plan.wanted(is_fitting(trainer), speed_only=False) if trainer is not None else []
         if wanted and not isinstance(trainer.strategy, ModelSetup):
-            raise RuntimeError(f"{', '.join(wanted)} of this module are applied by dsl_lit's strategies: build the "
+            raise RuntimeError(f"{', '.join(wanted)} of this module are applied by dsl_lit's strategy: build the "
                               "Trainer with dsl_lit.training.build.build_trainer(cfg), or pass "
-                              "strategy=dsl_lit.parallel.one_device.OneDeviceStrategy(device)")
+                              "the strategy of dsl_lit.parallel.strategy (no arguments for one process)")
         if not lazy:
             if self.initial_state is not None:
                 self.model.load_state_dict(self.initial_state, strict=True)

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 from dsl_lit.config.objective import ObjectiveConfig
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.models import ModelConfig
-from dsl_lit.parallel.one_device import OneDeviceStrategy
+from dsl_lit.parallel.strategy import DeepSeekStrategy
 from dsl_lit.training import PretrainModule
 from dsl_lit.training.callbacks.expert_load import load_ratios
 from tests.conftest import ROOT
@@ -67,7 +67,7 @@ def _final_imbalance(gamma: float, seed: int = 0) -> float:
     module = PretrainModule(cfg, OptimConfig(lr=1e-3), ScheduleConfig(name="constant", warmup_steps=0), ROWS,
                             total_steps=STEPS, objective=ObjectiveConfig(bias_update_rate=[gamma], bias_update_boundaries=[]))
     ratios = LoadRatios()
-    trainer = L.Trainer(accelerator="cpu", strategy=OneDeviceStrategy(device=torch.device("cpu")), max_steps=STEPS, logger=False, enable_checkpointing=False,
+    trainer = L.Trainer(accelerator="cpu", strategy=DeepSeekStrategy(), max_steps=STEPS, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[ratios])
     trainer.fit(module, train_dataloaders=DataLoader(_byte_windows(seed), batch_size=None))
     return sum(ratios.ratios[-LAST:]) / LAST

@@ -23,7 +23,6 @@ from torch.utils.data import DataLoader
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.config.parallel import ParallelLayout
 from dsl_lit.config.posttrain import GRPOConfig
-from dsl_lit.parallel.one_device import OneDeviceStrategy
 from dsl_lit.parallel.strategy import DeepSeekStrategy
 from dsl_lit.posttrain import GRPOModule
 from dsl_lit.posttrain.module import PostTrainModule, shifted_completion
@@ -75,7 +74,7 @@ def _module(loss_type: str) -> CompletionsGRPO:
 def _fit(module: CompletionsGRPO, rows: dict[str, torch.Tensor], **trainer_kwargs) -> dict[str, torch.Tensor]:
     """One optimizer step; the gradients the optimizer was handed (reduced over replicas)."""
     recorder = StepRecorder()
-    trainer_kwargs.setdefault("strategy", OneDeviceStrategy(device=torch.device("cpu")))
+    trainer_kwargs.setdefault("strategy", DeepSeekStrategy())
     trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                         callbacks=[recorder], **trainer_kwargs)

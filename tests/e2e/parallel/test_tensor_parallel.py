@@ -1,6 +1,8 @@
 """Tensor-parallel plans on real gloo meshes (2 and 4 ranks): sharded models give the single-device
 logits, losses (main, MTP, MoE balance), MTP logits, gradients and gradient norm for every family
-(MLA with and without query compression, MoE, MTP), with and without sequence parallelism, with
+(MLA with and without query compression, MoE, MTP, DeepSeek-V3.2's indexer: its KL and top-k
+recall; DeepSeek-V4's shared key/value head, compressors, sinks and grouped output projection),
+with and without sequence parallelism, with
 a vocab-parallel embedding (tied or not), and with kv heads replicated when tp > n_kv_heads. The
 vocab-parallel cross-entropy never needs the gathered logits, and checkpoints (full tensors by
 name) round-trip through the sharded layout."""
@@ -19,13 +21,21 @@ from dsl_lit.models.registry import family_spec
 from dsl_lit.ops import cross_entropy
 from dsl_lit.optim.clip import squared_norm
 from dsl_lit.parallel.tensor_parallel import apply_tensor_parallel, declared_plan, tensor_parallel_plan
-from tests.numerics import assert_close_fp32
+from tests.numerics import assert_close_fp32, fp32_tolerance
 from tests.ranks import spawn
 
 LLM = ("deepseek_llm_tiny", dict(n_layers=2, vocab_size=256))
 V3 = ("deepseek_v3_tiny", dict(n_layers=3, vocab_size=256, seq_balance_alpha=0.01))  # dense, MoE, MTP (MoE)
 V3_NO_Q_LORA = (V3[0], dict(V3[1], q_lora_rank=None))
 V2 = ("deepseek_v2_tiny", dict(n_layers=3, vocab_size=256, seq_balance_alpha=0.01))  # V3's plan, V2's router
+# DeepSeek-V3.2: the indexer replicated, its KL target the attention of all heads (summed over tp);
+# top-8 of up to 16 keys, so the selection matters, sparse training and the dense warm-up
+V32 = ("deepseek_v32_tiny", dict(n_layers=3, vocab_size=256, seq_balance_alpha=0.01, index_topk=8, index_training="sparse"))
+V32_WARMUP = (V32[0], dict(V32[1], index_training="warmup"))
+# DeepSeek-V4 (mHC streams; hca, sliding, csa layers; hash and top-k routed MoE): query heads and
+# whole output groups per rank, the shared key/value head and compressed keys replicated, the CSA
+# indexer (top-2 of 4 compressed keys) replicated with its KL target over every rank's heads
+V4 = ("deepseek_v4_tiny", dict(vocab_size=256, index_topk=2))
 
 # (preset, overrides, sequence_parallel); 16 input tokens: divisible by tp, the MTP's 15 are not
 TP2_CASES = [
@@ -39,6 +49,10 @@ TP2_CASES = [
     (*V3_NO_Q_LORA, True),
     (*V2, True),
     (LLM[0], dict(LLM[1], n_kv_heads=1), True),
+    (*V32, False),
+    (*V32, True),
+    (*V32_WARMUP, False),
+    (*V4, False),
 ]
 TP4_CASES = [
     (LLM[0], dict(LLM[1], n_kv_heads=2), True),  # ranks 0, 1 use kv head 0; ranks 2, 3 kv head 1
@@ -50,12 +64,14 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-Outputs = tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor]
+Outputs = tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor | None]
 
 
 def _run(model: torch.nn.Module, tokens: torch.Tensor) -> Outputs:
-    """(hidden states, logits, MTP logits, the pretraining objective) as the modules compute them;
-    the logits are copies, as cross_entropy's backward writes their gradient over local logits."""
+    """(hidden states, logits, MTP logits, the pretraining objective, the indexers' mean top-k
+    recall or None) as the modules compute them (the objective with DeepSeek-V3.2's indexer KL, which
+    trains the indexers only); the logits are copies, as cross_entropy's backward writes their
+    gradient over local logits."""
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     hidden = model.hidden_states(inputs)
     logits = model.head(hidden)
@@ -63,9 +79,10 @@ def _run(model: torch.nn.Module, tokens: torch.Tensor) -> Outputs:
     loss = cross_entropy(logits, labels)
     for k, mtp_logits in enumerate(mtp, start=1):
         loss = loss + cross_entropy(mtp_logits, labels[:, k:])
-    balance = model.balance_loss()
+    balance, index = model.balance_loss(), model.index_losses()
     logits, mtp = logits.detach().clone(), [m.detach().clone() for m in mtp]
-    return hidden, logits, mtp, loss if balance is None else loss + balance
+    loss = loss if balance is None else loss + balance
+    return hidden, logits, mtp, loss if index is None else loss + index[0], None if index is None else index[1]
 
 
 def _check_case(mesh: DeviceMesh, name: str, overrides: dict, sequence_parallel: bool) -> None:
@@ -76,17 +93,17 @@ def _check_case(mesh: DeviceMesh, name: str, overrides: dict, sequence_parallel:
     reference = build_model(cfg)
     torch.manual_seed(0)
     sharded = apply_tensor_parallel(build_model(cfg), cfg, mesh, sequence_parallel=sequence_parallel)
-    assert isinstance(sharded.layers["1"].attention.wo.weight, DTensor)
+    assert any(isinstance(p, DTensor) for p in sharded.layers["1"].attention.parameters())
     embedding = sharded.tok_embeddings.weight
     assert isinstance(embedding, DTensor) and embedding.placements == (Shard(0),)  # vocab-parallel
     assert embedding.to_local().shape[0] == cfg.vocab_size // world
     if cfg.tie_embeddings:
         assert sharded.output.weight is embedding
     tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
-    _, expected_logits, expected_mtp, expected = _run(reference, tokens)
+    _, expected_logits, expected_mtp, expected, expected_recall = _run(reference, tokens)
     expected.backward()
     with loss_parallel():
-        hidden, logits, mtp, loss = _run(sharded, tokens)
+        hidden, logits, mtp, loss, recall = _run(sharded, tokens)
         loss.backward()
     if sequence_parallel:  # the residual stream is sequence shards, the rotary tables were full
         assert isinstance(hidden, DTensor) and hidden.placements == (Shard(1),), case
@@ -98,6 +115,9 @@ def _check_case(mesh: DeviceMesh, name: str, overrides: dict, sequence_parallel:
     assert len(mtp) == len(expected_mtp) == cfg.mtp_modules
     reduction = cfg.d_model * cfg.n_layers  # per layer one sum over the model width, split over tp
     assert_close_fp32(loss, expected, reduction, msg=f"{case} loss")
+    if cfg.index_training != "off":  # every rank selected the keys one process selects
+        assert 0 < float(recall) < 1, case
+        assert_close_fp32(recall, expected_recall, reduction, msg=f"{case} top-k recall")
     assert_close_fp32(_full(logits), expected_logits, reduction, msg=f"{case} logits")
     for got, want in zip(mtp, expected_mtp):
         assert_close_fp32(_full(got), want, reduction, msg=f"{case} MTP logits")
@@ -105,7 +125,20 @@ def _check_case(mesh: DeviceMesh, name: str, overrides: dict, sequence_parallel:
     for param_name, p in sharded.named_parameters():
         if isinstance(p.grad, DTensor):  # what the gradient norm and the dp reduction rely on
             assert not any(pl.is_partial() for pl in p.grad.placements), f"{case} {param_name}"
-        assert_close_fp32(_full(p.grad), grads[param_name].grad, reduction, msg=f"{case} {param_name}")
+        want = grads[param_name].grad
+        if ".indexer." in param_name:
+            # an indexer's gradients all come from one source, softmax(I) - p over the keys, p the
+            # attention's mean over heads (summed in another order under tp); its key norm's bias
+            # gets a near-cancelling sum of those (the softmax ignores a shift shared by every key), so
+            # each of its tensors carries the error of the module's gradient scale, not of its own
+            module = param_name.rsplit(".indexer.", 1)[0] + ".indexer."
+            scale = max(g.grad.abs().max().item() for n, g in grads.items() if n.startswith(module))
+            tolerance = fp32_tolerance(torch.tensor([scale]), reduction)
+            torch.testing.assert_close(_full(p.grad), want, **tolerance, msg=lambda m, n=param_name: f"{case} {n}: {m}")
+            continue
+        # a scalar (V4's stream collapse scale) sums its gradient over every token, stream and feature
+        terms = tokens[:, :-1].numel() * cfg.d_model * (cfg.hc_mult if cfg.family == "deepseek_v4" else 1)
+        assert_close_fp32(_full(p.grad), want, terms if want.numel() == 1 else reduction, msg=f"{case} {param_name}")
     norm = squared_norm([p.grad for p in sharded.parameters()])
     expected_norm = squared_norm([p.grad for p in reference.parameters()])
     assert_close_fp32(norm, expected_norm, reduction, msg=f"{case} grad norm")
@@ -158,20 +191,33 @@ def test_tensor_parallel_matches_one_device(tmp_path, world, cases):
     spawn(_worker, args=(world, str(tmp_path / "init"), cases), nprocs=world)
 
 
-@pytest.mark.parametrize("name", ["deepseek_llm_tiny", "deepseek_v3_tiny", "deepseek_v2_tiny"])
+@pytest.mark.parametrize("name", ["deepseek_llm_tiny", "deepseek_v3_tiny", "deepseek_v2_tiny", "deepseek_v32_tiny",
+                                  "deepseek_v4_tiny"])
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_every_family_declares_its_plan_in_known_styles(name, sequence_parallel):
-    """A family's plan is data (FQN -> style name) that names only modules the model has; every
-    name becomes a ParallelStyle, except MLA's shared rotary key, which becomes a gradient hook."""
-    cfg = ModelConfig.from_name(name, n_layers=2)
+    """A family's plan is data (FQN -> style name) that names only modules (or, for per-head
+    parameters, parameters) the model has; every name becomes a ParallelStyle, except the gradient
+    hooks (MLA's shared rotary key, V4's key/value head and compressed keys) and V4's sinks."""
+    cfg = ModelConfig.from_name(name, n_layers=4 if name == "deepseek_v4_tiny" else 2)
+    if name == "deepseek_v4_tiny" and sequence_parallel:  # refused at start-up (its card), and here
+        with pytest.raises(ValueError, match="no sequence parallelism"):
+            declared_plan(cfg, 2, sequence_parallel)
+        return
     declared = declared_plan(cfg, 2, sequence_parallel)
     assert declared == family_spec(cfg.family).tp_plan(cfg, 2, sequence_parallel)
     with torch.device("meta"):
-        modules = {n for n, _ in build_model(cfg).named_modules()}
-    assert set(declared) <= modules
+        model = build_model(cfg)
+    modules, parameters = {n for n, _ in model.named_modules()}, {n for n, _ in model.named_parameters()}
+    assert {n for n, style in declared.items() if style != "head_sharded"} <= modules
+    assert {n for n, style in declared.items() if style == "head_sharded"} <= parameters
     styles = tensor_parallel_plan(cfg, 2, sequence_parallel)
-    hooks = {n for n, style in declared.items() if style == "shared_rope_key"}
+    hooks = {n for n, style in declared.items() if style in ("shared_rope_key", "shared_by_heads", "head_sharded")}
     assert set(styles) == set(declared) - hooks
-    assert hooks == ({"layers.0.attention.wkv_a", "layers.1.attention.wkv_a"} | ({"mtp.0.block.attention.wkv_a"} if cfg.mtp_modules else set())
-                     if cfg.attention_shape.latent else set())
+    if name == "deepseek_v4_tiny":  # kinds hca, sliding, csa, hca: the sliding layer has no compressor
+        assert {n for n in hooks if "compressor" in n} == {f"layers.{i}.attention.compressor.norm" for i in (0, 2, 3)}
+        assert {n for n in hooks if n.endswith("attn_sink")} == {f"layers.{i}.attention.attn_sink" for i in range(4)}
+    else:
+        assert hooks == ({"layers.0.attention.wkv_a", "layers.1.attention.wkv_a"}
+                         | ({"mtp.0.block.attention.wkv_a"} if cfg.mtp_modules else set())
+                         if cfg.attention_shape.latent else set())
     assert ("norm" in declared) == sequence_parallel

@@ -1,7 +1,8 @@
 """DeepSeek-V4 through the pretraining recipe as a user runs it (``model=deepseek_v4_tiny``): the
 loss falls, the CSA indexer's KL is logged, a run stopped at a checkpoint resumes to the uninterrupted run's losses bit for bit
 (mHC, hash tables, the routers' bias and load all restored), and its export loads in transformers
-with our logits; layouts the family cannot run are refused at start-up."""
+with our logits; the checkpoint continues under tensor parallelism; layouts the family cannot run
+are refused at start-up."""
 
 from __future__ import annotations
 
@@ -23,9 +24,19 @@ def test_v4_trains_resumes_exactly_and_exports(tmp_path):
     full, stopped = tmp_path / "full", tmp_path / "stopped"
     run_recipe(full, *V4, "trainer.max_steps=8")
     run_recipe(stopped, *V4, "trainer.max_steps=4")
+    # the step-4 checkpoint continued under tensor parallelism (2 ranks: each its own query heads and
+    # output groups, the shared key/value head, compressors and indexer replicated)
+    tensor_parallel = tmp_path / "tp2"
+    run_recipe(tensor_parallel, *V4, "trainer.max_steps=8", "trainer.devices=2", "parallel.tp=2",
+               f"checkpoint.resume_from={stopped / 'checkpoints' / 'step-4'}")
     run_recipe(stopped, *V4, "trainer.max_steps=8")  # resumes from step-4
     uninterrupted = losses(full)
     assert sorted(uninterrupted) == list(range(8)) and losses(stopped) == uninterrupted
+    continued = losses(tensor_parallel)
+    assert sorted(continued) == [4, 5, 6, 7]
+    for step in continued:  # fp32 reordering of the heads' and vocabulary's sums, grown by AdamW (as across
+        # the layouts of tests/e2e/parallel/test_parallel_e2e.py)
+        assert float(continued[step]) == pytest.approx(float(uninterrupted[step]), rel=2e-3), step
     assert float(uninterrupted[7]) < float(uninterrupted[0]) - 1.0
     kl = metric(full, "train/index_kl")  # the CSA layer's indexer trains by its KL (index_training=sparse)
     assert sorted(kl) == list(range(8)) and all(float(v) > 0 for v in kl.values())
@@ -45,17 +56,24 @@ def test_v4_trains_resumes_exactly_and_exports(tmp_path):
         assert_close_fp32(ours.eval()(ids).float(), reference(input_ids=ids).logits.float(), cfg.d_model * 4 * 48)
 
 
-@pytest.mark.parametrize("dim", ["tp", "cp"])
-def test_layouts_v4_cannot_run_are_refused_before_any_process_starts(dim):
-    """Validated in the launching process (TrainConfig.validate), from the family card's table."""
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.devices=2", "parallel.cp=2"], r"^parallel\.cp=2 with model deepseek_v4_tiny \(family deepseek_v4\) is not supported yet"),
+    (["trainer.devices=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+     r"^parallel\.sequence_parallel=true with model deepseek_v4_tiny \(family deepseek_v4\) is not supported yet: "
+     r".*; set parallel\.sequence_parallel=false$"),
+    (["trainer.devices=4", "parallel.tp=4"], r"^parallel\.tp=4 does not divide model\.o_groups=2; pick a divisor$"),
+])
+def test_layouts_v4_cannot_run_are_refused_before_any_process_starts(overrides, message):
+    """Validated in the launching process (TrainConfig.validate), from the family card's tables;
+    tensor parallelism itself is accepted (its parity: tests/e2e/parallel/test_tensor_parallel.py)."""
     from data_contract.errors import ConfigError
     from dsl_lit.config import TrainConfig
     from tests.conftest import compose_config
 
-    overrides = ["model=deepseek_v4_tiny", "trainer.devices=2", f"parallel.{dim}=2", "logger=csv"]
-    with pytest.raises(ConfigError, match=rf"^parallel\.{dim}=2 with model deepseek_v4_tiny \(family deepseek_v4\) "
-                                          "is not supported yet"):
-        TrainConfig.from_hydra(compose_config(overrides=overrides))
+    base = ["model=deepseek_v4_tiny", "logger=csv"]
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig.from_hydra(compose_config(overrides=[*base, *overrides]))
+    assert TrainConfig.from_hydra(compose_config(overrides=[*base, "trainer.devices=2", "parallel.tp=2"])).layout.tp == 2
 
 
 @pytest.mark.slow

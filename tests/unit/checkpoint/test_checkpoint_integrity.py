@@ -40,7 +40,7 @@ from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.hf import save_pretrained
 from dsl_lit.models import build_model
 from dsl_lit.optim.schedules import cosine_multiplier
-from dsl_lit.parallel.one_device import OneDeviceStrategy
+from dsl_lit.parallel.strategy import DeepSeekStrategy
 from tests.conftest import compose_config
 from tests.recipe_runs import losses, metric, run_recipe
 from tests.unit.checkpoint.test_checkpoint_policy import _batches, _module
@@ -127,7 +127,7 @@ def train(root: Path, steps: int, resume: Path | None = None, fall_back: bool = 
     torch.manual_seed(0)
     started = ResumedAt()
     trainer = L.Trainer(
-        accelerator="cpu", strategy=OneDeviceStrategy(device=torch.device("cpu")), max_steps=steps, logger=False,
+        accelerator="cpu", strategy=DeepSeekStrategy(), max_steps=steps, logger=False,
         callbacks=[started, *callbacks, StepCheckpoint(root, every_n_steps=2)], enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False,
         plugins=[DirectoryCheckpointIO(resolved_config, fall_back=fall_back, keep_last=keep_last)],

@@ -34,7 +34,7 @@ from dsl_lit.config.precision import PrecisionConfig
 from dsl_lit.hf.io import save_pretrained
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.parallel import model_transforms
-from dsl_lit.parallel.one_device import OneDeviceStrategy
+from dsl_lit.parallel.strategy import DeepSeekStrategy
 from dsl_lit.precision.fp8 import apply_fp8
 from dsl_lit.precision.plugin import AutocastPrecision
 from dsl_lit.training import PretrainModule
@@ -94,7 +94,7 @@ def _fit(root: Path, fp8: bool, async_save: bool, resume: Path | None = None, st
                             precision=PrecisionConfig(name="bf16", fp8="fp8_rowwise" if fp8 else None))
     weights = Weights()
     trainer = L.Trainer(
-        accelerator="cpu", strategy=OneDeviceStrategy(device=torch.device("cpu")), max_steps=steps, logger=False,
+        accelerator="cpu", strategy=DeepSeekStrategy(), max_steps=steps, logger=False,
         callbacks=[weights, EMACallback(EMA_DECAY), StepCheckpoint(root, every_n_steps=2)], enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False,
         plugins=[DirectoryCheckpointIO({"model": MODEL}, async_save=async_save), AutocastPrecision("bf16", "cpu")],

@@ -252,14 +252,17 @@ def test_a_v3_checkpoint_continues_as_v32_with_its_indexers_added(tmp_path: Path
     assert loaded["layers.0.attention.indexer.wk.weight"].std() > 0
 
 
-def test_layouts_the_indexer_does_not_support_yet_are_refused_at_start_up(compose_cfg):
+def test_every_layout_is_accepted_at_start_up(compose_cfg):
+    """tensor, expert, pipeline and context parallelism and their product validate for V3.2 (its
+    parity under each: tests/e2e/parallel/test_tensor_parallel.py, test_expert_parallel.py,
+    test_pipeline.py, test_context_parallel.py)."""
     from dsl_lit.config import TrainConfig
 
-    cfg = compose_cfg(overrides=["model=deepseek_v32_tiny", "trainer.devices=2", "parallel.tp=2"])
-    with pytest.raises(ConfigError, match=r"^parallel\.tp=2 with model deepseek_v32_tiny \(family deepseek_v32\) is not supported yet"):
-        TrainConfig.from_hydra(cfg)
-    for supported in (["parallel=ep"], ["parallel=pp_1f1b", "data.micro_batch_size=1"], ["parallel=cp2"]):
-        TrainConfig.from_hydra(compose_cfg(overrides=["model=deepseek_v32_tiny", "trainer.devices=2", *supported]))
+    for devices, layout in ((2, ["parallel.tp=2"]), (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+                            (2, ["parallel=ep"]), (2, ["parallel=pp_1f1b", "data.micro_batch_size=1"]),
+                            (2, ["parallel=cp2"]), (4, ["parallel.tp=2", "parallel=ep"])):
+        cfg = TrainConfig.from_hydra(compose_cfg(overrides=["model=deepseek_v32_tiny", f"trainer.devices={devices}", *layout]))
+        assert cfg.layout.world_size == devices
 
 
 def test_the_warmup_without_a_checkpoint_is_refused_at_start_up(compose_cfg):

@@ -90,14 +90,14 @@ def test_a_module_that_asks_for_transforms_refuses_a_strategy_that_applies_none(
     """Only dsl_lit's strategies transform a model (:class:`ModelSetup`, the one caller of
     ``transform_model``): under a strategy of Lightning's own, a module whose plan asks for FP8 or
     recompute stops with a line naming the fix instead of training without them; built by hand (no
-    trainer) the model is left as built; under ``OneDeviceStrategy`` it is transformed when the
+    trainer) the model is left as built; under ``DeepSeekStrategy`` (one process here) it is transformed when the
     strategy sets it up."""
     import lightning as L
 
     from dsl_lit.config.memory import MemoryConfig
     from dsl_lit.config.optim import OptimConfig, ScheduleConfig
     from dsl_lit.config.precision import PrecisionConfig
-    from dsl_lit.parallel.one_device import OneDeviceStrategy
+    from dsl_lit.parallel.strategy import DeepSeekStrategy
     from dsl_lit.training import PretrainModule
 
     def module(strategy=None) -> PretrainModule:
@@ -109,14 +109,14 @@ def test_a_module_that_asks_for_transforms_refuses_a_strategy_that_applies_none(
                                      enable_progress_bar=False, enable_model_summary=False)
         return made
 
-    with pytest.raises(RuntimeError, match=r"^fp8, recompute of this module are applied by dsl_lit's strategies: "
-                                           r"build the Trainer with .*build_trainer\(cfg\), or pass strategy=.*OneDeviceStrategy"):
+    with pytest.raises(RuntimeError, match=r"^fp8, recompute of this module are applied by dsl_lit's strategy: "
+                                           r"build the Trainer with .*build_trainer\(cfg\), or pass the strategy of dsl_lit\.parallel\.strategy"):
         module("auto").configure_model()
     by_hand = module()
     by_hand.configure_model()
     assert not any(isinstance(m, Fp8Linear) for m in by_hand.model.modules())
 
-    strategy = OneDeviceStrategy(device=torch.device("cpu"))
+    strategy = DeepSeekStrategy()
     transformed = module(strategy)
     transformed.configure_model()
     assert not any(isinstance(m, Fp8Linear) for m in transformed.model.modules())  # the strategy's to do

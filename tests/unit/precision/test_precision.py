@@ -15,7 +15,7 @@ from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.config.posttrain import DPOConfig
 from dsl_lit.config.precision import PrecisionConfig
 from dsl_lit.optim.clip import clip_grad_norm_
-from dsl_lit.parallel.one_device import OneDeviceStrategy
+from dsl_lit.parallel.strategy import DeepSeekStrategy
 from dsl_lit.posttrain import DPOModule, SFTModule
 from dsl_lit.precision.loss_scaler import DynamicLossScaler
 from dsl_lit.precision.plugin import AutocastPrecision
@@ -61,7 +61,7 @@ def _train(cfg, precision: str, batches, hook=None, module_type: type[CausalLMMo
             losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
 
     callbacks = [Record()] + ([hook] if hook else [])
-    trainer = L.Trainer(accelerator="cpu", strategy=OneDeviceStrategy(device=torch.device("cpu")), max_steps=len(batches), logger=False, enable_checkpointing=False,
+    trainer = L.Trainer(accelerator="cpu", strategy=DeepSeekStrategy(), max_steps=len(batches), logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                         plugins=[AutocastPrecision(precision, "cpu")], callbacks=callbacks)
     trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
@@ -167,7 +167,7 @@ def test_nan_guard_stops_after_max_bad_steps_in_a_row():
     torch.manual_seed(0)
     module = PretrainModule(_llm(), OptimConfig(lr=1e-2), ScheduleConfig(name="constant", warmup_steps=0), 4,
                             total_steps=6, precision=PrecisionConfig(name="bf16").validate(), max_bad_steps=3)
-    trainer = L.Trainer(accelerator="cpu", strategy=OneDeviceStrategy(device=torch.device("cpu")), max_steps=6, logger=False, enable_checkpointing=False,
+    trainer = L.Trainer(accelerator="cpu", strategy=DeepSeekStrategy(), max_steps=6, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False,
                         plugins=[AutocastPrecision("bf16", "cpu")], callbacks=[_InjectNaNFrom(step=1)])
     with pytest.raises(FloatingPointError, match=r"3 optimizer steps in a row were skipped \(step 3: the loss is nan\)"):
@@ -185,7 +185,7 @@ class _NaNGradient(L.Callback):
 
 
 def _bf16_trainer(callback: L.Callback, max_steps: int) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", strategy=OneDeviceStrategy(device=torch.device("cpu")), max_steps=max_steps, logger=False, enable_checkpointing=False,
+    return L.Trainer(accelerator="cpu", strategy=DeepSeekStrategy(), max_steps=max_steps, logger=False, enable_checkpointing=False,
                      enable_progress_bar=False, enable_model_summary=False,
                      plugins=[AutocastPrecision("bf16", "cpu")], callbacks=[callback])
 

@@ -15,7 +15,7 @@ from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.memory.recompute import apply_recompute
 from dsl_lit.models import build_model
 from dsl_lit.ops import cross_entropy
-from dsl_lit.parallel.one_device import OneDeviceStrategy
+from dsl_lit.parallel.strategy import DeepSeekStrategy
 from dsl_lit.training import PretrainModule
 from dsl_lit.training.callbacks.ema import EMACallback
 from tests.numerics import assert_close_fp32
@@ -90,7 +90,7 @@ def _fit_with_ema(tmp_path, steps: int, ckpt_path=None, validate_with_ema=False)
                             total_steps=steps)
     track, ema = _Track(), EMACallback(decay=0.9, validate_with_ema=validate_with_ema)
     batches = [_batch(i) for i in range(steps)]
-    trainer = L.Trainer(accelerator="cpu", strategy=OneDeviceStrategy(device=torch.device("cpu")), max_steps=steps, logger=False, enable_progress_bar=False,
+    trainer = L.Trainer(accelerator="cpu", strategy=DeepSeekStrategy(), max_steps=steps, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[track, ema], default_root_dir=tmp_path,
                         enable_checkpointing=False, limit_val_batches=1 if validate_with_ema else 0,
                         val_check_interval=1 if validate_with_ema else None, num_sanity_val_steps=0,

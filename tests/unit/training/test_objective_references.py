@@ -31,7 +31,7 @@ from dsl_lit.config.posttrain import DPOConfig
 from dsl_lit.config.precision import PrecisionConfig
 from dsl_lit.models import build_model
 from dsl_lit.models.common.moe import MoE
-from dsl_lit.parallel.one_device import OneDeviceStrategy
+from dsl_lit.parallel.strategy import DeepSeekStrategy
 from dsl_lit.posttrain import DPOModule
 from dsl_lit.precision.plugin import AutocastPrecision
 from dsl_lit.training import PretrainModule
@@ -66,7 +66,7 @@ class StepRecorder(L.Callback):
 def _train(module: L.LightningModule, batches: list[dict[str, torch.Tensor]], precision: str = "fp32"
            ) -> tuple[StepRecorder, L.Trainer]:
     recorder = StepRecorder()
-    trainer = L.Trainer(accelerator="cpu", strategy=OneDeviceStrategy(device=torch.device("cpu")), max_steps=len(batches), logger=False, enable_checkpointing=False,
+    trainer = L.Trainer(accelerator="cpu", strategy=DeepSeekStrategy(), max_steps=len(batches), logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                         plugins=[AutocastPrecision(precision, "cpu")], callbacks=[recorder])
     trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))

@@ -18,7 +18,7 @@ from dsl_lit.config.objective import ObjectiveConfig
 from dsl_lit.config.optim import OptimConfig, ScheduleConfig
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.models.common.moe import TopKRouter
-from dsl_lit.parallel.one_device import OneDeviceStrategy
+from dsl_lit.parallel.strategy import DeepSeekStrategy
 from dsl_lit.training import PretrainModule
 from dsl_lit.training.loggers import RunCSVLogger
 from tests.conftest import compose_config
@@ -46,7 +46,7 @@ def _fit(cfg: ModelConfig, micro_batch_size: int, batches: list[dict[str, torch.
     # eps=1 makes the first AdamW update ~ g / (|g| + 1): linear in the gradient, so it is compared
     module = PretrainModule(cfg, OptimConfig(lr=1.0, eps=1.0), ScheduleConfig(name="constant", warmup_steps=0),
                             micro_batch_size, total_steps=len(batches), objective=objective)
-    trainer = L.Trainer(accelerator="cpu", strategy=OneDeviceStrategy(device=torch.device("cpu")), max_steps=len(batches), logger=logger, enable_checkpointing=False,
+    trainer = L.Trainer(accelerator="cpu", strategy=DeepSeekStrategy(), max_steps=len(batches), logger=logger, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                         log_every_n_steps=1)
     trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))

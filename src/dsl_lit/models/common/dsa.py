@@ -34,6 +34,7 @@ from dsl_lit.models.common.attention_shape import SparseLatentAttentionShape
 from dsl_lit.models.common.kv_cache import KVCache
 from dsl_lit.models.common.layers import apply_rope
 from dsl_lit.models.common.mla import MultiHeadLatentAttention
+from dsl_lit.models.common.split_heads import HeadMean
 
 INDEXER_NORM_EPS = 1e-6
 """The indexer's key LayerNorm eps in DeepSeek's and transformers' code."""
@@ -78,9 +79,12 @@ class LightningIndexer(nn.Module):
         return torch.matmul(weights.unsqueeze(-2), logits.relu()).squeeze(-2)
 
 
-class SparseLatentAttention(SparseLatentAttentionShape, MultiHeadLatentAttention):
+class SparseLatentAttention(SparseLatentAttentionShape, HeadMean, MultiHeadLatentAttention):
     """MLA restricted to the keys the :class:`LightningIndexer` selects (DeepSeek-V3.2); its shape
-    answers (FLOPs: the indexer plus top-k attention) are :class:`SparseLatentAttentionShape`'s."""
+    answers (FLOPs: the indexer plus top-k attention) are :class:`SparseLatentAttentionShape`'s.
+    Under tensor parallelism the indexer is replicated (every rank selects the same keys and
+    computes the same KL) and its target, the attention of all heads, sums the ranks' heads
+    (:class:`~dsl_lit.models.common.split_heads.HeadMean`)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int = 0) -> None:
         super().__init__(cfg, layer_id)
@@ -123,12 +127,12 @@ class SparseLatentAttention(SparseLatentAttentionShape, MultiHeadLatentAttention
         Also the top-k recall: the share of the dense attention mass on the selected keys."""
         with torch.no_grad():
             scores = torch.einsum("bshd,bthd->bsht", q.float(), k.float()) * self.softmax_scale
-            dense = scores.masked_fill(~allowed[:, :, None], float("-inf")).softmax(-1).mean(2)  # [b, s, t]
+            dense = self.mean_over_heads(scores.masked_fill(~allowed[:, :, None], float("-inf")).softmax(-1), dim=2)
             recall = (dense * selected).sum(-1)  # [b, s] per query
             if attended is allowed:
                 target = dense
             else:
-                target = scores.masked_fill(~attended[:, :, None], float("-inf")).softmax(-1).mean(2)
+                target = self.mean_over_heads(scores.masked_fill(~attended[:, :, None], float("-inf")).softmax(-1), dim=2)
         x, q_latent = x.detach(), q_latent.detach()
         keys = self.indexer.keys(x, cos, sin)
         if shard is not None:  # whole rows' keys (autograd reaches every rank's key projection)

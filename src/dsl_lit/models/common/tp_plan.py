@@ -45,6 +45,13 @@ and each rank computes the one kv head its query heads use."""
 SHARED_ROPE_KEY = "shared_rope_key"
 """A replicated projection whose last ``rope_dim`` outputs are a rotary key shared by every rank's
 own heads: that part of its output gradient is summed over tp (Megatron's "f")."""
+SHARED_BY_HEADS = "shared_by_heads"
+"""A replicated module whose whole output every rank's own heads read (DeepSeek-V4's one key/value
+head after its norm, a compressor's pooled keys): its output gradient is summed over tp, so the
+module and everything before it see the gradient of all heads."""
+HEAD_SHARDED = "head_sharded"
+"""A parameter (not a module) with one entry per attention head along its first dimension
+(DeepSeek-V4's attention sinks): split over tp like the heads."""
 # -- vocabulary --------------------------------------------------------------------------------------
 VOCAB_EMBEDDING = "vocab_embedding"
 """Row-parallel over the vocabulary (each rank looks up its slice, the rows are summed)."""
@@ -74,7 +81,7 @@ REPLICATED_OUTPUT = "replicated_output"
 """The output handed on as a replicated DTensor (an MTP module's norm, read by the shared head)."""
 
 STYLES = frozenset({
-    COLWISE, ROWWISE, ROWWISE_TO_SEQUENCE, KV_HEAD_PER_RANK, SHARED_ROPE_KEY, VOCAB_EMBEDDING,
+    COLWISE, ROWWISE, ROWWISE_TO_SEQUENCE, KV_HEAD_PER_RANK, SHARED_ROPE_KEY, SHARED_BY_HEADS, HEAD_SHARDED, VOCAB_EMBEDDING,
     VOCAB_EMBEDDING_TO_SEQUENCE, VOCAB_HEAD, VOCAB_HEAD_FROM_SEQUENCE, SEQUENCE_PARALLEL,
     GATHER_ATTENTION_INPUT, GATHER_ATTENTION_INPUT_LOCAL, GATHER_FFN_INPUT, GATHER_MOE_INPUT,
     FULL_SEQUENCE_INPUTS, REPLICATED_OUTPUT,

@@ -57,5 +57,4 @@ CARD = FamilyCard(
     sparse_attention=True,
     continues="deepseek_v3",  # DeepSeek-V3.2-Exp: continued pretraining of a V3 checkpoint
     added_fields=INDEXER_FIELDS,
-    unsupported_parallel={"tp": "the indexer is not sharded over tensor-parallel ranks"},
 )

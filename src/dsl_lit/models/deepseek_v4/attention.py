@@ -35,6 +35,7 @@ from torch import nn
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.models.common.kv_cache import KVCache
 from dsl_lit.models.common.layers import rope_frequencies
+from dsl_lit.models.common.split_heads import HeadMean, local_part
 from dsl_lit.models.deepseek_v4.attention_shape import V4AttentionShape
 
 LayerKind = Literal["sliding", "csa", "hca"]
@@ -215,10 +216,13 @@ def indexer_kl(target: torch.Tensor, index_scores: torch.Tensor, selected: torch
     return (kl * rows).sum() / rows.sum().clamp_min(1)
 
 
-class V4Attention(V4AttentionShape, nn.Module):
+class V4Attention(V4AttentionShape, HeadMean, nn.Module):
     """One V4 attention layer (``kind``: ``sliding``, ``csa`` or ``hca``): ``forward(hidden
     [batch, seq, d_model], positions [batch, seq]) -> [batch, seq, d_model]``. Its class answers the
-    shape questions (:class:`~dsl_lit.models.deepseek_v4.attention_shape.V4AttentionShape`)."""
+    shape questions (:class:`~dsl_lit.models.deepseek_v4.attention_shape.V4AttentionShape`). Under
+    tensor parallelism a rank computes its own heads and whole groups of the output projection
+    (``deepseek_v4/parallelize.py``): the sinks and ``wo_a`` arrive split (:func:`local_part`), the
+    indexer is replicated and its target sums the ranks' heads."""
 
     @classmethod
     def of_config(cls, cfg: ModelConfig, layer_id: int, rotary: PairRotary) -> V4Attention:
@@ -276,9 +280,9 @@ class V4Attention(V4AttentionShape, nn.Module):
             windows = compressed_logits.shape[-1]
             visible = visible_windows(positions, windows, self.compress_rate).expand(index_scores.shape[0], -1, -1)
             logits = compressed_logits.float().transpose(1, 2)  # [batch, seq, heads, windows]
-            dense = logits.masked_fill(~visible.unsqueeze(2), float("-inf")).softmax(-1).nan_to_num(0.0).mean(2)
+            dense = self.mean_over_heads(logits.masked_fill(~visible.unsqueeze(2), float("-inf")).softmax(-1).nan_to_num(0.0), 2)
             recall = (dense * selected).sum(-1).sum() / visible.any(-1).sum().clamp_min(1)
-            target = logits.masked_fill(~selected.unsqueeze(2), float("-inf")).softmax(-1).nan_to_num(0.0).mean(2)
+            target = self.mean_over_heads(logits.masked_fill(~selected.unsqueeze(2), float("-inf")).softmax(-1).nan_to_num(0.0), 2)
         return indexer_kl(target, index_scores, selected), recall
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor | None = None,
@@ -292,7 +296,7 @@ class V4Attention(V4AttentionShape, nn.Module):
                              "per-query mask) are not followed by its compressed windows yet")
         cos, sin = self.rotary(positions, hidden.dtype)
         q_latent = self.q_norm(self.wq_a(hidden))
-        q = rms_normalised(self.wq_b(q_latent).view(batch, seq, self.n_heads, self.head_dim), self.norm_eps)
+        q = rms_normalised(self.wq_b(q_latent).view(batch, seq, -1, self.head_dim), self.norm_eps)  # (this rank's heads)
         q = rotate_tail(q, cos, sin)
         kv = rotate_tail(self.kv_norm(self.wkv(hidden)).view(batch, seq, 1, self.head_dim), cos, sin).squeeze(2)
         projections: list[torch.Tensor] = []
@@ -332,13 +336,13 @@ class V4Attention(V4AttentionShape, nn.Module):
             self.index_loss, self.index_recall = self._indexer_objective(index_scores, positions,
                                                                          logits[..., keys_len:], seen)
         logits = logits.masked_fill(~visible.unsqueeze(1), float("-inf"))
-        sink = self.attn_sink.view(1, -1, 1, 1).expand(batch, -1, seq, 1)
+        sink = local_part(self.attn_sink).view(1, -1, 1, 1).expand(batch, -1, seq, 1)
         logits = torch.cat([logits, sink], dim=-1)  # the fp32 sink makes the softmax fp32 in any dtype
         logits = logits - logits.max(dim=-1, keepdim=True).values
         probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]  # the sink takes mass, gives nothing
         out = (probs.to(kv.dtype) @ kv.unsqueeze(1)).transpose(1, 2)  # [batch, seq, heads, head_dim]
         out = rotate_tail(out, cos, -sin)
-        grouped = out.reshape(batch, seq, self.o_groups, -1)
-        blocks = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])  # [groups, o_lora_rank, in]
+        grouped = out.reshape(batch, seq, -1, self.wo_a.in_features)  # [.., groups, heads of a group x head_dim]
+        blocks = local_part(self.wo_a.weight).view(grouped.shape[2], -1, grouped.shape[-1])  # [groups, o_lora_rank, in]
         projected = torch.einsum("bsgi,goi->bsgo", grouped, blocks)
         return self.wo_b(projected.flatten(2))

@@ -113,8 +113,9 @@ CARD = FamilyCard(
     spec_module="dsl_lit.models.deepseek_v4.spec",
     sparse_attention=False,  # its indexer is part of V4's own attention (the V4 fields), not V3.2's DSA
     unsupported_parallel={
-        "tp": "its shared-KV attention and compressors have no tensor-parallel plan yet",
+        "sequence_parallel": "its hc_mult residual streams are not sharded over the sequence yet",
         "cp": "the compressed keys and the sliding window are not gathered over context-parallel ranks yet"},
+    split_over_tp=("n_heads", "o_groups"),  # the grouped output projection splits by whole groups of heads
     packed_documents=False,  # its compressors window a row from its first real token, not per document
     reads=READS,
     ignores=("ffn_hidden",),

@@ -8,12 +8,13 @@ from dsl_lit.models.deepseek_v4.attention import V4Attention
 from dsl_lit.models.deepseek_v4.card import CARD
 from dsl_lit.models.deepseek_v4.hf_adapter import V4_ADAPTER
 from dsl_lit.models.deepseek_v4.model import V4Transformer
+from dsl_lit.models.deepseek_v4.parallelize import tp_plan
 from dsl_lit.models.registry import FamilySpec
 
 SPEC = FamilySpec(
     card=CARD,
     composition=Composition(attention=V4Attention, router=TopKRouter),
-    tp_plan=None,  # its card refuses parallel.tp
+    tp_plan=tp_plan,
     hf_adapter=V4_ADAPTER,
     hf_readers=(V4_ADAPTER,),
     model=V4Transformer,
