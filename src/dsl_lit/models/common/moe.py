@@ -251,8 +251,8 @@ def grouped_swiglu(
             f"expert_backend=grouped_mm is not available for device={x.device.type}, dtype={x.dtype} "
             "(needs torch._grouped_mm: CPU (bf16 under torch.compile), or CUDA with bf16 on sm90+); using expert_backend=split"
         )
-        if message not in _warned:
-            _warned.add(message)
+        if message not in _warned and not torch.compiler.is_compiling():  # (a log call in a traced
+            _warned.add(message)  # region is a graph break, and a recompile when the set changes)
             log.warning(message)
         backend = "split"
     if backend == "grouped_mm":
