@@ -286,12 +286,22 @@ def posttrain_arguments(ctx: StageContext, init_from: str | None) -> list[str]:
             f"trainer.accelerator={ctx.cfg.accelerator}"]
 
 
+COPYING_STEPS = 150
+"""SFT steps the pretrained V3 tiny needs to read the list it is asked about. Measured (2-core Xeon,
+100 held-out lists): after 60 steps at lr 3e-3 (the earlier setting) it answered "9" to every list
+(its reasoning copied "6 6 6 6" whatever the list: 31%, the share of lists holding a 9, which the
+report took for the shortcut's score); after 60 steps at lr 1e-3, 6%; after 150 steps at lr 3e-3 it
+copies the list and answers by the shortcut it was shown (27.5%), the imperfect cold start R1 needs.
+The dense 2-layer model of the GRPO demo, from random weights, learns the copying in 60."""
+
+
 def cold_start(ctx: StageContext) -> dict[str, Any]:
     """R1's cold start: SFT of the pretrained model on the task's R1-format replies, 80% of them
     answering by a shortcut (an imperfect start that RL can improve on, as the paper's readable but
-    unpolished cold-start data)."""
-    ctx.recipe("sft.py", [*posttrain_arguments(ctx, "pretrain"), "sft.shortcut_share=0.8", "trainer.max_steps=60",
-                          "data.global_batch_size=8", "data.micro_batch_size=8", "optim.lr=3e-3"])
+    unpolished cold-start data), for :data:`COPYING_STEPS`."""
+    ctx.recipe("sft.py", [*posttrain_arguments(ctx, "pretrain"), "sft.shortcut_share=0.8",
+                          f"trainer.max_steps={COPYING_STEPS}", "data.global_batch_size=8", "data.micro_batch_size=8",
+                          "optim.lr=3e-3"])
     return {**run_summary(ctx.dir), "shortcut_accuracy": shortcut_accuracy(ctx.dir)}
 
 
@@ -312,7 +322,15 @@ def grpo(ctx: StageContext) -> dict[str, Any]:
     4-layer MoE at lr 5e-4 for 60 steps: sampled accuracy 8% -> 37% while held-out greedy accuracy
     stayed at 31% and the reasoning degenerated (a kept sample: "<think>the largarg7 8 of 9 8 2
     9</think><answer>9</answer>"), so rejection sampling accepted 1.6% of samples, not 23%; at 1e-3
-    accuracy collapsed to 0."""
+    accuracy collapsed to 0. Those runs started from a cold start that answered "9" to every list
+    (:data:`COPYING_STEPS`). From one that copies the list and answers by the shortcut (held-out greedy
+    accuracy at steps 0/10/20/30/40, 2-core Xeon, one seed each unless said): the recipe's settings
+    29/43/32/31/31, drifting to "9" for every list (right on the 34% of lists that hold a 9, a better
+    constant than the shortcut's 26%); KL weight 0.04: 29/35/37/39/32; 0.1: 29/35/37/39/37 and, seed
+    2, 29/28/30/33/34; lists of 3 numbers (no constant that good; the cold start reaches 57%):
+    57/59/26/39/72 and, seed 2, 57/39/69/63/57. Sampled accuracy on the training prompts rises in every
+    run (20% -> 25-37%); the held-out greedy gain is within the step-to-step swing: not yet a setting
+    whose gain a report can count on (issue 44)."""
     ctx.recipe("grpo.py", [*posttrain_arguments(ctx, "cold_start"), "checkpoint.every_n_steps=5"])
     series = read_metrics(ctx.dir / METRICS_FILE)
     return {**run_summary(ctx.dir), "sampled_accuracy_first": head_mean(series, "reward/accuracy"),
@@ -335,17 +353,21 @@ def _lines(path: Path) -> int:
 
 
 def sft_rs(ctx: StageContext) -> dict[str, Any]:
-    """R1's second SFT: the pretrained model on the RL model's verified samples."""
+    """R1's second SFT: the pretrained model on the RL model's verified samples, as long as the cold
+    start (:data:`COPYING_STEPS`: at 60 steps and lr 1e-3, the earlier setting, the pretrained model
+    does not yet read the list; measured 6% held-out)."""
     ctx.recipe("sft.py", [*posttrain_arguments(ctx, "pretrain"), path_override("sft.dataset", ctx.dir_of("rejection_sample") / "samples.jsonl"),
-                          "sft.packing=false", "trainer.max_steps=60", "data.global_batch_size=8", "data.micro_batch_size=8",
-                          "optim.lr=1e-3"])
+                          "sft.packing=false", f"trainer.max_steps={COPYING_STEPS}", "data.global_batch_size=8",
+                          "data.micro_batch_size=8", "optim.lr=3e-3"])
     return run_summary(ctx.dir)
 
 
 def distill(ctx: StageContext) -> dict[str, Any]:
-    """R1-Distill: a smaller dense student SFT-ed on the GRPO model's verified samples."""
+    """R1-Distill: a smaller dense student SFT-ed on the GRPO model's verified samples, from random
+    weights for 150 steps (README "The R1 pipeline end to end": a random 1-layer student reaches 93%
+    in 150; the recipe's default 60 leave it short of the teacher it is judged against)."""
     ctx.recipe("distill.py", [*posttrain_arguments(ctx, None), path_override("teacher_from", ctx.dir_of("grpo")),
-                              "model=deepseek_llm_tiny", "student.n_layers=1"])
+                              "model=deepseek_llm_tiny", "student.n_layers=1", "trainer.max_steps=150"])
     return {**run_summary(ctx.dir), "teacher_samples": _lines(ctx.dir / "distill_data.jsonl")}
 
 
