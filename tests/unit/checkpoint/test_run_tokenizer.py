@@ -207,7 +207,7 @@ def test_a_cache_dir_rebuilt_for_another_corpus_leaves_an_earlier_run_its_tokeni
 
     cache, run_a = tmp_path / "cache", tmp_path / "run_a"
     corpus_a = corpus(tmp_path / "corpus_a", "devils_dictionary.jsonl.gz", 400)
-    corpus_b = corpus(tmp_path / "corpus_b", "kjv_bible.jsonl.gz", 2000)
+    corpus_b = corpus(tmp_path / "corpus_b", "kjv_bible.jsonl.gz", 400)
     data = ["data.tokenizer_vocab_size=1024", "data.decontaminate=false"]
     run_recipe(run_a, f"data.corpus_dir={corpus_a}", f"data.cache_dir={cache}", *data, "trainer.max_steps=4",
                "checkpoint.every_n_steps=4", "logger=csv")
