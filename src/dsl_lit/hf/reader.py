@@ -163,8 +163,17 @@ class HFCheckpoint:
         self.hf_config = read_json(directory / CONFIG_NAME)
         self.adapter: HFAdapter = hf_reader(self.hf_config.get("model_type"))
         self.fp8 = BlockFP8.from_hf_config(self.hf_config)
-        self.files = weight_map(directory)
-        self.headers = _headers(self.files)
+        stored = weight_map(directory)
+        self.headers = _headers(stored)
+        self.stored_as: dict[str, str] = {}
+        """Release name -> the name the files store it under (the adapter's :meth:`release_name`)."""
+        for name in stored:
+            release = self.adapter.release_name(name)
+            if release in self.stored_as:
+                raise ConfigError(f"{directory} stores {release!r} twice: as {self.stored_as[release]!r} and {name!r}")
+            self.stored_as[release] = name
+        self.files = {release: stored[name] for release, name in self.stored_as.items()}
+        self.headers = {release: self.headers[name] for release, name in self.stored_as.items()}
         self._check_fp8()
         cfg = self.adapter.config_for_checkpoint(self.adapter.config_from_hf(self.hf_config), self.weight_names)
         cfg.name = directory.resolve().name
@@ -273,15 +282,15 @@ class HFCheckpoint:
             scale = hf_name + SCALE_SUFFIX
 
             def read_weight(region: Region) -> torch.Tensor:
-                return self._counted(files.get(path).read(hf_name, region))
+                return self._counted(files.get(path).read(self.stored_as[hf_name], region))
 
             def read_scale(region: Region) -> torch.Tensor:
-                return self._counted(files.get(self.files[scale]).read(scale, region))
+                return self._counted(files.get(self.files[scale]).read(self.stored_as[scale], region))
 
             return self.fp8.read_region(read_weight, read_scale, shape, offsets, size)
         whole = tuple(size) == tuple(shape)
         region = None if whole else tuple(slice(o, o + s) for o, s in zip(offsets, size))
-        return self._counted(files.get(path).read(hf_name, region))
+        return self._counted(files.get(path).read(self.stored_as[hf_name], region))
 
     def _counted(self, tensor: torch.Tensor) -> torch.Tensor:
         self.bytes_read += tensor.untyped_storage().nbytes()  # the whole read, before any slicing

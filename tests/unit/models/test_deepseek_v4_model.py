@@ -126,6 +126,33 @@ def test_a_release_checkpoint_loads_into_ours_and_round_trips_exactly(tmp_path: 
     assert first["layers.0.ffn.gate.tid2eid"].dtype == torch.int64 and first["layers.0.attn.attn_sink"].dtype == torch.float32
 
 
+def test_a_checkpoint_transformers_saved_reads_as_the_release_does(tmp_path: Path):
+    """transformers' own ``save_pretrained`` writes V4 under its module names (``model.`` prefix,
+    ``embed_tokens``, ``hc_head.hc_*``, ``attn.norm``): read, eagerly and slice by slice (the lazy path
+    of ``init_from``), as the release layout is, into the same tensors."""
+    from dsl_lit.hf.reader import HFCheckpoint
+
+    save_pretrained(_randomised(build_model(_cfg()), seed=6), tmp_path / "release")
+    _transformers_model(tmp_path / "release").save_pretrained(tmp_path / "saved")
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "saved" / "model.safetensors", "pt") as f:
+        saved_names = set(f.keys())
+    assert {"model.embed_tokens.weight", "model.hc_head.hc_fn", "model.layers.1.attn.norm.weight"} <= saved_names
+    assert "embed.weight" not in saved_names
+    release, _ = from_pretrained(tmp_path / "release")
+    saved, cfg = from_pretrained(tmp_path / "saved")
+    assert cfg.attention_kinds == ["hca", "sliding", "csa", "hca"]
+    expected = release.state_dict()
+    assert saved.state_dict().keys() == expected.keys()
+    assert all(torch.equal(t, expected[k]) for k, t in saved.state_dict().items())
+    # a rank's slice, read by name from the transformers-saved files
+    checkpoint = HFCheckpoint(tmp_path / "saved")
+    part = torch.empty(4, expected["layers.3.feed_forward.experts.w2"].shape[1], expected["layers.3.feed_forward.experts.w2"].shape[2])
+    checkpoint.fill({"layers.3.feed_forward.experts.w2": (part, (4, 0, 0))})
+    assert torch.equal(part, expected["layers.3.feed_forward.experts.w2"][4:8])
+
+
 def test_a_fresh_hash_table_spreads_the_vocabulary_over_every_expert():
     router = build_model(_cfg()).layers["0"].feed_forward.gate
     counts = torch.bincount(router.tid2eid.flatten(), minlength=8)

@@ -69,6 +69,12 @@ class HFAdapter(ABC):
         e.g. drop optional modules that config.json declares but whose weights were not saved."""
         return cfg
 
+    def release_name(self, stored: str) -> str:
+        """The name the adapter reads (the layout DeepSeek releases) of a tensor stored as ``stored``:
+        itself, unless the family's files also come in another spelling (transformers' own
+        ``save_pretrained`` writes DeepSeek-V4 under its module names)."""
+        return stored
+
     def keeps_fp32(self, hf_name: str) -> bool:
         return hf_name.endswith(self.fp32_suffixes) if self.fp32_suffixes else False
 

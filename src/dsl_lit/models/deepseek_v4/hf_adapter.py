@@ -12,6 +12,9 @@ Names, ours -> released (no ``model.`` prefix):
   ``gate.expert_bias`` -> ``gate.bias`` (hash layers: ``gate.tid2eid``, no bias) and the stacked
   experts ``experts.w1/w2/w3`` [E, out, in] written one per expert (``ffn.experts.<e>.w1.weight``).
 
+Checkpoints that transformers' own ``save_pretrained`` wrote (its module names: ``model.`` prefix,
+``embed_tokens``, ``hc_head.hc_*``, ``attn.norm``) read too (:meth:`DeepseekV4Adapter.release_name`).
+
 config.json is transformers' ``DeepseekV4Config`` (``layer_types``, ``mlp_layer_types``,
 ``compress_rates``, nested ``rope_parameters``). The released MTP layer (``mtp.*``) is not built
 here (transformers skips it too): reading a checkpoint that has one leaves it out, with a log line.
@@ -59,6 +62,11 @@ _BLOCK_INV = {hf: ours for ours, hf in _BLOCK.items()}
 _STACK = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])")
 _HF_EXPERT = re.compile(r"layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight")
 _OUR_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_SAVED_BY_TRANSFORMERS = tuple((re.compile(p), r) for p, r in (
+    (r"^model\.", ""), (r"^embed_tokens\.", "embed."), (r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
+    (r"^(layers\.\d+\.attn\.)norm\.weight$", r"\1kv_norm.weight")))
+"""transformers' ``save_pretrained`` names -> the release's (applied in order; measured on
+transformers 5.24: these four are every difference, the rest, ``head.weight`` included, agree)."""
 FP32_SUFFIXES = ("attn_sink", ".ape", "gate.bias", "norm.weight", *(f"hc_{w}_{p}" for w in ("attn", "ffn", "head")
                                                                      for p in ("fn", "base", "scale")))
 """Released names kept in fp32 whatever dtype the rest is written in (transformers'
@@ -171,6 +179,14 @@ class DeepseekV4Adapter(HFAdapter):
         return out
 
     # -- weights ----------------------------------------------------------------------------------
+    def release_name(self, stored: str) -> str:
+        """transformers' ``save_pretrained`` of its ``DeepseekV4ForCausalLM`` writes the module names
+        (``model.`` prefix, ``embed_tokens``, ``hc_head.hc_*``, the key/value norm as ``attn.norm``);
+        the release's are read. Names already in the release layout pass unchanged."""
+        for pattern, release in _SAVED_BY_TRANSFORMERS:
+            stored = pattern.sub(release, stored)
+        return stored
+
     def from_hf(self, hf_state: StateDict, cfg: ModelConfig) -> StateDict:
         mtp = [n for n in hf_state if n.startswith("mtp.")]
         if mtp:
