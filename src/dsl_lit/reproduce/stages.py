@@ -317,8 +317,14 @@ def shortcut_accuracy(run_dir: Path) -> float:
     return sum(arithmetic.shortcut_answer(p) == p["answer"] for p in held_out) / len(held_out)
 
 
+GRPO_SETTINGS = ("optim.lr=1e-4", "trainer.max_steps=80", "grpo.beta=0.04")
+"""Measured from the 150-step cold start (held-out greedy accuracy every 10 steps, 2-core Xeon):
+29 -> 38, 41, 41 at step 80 for seeds 1, 2, 3 (+11 +- 1.7; seed 3 dipped to 29 at step 50), where
+the recipe's lr 2e-4 for 40 steps and KL 0.001 ended at 31 (seed 1) and drifted to "9"."""
+
+
 def grpo(ctx: StageContext) -> dict[str, Any]:
-    """GRPO from the cold start with the recipe's own settings (lr 2e-4, 40 steps). Measured on this
+    """GRPO from the cold start with :data:`GRPO_SETTINGS` (the recipe's own: lr 2e-4, 40 steps). Measured on this
     4-layer MoE at lr 5e-4 for 60 steps: sampled accuracy 8% -> 37% while held-out greedy accuracy
     stayed at 31% and the reasoning degenerated (a kept sample: "<think>the largarg7 8 of 9 8 2
     9</think><answer>9</answer>"), so rejection sampling accepted 1.6% of samples, not 23%; at 1e-3
@@ -330,9 +336,8 @@ def grpo(ctx: StageContext) -> dict[str, Any]:
     2, 29/28/30/33/34; lists of 3 numbers (no constant that good; the cold start reaches 57%):
     57/59/26/39/72 and, seed 2, 57/39/69/63/57; lr 1e-4 for 80 steps with KL 0.04 (every 10 steps):
     29/35/39/39/39/36/38/40/38, the steadiest. Sampled accuracy on the training prompts rises in every
-    run (20% -> 25-37%); one seed of a steady +9 is not yet a setting whose gain a report can count
-    on (issue 44)."""
-    ctx.recipe("grpo.py", [*posttrain_arguments(ctx, "cold_start"), "checkpoint.every_n_steps=5"])
+    run (20% -> 25-37%). Seeds 2 and 3 of that last setting confirmed it: :data:`GRPO_SETTINGS`."""
+    ctx.recipe("grpo.py", [*posttrain_arguments(ctx, "cold_start"), *GRPO_SETTINGS, "checkpoint.every_n_steps=5"])
     series = read_metrics(ctx.dir / METRICS_FILE)
     return {**run_summary(ctx.dir), "sampled_accuracy_first": head_mean(series, "reward/accuracy"),
             "sampled_accuracy_last": tail_mean(series, "reward/accuracy")}
