@@ -164,7 +164,7 @@ class HFCheckpoint:
         self.adapter: HFAdapter = hf_reader(self.hf_config.get("model_type"))
         self.fp8 = BlockFP8.from_hf_config(self.hf_config)
         stored = weight_map(directory)
-        self.headers = _headers(stored)
+        headers = _headers(stored)
         self.stored_as: dict[str, str] = {}
         """Release name -> the name the files store it under (the adapter's :meth:`release_name`)."""
         for name in stored:
@@ -173,7 +173,7 @@ class HFCheckpoint:
                 raise ConfigError(f"{directory} stores {release!r} twice: as {self.stored_as[release]!r} and {name!r}")
             self.stored_as[release] = name
         self.files = {release: stored[name] for release, name in self.stored_as.items()}
-        self.headers = {release: self.headers[name] for release, name in self.stored_as.items()}
+        self.headers = {release: headers[name] for release, name in self.stored_as.items()}
         self._check_fp8()
         cfg = self.adapter.config_for_checkpoint(self.adapter.config_from_hf(self.hf_config), self.weight_names)
         cfg.name = directory.resolve().name

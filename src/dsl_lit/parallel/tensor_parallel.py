@@ -87,8 +87,9 @@ _STYLES: dict[str, Callable[[ModelConfig], ParallelStyle]] = {
         output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=False
     ),
 }
-"""Style name -> the ParallelStyle it means; :data:`~dsl_lit.models.common.tp_plan.SHARED_ROPE_KEY`
-is a gradient hook instead (:func:`apply_tensor_parallel`)."""
+"""Style name -> the ParallelStyle it means; the styles in ``_HOOKS`` are applied by
+:func:`apply_tensor_parallel` itself (gradient hooks for ``SHARED_ROPE_KEY`` and ``SHARED_BY_HEADS``,
+a sharded parameter for ``HEAD_SHARDED``)."""
 _HOOKS = frozenset({styles.SHARED_ROPE_KEY, styles.SHARED_BY_HEADS, styles.HEAD_SHARDED})
 
 
@@ -267,7 +268,7 @@ def apply_tensor_parallel(
         elif style == styles.SHARED_BY_HEADS:  # every feature is read by every rank's own heads
             modules[name].register_forward_hook(lambda _m, _i, out: _SumGradOfTail.apply(out, 0, group))
     for module in modules.values():
-        if hasattr(module, "sum_over_head_ranks"):  # DeepSeek-V3.2's sparse attention: its indexer's target
+        if hasattr(module, "sum_over_head_ranks"):  # an attention whose indexer's target averages all heads (V3.2, V4)
             module.sum_over_head_ranks = functools.partial(_summed_over, group=group)
     return model
 
