@@ -1,6 +1,6 @@
 """Analytical training FLOPs, the denominator-free half of MFU, for any model family.
 
-The counts are the family's own (:func:`decoder_flops`: its card's attention shape in
+The counts are the model's own (:func:`decoder_flops`: its config's attention part, counted by
 :mod:`dsl_lit.models.common.flops`); this module is the family-agnostic entry point the trainer,
 the planner and the scaling laws use. Counting from the config, not with a FLOP counter, because
 meta-device counters miscount routed experts and fused kernels. No torch: the scaling sweep's
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.models.common.flops import DecoderFlops, ffn_params_per_token
-from dsl_lit.models.families import family_card
 
 __all__ = [
     "attention_params", "decoder_flops", "ffn_params_per_token", "matmul_params_per_token", "non_embedding_flops_per_token",
@@ -20,8 +19,8 @@ __all__ = [
 
 
 def decoder_flops(cfg: ModelConfig) -> DecoderFlops:
-    """``cfg``'s family's counts, from the attention shape on its card (torch-free)."""
-    return DecoderFlops(family_card(cfg.family).attention)
+    """``cfg``'s counts, from its attention part (torch-free)."""
+    return DecoderFlops(cfg.attention)
 
 
 def non_embedding_flops_per_token(n_layers: int, d_model: int, seq_len: int) -> float:

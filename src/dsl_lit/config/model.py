@@ -1,80 +1,53 @@
-"""Model configuration: one dataclass for every model family.
+"""Model configuration: one dataclass for every model family, made of parts.
 
-``family`` names a family of ``dsl_lit.models`` (its folder holds the presets, the validation of
-its fields and what it builds); ``ModelConfig.from_name`` builds a preset and lets any field be
-overridden, which is what the Hydra ``model`` group does.
-
-This module imports nothing else from dsl_lit when it is imported. Questions whose answer depends
-on the family (which fields are used, its presets, its attention's shape) are answered by the
-family's card, reached through :func:`_families`, the single inversion point of ``dsl_lit.config``:
-it imports ``dsl_lit.models.families`` (which loads no torch) when a config is built, validated or
-asked, never at import time.
+``family`` names a family of :mod:`dsl_lit.config.families`: the parts its config is made of
+(``config/model_parts/``: its attention, routed experts, multi-token prediction, hyper-connections),
+its presets and its own rules. The values stay flat here, as in DeepSeek's and Hugging Face's
+``config.json``; each part names the fields it reads and answers its own shape questions, and a field
+no part of the family reads is refused when set. ``ModelConfig.from_name`` builds a preset and lets
+any field be overridden, which is what the Hydra ``model`` group does. No torch, and nothing above
+``dsl_lit.config``: the model code reads this, never the other way.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any, Literal
 
 from data_contract.errors import ConfigError
+from dsl_lit.config.families import DEFAULT_FAMILY, family_card, owner, part_fields, presets
+from dsl_lit.config.families.card import FamilyCard
+from dsl_lit.config.model_parts.attention import AttentionShape
+from dsl_lit.config.model_parts.moe import RoutedExperts
+from dsl_lit.config.model_parts.mtp import MultiTokenPrediction
 
 AttentionBackend = Literal["sdpa", "flash_attn", "eager"]
 ATTENTION_BACKENDS = ("sdpa", "flash_attn", "eager")
-SCORE_FUNCS = ("sigmoid", "softmax", "sqrtsoftplus")
-EXPERT_BACKENDS = ("grouped_mm", "split", "loop")
 EXECUTION_FIELDS = ("attn_backend", "expert_backend")
 """Kernels computing the same function: the run's own on resume and under ``init_from``."""
 CONTEXT_FIELDS = ("max_seq_len", "rope_scaling", "index_topk", "index_training", *EXECUTION_FIELDS)
 """Fields that shape no weight: a stage sets them on top of ``init_from``'s model (context extension:
 the positions; DeepSeek-V3.2: how many keys the indexer keeps and how it trains; the kernels)."""
 YARN_KEYS = ("factor", "original_max_seq_len", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
-LATENT_ATTENTION_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                           "rope_interleave")
-"""Fields only Multi-head Latent Attention reads."""
-GROUPED_QUERY_FIELDS = ("n_kv_heads",)
-"""Fields only grouped-query attention reads."""
-MOE_FIELDS = ("n_dense_layers", "n_routed_experts", "n_shared_experts", "n_activated_experts", "moe_ffn_hidden",
-              "n_expert_groups", "n_limited_groups", "score_func", "route_scale", "norm_topk_prob",
-              "seq_balance_alpha", "batch_balance_alpha", "expert_backend")
-"""Fields only families with a router read."""
-MTP_FIELDS = ("mtp_depth",)
-"""Fields only families with multi-token prediction read."""
-INDEXER_FIELDS = ("index_n_heads", "index_head_dim", "index_topk", "index_training")
-INDEX_TRAINING = ("off", "warmup", "sparse")
-"""Fields only families with DeepSeek Sparse Attention (a lightning indexer) read."""
-V4_FIELDS = ("attention_head_dim", "attention_kinds", "csa_rate", "hca_rate", "compress_rope_theta", "sliding_window",
-             "o_groups", "o_lora_rank", "n_hash_layers", "swiglu_limit", "hc_mult", "hc_sinkhorn_iters", "hc_eps")
-"""Fields of DeepSeek-V4's blocks (shared-KV sliding/compressed attention, hash routing, mHC): read
-only by families whose card lists them in ``reads``."""
-ATTENTION_KINDS = ("sliding", "csa", "hca")
-"""DeepSeek-V4's attention layer kinds: sliding window only, compressed sparse, heavily compressed."""
-
-
-def _families() -> ModuleType:
-    """``dsl_lit.models.families``, imported on first use: the one place dsl_lit.config reaches
-    above itself (config <- models), so that a family's presets, validation and shapes stay in
-    its folder while ``ModelConfig`` can still answer for it. It imports no torch."""
-    from dsl_lit.models import families
-
-    return families
 
 
 @dataclass
 class ModelConfig:
-    """Architecture hyperparameters. ``family`` selects which blocks the decoder is built from.
+    """Architecture hyperparameters. ``family`` selects the parts the decoder is built from.
 
-    The attention is grouped-query (``n_kv_heads`` key/value heads) or Multi-head Latent Attention
-    (the MLA fields); blocks from ``n_dense_layers`` on are DeepSeekMoE in families with a router
-    (the MoE fields), and families with multi-token prediction build ``mtp_depth`` MTP modules.
-    Fields a family does not use are ignored; :attr:`attention_shape`, :attr:`is_moe`,
-    :attr:`mtp_modules`, :attr:`rope_dim` and :attr:`kv_heads` say what the model really has.
+    The fields every model has come first; the rest belong to parts (grouped by the comments
+    below; each part's ``FIELDS`` is the list): the attention (grouped-query ``n_kv_heads``, or
+    the MLA fields, with the indexer's for DeepSeek Sparse Attention), DeepSeekMoE from
+    ``n_dense_layers`` on, ``mtp_depth`` MTP modules, DeepSeek-V4's blocks. A field the family's parts
+    do not read is refused when set (:meth:`refuse_unused`); :attr:`attention`, :attr:`moe`,
+    :attr:`mtp`, :attr:`is_moe`, :attr:`mtp_modules`, :attr:`rope_dim` and :attr:`kv_heads` say what
+    the model really has.
     """
 
     name: str = "custom"
-    family: str = field(default_factory=lambda: _families().DEFAULT_FAMILY)
-    """A family id of ``dsl_lit.models.families`` (which blocks the decoder is built from)."""
+    family: str = DEFAULT_FAMILY
+    """A family id of ``dsl_lit.config.families`` (which blocks the decoder is built from)."""
     vocab_size: int = 102400
     n_layers: int = 30
     d_model: int = 4096
@@ -186,34 +159,44 @@ class ModelConfig:
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
-    def _family(self) -> Any:
-        """This config's ``FamilyCard`` (see :func:`_families`)."""
-        return _families().family_card(self.family)
+    def _family(self) -> FamilyCard:
+        """This config's family card (``dsl_lit.config.families``)."""
+        return family_card(self.family)
 
     @property
-    def attention_shape(self) -> Any:
-        """The family's attention shape (``models/common/attention_shape.py: AttentionShape``): the
-        shape questions (FLOPs, KV and activation sizes) are asked of it."""
+    def attention(self) -> type[AttentionShape]:
+        """Its attention part (``config/model_parts/attention.py``): the shape questions (FLOPs, KV and
+        activation sizes) are asked of it."""
         return self._family().attention
+
+    @property
+    def moe(self) -> RoutedExperts | None:
+        """Its routed-experts part; None: a dense model."""
+        return self._family().moe
+
+    @property
+    def mtp(self) -> MultiTokenPrediction | None:
+        """Its multi-token-prediction part; None: the family builds no MTP module."""
+        return self._family().mtp
 
     @property
     def rope_dim(self) -> int:
         """Width of the rotary tables: the whole head (GQA) or the decoupled rope part (MLA)."""
-        return self.attention_shape.rope_dim(self)
+        return self.attention.rope_dim(self)
 
     @property
     def kv_heads(self) -> int:
         """Key/value heads the attention computes (what tensor parallelism splits): ``n_kv_heads``
         for grouped-query attention, one per query head for MLA."""
-        return self.attention_shape.kv_heads(self)
+        return self.attention.kv_heads(self)
 
     @property
     def is_moe(self) -> bool:
-        return self._family().moe and self.n_routed_experts > 0
+        return self.moe is not None and self.n_routed_experts > 0
 
     def is_moe_layer(self, layer_id: int) -> bool:
-        """Blocks at or after ``n_dense_layers`` are MoE (MTP blocks too, as in DeepSeek-V3)."""
-        return self.is_moe and layer_id >= self.n_dense_layers
+        """Whether block ``layer_id`` routes (its experts part says; MTP blocks too, as in DeepSeek-V3)."""
+        return self.moe is not None and self.moe.routes(self, layer_id)
 
     @property
     def unsupported_parallel(self) -> dict[str, str]:
@@ -238,22 +221,13 @@ class ModelConfig:
     @property
     def mtp_modules(self) -> int:
         """Multi-token-prediction modules the model builds: ``mtp_depth`` if the family has MTP."""
-        return self.mtp_depth if self._family().mtp else 0
+        return self.mtp.modules(self) if self.mtp is not None else 0
 
     def unused_fields(self) -> tuple[str, ...]:
-        """The fields this config's family never reads (a value there changes nothing it builds)."""
+        """The fields this config's family never reads (a value there changes nothing it builds):
+        those no part of it reads, and the shared ones its card ignores."""
         card = self._family()
-        if card.reads:  # the card lists what it reads of the families' optional fields
-            pools = (*GROUPED_QUERY_FIELDS, *LATENT_ATTENTION_FIELDS, *MOE_FIELDS, *MTP_FIELDS, *INDEXER_FIELDS,
-                     *V4_FIELDS)
-            return tuple(name for name in pools if name not in card.reads) + card.ignores
-        unused: list[str] = []
-        unused += GROUPED_QUERY_FIELDS if card.attention.latent else LATENT_ATTENTION_FIELDS
-        unused += () if card.moe else MOE_FIELDS
-        unused += () if card.mtp else MTP_FIELDS
-        unused += () if card.sparse_attention else INDEXER_FIELDS
-        unused += V4_FIELDS
-        return tuple(unused) + card.ignores
+        return tuple(name for name in part_fields() if not card.reads(name)) + card.ignores
 
     def refuse_unused(self, fields: Any, prefix: str = "model") -> None:
         """ConfigError naming the first of ``fields`` (the ones the user set) that this family never
@@ -261,29 +235,24 @@ class ModelConfig:
         model without a word."""
         unused = self.unused_fields()
         for name in fields:
-            if name in unused:
-                has = {"n_kv_heads": "grouped-query attention"}.get(name) or (
-                    "DeepSeek-V4's blocks" if name in V4_FIELDS
-                    else f"a use for {name}" if name in self._family().ignores or self._family().reads
-                    else "latent attention (MLA)" if name in LATENT_ATTENTION_FIELDS
-                    else "routed experts (DeepSeekMoE)" if name in MOE_FIELDS
-                    else "a lightning indexer (DeepSeek Sparse Attention)" if name in INDEXER_FIELDS
-                    else "multi-token prediction")
-                raise ConfigError(
-                    f"{prefix}.{name} is not used by model.name={self.name} (family {self.family}, which has no "
-                    f"{has}); drop it, or pick a preset of a family that has it (e.g. model=deepseek_v3_tiny)"
-                    if name not in GROUPED_QUERY_FIELDS else
-                    f"{prefix}.{name} is not used by model.name={self.name} (family {self.family}: its latent "
-                    "attention (MLA) has one key/value head per query head); drop it"
-                )
+            if name not in unused:
+                continue
+            if name == "n_kv_heads" and self.attention.latent:
+                raise ConfigError(f"{prefix}.{name} is not used by model.name={self.name} (family {self.family}: its "
+                                  "latent attention (MLA) has one key/value head per query head); drop it")
+            has = f"a use for {name}" if name in self._family().ignores else owner(name).DESCRIPTION
+            raise ConfigError(
+                f"{prefix}.{name} is not used by model.name={self.name} (family {self.family}, which has no "
+                f"{has}); drop it, or pick a preset of a family that has it (e.g. model=deepseek_v3_tiny)")
 
     def validate(self, prefix: str = "model") -> ModelConfig:
-        """Raise ConfigError naming ``model.<field>`` for values the model cannot be built with."""
+        """Raise ConfigError naming ``model.<field>`` for values the model cannot be built with: the
+        fields every model has, then the family's parts and rules."""
         for name in ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{prefix}.{name}={value!r} must be a positive integer")
-        _families().family_card(self.family, prefix).validate(self, prefix)
+        family_card(self.family, prefix).validate(self, prefix)
         self._validate_common(prefix)
         return self
 
@@ -307,16 +276,28 @@ class ModelConfig:
     def from_name(cls, name: str, **overrides: Any) -> ModelConfig:
         """Build a preset by name (presets live in their family's folder), with field overrides
         (unknown fields raise ConfigError)."""
-        presets = _families().presets()
-        if name not in presets:
-            raise ConfigError(f"model.name={name!r} is not a known preset; choose one of {sorted(presets)}")
+        known_presets = presets()
+        if name not in known_presets:
+            raise ConfigError(f"model.name={name!r} is not a known preset; choose one of {sorted(known_presets)}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - known)
         if unknown:
             raise ConfigError(f"model.{unknown[0]} is not a ModelConfig field; known fields: {sorted(known)}")
-        values = {**presets[name], **{k: v for k, v in overrides.items() if v is not None or k in _NULLABLE}}
+        values = {**known_presets[name], **{k: v for k, v in overrides.items() if v is not None or k in _NULLABLE}}
         return cls(name=name, **values).validate()
 
 
 _NULLABLE = ("q_lora_rank", "rope_scaling", "attention_kinds")
 """Fields where an explicit ``null`` override means "none" rather than "keep the preset"."""
+
+
+def continued_config(checkpoint: ModelConfig, run: ModelConfig) -> ModelConfig | None:
+    """The architecture a run of ``run``'s family starts from a ``checkpoint`` of another family
+    with, when its card ``continues`` that family (DeepSeek-V3.2 from DeepSeek-V3: the checkpoint's
+    shape, ``run``'s family and the fields of the modules it adds); None when it does not."""
+    card = family_card(run.family)
+    if not card.starts_from(checkpoint.family):
+        return None
+    values = {f.name: getattr(checkpoint, f.name) for f in dataclasses.fields(checkpoint)}
+    values.update(name=card.base_preset, family=card.name, **{name: getattr(run, name) for name in card.added_fields})
+    return ModelConfig(**values).validate()

@@ -1,12 +1,12 @@
 """Pure-PyTorch DeepSeek models. Nothing here imports Lightning or knows about parallelism.
 
 ``common/`` holds the layers every family shares, one folder per family (``deepseek_llm/``,
-``deepseek_v3/``, with DeepSeek-V2 beside V3) holds what makes it that family,
-:mod:`dsl_lit.models.families` is the one place a family id is looked up (its card: no torch) and
-:mod:`dsl_lit.models.registry` says what each family builds.
+``deepseek_v3/`` with DeepSeek-V2 and V3.2 beside V3, ``deepseek_v4/``) holds what makes it that
+family, and :mod:`dsl_lit.models.registry` says what each family builds. What a config knows of a
+family (its parts, presets and rules) is ``dsl_lit.config.families``, below this package.
 
-Importing this package loads no torch, so that ``dsl_lit.config`` reaches the family cards without
-it: :func:`build_model` and the names of :data:`_LAZY` import the model code on first use.
+Importing this package loads no torch: :func:`build_model` and the names of :data:`_LAZY` import
+the model code on first use, so torch-free callers (FLOPs, the planner) can import ``ModelConfig`` here.
 """
 
 from __future__ import annotations

@@ -31,11 +31,11 @@ from dsl_lit.checkpoint.files import SHARDS
 from dsl_lit.checkpoint.reader import PREFIX, find_checkpoint, model_config
 from dsl_lit.checkpoint.sharded import saved_tensors
 from dsl_lit.checkpoint.tokenizer import RecordedTokenizer, recorded_tokenizer
+from dsl_lit.config.model import continued_config
 from dsl_lit.hf.reader import CONFIG_NAME, HFCheckpoint, check_state_dict
 from dsl_lit.memory.host import peak_rss_bytes
 from dsl_lit.models import ModelConfig, Transformer, build_model, spec_of
 from dsl_lit.models.common.hf_adapter import few
-from dsl_lit.models.families import continued_config
 from dsl_lit.utils.materialise import local_target, materialise
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@ its family reads, not only the preset's name), its parameter counts, the paralle
 precision.
 
 Hydra composes ``model: {name: <preset>}`` plus the ``+model.<field>=`` overrides; the preset's fields
-live in Python (``src/dsl_lit/models/<family>/presets.py``) and are filled in when ``TrainConfig``
+live in Python (``src/dsl_lit/config/families/<family>.py``) and are filled in when ``TrainConfig``
 validates. :func:`resolved_view` is the run's resolved config with that model written out field by
 field and a ``derived`` section (parameter counts, layout, precision: computed, not settings). It is
 what ``resolved_config.yaml`` and the W&B config hold; the checkpoints' ``config.yaml`` keeps the

@@ -219,5 +219,5 @@ def test_every_family_declares_its_plan_in_known_styles(name, sequence_parallel)
     else:
         assert hooks == ({"layers.0.attention.wkv_a", "layers.1.attention.wkv_a"}
                          | ({"mtp.0.block.attention.wkv_a"} if cfg.mtp_modules else set())
-                         if cfg.attention_shape.latent else set())
+                         if cfg.attention.latent else set())
     assert ("norm" in declared) == sequence_parallel

@@ -81,7 +81,7 @@ def test_deepseek_v2_236b_has_236b_total_and_21b_activated_parameters():
     assert 235.0e9 < model.num_params() < 237.0e9  # the paper: 236B
     assert 21.0e9 < model.num_params(activated=True) < 22.0e9  # the paper: 21B activated per token
     assert not model.mtp and model.config.mtp_modules == 0
-    assert (model.config.rope_dim, model.config.kv_heads, model.config.attention_shape.latent) == (64, 128, True)
+    assert (model.config.rope_dim, model.config.kv_heads, model.config.attention.latent) == (64, 128, True)
 
 
 def _reference_group_limited_greedy(scores: torch.Tensor, n_groups: int, n_keep: int, k: int) -> list[list[int]]:

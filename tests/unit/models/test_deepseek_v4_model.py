@@ -189,7 +189,8 @@ def test_the_attention_shape_counts_what_the_modules_hold():
     """FLOPs, stage costs and the planner read V4's attention from its shape class: its weights are
     the layers' own (averaged over the schedule), and at long sequences its scores cost what the
     window and the compressed keys cost, far below dense attention."""
-    from dsl_lit.models.deepseek_v4.attention_shape import V4AttentionShape
+    from dsl_lit.config.model_parts.v4_attention import V4AttentionShape
+    from dsl_lit.scaling.planner.attention_costs import V4AttentionCosts
 
     cfg = _cfg()
     model = build_model(cfg)
@@ -197,7 +198,7 @@ def test_the_attention_shape_counts_what_the_modules_hold():
     matrices = sum(p.numel() for a in attentions for n, p in a.named_parameters() if p.ndim == 2 and "ape" not in n)
     vectors = sum(p.numel() for a in attentions for n, p in a.named_parameters() if p.ndim == 1)
     assert matrices == pytest.approx(cfg.n_layers * V4AttentionShape.matmul_params(cfg), abs=cfg.n_layers)
-    assert vectors == pytest.approx(cfg.n_layers * V4AttentionShape.norm_params(cfg), abs=cfg.n_layers)
+    assert vectors == pytest.approx(cfg.n_layers * V4AttentionCosts.norm_params(cfg), abs=cfg.n_layers)
     flash = ModelConfig.from_name("deepseek_v4_flash")
     dense = 2.0 * flash.n_heads * 2 * flash.attention_head_dim * 65536
     assert V4AttentionShape.score_flops(flash, 65536) < 0.1 * dense

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsl_lit.config.model import ModelConfig
-from dsl_lit.models.common.attention_shape import GroupedQueryShape
+from dsl_lit.config.model_parts.attention import GroupedQueryShape
 from dsl_lit.models.common.kv_cache import KVCache
 from dsl_lit.models.common.layers import apply_rope
 

@@ -15,14 +15,14 @@ import torch
 from torch import nn
 
 from dsl_lit.config.model import ModelConfig
-from dsl_lit.models.common.attention_shape import AttentionShape
+from dsl_lit.config.model_parts.attention import AttentionShape
 from dsl_lit.models.common.kv_cache import KVCache
 from dsl_lit.models.common.layers import RMSNorm, SwiGLU
 from dsl_lit.models.common.moe import MoE, TopKRouter
 
 
 class AttentionKind(AttentionShape, Protocol):
-    """An attention module class: it answers the shape questions (``attention_shape.py``) and builds
+    """An attention module class: it answers the shape questions (its part, ``dsl_lit/config/model_parts/``) and builds
     the module."""
 
     def __call__(self, cfg: ModelConfig, layer_id: int = 0) -> nn.Module:

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from dsl_lit.config.model import ModelConfig
+from dsl_lit.config.model_parts.attention import SparseLatentAttentionShape
 from dsl_lit.models.common.attention import attention_mask, causal_attention, query_positions
-from dsl_lit.models.common.attention_shape import SparseLatentAttentionShape
 from dsl_lit.models.common.kv_cache import KVCache
 from dsl_lit.models.common.layers import apply_rope
 from dsl_lit.models.common.mla import MultiHeadLatentAttention

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsl_lit.config.model import ModelConfig
-from dsl_lit.models.common.attention_shape import AttentionShape
+from dsl_lit.config.model_parts.attention import AttentionShape
 
 
 def ffn_params_per_token(cfg: ModelConfig, layer_id: int) -> int:

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from dsl_lit.config.model import ModelConfig
+from dsl_lit.config.model_parts.attention import LatentAttentionShape
 from dsl_lit.models.common.attention import causal_attention, query_positions
-from dsl_lit.models.common.attention_shape import LatentAttentionShape
 from dsl_lit.models.common.kv_cache import KVCache
 from dsl_lit.models.common.layers import RMSNorm, apply_rope, yarn_softmax_scale
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import torch
 
+from dsl_lit.config.families.deepseek_v2 import CARD
 from dsl_lit.models.common.block import Composition
+from dsl_lit.models.common.family_spec import FamilySpec
 from dsl_lit.models.common.mla import MultiHeadLatentAttention
 from dsl_lit.models.common.moe import TopKRouter
 from dsl_lit.models.deepseek_v3.parallelize import tp_plan
-from dsl_lit.models.deepseek_v3.v2_card import CARD
 from dsl_lit.models.deepseek_v3.v2_hf_adapter import V2_ADAPTER
-from dsl_lit.models.registry import FamilySpec
 
 
 class GroupLimitedGreedyRouter(TopKRouter):

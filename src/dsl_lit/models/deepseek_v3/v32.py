@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
+from dsl_lit.config.families.deepseek_v32 import CARD
 from dsl_lit.models.common.block import Composition
 from dsl_lit.models.common.dsa import SparseLatentAttention
+from dsl_lit.models.common.family_spec import FamilySpec
 from dsl_lit.models.common.moe import TopKRouter
 from dsl_lit.models.deepseek_v3.parallelize import tp_plan
-from dsl_lit.models.deepseek_v3.v32_card import CARD
 from dsl_lit.models.deepseek_v3.v32_hf_adapter import V32_ADAPTER
-from dsl_lit.models.registry import FamilySpec
 
 SPEC = FamilySpec(
     card=CARD,

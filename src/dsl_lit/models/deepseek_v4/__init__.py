@@ -1,3 +1,3 @@
 """DeepSeek-V4: manifold-constrained hyper-connections, compressed sparse / heavily compressed
-attention with a sliding window, hash-routed and top-k MoE layers (being assembled: the attention
-and mHC modules are here and at parity with transformers 5.24; the family is not registered yet)."""
+attention with a sliding window, hash-routed and top-k MoE layers, at parity with transformers 5.24 (its card, presets and field
+checks: ``dsl_lit.config.families.deepseek_v4``)."""

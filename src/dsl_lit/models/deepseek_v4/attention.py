@@ -33,10 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsl_lit.config.model import ModelConfig
+from dsl_lit.config.model_parts.v4_attention import V4AttentionShape
 from dsl_lit.models.common.kv_cache import KVCache
 from dsl_lit.models.common.layers import rope_frequencies
 from dsl_lit.models.common.split_heads import HeadMean, local_part
-from dsl_lit.models.deepseek_v4.attention_shape import V4AttentionShape
 
 LayerKind = Literal["sliding", "csa", "hca"]
 
@@ -219,7 +219,7 @@ def indexer_kl(target: torch.Tensor, index_scores: torch.Tensor, selected: torch
 class V4Attention(V4AttentionShape, HeadMean, nn.Module):
     """One V4 attention layer (``kind``: ``sliding``, ``csa`` or ``hca``): ``forward(hidden
     [batch, seq, d_model], positions [batch, seq]) -> [batch, seq, d_model]``. Its class answers the
-    shape questions (:class:`~dsl_lit.models.deepseek_v4.attention_shape.V4AttentionShape`). Under
+    shape questions (:class:`~dsl_lit.config.model_parts.v4_attention.V4AttentionShape`). Under
     tensor parallelism a rank computes its own heads and whole groups of the output projection
     (``deepseek_v4/parallelize.py``): the sinks and ``wo_a`` arrive split (:func:`local_part`), the
     indexer is replicated and its target sums the ranks' heads."""

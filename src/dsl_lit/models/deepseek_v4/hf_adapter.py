@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from data_contract.errors import ConfigError
-from dsl_lit.config.model import ATTENTION_KINDS, ModelConfig
+from dsl_lit.config.model import ModelConfig
+from dsl_lit.config.model_parts.v4_attention import ATTENTION_KINDS
 from dsl_lit.models.common.hf_adapter import (
     HFAdapter,
     HFSource,

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+from dsl_lit.config.families.deepseek_v4 import CARD
 from dsl_lit.models.common.block import Composition
+from dsl_lit.models.common.family_spec import FamilySpec
 from dsl_lit.models.common.moe import TopKRouter
 from dsl_lit.models.deepseek_v4.attention import V4Attention
-from dsl_lit.models.deepseek_v4.card import CARD
 from dsl_lit.models.deepseek_v4.hf_adapter import V4_ADAPTER
 from dsl_lit.models.deepseek_v4.model import V4Transformer
 from dsl_lit.models.deepseek_v4.parallelize import tp_plan
-from dsl_lit.models.registry import FamilySpec
 
 SPEC = FamilySpec(
     card=CARD,

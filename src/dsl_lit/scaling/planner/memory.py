@@ -29,6 +29,7 @@ from dsl_lit.config.model import ModelConfig
 from dsl_lit.config.pipeline_schedules import schedule, stages_of_rank
 from dsl_lit.flops import attention_params
 from dsl_lit.parallel.pipeline import split_layers
+from dsl_lit.scaling.planner.attention_costs import attention_costs
 from dsl_lit.scaling.planner.cluster import GIB, ClusterConfig
 from dsl_lit.scaling.planner.layout import V3_RECIPE, PlanLayout
 
@@ -61,7 +62,7 @@ class ParamCounts:
 def block_params(cfg: ModelConfig, layer_id: int, layout: PlanLayout) -> ParamCounts:
     """One block's parameters on one GPU (``layer_id >= n_layers``: an MTP block)."""
     tp = layout.parallel.tp
-    norms = 2 * cfg.d_model + cfg.attention_shape.norm_params(cfg)
+    norms = 2 * cfg.d_model + attention_costs(cfg).norm_params(cfg)
     dense = attention_params(cfg) / tp + norms
     if cfg.is_moe_layer(layer_id):
         dense += cfg.d_model * cfg.n_routed_experts + 3 * cfg.d_model * cfg.moe_ffn_hidden * cfg.n_shared_experts / tp
@@ -133,7 +134,7 @@ def attention_activations(cfg: ModelConfig, mode: str, tp: int, sp: bool) -> flo
     h = cfg.n_heads / tp
     if mode == "full":
         return d
-    return cfg.attention_shape.activation_elements(cfg, mode, h, d, tp)
+    return attention_costs(cfg).activation_elements(cfg, mode, h, d, tp)
 
 
 def ffn_activations(cfg: ModelConfig, layer_id: int, mode: str, layout: PlanLayout, dtype_bytes: int) -> float:
@@ -180,7 +181,7 @@ def deepseek_v3_activations(cfg: ModelConfig, layer_id: int, layout: PlanLayout)
     linear_in, attention_out = (FP8_TILE, E5M6_TILE) if fp8 else (act, act)
     d = cfg.d_model / (tp if sp else 1)
     h = cfg.n_heads / tp
-    kept, out = cfg.attention_shape.recipe_kept_elements(cfg, h, tp)
+    kept, out = attention_costs(cfg).recipe_kept_elements(cfg, h, tp)
     attention = (d + kept) * act + out * attention_out + h * FP32
     ffn = d * act
     if not cfg.is_moe_layer(layer_id):

@@ -59,6 +59,7 @@ from dataclasses import asdict, dataclass
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.config.pipeline_schedules import schedule
 from dsl_lit.flops import attention_params, ffn_params_per_token
+from dsl_lit.scaling.planner.attention_costs import attention_costs
 from dsl_lit.scaling.planner.cluster import ClusterConfig
 from dsl_lit.scaling.planner.layout import V3_RECIPE, PlanLayout
 from dsl_lit.scaling.planner.memory import (
@@ -128,7 +129,7 @@ def _fp8_cast_bytes(cfg: ModelConfig, layer_id: int, layout: PlanLayout) -> tupl
         return 0.0, 0.0
     tp, d = layout.parallel.tp, cfg.d_model
     h = cfg.n_heads / tp
-    inputs, grads = cfg.attention_shape.fp8_cast_elements(cfg, h, d, tp)
+    inputs, grads = attention_costs(cfg).fp8_cast_elements(cfg, h, d, tp)
     retiled = inputs
     if not cfg.is_moe_layer(layer_id):
         f = cfg.ffn_hidden / tp
@@ -145,12 +146,12 @@ def _fp8_cast_bytes(cfg: ModelConfig, layer_id: int, layout: PlanLayout) -> tupl
 
 def _up_projection_params(cfg: ModelConfig) -> float:
     """The up-projection weights (MLA's query and key/value) that ``deepseek_v3`` recomputes."""
-    return cfg.attention_shape.up_projection_params(cfg)
+    return attention_costs(cfg).up_projection_params(cfg)
 
 
 def _block_attention_flops(cfg: ModelConfig, seq_len: int) -> float:
     """Forward FLOPs per token of scores and values, without causal halving (as ``dsl_lit.flops``)."""
-    return cfg.attention_shape.score_flops(cfg, seq_len)
+    return cfg.attention.score_flops(cfg, seq_len)
 
 
 def _bandwidth(cluster: ClusterConfig, group: int, span: int) -> float:

@@ -1,8 +1,12 @@
-"""DeepSeek LLM presets (arXiv 2401.02954, Table 2): LLaMA-style pre-norm decoder, 102400 vocab."""
+"""DeepSeek LLM (arXiv 2401.02954, Table 2): a LLaMA-style pre-norm decoder with grouped-query
+attention and a dense SwiGLU FFN, 102400 vocab."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from dsl_lit.config.families.card import FamilyCard
+from dsl_lit.config.model_parts.attention import GroupedQueryShape
 
 PRESETS: dict[str, dict[str, Any]] = {
     "deepseek_llm_7b": dict(
@@ -20,3 +24,5 @@ PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=32768, n_layers=12, d_model=640, n_heads=10, n_kv_heads=10, ffn_hidden=1728, max_seq_len=2048,
     ),
 }
+
+CARD = FamilyCard(name="deepseek_llm", presets=PRESETS, base_preset="deepseek_llm_tiny", attention=GroupedQueryShape)

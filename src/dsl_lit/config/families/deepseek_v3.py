@@ -1,8 +1,14 @@
-"""DeepSeek-V3 family presets: MLA + DeepSeekMoE (+ MTP), from the papers (arXiv 2405.04434, 2412.19437)."""
+"""DeepSeek-V3 (arXiv 2412.19437): Multi-head Latent Attention, DeepSeekMoE with sigmoid routing
+and the balancing bias, multi-token prediction."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from dsl_lit.config.families.card import FamilyCard
+from dsl_lit.config.model_parts.attention import LatentAttentionShape
+from dsl_lit.config.model_parts.moe import DeepSeekMoE
+from dsl_lit.config.model_parts.mtp import MultiTokenPrediction
 
 _MLA: dict[str, Any] = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 """The MLA head layout of the released V2 and V3 models."""
@@ -34,3 +40,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         norm_topk_prob=True, seq_balance_alpha=0.0001, mtp_depth=1, max_seq_len=1024,
     ),
 }
+
+CARD = FamilyCard(
+    name="deepseek_v3", presets=PRESETS, base_preset="deepseek_v3_tiny", attention=LatentAttentionShape,
+    moe=DeepSeekMoE(score_funcs=("sigmoid", "softmax")), mtp=MultiTokenPrediction(),
+)

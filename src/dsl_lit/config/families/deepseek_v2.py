@@ -1,15 +1,17 @@
-"""DeepSeek-V2's card: its presets and field checks, without torch (``dsl_lit.models.families``);
-what it builds is ``v2.py``."""
+"""DeepSeek-V2 (arXiv 2405.04434): DeepSeek-V3's blocks with softmax routing and no multi-token
+prediction (its modules live beside V3's: ``models/deepseek_v3/v2.py``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from data_contract.errors import ConfigError
-from dsl_lit.config.model import ModelConfig
-from dsl_lit.models.common.attention_shape import LatentAttentionShape
-from dsl_lit.models.deepseek_v3 import validation as v3
-from dsl_lit.models.families import FamilyCard
+from dsl_lit.config.families.card import FamilyCard
+from dsl_lit.config.model_parts.attention import LatentAttentionShape
+from dsl_lit.config.model_parts.moe import DeepSeekMoE
+
+if TYPE_CHECKING:
+    from dsl_lit.config.model import ModelConfig
 
 PRESETS: dict[str, dict[str, Any]] = {
     # DeepSeek-V2 (arXiv 2405.04434, section 3.1; the released config.json): 236B total, 21B
@@ -33,14 +35,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def validate(cfg: ModelConfig, prefix: str) -> None:
-    """The V3 family's checks, plus what V2 does not have: sigmoid scores and MTP modules."""
-    v3.validate(cfg, prefix)
-    if cfg.score_func != "softmax":
-        raise ConfigError(
-            f"{prefix}.score_func={cfg.score_func!r}: the deepseek_v2 family routes with softmax scores; "
-            "sigmoid routing with the balancing bias is the deepseek_v3 family"
-        )
+def _no_mtp(cfg: ModelConfig, prefix: str) -> None:
+    """A config built directly (not through a preset's overrides, where the field is refused as unused)."""
     if cfg.mtp_depth:
         raise ConfigError(
             f"{prefix}.mtp_depth={cfg.mtp_depth!r}: the deepseek_v2 family has no multi-token prediction; "
@@ -49,12 +45,6 @@ def validate(cfg: ModelConfig, prefix: str) -> None:
 
 
 CARD = FamilyCard(
-    name="deepseek_v2",
-    presets=PRESETS,
-    base_preset="deepseek_v2_tiny",
-    attention=LatentAttentionShape,
-    moe=True,
-    mtp=False,
-    validate=validate,
-    spec_module="dsl_lit.models.deepseek_v3.v2",
+    name="deepseek_v2", presets=PRESETS, base_preset="deepseek_v2_tiny", attention=LatentAttentionShape,
+    moe=DeepSeekMoE(score_funcs=("softmax",)), rules=_no_mtp,
 )
