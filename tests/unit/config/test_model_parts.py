@@ -25,10 +25,11 @@ SHARED = ("name", "family", "vocab_size", "n_layers", "d_model", "n_heads", "ffn
 
 def test_every_preset_stores_and_answers_what_it_did_before_the_parts() -> None:
     """Stored config (dataclasses.asdict, what checkpoints keep), shapes, FLOPs, the planner's
-    per-token figures and the unused fields of all 13 presets, against the fixture."""
+    per-token figures and the unused fields of the 13 presets of that day, against the fixture (a
+    preset added since is not in it)."""
     expected = json.loads(PATH.read_text())
     got = json.loads(json.dumps(all_answers(), sort_keys=True))
-    assert sorted(got) == sorted(expected) and len(got) == 13
+    assert len(expected) == 13 and set(expected) <= set(got)
     for name in expected:
         assert got[name] == expected[name], name
 
