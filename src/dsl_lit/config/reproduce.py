@@ -48,6 +48,18 @@ class ReproduceConfig:
     builds on first use) that the stages read instead of the data stage running the pipeline, which
     needs ``datasets``; the scaling sweep reads it too (its own 2048-token build needs the
     pipeline). Null: the data stage runs the pipeline."""
+    seed: int | None = None
+    """The seed of every training stage (``trainer.seed``; the ablations use it and the next
+    ``ablation_seeds - 1``); null: the recipes' own (1234). A second run with another seed checks
+    that the verdicts do not hang on one draw."""
+    ablation_seeds: int = 3
+    """Seeds per ablation variant (with / without MTP, without the bias update): effects smaller than
+    their spread over seeds are reported as such, not as a verdict."""
+    ablation_fraction: float = 1.0
+    """Share of the pretraining's steps each ablation run trains (the same lr and batch schedule)."""
+    concurrent_runs: int = 1
+    """Runs of one stage at a time (the ablations' seeds), each on cores / this many threads: two
+    single-thread runs of a tiny model finish in about the time of one two-thread run."""
     overrides: dict[str, list[str]] = field(default_factory=dict)
     """Hydra overrides per stage, e.g. ``{pretrain: [trainer.max_steps=100]}``, applied after the
     wiring (init_from, data dirs, fitted lr and batch), so a preset can change anything."""
@@ -84,6 +96,14 @@ class ReproduceConfig:
         for key in ("ramp_fraction", "ramp_start_fraction"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ConfigError(f"reproduce.{key}={getattr(self, key)} must be in [0, 1)")
+        for key in ("ablation_seeds", "concurrent_runs"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"reproduce.{key}={value!r} must be a positive integer")
+        if not 0.0 < self.ablation_fraction <= 1.0:
+            raise ConfigError(f"reproduce.ablation_fraction={self.ablation_fraction} must be in (0, 1]")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise ConfigError(f"reproduce.seed={self.seed!r} must be a non-negative integer or null")
         if not self.passkey_lengths or min(self.passkey_lengths) < 48:
             raise ConfigError(f"reproduce.passkey_lengths={self.passkey_lengths} must be lengths of at least 48 tokens")
         if self.device not in ("cpu", "cuda"):

@@ -12,10 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 HPARAMS = ("pretrain_tokens", "seq_len", "batch_range", "lr_range", "micro_batch_size", "ramp_fraction",
-           "ramp_start_fraction", "overrides.pretrain", "device")
+           "ramp_start_fraction", "overrides.pretrain", "device", "seed")
 """What the scaling stage's batch and lr for the pretraining depend on (the pretrained model's size too)."""
-TRAINS = ("seq_len", "micro_batch_size", "device")
-R1 = ("device",)
+TRAINS = ("seq_len", "micro_batch_size", "device", "seed")
+R1 = ("device", "seed")
+ABLATIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("baseline", ()),
+    ("no_mtp", ("++model.mtp_depth=0",)),
+    ("no_bias", ("objective.bias_update_rate=[0.0,0.0]",)),
+)
+"""The ablation study's variants (name, recipe overrides on the pretraining's), each trained over
+``reproduce.ablation_seeds`` seeds: DeepSeek-V3's comparisons (Tables 4 and 5), with vs without MTP
+and with vs without the bias update, at equal steps and data."""
 EVALUATED = ("pretrain", "yarn", "cold_start", "grpo", "sft_rs", "distill")
 """The stages whose checkpoints lm-eval scores."""
 YARN_FACTOR = 4
@@ -34,8 +42,6 @@ class StageRow:
     """The preset's fields it uses (``ReproduceConfig``; ``overrides.<stage>`` for another stage's
     overrides): with its own overrides and its inputs' fingerprints, what decides whether a finished
     stage still stands."""
-    arguments: tuple[str, ...] = ()
-    """Extra recipe overrides ``run`` is built with (the ablations: one function, two rows)."""
     trains: bool = True
     """Runs a training recipe whose command the start-up check composes and validates (not the data
     pipeline, passkey, lm-eval or the report)."""
@@ -53,11 +59,10 @@ STAGE_ROWS: tuple[StageRow, ...] = (
     StageRow("data", (), "data", "dedup, filters, decontamination, BBPE, FIM packing of the bundled corpus",
              ("data_build",), trains=False, requires=("datasets",), unless="data_build"),
     StageRow("pretrain", ("scaling", "data"), "pretrain", "DeepSeek-V3 tiny: batch ramp, MTP, bias balancing", TRAINS),
-    StageRow("pretrain_no_mtp", ("scaling", "data"), "pretrain", "ablation: without MTP", TRAINS,
-             arguments=("++model.mtp_depth=0",)),
-    StageRow("pretrain_no_bias", ("scaling", "data"), "pretrain", "ablation: without the bias update", TRAINS,
-             arguments=("objective.bias_update_rate=[0.0,0.0]",)),
-    StageRow("yarn", ("scaling", "data", "pretrain"), "yarn", f"YaRN context extension x{YARN_FACTOR}", ("seq_len", "device")),
+    StageRow("ablations", ("scaling", "data"), "ablations", "with and without MTP, without the bias update, over seeds",
+             (*TRAINS, "ablation_seeds", "ablation_fraction")),
+    StageRow("yarn", ("scaling", "data", "pretrain"), "yarn", f"YaRN context extension x{YARN_FACTOR}",
+             ("seq_len", "device", "seed")),
     StageRow("passkey", ("pretrain", "yarn"), "passkey", "passkey retrieval by length, before and after YaRN",
              ("passkey_lengths", "device"), trains=False),
     StageRow("cold_start", ("data", "pretrain"), "cold_start", "R1 cold-start SFT from the pretrained checkpoint", R1),

@@ -1,13 +1,18 @@
 """The papers' statements a reproduction can check, each beside what this run measured.
 
 A claim reads the finished stages' results (their completion markers) and says "reproduced",
-"not reproduced at this scale" or "not measured" (a stage that did not run). The comparisons are
-the papers' own (with vs without MTP at equal steps, with vs without the bias update, before vs
-after a stage); the thresholds are written in each claim's text, so a reader can disagree with one.
+"not reproduced at this scale", "inconclusive: effect within seed noise" or "not measured" (a stage
+that did not run). The comparisons are the papers' own (with vs without MTP at equal steps, with vs
+without the bias update, before vs after a stage); the thresholds are written in each claim's text,
+fixed before the runs, so a reader can disagree with one. Effects measured over seeds (the
+ablations) are judged by their paired differences against the spread of those differences
+(:func:`paired`), never by one draw.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +20,7 @@ from typing import Any
 from dsl_lit.scaling.laws import PAPER_BATCH, PAPER_LR, PAPER_MODEL_SCALE
 
 REPRODUCED, NOT_REPRODUCED, NOT_MEASURED = "reproduced", "not reproduced at this scale", "not measured"
+INCONCLUSIVE = "inconclusive: effect within seed noise"
 Results = dict[str, dict[str, Any]]
 
 
@@ -22,15 +28,68 @@ Results = dict[str, dict[str, Any]]
 class Claim:
     statement: str
     source: str
-    check: Callable[[Results], tuple[str, bool]]
-    """From the stages' results: (what was measured, whether it agrees with the statement)."""
+    check: Callable[[Results], tuple[str, bool | None]]
+    """From the stages' results: (what was measured, whether it agrees with the statement; None:
+    the effect is within its seed spread, neither way)."""
 
     def verdict(self, results: Results) -> tuple[str, str]:
         try:
             measured, agrees = self.check(results)
-        except (KeyError, TypeError, ZeroDivisionError):  # a stage it reads did not run or logged nothing
+        except (KeyError, TypeError, ZeroDivisionError, IndexError):  # a stage it reads did not run or logged nothing
             return "-", NOT_MEASURED
-        return measured, REPRODUCED if agrees else NOT_REPRODUCED
+        return measured, INCONCLUSIVE if agrees is None else REPRODUCED if agrees else NOT_REPRODUCED
+
+
+T_95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833}
+"""One-sided 95% Student t quantiles by degrees of freedom (seeds - 1); 1.645 beyond."""
+
+
+@dataclass(frozen=True)
+class Paired:
+    """Paired differences over seeds (each seed the same data order and initial draw for both arms)."""
+
+    differences: tuple[float, ...]
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.differences)
+
+    @property
+    def spread(self) -> float:
+        """Sample standard deviation of the differences (0 for one seed)."""
+        return statistics.stdev(self.differences) if len(self.differences) > 1 else 0.0
+
+    @property
+    def margin(self) -> float:
+        """Half-width of the one-sided 95% bound on the mean difference (inf for one seed: no spread known)."""
+        n = len(self.differences)
+        return T_95.get(n - 1, 1.645) * self.spread / math.sqrt(n) if n > 1 else math.inf
+
+    def above(self, threshold: float) -> bool | None:
+        """True if the mean difference is above ``threshold`` beyond its margin, False if below it
+        beyond its margin, None (inconclusive) in between."""
+        if self.mean - self.margin > threshold:
+            return True
+        if self.mean + self.margin < threshold:
+            return False
+        return None
+
+    def text(self, fmt: str = ".3f") -> str:
+        return (f"{self.mean:+{fmt}} +- {self.spread:{fmt}} (mean +- sd of {len(self.differences)} paired seeds; "
+                f"95% margin {self.margin:{fmt}})")
+
+
+def paired(r: Results, key: str, better: str, worse: str, relative: bool = False) -> Paired:
+    """``key`` of ablation variant ``worse`` minus ``better``, seed by seed (relative: divided by ``better``'s)."""
+    variants = r["ablations"]["results"]["variants"]
+    pairs = list(zip(variants[better], variants[worse], strict=True))
+    if not pairs:
+        raise KeyError("no seeds")
+    return Paired(tuple((w[key] - b[key]) / (b[key] if relative else 1.0) for b, w in pairs))
+
+
+def _mean(r: Results, variant: str, key: str) -> float:
+    return statistics.fmean(run[key] for run in r["ablations"]["results"]["variants"][variant])
 
 
 def _fmt(x: float) -> str:
@@ -63,29 +122,41 @@ def _allocation(r: Results) -> tuple[str, bool]:
             f"{SIGNIFICANT:.0%} of it)", m >= SIGNIFICANT * PAPER_MODEL_SCALE.exponent)
 
 
-def _mtp(r: Results) -> tuple[str, bool]:
-    with_mtp, without = r["pretrain"]["results"]["val_loss"], r["pretrain_no_mtp"]["results"]["val_loss"]
-    return f"validation loss {_fmt(with_mtp)} with MTP, {_fmt(without)} without, same steps and data", with_mtp < without
+def _mtp(r: Results) -> tuple[str, bool | None]:
+    """Criterion: validation loss without MTP minus with it, paired by seed, above 0 beyond its 95%
+    margin (below it beyond the margin: MTP hurt; in between: inconclusive)."""
+    gain = paired(r, "val_loss", "baseline", "no_mtp")
+    return (f"validation loss {_fmt(_mean(r, 'baseline', 'val_loss'))} with MTP, {_fmt(_mean(r, 'no_mtp', 'val_loss'))} "
+            f"without; without - with: {gain.text()} (criterion: above 0 beyond the margin)", gain.above(0.0))
 
 
-def _bias(r: Results) -> tuple[str, bool]:
-    with_bias = r["pretrain"]["results"]["load_max_over_mean"]
-    without = r["pretrain_no_bias"]["results"]["load_max_over_mean"]
-    return (f"expert load max/mean {_fmt(with_bias)} with the bias update, {_fmt(without)} without "
-            "(last 20% of steps; 1.0 is perfect)", with_bias < without)
+def _bias(r: Results) -> tuple[str, bool | None]:
+    """Criterion: expert load max/mean without the bias update minus with it above 0 beyond its margin."""
+    gain = paired(r, "load_max_over_mean", "baseline", "no_bias")
+    return (f"expert load max/mean {_fmt(_mean(r, 'baseline', 'load_max_over_mean'))} with the bias update, "
+            f"{_fmt(_mean(r, 'no_bias', 'load_max_over_mean'))} without (last 20% of steps; 1.0 is perfect); "
+            f"without - with: {gain.text()}", gain.above(0.0))
 
 
-def _bias_loss(r: Results) -> tuple[str, bool]:
-    """Balancing *without hurting the model*: only a claim where the balancing happened (the
-    load is more even with the bias update) and the loss is no more than 2% higher (before: marked
-    reproduced on the loss alone while the balancing itself had failed)."""
-    with_bias, without = r["pretrain"]["results"]["val_loss"], r["pretrain_no_bias"]["results"]["val_loss"]
+LOSS_COST = 0.02
+"""The bias update's loss cost a reproduction accepts as "no worse": 2% of the validation loss."""
+
+
+def _bias_loss(r: Results) -> tuple[str, bool | None]:
+    """Balancing *without hurting the model*: only a claim where the balancing happened, and the
+    relative loss cost (with / without - 1, paired by seed) below :data:`LOSS_COST` beyond its
+    margin (above it beyond the margin: hurt; in between: inconclusive)."""
     description, balanced = _bias(r)
-    not_hurt = with_bias <= without * 1.02
-    return (f"validation loss {_fmt(with_bias)} with the bias update, {_fmt(without)} without "
-            "(criterion: at most 2% higher)"
-            + ("" if balanced else "; but the bias update did not balance the load, so nothing was balanced for free"),
-            balanced and not_hurt)
+    cost = paired(r, "val_loss", "no_bias", "baseline", relative=True)
+    within = cost.above(LOSS_COST)
+    verdict = None if within is None else not within
+    text = (f"validation loss {_fmt(_mean(r, 'baseline', 'val_loss'))} with the bias update, "
+            f"{_fmt(_mean(r, 'no_bias', 'val_loss'))} without; relative cost {cost.text('.2%')} "
+            f"(criterion: below {LOSS_COST:.0%} beyond the margin)")
+    if balanced is not True:
+        return text + "; but the bias update did not balance the load, so nothing was balanced for free", \
+            False if balanced is False else None
+    return text, verdict
 
 
 def _passkey(r: Results) -> tuple[str, bool]:

@@ -34,16 +34,18 @@ class _Recorded(Exception):
 
 
 class RecordingContext(StageContext):
-    """Keeps the command a stage would run instead of running it."""
+    """Keeps the commands a stage would run instead of running them."""
 
-    def run(self, argv: Sequence[str]) -> None:
-        self.commands.append([*argv, *self.cfg.overrides.get(self.name, [])])
+    def run_all(self, argvs: Sequence[Sequence[str]], concurrent: int = 1,
+                log_paths: Sequence[Path] | None = None) -> None:
+        self.commands.extend([*argv, *self.cfg.overrides.get(self.name, [])] for argv in argvs)
         raise _Recorded
 
 
-def stage_commands(cfg: ReproduceConfig, stages: Sequence[Stage], run_dir: Path) -> dict[str, list[str]]:
-    """Each training stage's recipe command (script, then arguments), wired as it would run now:
-    the scaling stage's batch and lr from its marker when it has finished, else from the paper's laws."""
+def stage_commands(cfg: ReproduceConfig, stages: Sequence[Stage], run_dir: Path) -> dict[str, list[list[str]]]:
+    """Each training stage's recipe commands (script, then arguments; several for the ablations'
+    variants and seeds), wired as they would run now: the scaling stage's batch and lr from its
+    marker when it has finished, else from the paper's laws."""
     from dsl_lit.reproduce.stages import pretraining_hparams
 
     finished = marker(run_dir / "scaling")
@@ -60,32 +62,35 @@ def stage_commands(cfg: ReproduceConfig, stages: Sequence[Stage], run_dir: Path)
             try:
                 stage.run(context)
             except _Recorded:
-                commands[stage.name] = context.commands[0]
+                commands[stage.name] = context.commands
     return commands
 
 
 def check_commands(cfg: ReproduceConfig, stages: Sequence[Stage], run_dir: Path) -> dict[str, Any]:
-    """Compose and validate every training stage's command; a one-line ConfigError naming the stage
-    otherwise. Returns the validated ``TrainConfig`` per stage. Needs Hydra initialised with
-    ``conf/`` (inside a recipe, or ``initialize_config_dir``)."""
+    """Compose and validate every training stage's commands; a one-line ConfigError naming the stage
+    otherwise. Returns the validated ``TrainConfig`` of each stage's first command. Needs Hydra
+    initialised with ``conf/`` (inside a recipe, or ``initialize_config_dir``)."""
     from dsl_lit.config.train import TrainConfig
     from dsl_lit.scaling.sweep import sweep_from_config
 
     configs: dict[str, Any] = {}
-    for name, (script, *arguments) in stage_commands(cfg, stages, run_dir).items():
-        overrides = [a for a in arguments if not a.startswith(FROM_CHECKPOINTS)]
-        where = f"stage {name} (recipes/{Path(script).name} with reproduce.overrides.{name})"
-        try:
-            composed = compose(Path(script).stem, overrides=overrides)
-            if Path(script).name == SWEEP:  # a multirun: its sweep settings, then one point's training config
-                configs[name] = sweep_from_config(composed)[0].validate()
-                continue
-            configs[name] = TrainConfig.from_hydra(composed, run_dir=str(run_dir / name),
+    for name, commands in stage_commands(cfg, stages, run_dir).items():
+        for index, (script, *arguments) in enumerate(commands):
+            overrides = [a for a in arguments if not a.startswith(FROM_CHECKPOINTS)]
+            run = f", run {index + 1} of {len(commands)}" if len(commands) > 1 else ""
+            where = f"stage {name} (recipes/{Path(script).name} with reproduce.overrides.{name}{run})"
+            try:
+                composed = compose(Path(script).stem, overrides=overrides)
+                if Path(script).name == SWEEP:  # a multirun: its sweep settings, then one point's training config
+                    train = sweep_from_config(composed)[0].validate()
+                else:
+                    train = TrainConfig.from_hydra(composed, run_dir=str(run_dir / name),
                                                    post_training=Path(script).name not in PRETRAINING)
-        except (HydraException, OmegaConfBaseException) as error:
-            raise ConfigError(f"{where}: {str(error).splitlines()[0]}") from None
-        except ConfigError as error:
-            raise ConfigError(f"{where}: {error}") from None
+            except (HydraException, OmegaConfBaseException) as error:
+                raise ConfigError(f"{where}: {str(error).splitlines()[0]}") from None
+            except ConfigError as error:
+                raise ConfigError(f"{where}: {error}") from None
+            configs.setdefault(name, train)
     return configs
 
 

@@ -2,7 +2,7 @@
 drawn from the stages' completion markers and metrics.csv files alone.
 
 Per stage the curves a reader of the papers knows (loss with and without MTP, expert load with
-and without the bias update, the batch ramp, passkey accuracy by length before and after YaRN,
+and without the bias update, with the ablations' spread over seeds, the batch ramp, passkey accuracy by length before and after YaRN,
 GRPO reward and held-out accuracy, the R1 models' accuracy), lm-eval on every checkpoint, and the
 papers' statements beside what was measured (:mod:`dsl_lit.reproduce.claims`).
 """
@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 from pathlib import Path
 from typing import Any
 
 import matplotlib.pyplot as plt
 
 from dsl_lit.config.reproduce import ReproduceConfig
-from dsl_lit.config.reproduce_stages import STAGE_ROWS
+from dsl_lit.config.reproduce_stages import ABLATIONS, STAGE_ROWS
 from dsl_lit.report.figures import plot_lines, save_figure
 from dsl_lit.report.metrics import METRICS_FILE, Series, read_metrics
 from dsl_lit.reproduce.claims import claims_table
@@ -73,6 +74,15 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _spread(values: list[float | None]) -> str:
+    """``mean +- sd`` over seeds (sd of one value: none)."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return "-"
+    sd = f" +- {statistics.stdev(known):.3g}" if len(known) > 1 else ""
+    return f"{statistics.fmean(known):.4g}{sd}"
+
+
 def _minutes(seconds: float) -> str:
     return f"{int(seconds // 60)} min {int(seconds % 60):02d} s"
 
@@ -124,19 +134,32 @@ def write_report(run_dir: Path, out: Path, cfg: ReproduceConfig) -> Path:
                   + (", ".join(f"{k} {v}" for k, v in sorted(d["removed"].items())) or "none")
                   + (f". FIM rate {fim['rate']:g} ({fim['spm_rate']:.0%} of it SPM).\n" if fim else ". No FIM.\n"))
 
-    md.append("\n## 3. Pretraining (DeepSeek-V3 tiny)\n")
-    pre, no_mtp, no_bias = (_series(run_dir, s) for s in ("pretrain", "pretrain_no_mtp", "pretrain_no_bias"))
-    md.append(_image(_plot(out, "pretrain_loss.png", "main-token loss by step, with and without MTP", "cross-entropy (nats)",
-                           [("train, MTP", pre.get("train/loss")), ("train, no MTP", no_mtp.get("train/loss")),
-                            ("val, MTP", pre.get("val/loss")), ("val, no MTP", no_mtp.get("val/loss"))]), "loss"))
-    md.append(_image(_plot(out, "expert_load.png", "expert load by step: max/mean over experts (mean over MoE layers)", "max / mean (1 = even)",
-                           [("bias update", pre.get("moe/load_max_over_mean")),
-                            ("no bias update", no_bias.get("moe/load_max_over_mean"))]), "expert load"))
-    md.append(_image(_plot(out, "batch_ramp.png", "batch ramp: global batch by step", "sequences per step",
+    md.append("\n## 3. Pretraining (DeepSeek-V3 tiny) and its ablations\n")
+    pre = _series(run_dir, "pretrain")
+    first = {name: _series(run_dir, f"ablations/{name}/seed0") for name, _ in ABLATIONS}
+    md.append(_image(_plot(out, "pretrain_loss.png", "ablations, first seed: main-token loss by step, with and without MTP",
+                           "cross-entropy (nats)",
+                           [("train, MTP", first["baseline"].get("train/loss")),
+                            ("train, no MTP", first["no_mtp"].get("train/loss")),
+                            ("val, MTP", first["baseline"].get("val/loss")), ("val, no MTP", first["no_mtp"].get("val/loss"))]),
+                     "loss"))
+    md.append(_image(_plot(out, "expert_load.png", "ablations, first seed: expert load by step (max/mean over experts, "
+                           "mean over MoE layers)", "max / mean (1 = even)",
+                           [("bias update", first["baseline"].get("moe/load_max_over_mean")),
+                            ("no bias update", first["no_bias"].get("moe/load_max_over_mean"))]), "expert load"))
+    md.append(_image(_plot(out, "batch_ramp.png", "pretraining: global batch by step", "sequences per step",
                            [("global batch", pre.get("train/global_batch_size"))]), "batch ramp"))
     rows = [[s, r[s].get("steps"), r[s].get("train_loss"), r[s].get("val_loss"), r[s].get("load_max_over_mean")]
-            for s in ("pretrain", "pretrain_no_mtp", "pretrain_no_bias", "yarn") if s in r]
+            for s in ("pretrain", "yarn") if s in r]
     md.append(_table(["run", "steps", "train loss (last 10%)", "val loss", "load max/mean (last 20%)"], rows))
+    if "ablations" in r:
+        ab = r["ablations"]
+        md.append(f"\nAblations: {len(ab['seeds'])} seeds ({', '.join(map(str, ab['seeds']))}) per variant, "
+                  f"{ab['steps']} steps each (the pretraining's schedule, shortened); mean +- sample sd over seeds:\n")
+        md.append(_table(["variant", "val loss", "train loss (last 10%)", "load max/mean (last 20%)"],
+                         [[name, *(_spread([run[key] for run in ab["variants"][name]])
+                                   for key in ("val_loss", "train_loss", "load_max_over_mean"))]
+                          for name, _ in ABLATIONS if name in ab["variants"]]))
 
     md.append("\n## 4. Context extension (YaRN) and passkey retrieval\n")
     if "passkey" in r:

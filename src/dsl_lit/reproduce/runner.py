@@ -105,37 +105,66 @@ class StageContext:
         self.run(["-m", name, *args])
 
     def run(self, argv: Sequence[str]) -> None:
-        command = [sys.executable, *argv, *self.cfg.overrides.get(self.name, [])]
-        self.commands.append(command[1:])
+        self.run_all([argv])
+
+    def run_all(self, argvs: Sequence[Sequence[str]], concurrent: int = 1,
+                log_paths: Sequence[Path] | None = None) -> None:
+        """``python <argv> <the preset's overrides>`` for each of ``argvs``, ``concurrent`` at a time
+        (each then on its share of the cores: ``OMP_NUM_THREADS`` = cores / ``concurrent``; a tiny
+        model's step gains little from a second thread, so two runs on one core each finish in about
+        the time of one on both). Output to ``log_paths`` (default: the stage's log). A SIGTERM or
+        SIGINT reaches every running child, which saves and exits; no further one starts. A failure
+        stops the others and raises :class:`StageFailed` naming its log."""
+        commands = [[sys.executable, *argv, *self.cfg.overrides.get(self.name, [])] for argv in argvs]
+        self.commands.extend(command[1:] for command in commands)
         self.dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.dir / "stage.log"
+        logs = list(log_paths) if log_paths is not None else [self.dir / "stage.log"] * len(commands)
         env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1"}
+        if concurrent > 1:
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // concurrent))
         stop: list[int] = []
-        child: StageProcess | None = None
+        live: dict[int, StageProcess] = {}
+        failed: tuple[int, int] | None = None
 
-        def forward(signum: int, _frame: Any) -> None:  # SIGTERM/SIGINT: the child saves and exits
+        def forward(signum: int, _frame: Any) -> None:  # SIGTERM/SIGINT: the children save and exit
             stop.append(signum)
-            if child is not None:
+            for child in live.values():
                 child.send_signal(signal.SIGTERM)
 
-        previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}  # before the child exists
+        previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}  # before any child exists
         try:
-            with log_path.open("a") as out:
-                out.write(f"\n$ {' '.join(command)}\n")
-            child = start_stage(command[1:], cwd=PROJECT_ROOT, env=env, log_path=log_path, keep_fd=self.lock_fd,
-                                fork=self.cfg.device == "cpu")
-            if stop:  # signalled while it started
-                child.send_signal(signal.SIGTERM)
-            code = child.wait()
+            pending = list(range(len(commands)))
+            while live or (pending and not stop and failed is None):
+                while pending and len(live) < concurrent and not stop and failed is None:
+                    index = pending.pop(0)
+                    with logs[index].open("a") as out:
+                        out.write(f"\n$ {' '.join(commands[index])}\n")
+                    live[index] = start_stage(commands[index][1:], cwd=PROJECT_ROOT, env=env, log_path=logs[index],
+                                              keep_fd=self.lock_fd, fork=self.cfg.device == "cpu")
+                    if stop:  # signalled while it started
+                        live[index].send_signal(signal.SIGTERM)
+                finished = {i: code for i, child in live.items() if (code := child.poll()) is not None}
+                for index, code in finished.items():
+                    del live[index]
+                    if code != 0 and failed is None and not stop and code not in (143, -signal.SIGTERM):
+                        failed = (index, code)
+                        for child in live.values():  # the others are of no use now
+                            child.send_signal(signal.SIGTERM)
+                    elif code in (143, -signal.SIGTERM) and failed is None:
+                        stop.append(signal.SIGTERM)
+                if live and not finished:
+                    time.sleep(0.1)
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-        if stop or code == 143 or code == -signal.SIGTERM:
-            raise SystemExit(143)  # stopped: no marker; the child saved its checkpoint and a rerun resumes
-        if code != 0:
-            tail = "".join(log_path.read_text().splitlines(keepends=True)[-15:])
+        if failed is not None:
+            index, code = failed
+            tail = "".join(logs[index].read_text().splitlines(keepends=True)[-15:])
+            argv = commands[index][1:]
             program = argv[1] if argv[0] == "-m" else Path(argv[0]).name
-            raise StageFailed(f"stage {self.name}: {program} exited {code}; log {log_path}:\n{tail}")
+            raise StageFailed(f"stage {self.name}: {program} exited {code}; log {logs[index]}:\n{tail}")
+        if stop:
+            raise SystemExit(143)  # stopped: no marker; the children saved their checkpoints and a rerun resumes
 
 
 @dataclass(frozen=True)
@@ -167,7 +196,7 @@ class Stage:
         return self.row.reads
 
 
-NEW_FIELDS = ("data_build",)
+NEW_FIELDS = ("data_build", "seed")
 """Preset fields added after runs were made: left out of the fingerprints while null, so those runs
 still stand."""
 

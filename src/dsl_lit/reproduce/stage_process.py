@@ -37,8 +37,8 @@ PRELOADED = ("lightning",)
 class StageProcess(Protocol):
     def send_signal(self, signum: int) -> None: ...
 
-    def wait(self) -> int:
-        """The exit status as ``subprocess.Popen.wait`` gives it (-N: killed by signal N)."""
+    def poll(self) -> int | None:
+        """The exit status as ``subprocess.Popen.poll`` gives it (-N: killed by signal N), None while it runs."""
 
 
 def preload() -> None:
@@ -80,14 +80,19 @@ def start_stage(argv: Sequence[str], *, cwd: Path, env: dict[str, str], log_path
 class ForkedStage:
     def __init__(self, pid: int) -> None:
         self.pid = pid
+        self.status: int | None = None
 
     def send_signal(self, signum: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signum)
+        if self.status is None:  # never a reaped pid (the system may have given it to another process)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
 
-    def wait(self) -> int:
-        _, status = os.waitpid(self.pid, 0)  # retried across the signals the runner forwards (PEP 475)
-        return os.waitstatus_to_exitcode(status)
+    def poll(self) -> int | None:
+        if self.status is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid == self.pid:
+                self.status = os.waitstatus_to_exitcode(status)
+        return self.status
 
 
 def _become(cwd: Path, env: dict[str, str], log_path: Path) -> None:

@@ -22,7 +22,7 @@ from hydra import compose
 
 from data_contract.errors import ConfigError
 from dsl_lit.config.reproduce import STAGES, ReproduceConfig
-from dsl_lit.reproduce.claims import NOT_MEASURED, NOT_REPRODUCED, REPRODUCED, claims_table
+from dsl_lit.reproduce.claims import INCONCLUSIVE, NOT_MEASURED, NOT_REPRODUCED, REPRODUCED, claims_table
 from dsl_lit.reproduce.runner import MARKER, selected
 from dsl_lit.reproduce.stages import EVALUATED, STAGE_TABLE, pretraining_hparams
 from tests.forked_python import run_python, start_python
@@ -66,9 +66,10 @@ def interrupted_run(tmp_path_factory) -> tuple[Path, str]:
 @pytest.mark.slow
 def test_every_stage_feeds_the_next_and_the_report_has_every_section(interrupted_run):
     run_dir, log = interrupted_run
-    for index, stage in enumerate(STAGES[:8], 1):  # finished before the stop: skipped
-        assert f"stage {index}/14 {stage}: finished earlier" in log
-    assert "stage 9/14 grpo: GRPO" in log and "about" in log and "elapsed" in log
+    n = len(STAGES)
+    for index, stage in enumerate(STAGES[:STAGES.index("grpo")], 1):  # finished before the stop: skipped
+        assert f"stage {index}/{n} {stage}: finished earlier" in log
+    assert f"stage {STAGES.index('grpo') + 1}/{n} grpo: GRPO" in log and "about" in log and "elapsed" in log
     assert "resuming from" in (run_dir / "grpo" / "stage.log").read_text()
     done = {s: json.loads((run_dir / s / MARKER).read_text()) for s in STAGES}
 
@@ -82,7 +83,8 @@ def test_every_stage_feeds_the_next_and_the_report_has_every_section(interrupted
     assert resolved("sft_rs")["init_from"] == str(run_dir / "pretrain")
     assert resolved("sft_rs")["sft"]["dataset"] == str(run_dir / "rejection_sample" / "samples.jsonl")
     assert f"teacher_from='{run_dir / 'grpo'}'" in done["distill"]["commands"][0]
-    for stage in ("pretrain", "pretrain_no_mtp", "pretrain_no_bias", "yarn"):
+    ablation = {name: [f"ablations/{name}/seed{k}" for k in range(2)] for name in ("baseline", "no_mtp", "no_bias")}
+    for stage in ("pretrain", *ablation["baseline"], *ablation["no_mtp"], *ablation["no_bias"], "yarn"):
         assert resolved(stage)["data"]["cache_dir"] == str(run_dir / "data" / "pipeline")
     # the fitted lr and batch (with its ramp) are what pretraining ran with
     hp = done["scaling"]["results"]
@@ -91,10 +93,16 @@ def test_every_stage_feeds_the_next_and_the_report_has_every_section(interrupted
     assert pre["data"]["batch_ramp"] == {"start": 4, "tokens": hp["ramp_tokens"], "increment": 4}
     ramp = {int(s): r["train/global_batch_size"] for s, r in metrics(run_dir / "pretrain").items()}
     assert ramp[min(ramp)] == 4 and ramp[max(ramp)] == 8
-    # the ablations differ from pretraining in their one setting only
-    assert resolved("pretrain_no_mtp")["model"]["mtp_depth"] == 0
-    assert done["pretrain"]["results"]["mtp_loss"] > 0 and done["pretrain_no_mtp"]["results"]["mtp_loss"] is None
-    assert resolved("pretrain_no_bias")["objective"]["bias_update_rate"] == [0.0, 0.0]
+    # the ablations differ from each other in their one setting and their seed only, over half the steps
+    runs = done["ablations"]["results"]["variants"]
+    assert done["ablations"]["results"]["steps"] == round(hp["max_steps"] / 2)
+    for name, dirs in ablation.items():
+        assert [resolved(d)["trainer"]["seed"] for d in dirs] == [1234, 1235], name
+        assert [resolved(d)["trainer"]["max_steps"] for d in dirs] == [done["ablations"]["results"]["steps"]] * 2
+    assert {resolved(d)["model"]["mtp_depth"] for d in ablation["no_mtp"]} == {0}
+    assert all(r["mtp_loss"] > 0 for r in runs["baseline"]) and all(r["mtp_loss"] is None for r in runs["no_mtp"])
+    assert {tuple(resolved(d)["objective"]["bias_update_rate"]) for d in ablation["no_bias"]} == {(0.0, 0.0)}
+    assert runs["baseline"][0]["val_loss"] != runs["baseline"][1]["val_loss"]  # another seed, another run
     assert resolved("yarn")["model"]["rope_scaling"]["factor"] == 4 and resolved("yarn")["data"]["seq_len"] == 512
     assert set(done["passkey"]["results"]["accuracy"]) == {"pretrain", "yarn"}
     assert set(done["evaluate"]["results"]["scores"]) == set(EVALUATED)
@@ -110,7 +118,8 @@ def test_every_stage_feeds_the_next_and_the_report_has_every_section(interrupted
         assert f"]({png})" in report and (run_dir / "report" / png).stat().st_size > 5000
     verdicts = [line.rsplit("|", 2)[-2].strip() for line in report.split("## 1.")[0].splitlines()
                 if line.startswith("| ") and "DeepSeek" in line]
-    assert len(verdicts) == 9 and set(verdicts) <= {REPRODUCED, NOT_REPRODUCED}
+    assert len(verdicts) == 9 and set(verdicts) <= {REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE}
+    assert "Ablations: 2 seeds (1234, 1235) per variant" in report
 
 
 @pytest.mark.slow
@@ -154,7 +163,10 @@ def test_bad_subsets_and_changed_settings_are_refused_before_any_stage_runs(tmp_
     assert [s for s in STAGES if before[s] != after[s]] == ["evaluate"]
     bigger = ReproduceConfig(overrides={"pretrain": ["++model.n_layers=6"]})  # another model: another batch and lr
     changed = [s for s in STAGES if fingerprints(bigger, STAGE_TABLE)[s] != before[s]]
-    assert changed[:4] == ["scaling", "pretrain", "pretrain_no_mtp", "pretrain_no_bias"] and "data" not in changed
+    assert changed[:3] == ["scaling", "pretrain", "ablations"] and "data" not in changed
+    seeded = ReproduceConfig(seed=7)  # another seed: every training stage again, not the data
+    assert [s for s in STAGES if fingerprints(seeded, STAGE_TABLE)[s] != before[s]] == [
+        s for s in STAGES if s not in ("data", "report")]
     # an interrupted stage's checkpoints were made with its settings: resuming them under others is refused
     (tmp_path / "started" / "data").mkdir(parents=True)
     (tmp_path / "started" / "data" / "STARTED.json").write_text(json.dumps({"fingerprint": "1" * 16}))
@@ -196,20 +208,37 @@ def test_claims_are_judged_by_their_written_thresholds():
     assert table["Optimal batch size grows and optimal learning rate shrinks with compute, as power laws"] == NOT_REPRODUCED
     assert table["The compute-optimal model scale grows with compute"] == REPRODUCED
     assert table["Multi-token prediction improves the main model at equal training steps"] == NOT_MEASURED
-    results = {"pretrain": {"val_loss": 4.0, "load_max_over_mean": 1.2}, "pretrain_no_mtp": {"val_loss": 4.1},
-               "pretrain_no_bias": {"val_loss": 4.05, "load_max_over_mean": 2.5},
-               "grpo": {"eval_accuracy": 0.0}, "cold_start": {"eval_accuracy": 0.0}, "distill": {"eval_accuracy": 0.0},
-               "sft_rs": {"eval_accuracy": 0.0}}
-    table = {row[0]: (row[2], row[3]) for row in claims_table(_done(results))}
-    assert table["Multi-token prediction improves the main model at equal training steps"][1] == REPRODUCED
-    assert table["Auxiliary-loss-free balancing (the bias update) keeps expert load balanced"] == (
-        "expert load max/mean 1.2 with the bias update, 2.5 without (last 20% of steps; 1.0 is perfect)", REPRODUCED)
-    free = "... without hurting the model (no worse loss)"
-    assert table[free][1] == REPRODUCED  # balanced, and the loss within 2%
-    unbalanced = {**results, "pretrain": {"val_loss": 4.0, "load_max_over_mean": 2.6}}
+    def ablations(baseline, no_mtp, no_bias):  # (val loss, load max/mean) per seed
+        runs = {name: [{"val_loss": v, "load_max_over_mean": load} for v, load in values]
+                for name, values in (("baseline", baseline), ("no_mtp", no_mtp), ("no_bias", no_bias))}
+        return {"ablations": {"variants": runs, "steps": 10, "seeds": [1, 2, 3]}}
+
+    mtp, balanced, free = ("Multi-token prediction improves the main model at equal training steps",
+                           "Auxiliary-loss-free balancing (the bias update) keeps expert load balanced",
+                           "... without hurting the model (no worse loss)")
+    clear = ablations([(4.00, 1.2), (4.02, 1.3), (3.99, 1.2)], [(4.10, 1.2), (4.11, 1.3), (4.10, 1.2)],
+                      [(4.01, 2.5), (4.02, 2.6), (4.00, 2.4)])
+    table = {row[0]: (row[2], row[3]) for row in claims_table(_done({**clear, "grpo": {"eval_accuracy": 0.0},
+                                                                     "cold_start": {"eval_accuracy": 0.0},
+                                                                     "distill": {"eval_accuracy": 0.0},
+                                                                     "sft_rs": {"eval_accuracy": 0.0}}))}
+    assert table[mtp][1] == REPRODUCED  # +0.10 +- 0.01 over three seeds
+    assert table[balanced][1] == REPRODUCED and "1.23 with the bias update, 2.5 without" in table[balanced][0]
+    assert table[free][1] == REPRODUCED and "criterion: below 2% beyond the margin" in table[free][0]
+    # the earlier design's case: one draw's difference of 0.01 inside a spread of 0.05 is no verdict either way
+    noisy = ablations([(4.82, 1.2), (4.70, 1.3), (4.90, 1.2)], [(4.81, 1.2), (4.78, 1.3), (4.85, 1.2)],
+                      [(4.80, 2.5), (4.75, 2.6), (4.88, 2.4)])
+    table_noisy = {row[0]: row[3] for row in claims_table(_done(noisy))}
+    assert table_noisy[mtp] == INCONCLUSIVE and table_noisy[balanced] == REPRODUCED
+    hurt = ablations([(4.20, 1.2), (4.25, 1.3), (4.21, 1.2)], [(4.0, 1.2)] * 3, [(4.00, 2.5), (4.02, 2.6), (4.01, 2.4)])
+    table_hurt = {row[0]: row[3] for row in claims_table(_done(hurt))}
+    assert table_hurt[mtp] == NOT_REPRODUCED and table_hurt[free] == NOT_REPRODUCED  # MTP hurt; the bias cost 5%
+    unbalanced = ablations([(4.0, 2.6)] * 3, [(4.1, 2.6)] * 3, [(4.05, 2.5), (4.06, 2.4), (4.04, 2.5)])
     table_unbalanced = {row[0]: (row[2], row[3]) for row in claims_table(_done(unbalanced))}
     assert table_unbalanced[free][1] == NOT_REPRODUCED  # before: reproduced on the loss alone
     assert "did not balance the load" in table_unbalanced[free][0]
+    one_seed = {"ablations": {"variants": {k: v[:1] for k, v in clear["ablations"]["variants"].items()}}}
+    assert {row[0]: row[3] for row in claims_table(_done(one_seed))}[mtp] == INCONCLUSIVE  # no spread, no verdict
     # a teacher that solves nothing leaves nothing to keep: not a reproduction
     assert table["A distilled smaller student keeps most of the teacher's accuracy"][1] == NOT_REPRODUCED
     assert table["RL with rule-based rewards raises accuracy over the cold-start model"][1] == NOT_REPRODUCED
@@ -266,7 +295,7 @@ def test_every_presets_stage_commands_compose_and_validate(name, tmp_path, reque
             if stage != "scaling":
                 assert train.data.cache_dir == real and train.data.fim_rate == 0.0, stage
                 assert train.trainer.compile is False and not train.logger.wandb.enabled, stage
-        sweep = " ".join(stage_commands(cfg, STAGE_TABLE, tmp_path)["scaling"])
+        sweep = " ".join(stage_commands(cfg, STAGE_TABLE, tmp_path)["scaling"][0])
         assert f"data.cache_dir='{real}'" in sweep and "data.tokenizer_vocab_size=8192" in sweep
         assert "trainer.compile=false" in sweep
         assert pre.precision.name == "bf16" and pre.data.seq_len == 256 and hp["global_batch_size"] == 32
@@ -472,7 +501,13 @@ def test_the_report_states_what_the_files_hold(tmp_path):
                     "global_batch_size": 8, "lr": 3e-3, "model_scale_M": 1.2e7, "tokens_D": 8192, "compute_C": 9.8e10,
                     "source": "this sweep", "max_steps": 11, "ramp_start": 4, "ramp_tokens": 4915},
         "pretrain": {"val_loss": 4.0, "load_max_over_mean": 1.2, "steps": 11},
-        "pretrain_no_mtp": {"val_loss": 4.1, "steps": 11}, "pretrain_no_bias": {"val_loss": 4.05, "load_max_over_mean": 2.5},
+        "ablations": {"steps": 6, "seeds": [1234, 1235], "variants": {
+            "baseline": [{"val_loss": 4.0, "train_loss": 3.9, "load_max_over_mean": 1.2},
+                         {"val_loss": 4.2, "train_loss": 4.1, "load_max_over_mean": 1.4}],
+            "no_mtp": [{"val_loss": 4.1, "train_loss": 4.0, "load_max_over_mean": 1.3},
+                       {"val_loss": 4.1, "train_loss": 4.0, "load_max_over_mean": 1.3}],
+            "no_bias": [{"val_loss": 4.05, "train_loss": 4.0, "load_max_over_mean": 2.5},
+                        {"val_loss": 4.05, "train_loss": 4.0, "load_max_over_mean": 2.5}]}},
         "passkey": {"accuracy": {"pretrain": {"128": 0.0, "64": 0.5}, "yarn": {"128": 0.25, "64": 0.75}}},
         "cold_start": {"eval_accuracy": 0.25, "shortcut_accuracy": shortcut}, "grpo": {"eval_accuracy": 0.5},
         "sft_rs": {"eval_accuracy": 0.375}, "distill": {"eval_accuracy": 0.125},
@@ -487,7 +522,9 @@ def test_the_report_states_what_the_files_hold(tmp_path):
     report = write_report(run_dir, tmp_path / "report", cfg).read_text()
     assert "B_opt ~ C^0 (flat: the optimum did not move between budgets), lr_opt ~ C^-0.125" in report
     assert "M_opt ~ C^0.610" in report and "e-16" not in report and "?)" not in report
-    assert "(criterion: at most 2% higher)" in report and "(criterion: at least 80% of it)" in report
+    assert "(criterion: below 2% beyond the margin)" in report and "(criterion: at least 80% of it)" in report
+    assert "| baseline | 4.1 +- 0.141 | 4 +- 0.141 | 1.3 +- 0.141 |" in report  # mean +- sd over the seeds
+    assert "Ablations: 2 seeds (1234, 1235) per variant, 6 steps each" in report
     rows = [line for line in report.split("## 5.")[1].splitlines() if line.startswith("| ") and "accuracy" not in line]
     assert rows == [f"| shortcut rule | {shortcut:.4g} |", "| cold_start | 0.25 |", "| grpo | 0.5 |",
                     "| sft_rs | 0.375 |", "| distill | 0.125 |"]

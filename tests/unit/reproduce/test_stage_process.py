@@ -35,7 +35,9 @@ child = start_stage([script, arg], cwd=Path(cwd), env=env, log_path=Path(log), k
 if arg == "sleep":
     time.sleep(1.0)
     child.send_signal(signal.SIGTERM)
-print(json.dumps({"code": child.wait(), "forked": isinstance(child, ForkedStage)}))
+while (code := child.poll()) is None:
+    time.sleep(0.05)
+print(json.dumps({"code": code, "forked": isinstance(child, ForkedStage)}))
 """
 
 
