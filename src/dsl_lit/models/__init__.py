@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING, Any
 from dsl_lit.config.model import ModelConfig
 
 if TYPE_CHECKING:
+    from dsl_lit.models.common.family_spec import FamilySpec
     from dsl_lit.models.common.transformer import Transformer
-    from dsl_lit.models.registry import FamilySpec, family_spec, spec_of
+    from dsl_lit.models.registry import family_spec, spec_of
 
 _LAZY = {
     "Transformer": "dsl_lit.models.common.transformer",
-    "FamilySpec": "dsl_lit.models.registry",
+    "FamilySpec": "dsl_lit.models.common.family_spec",
     "family_spec": "dsl_lit.models.registry",
     "spec_of": "dsl_lit.models.registry",
 }
