@@ -95,6 +95,17 @@ class ForkedStage:
         return self.status
 
 
+def apply_thread_count(env: dict[str, str]) -> None:
+    """``OMP_NUM_THREADS`` of a forked stage made real: torch, preloaded by the runner, read it when it
+    was imported, so the variable alone changes nothing in a fork. Measured: two forked ablation runs
+    meant to take one core each ran two threads each on the two cores, and the spinning threads made
+    both many times slower (2 of 9 runs unfinished after 11 minutes; alone, one takes ~2)."""
+    threads = env.get("OMP_NUM_THREADS")
+    torch = sys.modules.get("torch")
+    if threads and torch is not None:
+        torch.set_num_threads(int(threads))
+
+
 def _become(cwd: Path, env: dict[str, str], log_path: Path) -> None:
     """The stage's process: dies with the runner, default signal handlers, its directory,
     environment and log, none of the runner's logging or Hydra state."""
@@ -104,6 +115,7 @@ def _become(cwd: Path, env: dict[str, str], log_path: Path) -> None:
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+    apply_thread_count(env)
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
     for source, target in ((null, 0), (log, 1), (log, 2)):

@@ -16,10 +16,12 @@ from dsl_lit.reproduce.runner import StageContext, StageFailed
 
 CHILD = """
 import json, os, sys, time
+import torch
 start = time.time()
 time.sleep(float(sys.argv[2]))
 with open(sys.argv[1], "w") as out:
-    json.dump({"start": start, "end": time.time(), "threads": os.environ.get("OMP_NUM_THREADS")}, out)
+    json.dump({"start": start, "end": time.time(), "threads": os.environ.get("OMP_NUM_THREADS"),
+               "torch_threads": torch.get_num_threads()}, out)
 sys.exit(int(sys.argv[3]))
 """
 
@@ -32,11 +34,22 @@ def test_runs_go_two_at_a_time_each_on_its_share_of_the_cores(tmp_path: Path, fo
     ctx = StageContext(cfg, tmp_path, "ablations")
     outs = [tmp_path / f"run{i}.json" for i in range(3)]
     logs = [tmp_path / f"run{i}.log" for i in range(3)]
-    ctx.run_all([[str(script), str(out), "0.6", "0"] for out in outs], concurrent=2, log_paths=logs)
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)  # what a fork inherits (the runner imported torch before knowing the share)
+    try:
+        ctx.run_all([[str(script), str(out), "0.6", "0"] for out in outs], concurrent=2, log_paths=logs)
+    finally:
+        torch.set_num_threads(before)
     runs = [json.loads(out.read_text()) for out in outs]
     assert runs[0]["start"] < runs[1]["end"] and runs[1]["start"] < runs[0]["end"]  # the first two overlap
     assert runs[2]["start"] >= min(runs[0]["end"], runs[1]["end"]) - 0.05  # the third waits for a free slot
-    assert {r["threads"] for r in runs} == {str(max(1, (os.cpu_count() or 1) // 2))}
+    share = max(1, (os.cpu_count() or 1) // 2)
+    assert {r["threads"] for r in runs} == {str(share)}
+    # torch's own count too: a fork inherits torch imported with every core's threads (the runner's
+    # preload), where the variable alone is read too late; without set_num_threads both ran 2 on 2 cores
+    assert {r["torch_threads"] for r in runs} == {share}
     assert all(log.read_text().startswith("\n$ ") for log in logs) and len(ctx.commands) == 3
 
 
