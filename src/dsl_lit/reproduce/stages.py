@@ -269,7 +269,9 @@ def ablation_runs(ctx: StageContext) -> dict[str, list[Path]]:
 def ablations(ctx: StageContext) -> dict[str, Any]:
     """DeepSeek-V3's ablations in miniature: every variant of :data:`ABLATIONS` (with and without MTP,
     without the bias update) from the pretraining's settings over ``reproduce.ablation_seeds`` seeds
-    (seed k: ``reproduce.seed + k``, the same for every variant: same data order, paired), each
+    (seed k: ``reproduce.seed + k`` for every variant, paired; the data order is ``data.seed``'s, the
+    same for all; with and without the bias update start from the same weights, while building the
+    MTP module draws from the generator first, so MTP's pairs share the seed, not the weights), each
     ``reproduce.ablation_fraction`` of its steps, ``reproduce.concurrent_runs`` at a time. One seed
     of each was the earlier design: MTP's measured effect (val 4.82 vs 4.81) was inside a seed
     spread nobody had measured."""
