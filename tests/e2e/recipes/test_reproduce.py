@@ -531,3 +531,20 @@ def test_the_report_states_what_the_files_hold(tmp_path):
     assert "| 64 | 0.5 | 0.75 |" in report.split("## 4.")[1] and "| 128 | 0 | 0.25 |" in report.split("## 4.")[1]
     for png in ("passkey.png", "r1_accuracy.png"):
         assert (tmp_path / "report" / png).stat().st_size > 5000
+
+
+def test_the_seed_and_the_ablations_are_set_from_the_command_line(tmp_path):
+    """``reproduce.seed=`` on the command line (before: refused by Hydra, the key missing from the
+    presets) reaches every training stage, the ablations seed k as seed + k, one command per run."""
+    from hydra import initialize_config_dir
+
+    from dsl_lit.reproduce.preflight import stage_commands
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = preset("cpu_mini", "reproduce.seed=7", "reproduce.ablation_seeds=2")
+    assert (cfg.seed, cfg.ablation_seeds, cfg.ablation_fraction, cfg.concurrent_runs) == (7, 2, 0.5, 2)
+    commands = stage_commands(cfg, STAGE_TABLE, tmp_path)
+    for stage in ("scaling", "pretrain", "yarn", "cold_start", "grpo", "sft_rs", "distill"):
+        assert [a for a in commands[stage][0] if a.startswith("trainer.seed=")] == ["trainer.seed=7"], stage
+    seeds = [next(a for a in c if a.startswith("trainer.seed=")) for c in commands["ablations"]]
+    assert seeds == ["trainer.seed=7", "trainer.seed=8"] * 3 and len(commands["ablations"]) == 6
