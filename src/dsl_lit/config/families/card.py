@@ -68,7 +68,7 @@ class FamilyCard:
 
     def starts_from(self, family: str) -> bool:
         """Whether its runs start from checkpoints of ``family`` (another family) it ``continues``."""
-        return self.continues is not None and self.continues == family
+        return self.continues == family
 
     def reads(self, name: str) -> bool:
         """Whether one of its parts reads field ``name``."""
