@@ -5,9 +5,11 @@
 ``trust_remote_code``. The name and config translation of each family lives in its folder
 (``dsl_lit.models.<family>.hf_adapter``); this package does the file I/O and finds the adapter
 through the family registry: by ``model_type`` when reading, by ``ModelConfig.family`` when writing.
-DeepSeek-V3's block-FP8 release is read (dequantised) and written (``fp8=True``) as well
-(:mod:`dsl_lit.hf.fp8_blocks`); :class:`dsl_lit.hf.reader.HFCheckpoint` reads a directory tensor
-by tensor, region by region, for processes that hold part of a model.
+DeepSeek's quantised releases are read (dequantised) and written (``fp8=True``) as well: V3's block
+FP8 (:mod:`dsl_lit.hf.fp8_blocks`), V4's with power-of-two scales and FP4 routed experts
+(:mod:`dsl_lit.hf.fp4_rows`; which weight is in which: :mod:`dsl_lit.hf.quantised`);
+:class:`dsl_lit.hf.reader.HFCheckpoint` reads a directory tensor by tensor, region by region, for
+processes that hold part of a model.
 """
 
 from dsl_lit.hf.io import adapter_for_family, adapter_for_model_type, from_pretrained, save_pretrained

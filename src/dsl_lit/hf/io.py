@@ -8,16 +8,18 @@ needed: what we write loads with plain ``transformers.AutoModelForCausalLM.from_
 Loading builds the model on the meta device, checks the checkpoint's names and shapes from the
 safetensors headers, then allocates each tensor once, in the requested dtype and on the requested
 device, and reads it straight into place (:class:`~dsl_lit.hf.reader.HFCheckpoint`: file by file,
-one tensor at a time, so the checkpoint is never in memory as a whole; DeepSeek-V3's block-FP8
-release is dequantised block by block on the way). ``save_pretrained(..., fp8=True)`` writes that
-FP8 format back.
+one tensor at a time, so the checkpoint is never in memory as a whole; DeepSeek's quantised
+releases, V3's block FP8 and V4's FP8 with FP4 experts, are dequantised block by block on the way).
+``save_pretrained(..., fp8=True)`` writes the family's quantised release back
+(:mod:`dsl_lit.hf.quantised`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,8 @@ from torch import nn
 
 from data_contract.errors import ConfigError
 from data_contract.fs import follow_umask
-from dsl_lit.hf.fp8_blocks import SCALE_SUFFIX, BlockFP8
+from dsl_lit.hf.block_scaled import BlockScaled
+from dsl_lit.hf.quantised import Quantisation
 from dsl_lit.hf.reader import (
     CONFIG_NAME,
     SAFE_INDEX_NAME,
@@ -162,13 +165,13 @@ def _plain_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach()
 
 
-def _shard(names: list[str], sizes: dict[str, int], limit: int) -> list[list[str]]:
+def _shard(names: list[str], sizes: dict[str, int], limit: int, scales: Collection[str] = ()) -> list[list[str]]:
     """Greedy, in order: start a new shard when the next tensor would push this one past ``limit``
-    (an FP8 weight's block scales stay in its weight's shard)."""
+    (a quantised weight's block ``scales``, each right after it, stay in its shard)."""
     shards: list[list[str]] = [[]]
     used = 0
     for name in names:
-        if shards[-1] and used + sizes[name] > limit and not name.endswith(SCALE_SUFFIX):
+        if shards[-1] and used + sizes[name] > limit and name not in scales:
             shards.append([])
             used = 0
         shards[-1].append(name)
@@ -190,21 +193,23 @@ def _prepare_shard(
     hf_state: StateDict,
     names: list[str],
     dtype_of: Callable[[str], torch.dtype | None],
-    fp8: BlockFP8 | None = None,
+    quantised: Mapping[str, tuple[BlockScaled, str]] | None = None,
 ) -> StateDict:
     """:func:`_prepare` each tensor; a tensor stored under several names (e.g. DeepSeek-V3's MTP
     layer repeating the shared embedding) is copied, since one file may not hold shared storage.
-    With ``fp8``, the names it is given as quantised are written as FP8 blocks plus their scales
-    (in the same file, as the release does)."""
+    The weights ``quantised`` names (-> their format and their scales' name) are written in that
+    format plus their scales (in the same file, as the releases do)."""
+    quantised = quantised or {}
+    scale_names = {scale for _, scale in quantised.values()}
     out: StateDict = {}
     seen: set[int] = set()
-    scaled = {name.removesuffix(SCALE_SUFFIX) for name in names if fp8 is not None and name.endswith(SCALE_SUFFIX)}
     for name in names:
-        if fp8 is not None and name.endswith(SCALE_SUFFIX):
+        if name in scale_names:
             continue  # written with its weight
-        if fp8 is not None and name in scaled:
-            values, scales = fp8.quantize(hf_state[name].detach().float())
-            tensors = {name: _prepare(values, None), name + SCALE_SUFFIX: _prepare(scales, None)}
+        if name in quantised:
+            fmt, scale = quantised[name]
+            values, scales = fmt.quantize(hf_state[name].detach().float())
+            tensors = {name: _prepare(values, None), scale: _prepare(scales, None)}
         else:
             tensors = {name: _prepare(hf_state[name], dtype_of(name))}
         for key, tensor in tensors.items():
@@ -227,10 +232,11 @@ def save_pretrained(
     ``dtype`` None keeps the model's dtype. Above ``max_shard_size`` the weights are split into
     ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``. Weight files from an
     earlier save into the same directory are removed so that no stale shard is picked up.
-    ``fp8``: DeepSeek-V3's release format: the weights the family's layout quantises in FP8
-    (attention and MLP / expert projections) as 128x128 blocks with amax scaling, each with its
-    ``weight_scale_inv``, and ``quantization_config`` in config.json; the rest in ``dtype``.
-    Returns the directory.
+    ``fp8``: the family's quantised release (:mod:`dsl_lit.hf.quantised`): the weights its layout
+    quantises (attention and MLP / expert projections) with amax scaling, each with its block
+    scales, and ``quantization_config`` in config.json; the rest in ``dtype``. DeepSeek-V3's: FP8 in
+    128x128 blocks, fp32 scales; DeepSeek-V4's: the same with ``float8_e8m0fnu`` power-of-two scales,
+    the routed experts FP4 (``expert_dtype`` "fp4", 1x32 groups). Returns the directory.
     """
     model = getattr(model, "_orig_mod", model)  # torch.compile wrapper
     cfg = getattr(model, "config", None)
@@ -247,27 +253,25 @@ def save_pretrained(
         reference = build_model(cfg).state_dict()
     check_state_dict(state, reference, what="saving (the model must hold every layer, unsharded)")
     hf_state = adapter.to_hf(state, cfg)
-    blocks = BlockFP8() if fp8 else None
-    if blocks is not None:
-        if adapter.fp8_weights is None:
-            raise ConfigError(
-                f"fp8=True: the {cfg.family} family's Hugging Face layout ({adapter.model_type}) has no FP8 "
-                "form; save it in bf16 (dtype='bfloat16')"
-            )
+    release = Quantisation.release_of(adapter) if fp8 else None
+    quantised: dict[str, tuple[BlockScaled, str]] = {}  # quantised weight -> its format, its scales' name
+    if release is not None:
         with_scales: StateDict = {}
         for name, tensor in hf_state.items():  # each scale right after its weight: one file holds both
             with_scales[name] = tensor
-            if adapter.quantizes_fp8(name):
-                with_scales[name + SCALE_SUFFIX] = torch.empty(blocks.scale_shape(tensor.shape), device="meta")
+            fmt = release.written_as(adapter, name)
+            if fmt is not None:
+                quantised[name] = (fmt, adapter.scale_name(name))
+                with_scales[adapter.scale_name(name)] = torch.empty(
+                    fmt.scale_shape(tensor.shape), dtype=fmt.scale_dtype, device="meta")
         hf_state = with_scales
 
     # Tensors the adapter keeps in fp32 (as transformers does) are written fp32 whatever the dtype.
-    # So are FP8 block scales; FP8 weights are one byte each.
-    scales = {name for name in hf_state if blocks is not None and name.endswith(SCALE_SUFFIX)}
-    fp8_names = {name.removesuffix(SCALE_SUFFIX) for name in scales}
-    fp32 = {name for name in hf_state if adapter.keeps_fp32(name)} | scales
+    # Quantised weights and their scales are written as their format stores them.
+    scales = {scale for _, scale in quantised.values()}
+    fp32 = {name for name in hf_state if adapter.keeps_fp32(name)}
     floating = [t.dtype for name, t in hf_state.items()
-                if t.is_floating_point() and name not in fp32 and name not in fp8_names]
+                if t.is_floating_point() and name not in fp32 and name not in quantised and name not in scales]
     written_dtype = target_dtype or (floating[0] if floating else torch.float32)
     if target_dtype is None and len(set(floating)) > 1:
         raise ConfigError(f"model mixes dtypes {sorted(map(str, set(floating)))}; pass dtype= to save in one")
@@ -276,13 +280,15 @@ def save_pretrained(
         return torch.float32 if name in fp32 else target_dtype
 
     def nbytes(name: str, t: torch.Tensor) -> int:
-        if name in fp8_names:
-            return t.numel()  # one byte per FP8 value
+        if name in quantised:  # one byte per FP8 value, per two FP4 values
+            return math.prod(quantised[name][0].stored_shape(t.shape))
+        if name in scales:
+            return t.numel() * t.element_size()
         size = (dtype_of(name) or t.dtype).itemsize if t.is_floating_point() else t.element_size()
         return t.numel() * size
 
     sizes = {name: nbytes(name, t) for name, t in hf_state.items()}
-    shards = _shard(list(hf_state), sizes, limit)
+    shards = _shard(list(hf_state), sizes, limit, scales)
 
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
@@ -293,7 +299,7 @@ def save_pretrained(
     metadata = {"format": "pt"}  # transformers checks this key
 
     def write(names: list[str], fname: str) -> None:
-        save_file(_prepare_shard(hf_state, names, dtype_of, blocks), str(directory / fname), metadata)
+        save_file(_prepare_shard(hf_state, names, dtype_of, quantised), str(directory / fname), metadata)
         follow_umask(directory / fname)  # save_file makes it -rw------- whatever the umask
 
     if len(shards) == 1:
@@ -310,8 +316,8 @@ def save_pretrained(
     hf_config = adapter.config_to_hf(cfg)
     hf_config["dtype"] = dtype_name(written_dtype)  # transformers >= 4.56
     hf_config["torch_dtype"] = dtype_name(written_dtype)  # older transformers
-    if blocks is not None:
-        hf_config["quantization_config"] = blocks.hf_config()
+    if release is not None:
+        hf_config.update(release.hf_config())
     _write_json(directory / CONFIG_NAME, hf_config)
     generation = {"_from_model_config": True}
     generation.update({k: hf_config[k] for k in TOKEN_ID_KEYS if hf_config.get(k) is not None})

@@ -9,8 +9,9 @@ checkpoint fails before any memory is spent, with the messages a full load gives
 :meth:`HFCheckpoint.fill` reads exactly the regions a process holds: each of our tensors from the HF
 tensors :meth:`~dsl_lit.models.common.hf_adapter.HFAdapter.hf_sources` names (experts stacked from
 their per-expert tensors, only this rank's experts), sliced to this rank's shard, dequantised
-block by block when the checkpoint is block FP8 (:mod:`dsl_lit.hf.fp8_blocks`), converted to the
-target's dtype, one tensor at a time, shard file by shard file. Weights are only ever read from
+block by block when the checkpoint is quantised (block FP8, :mod:`dsl_lit.hf.fp8_blocks`; DeepSeek-V4's
+FP4 experts, :mod:`dsl_lit.hf.fp4_rows`; which is which: :mod:`dsl_lit.hf.quantised`), converted to
+the target's dtype, one tensor at a time, shard file by shard file. Weights are only ever read from
 safetensors (never unpickled).
 """
 
@@ -25,7 +26,8 @@ from typing import Any
 import torch
 
 from data_contract.errors import ConfigError
-from dsl_lit.hf.fp8_blocks import SCALE_SUFFIX, BlockFP8, Region
+from dsl_lit.hf.block_scaled import SCALE_SUFFIX, BlockScaled, Region
+from dsl_lit.hf.quantised import FP4_DTYPE, FP8_DTYPES, Quantisation
 from dsl_lit.hf.safetensors_file import SafetensorsFile
 from dsl_lit.models import ModelConfig
 from dsl_lit.models.common.hf_adapter import HFAdapter, few
@@ -35,7 +37,6 @@ CONFIG_NAME = "config.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_INDEX_NAME = "model.safetensors.index.json"
 _PICKLE_PATTERNS = ("pytorch_model*.bin", "*.bin", "*.pt", "*.pth", "*.ckpt")
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 Target = tuple[torch.Tensor, tuple[int, ...]]
 """A tensor to fill (this process's part of one of our tensors) and its offset in the full tensor."""
@@ -162,7 +163,10 @@ class HFCheckpoint:
         self.directory = directory
         self.hf_config = read_json(directory / CONFIG_NAME)
         self.adapter: HFAdapter = hf_reader(self.hf_config.get("model_type"))
-        self.fp8 = BlockFP8.from_hf_config(self.hf_config)
+        self.quantisation = Quantisation.from_hf_config(self.hf_config)
+        self.fp8 = self.quantisation.fp8 if self.quantisation is not None else None
+        self.formats: dict[str, BlockScaled] = {}
+        """Quantised weight -> the format it is stored in (from :meth:`_check_quantised`)."""
         stored = weight_map(directory)
         headers = _headers(stored)
         self.stored_as: dict[str, str] = {}
@@ -174,58 +178,75 @@ class HFCheckpoint:
             self.stored_as[release] = name
         self.files = {release: stored[name] for release, name in self.stored_as.items()}
         self.headers = {release: headers[name] for release, name in self.stored_as.items()}
-        self._check_fp8()
+        self._check_quantised()
         cfg = self.adapter.config_for_checkpoint(self.adapter.config_from_hf(self.hf_config), self.weight_names)
         cfg.name = directory.resolve().name
         cfg.attn_backend = attn_backend  # type: ignore[assignment]
         cfg.validate()
         self.config: ModelConfig = cfg
         self.bytes_read = 0
-        """Bytes of tensor data :meth:`fill` has read so far (as stored: FP8 values and their scales)."""
+        """Bytes of tensor data :meth:`fill` has read so far (as stored: quantised values and their scales)."""
 
     @property
     def weight_names(self) -> list[str]:
-        """Every stored tensor but the FP8 block scales."""
+        """Every stored tensor but the block scales."""
         return [n for n in self.files if not self.is_scale(n)]
 
     def is_scale(self, hf_name: str) -> bool:
-        return self.fp8 is not None and hf_name.endswith(SCALE_SUFFIX)
+        return self.quantisation is not None and hf_name.endswith(SCALE_SUFFIX)
 
-    def is_fp8(self, hf_name: str) -> bool:
-        return self.fp8 is not None and hf_name + SCALE_SUFFIX in self.files
+    def is_quantised(self, hf_name: str) -> bool:
+        return hf_name in self.formats
 
-    def _check_fp8(self) -> None:
-        """Every FP8 tensor has its block scales (of the right shape) and every scale its weight."""
-        where = f"{self.directory}"
+    def _check_quantised(self) -> None:
+        """Every quantised weight has its block scales (of the shape its format needs) and every
+        scale its weight; which format each weight is in, from its dtype (:attr:`formats`)."""
+        where, quant = f"{self.directory}", self.quantisation
         for name, (shape, dtype) in self.headers.items():
-            if self.is_scale(name):
-                weight = name.removesuffix(SCALE_SUFFIX)
-                if weight not in self.headers:
-                    raise ConfigError(f"{where}: {name!r} scales a weight the checkpoint does not hold ({weight!r})")
-                w_shape, w_dtype = self.headers[weight]
-                if len(w_shape) != 2 or w_dtype not in _FP8:
-                    raise ConfigError(f"{where}: {weight!r} has block scales but is {w_dtype} of shape {w_shape}, "
-                                      "not a 2-D FP8 weight")
-                if shape != self.fp8.scale_shape(w_shape):
-                    raise ConfigError(
-                        f"{where}: {name!r} has shape {shape}; a {w_shape} weight in {list(self.fp8.block)} blocks "
-                        f"needs {self.fp8.scale_shape(w_shape)}"
-                    )
-            elif dtype in _FP8 and not self.is_fp8(name):
+            if quant is None or not name.endswith(SCALE_SUFFIX):
+                continue
+            weight = name.removesuffix(SCALE_SUFFIX)
+            if weight not in self.headers:
+                raise ConfigError(f"{where}: {name!r} scales a weight the checkpoint does not hold ({weight!r})")
+            w_shape, w_dtype = self.headers[weight]
+            if len(w_shape) != 2:
+                raise ConfigError(f"{where}: {weight!r} has block scales but is {w_dtype} of shape {w_shape}, "
+                                  "not a 2-D weight")
+            if not dtype.is_floating_point:
+                raise ConfigError(f"{where}: {self.stored_as[name]!r} is {dtype}; block scales are fp32 or, for "
+                                  "scale_fmt 'ue8m0', float8_e8m0fnu")
+            fmt = quant.stored_as(weight, w_dtype, where)
+            logical = fmt.logical_shape(w_shape)
+            if shape != fmt.scale_shape(logical):
                 raise ConfigError(
-                    f"{where}: {name!r} is stored as {dtype} without {name + SCALE_SUFFIX!r}"
-                    + ("" if self.fp8 else " and config.json has no quantization_config")
+                    f"{where}: {self.stored_as[name]!r} has shape {shape}; a {logical} {fmt.kind} weight in {list(fmt.block)} "
+                    f"blocks needs {fmt.scale_shape(logical)} (config.json's quantization_config does not describe "
+                    "these files: fix it or re-export them)"
+                )
+            self.formats[weight] = fmt
+        scaled_dtypes = FP8_DTYPES + ((FP4_DTYPE,) if quant is not None and quant.fp4 is not None else ())
+        for name, (_, dtype) in self.headers.items():
+            if dtype in scaled_dtypes and not self.is_quantised(name):
+                raise ConfigError(
+                    f"{where}: {name!r} is stored as {dtype} without {self.adapter.scale_name(name)!r}"
+                    + ("" if quant else " and config.json has no quantization_config")
                 )
 
+    def shape_of(self, hf_name: str) -> tuple[int, ...]:
+        """A tensor's shape as the model holds it: a packed FP4 weight's is twice as wide as stored."""
+        shape = self.headers[hf_name][0]
+        fmt = self.formats.get(hf_name)
+        return fmt.logical_shape(shape) if fmt is not None else shape
+
     def stored_dtype(self, hf_name: str) -> torch.dtype:
-        """What a tensor reads as without a dtype asked: as stored, fp32 for a dequantised FP8 weight."""
-        return torch.float32 if self.is_fp8(hf_name) else self.headers[hf_name][1]
+        """What a tensor reads as without a dtype asked: as stored, fp32 for a dequantised weight."""
+        return torch.float32 if self.is_quantised(hf_name) else self.headers[hf_name][1]
 
     def check(self, expected: Mapping[str, torch.Tensor]) -> None:
         """ConfigError unless the checkpoint holds exactly ``expected``'s tensors (a model's whole
         state dict, on the meta device): translated by the adapter from the headers alone."""
         meta = {
-            name: torch.empty(self.headers[name][0], dtype=self.stored_dtype(name), device="meta")
+            name: torch.empty(self.shape_of(name), dtype=self.stored_dtype(name), device="meta")
             for name in self.weight_names
         }
         state = self.adapter.from_hf(meta, self.config)
@@ -267,18 +288,19 @@ class HFCheckpoint:
                     tensor.copy_(self._read(files, source.names[0], offsets, tensor.shape))
                 if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                     bad = source.names[0] if len(source.names) == 1 else f"one of {few(source.names)}"
-                    scale = f" (or its {SCALE_SUFFIX})" if any(self.is_fp8(n) for n in source.names) else ""
+                    scale = f" (or its {SCALE_SUFFIX})" if any(self.is_quantised(n) for n in source.names) else ""
                     raise ConfigError(f"{self.files[source.names[0]]}: tensor {bad}{scale} holds NaN or inf values; "
                                       "training would start from broken weights (re-download or re-export it)")
         finally:
             files.close()
 
     def _read(self, files: _OpenFiles, hf_name: str, offsets: tuple[int, ...], size: torch.Size) -> torch.Tensor:
-        shape = self.headers[hf_name][0]
+        shape = self.shape_of(hf_name)
         if len(size) != len(shape) or any(o + s > n for o, s, n in zip(offsets, size, shape)):
             raise ConfigError(f"{hf_name} has shape {shape}; the model reads {tuple(size)} at offset {offsets}")
         path = self.files[hf_name]
-        if self.is_fp8(hf_name):
+        fmt = self.formats.get(hf_name)
+        if fmt is not None:
             scale = hf_name + SCALE_SUFFIX
 
             def read_weight(region: Region) -> torch.Tensor:
@@ -287,7 +309,7 @@ class HFCheckpoint:
             def read_scale(region: Region) -> torch.Tensor:
                 return self._counted(files.get(self.files[scale]).read(self.stored_as[scale], region))
 
-            return self.fp8.read_region(read_weight, read_scale, shape, offsets, size)
+            return fmt.read_region(read_weight, read_scale, shape, offsets, size)
         whole = tuple(size) == tuple(shape)
         region = None if whole else tuple(slice(o, o + s) for o, s in zip(offsets, size))
         return self._counted(files.get(path).read(self.stored_as[hf_name], region))

@@ -39,6 +39,13 @@ V2 = dict(V3, family="deepseek_v2", score_func="softmax", q_lora_rank=None, n_ex
           n_limited_groups=1, norm_topk_prob=False, mtp_depth=0, route_scale=1.0)
 
 
+# DeepSeek-V4 (mHC, compressed attention, hash and top-k routing): its release stores the routed experts
+# in FP4, two values a byte in 1x32 groups, so an expert-parallel rank reads its experts' bytes
+V4 = dict(vocab_size=256, d_model=64, n_heads=4, attention_head_dim=32, q_lora_rank=24, qk_rope_head_dim=8,
+          moe_ffn_hidden=64, o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16, index_topk=3,
+          sliding_window=8, hca_rate=16, n_layers=4, attention_kinds=["hca", "sliding", "csa", "hca"], n_hash_layers=1)
+
+
 def _random(cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = build_model(cfg)
@@ -150,12 +157,13 @@ def _worker(rank: int, init_file: str, directories: list[str]) -> None:
 @pytest.mark.slow
 def test_each_rank_reads_its_slice(tmp_path: Path) -> None:
     """Under pp=2, ep=2 and tp=2 every rank's tensors equal its slices of the full model, read from
-    fp32, FP8 (shards starting inside blocks) and tied-GQA checkpoints."""
+    fp32, FP8 (shards starting inside blocks), tied-GQA and DeepSeek-V4 FP4-expert checkpoints."""
     v3 = _random(ModelConfig(**V3))
     save_pretrained(v3, tmp_path / "moe")
     save_pretrained(v3, tmp_path / "moe_fp8", fp8=True)
     save_pretrained(_random(ModelConfig(**LLM)), tmp_path / "gqa_tied")
-    directories = [str(tmp_path / name) for name in ("moe", "moe_fp8", "gqa_tied")]
+    save_pretrained(_random(ModelConfig.from_name("deepseek_v4_tiny", **V4)), tmp_path / "moe_v4_fp4", fp8=True)
+    directories = [str(tmp_path / name) for name in ("moe", "moe_fp8", "gqa_tied", "moe_v4_fp4")]
     spawn(_worker, args=(str(tmp_path / "init"), directories), nprocs=2)
 
 

@@ -271,31 +271,155 @@ def test_cached_decoding_of_a_left_padded_batch_equals_recomputing_each_row_alon
         assert_close_fp32(alone.logits[0], cached.logits[row], D * LAYERS * 40)
 
 
-def test_an_fp8_release_checkpoint_quantises_what_deepseek_quantises(tmp_path: Path):
-    """``save_pretrained(fp8=True)``: the attention projections, the indexer's query projection and
-    the experts in FP8 with a scale beside each; the compressors, the indexer's weights_proj, the
-    router and mHC not. Read back, they are their dequantised values and the logits stay close."""
+E8M0 = torch.float8_e8m0fnu
+RELEASE_QUANT = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic",
+                 "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
+
+
+def _dequantised(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """A stored weight's value as transformers computes it (FP8 or packed FP4, the block from the
+    scale grid)."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    return Fp8Dequantize(None)._dequantize_one(values, scales, output_dtype=torch.float32)
+
+
+def test_an_fp8_release_checkpoint_is_v4s_fp4_experts_and_ue8m0_scales(tmp_path: Path):
+    """``save_pretrained(fp8=True)`` writes DeepSeek-V4's release: the routed experts FP4 (int8 [out,
+    in/2], a [out, in/32] ``float8_e8m0fnu`` scale), the attention projections, the indexer's query
+    projection and the shared experts e4m3 in 128x128 blocks with ``float8_e8m0fnu`` scales, each
+    scale named ``<module>.scale``; the compressors, the indexer's weights_proj, the router and mHC
+    not quantised. Read back, every weight is its dequantised value, exactly."""
     from safetensors.torch import load_file
+
+    from dsl_lit.hf import adapter_for_family
 
     model = _randomised(build_model(_cfg()), seed=8).eval()
     save_pretrained(model, tmp_path, fp8=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["quantization_config"] == RELEASE_QUANT and config["expert_dtype"] == "fp4"
     stored = load_file(tmp_path / "model.safetensors")
+    assert not [n for n in stored if n.endswith("_scale_inv")]
+    scales = {n.removesuffix(".scale") + ".weight": t for n, t in stored.items() if n.endswith(".scale")}
+    assert {t.dtype for t in scales.values()} == {E8M0}
+    fp4 = {n for n, t in stored.items() if t.dtype == torch.int8}
     fp8 = {n for n, t in stored.items() if t.dtype == torch.float8_e4m3fn}
+    assert fp4 | fp8 == set(scales)
+    assert fp4 == {f"layers.{i}.ffn.experts.{e}.w{w}.weight" for i in range(LAYERS) for e in range(8) for w in (1, 2, 3)}
+    assert stored["layers.2.ffn.experts.5.w2.weight"].shape == (D, 32 // 2) and scales["layers.2.ffn.experts.5.w2.weight"].shape == (D, 1)
+    assert stored["layers.2.ffn.experts.5.w1.weight"].shape == (32, D // 2) and scales["layers.2.ffn.experts.5.w1.weight"].shape == (32, 2)
     for name in ("layers.2.attn.wq_a.weight", "layers.2.attn.wo_b.weight", "layers.2.attn.indexer.wq_b.weight",
-                 "layers.0.ffn.experts.3.w2.weight", "layers.1.ffn.shared_experts.w1.weight"):
-        assert name in fp8 and name.replace(".weight", ".weight_scale_inv") in stored, name
+                 "layers.1.ffn.shared_experts.w1.weight"):
+        assert name in fp8 and scales[name].shape == (1, 1), name
     for name in ("layers.2.attn.compressor.wkv.weight", "layers.2.attn.indexer.compressor.wgate.weight",
                  "layers.2.attn.indexer.weights_proj.weight", "layers.1.ffn.gate.weight", "embed.weight", "head.weight"):
-        assert name not in fp8 and name.replace(".weight", ".weight_scale_inv") not in stored, name
-    from dsl_lit.hf import adapter_for_family
-    from tests.unit.hf.test_hf_fp8 import _dequantise
+        assert stored[name].dtype == torch.float32 and name not in scales, name
 
     back, _ = from_pretrained(tmp_path)
     adapter = adapter_for_family("deepseek_v4")
     read, original = adapter.to_hf(back.state_dict(), back.config), adapter.to_hf(model.state_dict(), model.config)
-    for name in fp8:
-        expected = _dequantise(stored[name], stored[name.replace(".weight", ".weight_scale_inv")])
-        assert torch.equal(read[name], expected.to(read[name].dtype)), name
-        # within e4m3's step of the weights written (3 mantissa bits: a relative step of 1/8 at most)
-        assert (read[name] - original[name]).abs().max() <= original[name].abs().max() / 8, name
-    assert torch.equal(read["layers.2.attn.compressor.wkv.weight"], original["layers.2.attn.compressor.wkv.weight"])
+    for name in read:
+        if name in scales:
+            assert torch.equal(read[name], _dequantised(stored[name], scales[name])), name
+            # a value moves by at most half the widest gap of its format (e2m1: 2, e4m3: 32 at 448) times its scale
+            assert ((read[name] - original[name]).abs() <= scales[name].float().max() * (1 if name in fp4 else 16)).all()
+        else:
+            assert torch.equal(read[name], original[name]), name
+
+
+V4_128 = dict(d_model=128, n_heads=2, attention_head_dim=128, q_lora_rank=128, qk_rope_head_dim=16, moe_ffn_hidden=128,
+              o_groups=2, o_lora_rank=64, index_n_heads=2, index_head_dim=64)
+"""Every FP8 weight a whole number of 128x128 blocks and every FP4 one of 32-column groups: transformers
+derives the block from the scale grid and refuses ragged ones."""
+
+
+def test_transformers_reads_our_fp4_release_as_we_do(tmp_path: Path):
+    """transformers 5.24 dequantises FP8/FP4 checkpoints on a CPU (``FineGrainedFP8Config(dequantize=True)``;
+    without a GPU it does so unasked): from our V4 release it gets exactly our weights, and fp32 logits
+    within reordering tolerance of ours."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    save_pretrained(_randomised(build_model(_cfg(**V4_128)), seed=9), tmp_path, fp8=True)
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert f.get_slice("layers.1.ffn.experts.0.w1.weight").get_dtype() == "I8"
+        assert f.get_slice("layers.1.attn.wq_a.scale").get_dtype() == "F8_E8M0"
+    ours, _ = from_pretrained(tmp_path, dtype="float32")
+    reference = AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager", dtype=torch.float32, quantization_config=FineGrainedFP8Config(dequantize=True)
+    ).eval()
+    theirs = reference.model.layers[1]
+    mine = ours.layers["1"]
+    assert theirs.mlp.experts.gate_up_proj.dtype == torch.float32  # dequantised on load
+    assert torch.equal(theirs.mlp.experts.gate_up_proj, torch.cat([mine.feed_forward.experts.w1, mine.feed_forward.experts.w3], 1))
+    assert torch.equal(theirs.mlp.experts.down_proj, mine.feed_forward.experts.w2)
+    assert torch.equal(theirs.self_attn.q_a_proj.weight, mine.attention.wq_a.weight)
+    ids = _ids()
+    with torch.no_grad():
+        assert_close_fp32(ours.eval()(ids), reference(input_ids=ids).logits, 128 * LAYERS * SEQ)
+
+
+def test_a_rank_reads_its_slice_of_the_fp4_experts(tmp_path: Path):
+    """The lazy path of ``init_from`` (expert parallelism, a column shard starting at column 18: inside
+    a 32-column scale group, on a byte): the slice of the whole model's tensor, reading this rank's rows
+    of packed bytes and one-byte scales only; from the release's ``.scale`` names and from
+    transformers' ``weight_scale_inv`` spelling alike."""
+    from safetensors.torch import load_file, save_file
+
+    from dsl_lit.hf.reader import HFCheckpoint
+
+    save_pretrained(_randomised(build_model(_cfg()), seed=10), tmp_path / "release", fp8=True)
+    whole = from_pretrained(tmp_path / "release")[0].state_dict()
+    renamed = tmp_path / "weight_scale_inv"
+    renamed.mkdir()
+    tensors = load_file(tmp_path / "release" / "model.safetensors")
+    save_file({n.removesuffix(".scale") + ".weight_scale_inv" if n.endswith(".scale") else n: t for n, t in tensors.items()},
+              renamed / "model.safetensors", {"format": "pt"})
+    (renamed / "config.json").write_text((tmp_path / "release" / "config.json").read_text())
+    for directory in (tmp_path / "release", renamed):
+        checkpoint = HFCheckpoint(directory)
+        w2, w1, wq_b = torch.empty(3, 40, 12), torch.empty(2, 32, 30), torch.empty(50, 21)
+        checkpoint.fill({"layers.3.feed_forward.experts.w2": (w2, (4, 10, 18)),
+                         "layers.2.feed_forward.experts.w1": (w1, (6, 0, 34))})
+        # per expert 40 rows of 32 / 2 bytes and their 40 scales of one byte
+        assert checkpoint.bytes_read == 3 * 40 * (16 + 1) + 2 * 32 * (32 + 2)
+        checkpoint.fill({"layers.1.attention.wq_b.weight": (wq_b, (70, 3))})  # FP8, a ragged block
+        assert torch.equal(w2, whole["layers.3.feed_forward.experts.w2"][4:7, 10:50, 18:30]), directory.name
+        assert torch.equal(w1, whole["layers.2.feed_forward.experts.w1"][6:8, :, 34:64]), directory.name
+        assert torch.equal(wq_b, whole["layers.1.attention.wq_b.weight"][70:120, 3:24]), directory.name
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        ({"expert_dtype": None, "quantization_config": {**RELEASE_QUANT, "expert_dtype": None}},
+         r"is stored as torch.int8 with block scales.* declares no expert_dtype 'fp4'; add"),
+        ({"quantization_config": {**RELEASE_QUANT, "weight_block_size": [64, 128]}}, r"FP8 weight in \[64, 128\] blocks needs"),
+        ({"expert_dtype": "fp16"}, r"quantization_config.expert_dtype='fp4' disagree"),
+    ],
+    ids=["no-expert_dtype", "block", "disagree"],
+)
+def test_a_mislabelled_fp4_release_is_a_config_error(tmp_path: Path, edit: dict, match: str):
+    from tests.conftest import edit_config_json
+
+    save_pretrained(_randomised(build_model(_cfg())), tmp_path, fp8=True)
+    edit_config_json(tmp_path, **edit)
+    with pytest.raises(ConfigError, match=match):
+        from_pretrained(tmp_path)
+
+
+def test_an_fp4_scale_of_the_wrong_shape_is_a_config_error(tmp_path: Path):
+    from safetensors.torch import load_file, save_file
+
+    save_pretrained(_randomised(build_model(_cfg())), tmp_path, fp8=True)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["layers.1.ffn.experts.0.w1.scale"] = tensors["layers.1.ffn.experts.0.w1.scale"][:, :1].clone()
+    save_file(tensors, tmp_path / "model.safetensors", {"format": "pt"})
+    with pytest.raises(ConfigError, match=r"'layers\.1\.ffn\.experts\.0\.w1\.scale' has shape \(32, 1\); a \(32, 64\) "
+                                          r"FP4 weight in \[1, 32\] blocks needs \(32, 2\) \(config.json's"):
+        from_pretrained(tmp_path)
+
+
+def test_fp4_experts_need_widths_of_whole_scale_groups(tmp_path: Path):
+    with pytest.raises(ConfigError, match=r"an FP4 weight of shape \(64, 48\) cannot be written"):
+        save_pretrained(build_model(_cfg(moe_ffn_hidden=48)), tmp_path, fp8=True)

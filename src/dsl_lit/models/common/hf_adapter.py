@@ -32,6 +32,10 @@ StateDict = dict[str, torch.Tensor]
 
 # Token ids that HF keeps in config.json; we carry them in ModelConfig.extra so a round trip keeps them.
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+SCALE_SUFFIX = "_scale_inv"
+"""``<weight name><SCALE_SUFFIX>`` names a quantised weight's block scales when the checkpoint is read
+(DeepSeek-V3's and transformers' spelling; a layout stored otherwise maps to it in
+:meth:`HFAdapter.release_name`)."""
 
 
 @dataclass(frozen=True)
@@ -57,8 +61,15 @@ class HFAdapter(ABC):
     """HF names ending with one of these are read and written in fp32 whatever dtype is asked for
     (transformers' ``_keep_in_fp32_modules_strict``), e.g. a router's score-correction bias."""
     fp8_weights: ClassVar[re.Pattern[str] | None] = None
-    """HF names of the weights a block-FP8 checkpoint of this layout stores in FP8 (DeepSeek-V3's
-    release: the attention and MLP / expert projections); None: the layout has no FP8 form."""
+    """HF names of the weights the quantised release of this layout stores with block scales
+    (DeepSeek-V3's: the attention and MLP / expert projections), in FP8 unless :attr:`fp4_weights`
+    names them; None: the layout has no quantised form."""
+    fp4_weights: ClassVar[re.Pattern[str] | None] = None
+    """Of those, the ones stored in FP4 (``expert_dtype`` "fp4": DeepSeek-V4's routed experts,
+    :mod:`dsl_lit.hf.fp4_rows`); None: all FP8."""
+    scale_fmt: ClassVar[str] = "float"
+    """How the release stores block scales: "float" (fp32, DeepSeek-V3) or "ue8m0"
+    (``float8_e8m0fnu`` powers of two, DeepSeek-V4)."""
 
     @abstractmethod
     def config_from_hf(self, hf: Mapping[str, Any]) -> ModelConfig:
@@ -79,8 +90,17 @@ class HFAdapter(ABC):
         return hf_name.endswith(self.fp32_suffixes) if self.fp32_suffixes else False
 
     def quantizes_fp8(self, hf_name: str) -> bool:
-        """Whether a block-FP8 checkpoint stores ``hf_name`` in FP8 (with a ``_scale_inv`` tensor)."""
-        return bool(self.fp8_weights is not None and self.fp8_weights.fullmatch(hf_name))
+        """Whether the quantised release stores ``hf_name`` in block FP8 (with a scale tensor)."""
+        quantised = self.fp8_weights is not None and self.fp8_weights.fullmatch(hf_name)
+        return bool(quantised) and not self.quantizes_fp4(hf_name)
+
+    def quantizes_fp4(self, hf_name: str) -> bool:
+        """Whether the quantised release stores ``hf_name`` in FP4 (with a scale tensor)."""
+        return bool(self.fp4_weights is not None and self.fp4_weights.fullmatch(hf_name))
+
+    def scale_name(self, hf_name: str) -> str:
+        """The name the release stores the scales of the quantised weight ``hf_name`` under."""
+        return hf_name + SCALE_SUFFIX
 
     @abstractmethod
     def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:

@@ -15,6 +15,12 @@ Names, ours -> released (no ``model.`` prefix):
 Checkpoints that transformers' own ``save_pretrained`` wrote (its module names: ``model.`` prefix,
 ``embed_tokens``, ``hc_head.hc_*``, ``attn.norm``) read too (:meth:`DeepseekV4Adapter.release_name`).
 
+The quantised release (``save_pretrained(fp8=True)``, :mod:`dsl_lit.hf.quantised`): the projections
+in :data:`FP8_WEIGHTS` stored with their scales as ``<module>.scale`` (transformers' spelling,
+``<module>.weight_scale_inv``, reads too), every scale a ``float8_e8m0fnu`` power of two
+(``quantization_config.scale_fmt`` "ue8m0"); the routed experts FP4 (``expert_dtype`` "fp4",
+:mod:`dsl_lit.hf.fp4_rows`), the rest e4m3 in 128x128 blocks.
+
 config.json is transformers' ``DeepseekV4Config`` (``layer_types``, ``mlp_layer_types``,
 ``compress_rates``, nested ``rope_parameters``). The released MTP layer (``mtp.*``) is not built
 here (transformers skips it too): reading a checkpoint that has one leaves it out, with a log line.
@@ -33,6 +39,7 @@ from data_contract.errors import ConfigError
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.config.model_parts.v4_attention import ATTENTION_KINDS
 from dsl_lit.models.common.hf_adapter import (
+    SCALE_SUFFIX,
     HFAdapter,
     HFSource,
     StateDict,
@@ -68,16 +75,23 @@ _SAVED_BY_TRANSFORMERS = tuple((re.compile(p), r) for p, r in (
     (r"^(layers\.\d+\.attn\.)norm\.weight$", r"\1kv_norm.weight")))
 """transformers' ``save_pretrained`` names -> the release's (applied in order; measured on
 transformers 5.24: these four are every difference, the rest, ``head.weight`` included, agree)."""
+_RELEASED_SCALE = re.compile(r"^(.+)\.scale$")
+"""A quantised weight's scales as the release names them (``layers.0.attn.wq_a.scale``: DeepSeek's
+inference code's ``Linear.scale``); read as ``<weight>_scale_inv`` (transformers renames them alike).
+The mHC parameters end in ``_scale``, never ``.scale``."""
 FP32_SUFFIXES = ("attn_sink", ".ape", "gate.bias", "norm.weight", *(f"hc_{w}_{p}" for w in ("attn", "ffn", "head")
                                                                      for p in ("fn", "base", "scale")))
 """Released names kept in fp32 whatever dtype the rest is written in (transformers'
 ``_keep_in_fp32_modules_strict`` for V4: norms, sinks, window biases, mHC, the balancing bias)."""
 FP8_WEIGHTS = re.compile(r"layers\.\d+\.(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
                          r"|ffn\.(?:shared_experts|experts\.\d+)\.w[123])\.weight")
-"""Released names stored in FP8 (128x128 blocks, a ``weight_scale_inv`` beside each): the attention's
-projections, the indexer's query projection and every expert; the compressors' ``wkv`` and
-``wgate``, the indexer's ``weights_proj`` (transformers' V4 lists them as shipping in BF16), the
-router, embedding and head stay in the model's dtype."""
+"""Released names stored quantised, a ``.scale`` beside each: the attention's projections, the
+indexer's query projection and every expert; the compressors' ``wkv`` and ``wgate``, the indexer's
+``weights_proj`` (transformers' V4 lists them as shipping in BF16), the router, embedding and head
+stay in the model's dtype."""
+FP4_WEIGHTS = re.compile(r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight")
+"""Of those, the routed experts are FP4 (``expert_dtype`` "fp4": e2m1 pairs in int8, 1x32 scale
+groups); the rest FP8 in 128x128 blocks. Every scale is a ``float8_e8m0fnu`` power of two."""
 
 
 class DeepseekV4Adapter(HFAdapter):
@@ -86,6 +100,8 @@ class DeepseekV4Adapter(HFAdapter):
     architecture = "DeepseekV4ForCausalLM"
     fp32_suffixes = FP32_SUFFIXES
     fp8_weights = FP8_WEIGHTS
+    fp4_weights = FP4_WEIGHTS
+    scale_fmt = "ue8m0"
 
     # -- config -----------------------------------------------------------------------------------
     def config_from_hf(self, hf: Mapping[str, Any]) -> ModelConfig:
@@ -183,10 +199,16 @@ class DeepseekV4Adapter(HFAdapter):
     def release_name(self, stored: str) -> str:
         """transformers' ``save_pretrained`` of its ``DeepseekV4ForCausalLM`` writes the module names
         (``model.`` prefix, ``embed_tokens``, ``hc_head.hc_*``, the key/value norm as ``attn.norm``);
-        the release's are read. Names already in the release layout pass unchanged."""
+        the release's are read. Names already in the release layout pass unchanged, but for the
+        release's scales (``<module>.scale``), read as ``<module>.weight_scale_inv`` like every
+        layout's (transformers' ``save_pretrained`` writes them so already)."""
         for pattern, release in _SAVED_BY_TRANSFORMERS:
             stored = pattern.sub(release, stored)
-        return stored
+        return _RELEASED_SCALE.sub(r"\1.weight" + SCALE_SUFFIX, stored)
+
+    def scale_name(self, hf_name: str) -> str:
+        """``layers.0.attn.wq_a.weight`` -> ``layers.0.attn.wq_a.scale``, as the release names them."""
+        return hf_name.removesuffix(".weight") + ".scale"
 
     def from_hf(self, hf_state: StateDict, cfg: ModelConfig) -> StateDict:
         mtp = [n for n in hf_state if n.startswith("mtp.")]
