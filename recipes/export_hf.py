@@ -1,7 +1,7 @@
 """Export a training checkpoint to a Hugging Face model directory.
 
     python recipes/export_hf.py checkpoint=outputs/pretrain/<run>[/checkpoints/step-<N>] output=hf/<name> dtype=bf16
-    python recipes/export_hf.py checkpoint=... output=... weights=ema  # the EMA; dtype=bf16 fp8=true: V3's FP8 release
+    python recipes/export_hf.py checkpoint=... output=... weights=ema  # the EMA; dtype=bf16 fp8=true: the quantised release
 
 The output (config.json, generation_config.json, safetensors, the run's tokenizer files; a run dir: its latest
 step) loads with transformers' ``AutoModelForCausalLM``/``AutoTokenizer`` without ``trust_remote_code`` (DeepSeek

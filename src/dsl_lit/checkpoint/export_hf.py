@@ -59,8 +59,8 @@ def export(
     """Write ``checkpoint`` as a Hugging Face model directory at ``output``; returns it.
 
     The directory is written beside ``output`` and renamed into place once complete. An existing
-    non-empty ``output`` is replaced only with ``overwrite``. ``fp8``: DeepSeek-V3's block-FP8
-    release format (``save_pretrained(..., fp8=True)``). ``tokenizer_dir``: the tokenizer to pack
+    non-empty ``output`` is replaced only with ``overwrite``. ``fp8``: the family's quantised
+    release format (``save_pretrained(..., fp8=True)``: V3's block FP8, V4's with FP4 experts). ``tokenizer_dir``: the tokenizer to pack
     (None: the one the run recorded; one of another hash is refused, :func:`run_tokenizer_dir`).
     """
     out = Path(output)

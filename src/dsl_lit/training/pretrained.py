@@ -9,7 +9,7 @@ of this rank's pipeline stages, tensor shards and experts (:meth:`StartingWeight
 
 Our checkpoints are read through DCP (the reader of ``dsl_lit.checkpoint``: safetensors shards, any
 layout that wrote them, each rank reading the pieces its tensors need); HF directories through
-:class:`~dsl_lit.hf.reader.HFCheckpoint` (safetensors only, no remote code, block-FP8 dequantised).
+:class:`~dsl_lit.hf.reader.HFCheckpoint` (safetensors only, no remote code, FP8 / FP4 dequantised).
 """
 
 from __future__ import annotations
