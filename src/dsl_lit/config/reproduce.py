@@ -28,10 +28,12 @@ class ReproduceConfig:
     pretrain_tokens: int = 400_000
     """D of the pretraining budget C = M D: the fitted laws give its batch size and lr."""
     seq_len: int = 128
-    batch_range: list[int] = field(default_factory=lambda: [8, 32])
-    """Clamp of the fitted global batch (sequences): a toy sweep's law extrapolates over decades."""
-    lr_range: list[float] = field(default_factory=lambda: [3e-4, 3e-3])
-    """Clamp of the fitted peak learning rate."""
+    batch_range: list[int] | None = None
+    """A clamp of the fitted global batch (sequences); null (every preset but the smoke test's): the
+    fit's batch as it is, rounded to whole micro-batches. The smoke test's few-step sweep fits
+    nothing worth extrapolating, so it pins its batch here."""
+    lr_range: list[float] | None = None
+    """A clamp of the fitted peak learning rate; null: the fit's."""
     micro_batch_size: int = 8
     ramp_fraction: float = 0.25
     """Share of the pretraining tokens under the batch ramp (DeepSeek-V3: 469B of 14.8T, 3%)."""
@@ -87,11 +89,12 @@ class ReproduceConfig:
         if self.pretrain_tokens < self.seq_len:
             raise ConfigError(f"reproduce.pretrain_tokens={self.pretrain_tokens} is less than one sequence "
                               f"(reproduce.seq_len={self.seq_len})")
-        low, high = self._range("batch_range", self.batch_range)
-        if low < self.micro_batch_size or low % self.micro_batch_size or high % self.micro_batch_size:
-            raise ConfigError(f"reproduce.batch_range={self.batch_range} must be multiples of "
-                              f"reproduce.micro_batch_size={self.micro_batch_size}")
-        if self._range("lr_range", self.lr_range)[0] <= 0:
+        if self.batch_range is not None:
+            low, high = self._range("batch_range", self.batch_range)
+            if low < self.micro_batch_size or low % self.micro_batch_size or high % self.micro_batch_size:
+                raise ConfigError(f"reproduce.batch_range={self.batch_range} must be multiples of "
+                                  f"reproduce.micro_batch_size={self.micro_batch_size}")
+        if self.lr_range is not None and self._range("lr_range", self.lr_range)[0] <= 0:
             raise ConfigError(f"reproduce.lr_range={self.lr_range} must be positive")
         for key in ("ramp_fraction", "ramp_start_fraction"):
             if not 0.0 <= getattr(self, key) < 1.0:

@@ -102,24 +102,40 @@ def _exponent(x: float) -> str:
     return f"{x:.3f}" if abs(x) >= 5e-4 else "0 (flat: the optimum did not move between budgets)"
 
 
-SIGNIFICANT = 0.1
-"""A fitted exponent agrees when it has the paper's sign and at least this share of its size: a
-sweep whose optimum does not move between budgets fits ~1e-16, which is no law."""
+def _law(laws: dict[str, Any], name: str, sign: int) -> tuple[str, bool | None]:
+    """A fitted exponent with its bootstrap interval over the sweep's runs (5-95%), judged as the
+    seed margins are: the paper's sign beyond the interval (``sign`` > 0: its lower end above 0),
+    the other sign beyond it, or the interval holding 0 (inconclusive)."""
+    exponent = laws[name]["exponent"]
+    low, high = laws["bootstrap"][name]["exponent_interval"]
+    if (low > 0 if sign > 0 else high < 0):
+        agrees: bool | None = True
+    elif (high < 0 if sign > 0 else low > 0):
+        agrees = False
+    else:
+        agrees = None
+    return f"C^{_exponent(exponent)} [{low:.3f}, {high:.3f}]", agrees
 
 
-def _scaling_exponents(r: Results) -> tuple[str, bool]:
+def _both(*verdicts: bool | None) -> bool | None:
+    return False if False in verdicts else None if None in verdicts else True
+
+
+INTERVAL = ("[the 5-95% bootstrap interval over the sweep's runs]; criterion: the paper's sign at both ends "
+            "of the interval")
+
+
+def _scaling_exponents(r: Results) -> tuple[str, bool | None]:
     laws = r["scaling"]["results"]["laws"]["hparams"]
-    b, lr = laws["batch_tokens"]["exponent"], laws["lr"]["exponent"]
-    agrees = b >= SIGNIFICANT * PAPER_BATCH.exponent and lr <= SIGNIFICANT * PAPER_LR.exponent
-    return (f"B_opt ~ C^{_exponent(b)}, lr_opt ~ C^{_exponent(lr)} (paper: C^{PAPER_BATCH.exponent}, "
-            f"C^{PAPER_LR.exponent}; criterion: the paper's sign and at least {SIGNIFICANT:.0%} of its size)",
-            agrees)
+    batch, batch_ok = _law(laws, "batch_tokens", +1)
+    lr, lr_ok = _law(laws, "lr", -1)
+    return (f"B_opt ~ {batch}, lr_opt ~ {lr} (paper: C^{PAPER_BATCH.exponent}, C^{PAPER_LR.exponent}; {INTERVAL})",
+            _both(batch_ok, lr_ok))
 
 
-def _allocation(r: Results) -> tuple[str, bool]:
-    m = r["scaling"]["results"]["laws"]["allocation"]["model_scale"]["exponent"]
-    return (f"M_opt ~ C^{_exponent(m)} (paper: C^{PAPER_MODEL_SCALE.exponent}; criterion: at least "
-            f"{SIGNIFICANT:.0%} of it)", m >= SIGNIFICANT * PAPER_MODEL_SCALE.exponent)
+def _allocation(r: Results) -> tuple[str, bool | None]:
+    scale, agrees = _law(r["scaling"]["results"]["laws"]["allocation"], "model_scale", +1)
+    return f"M_opt ~ {scale} (paper: C^{PAPER_MODEL_SCALE.exponent}; {INTERVAL})", agrees
 
 
 def _mtp(r: Results) -> tuple[str, bool | None]:

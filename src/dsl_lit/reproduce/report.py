@@ -113,15 +113,28 @@ def write_report(run_dir: Path, out: Path, cfg: ReproduceConfig) -> Path:
             if source.is_file():
                 shutil.copyfile(source, out / f"scaling_{png}")
                 md.append(_image(f"scaling_{png}", png))
+        def interval(key: str) -> str:
+            low_high = hp.get(key)
+            return f"[{low_high[0]:.3g}, {low_high[1]:.3g}]" if low_high else "-"
+
+        used = "used (clamped to the preset's ranges)" if hp.get("clamped") else "used (the fit's, unclamped)"
         md.append(_table(["", "batch (sequences)", "peak lr"], [
             ["fitted law at C = M D", hp["batch_fit_sequences"], hp["lr_fit"]],
+            ["its 5-95% bootstrap interval", interval("batch_interval_sequences"), interval("lr_interval")],
             ["the paper's law at the same C", hp["paper_batch_sequences"], hp["paper_lr"]],
-            ["used (clamped to the preset's ranges)", hp["global_batch_size"], hp["lr"]]]))
+            [used, hp["global_batch_size"], hp["lr"]]]))
+        rounds = hp.get("runs_per_round", {})
         md.append(f"\nC = M D = {hp['model_scale_M']:.3g} FLOPs/token x {hp['tokens_D']:,} tokens = {hp['compute_C']:.3g} "
                   f"FLOPs; laws from: {hp['source']}; {hp['max_steps']} steps with the ramp "
                   f"{hp['ramp_start']} -> {hp['global_batch_size']} sequences over {hp['ramp_tokens']:,} tokens.\n")
+        if rounds:
+            md.append("\nDesign: the lr x batch grid at each budget, extended one step beyond any edge its best run sat "
+                      "on (runs per round: " + ", ".join(f"{study} {rounds[study]}" for study in rounds) + "); then "
+                      "the IsoFLOP models at the batch and lr the fitted laws give each budget "
+                      f"({hp.get('isoflop_hparams')}, [budget, sequences, lr]). Each law's interval: 200 refits on "
+                      "the runs resampled with replacement within each budget.\n")
         for edge in hp.get("edge_optima", []):
-            md.append(f"- grid edge: {edge}\n")
+            md.append(f"- grid edge left: {edge}\n")
 
     md.append("\n## 2. Data pipeline\n")
     if "data" in r:

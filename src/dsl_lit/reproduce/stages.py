@@ -109,9 +109,13 @@ def model_overrides(overrides: list[str]) -> dict[str, Any]:
 
 def pretraining_hparams(laws: dict[str, Any], cfg: ReproduceConfig) -> dict[str, Any]:
     """Batch (sequences), peak lr, batch ramp and steps of the pretraining for its budget C = M D,
-    from the sweep's fitted laws (or the paper's, when the sweep fitted none), clamped to the
-    preset's ranges: a toy sweep's law is extrapolated over decades of compute."""
+    from the sweep's fitted laws (or the paper's, when the sweep fitted none), unclamped unless the
+    preset names ``batch_range`` / ``lr_range`` (the smoke test): the batch is only rounded to a
+    whole number of micro-batches (at least one). Beside each, the bootstrap's
+    5-95% interval of the extrapolated value, which says how far a toy sweep's law can be trusted
+    decades above its budgets."""
     from dsl_lit.config.data import BatchRampConfig, BatchSchedule
+    from dsl_lit.scaling.bootstrap import LawSamples
     from dsl_lit.scaling.laws import PAPER_BATCH, PAPER_LR, PowerLaw, model_scale
 
     model = ModelConfig.from_name(PRETRAIN_MODEL, **model_overrides(cfg.overrides.get("pretrain", [])))
@@ -120,10 +124,19 @@ def pretraining_hparams(laws: dict[str, Any], cfg: ReproduceConfig) -> dict[str,
     fitted = laws.get("hparams")
     batch_law = PowerLaw(**fitted["batch_tokens"]) if fitted else PAPER_BATCH
     lr_law = PowerLaw(**fitted["lr"]) if fitted else PAPER_LR
+    intervals = {}
+    for name, scale in (("batch_tokens", 1.0 / cfg.seq_len), ("lr", 1.0)):
+        if fitted and name in fitted.get("bootstrap", {}):
+            low, high = LawSamples.from_dict(fitted["bootstrap"][name]).value_interval(c)
+            intervals[name] = [low * scale, high * scale]
     micro = cfg.micro_batch_size
-    batch_fit, lr_fit = batch_law(c) / cfg.seq_len, lr_law(c)
-    batch = int(min(max(round(batch_fit / micro) * micro, cfg.batch_range[0]), cfg.batch_range[1]))
-    lr = float(min(max(lr_fit, cfg.lr_range[0]), cfg.lr_range[1]))
+    batch_fit, lr_fit = batch_law(c) / cfg.seq_len, float(lr_law(c))
+    batch = max(micro, round(batch_fit / micro) * micro)
+    lr = lr_fit
+    if cfg.batch_range is not None:
+        batch = int(min(max(batch, cfg.batch_range[0]), cfg.batch_range[1]))
+    if cfg.lr_range is not None:
+        lr = float(min(max(lr, cfg.lr_range[0]), cfg.lr_range[1]))
     start = max(micro, int(batch * cfg.ramp_start_fraction) // micro * micro)
     ramp = BatchRampConfig(start=start, tokens=int(cfg.pretrain_tokens * cfg.ramp_fraction), increment=micro) \
         if start < batch and cfg.ramp_fraction > 0 else BatchRampConfig()
@@ -132,19 +145,82 @@ def pretraining_hparams(laws: dict[str, Any], cfg: ReproduceConfig) -> dict[str,
         consumed, steps = schedule.advance(consumed, 1), steps + 1
     return {"source": "fit" if fitted else "paper (the sweep fitted no hparam law)", "model_scale_M": m,
             "compute_C": c, "tokens_D": cfg.pretrain_tokens, "batch_law": batch_law.to_dict(), "lr_law": lr_law.to_dict(),
-            "batch_fit_sequences": batch_fit, "lr_fit": lr_fit, "paper_batch_sequences": PAPER_BATCH(c) / cfg.seq_len,
-            "paper_lr": PAPER_LR(c), "global_batch_size": batch, "lr": lr, "ramp_start": ramp.start,
+            "batch_fit_sequences": batch_fit, "batch_interval_sequences": intervals.get("batch_tokens"),
+            "lr_fit": lr_fit, "lr_interval": intervals.get("lr"), "paper_batch_sequences": PAPER_BATCH(c) / cfg.seq_len,
+            "paper_lr": PAPER_LR(c), "global_batch_size": batch, "lr": lr,
+            "clamped": batch != max(micro, round(batch_fit / micro) * micro) or lr != lr_fit, "ramp_start": ramp.start,
             "ramp_tokens": ramp.tokens, "max_steps": steps, "edge_optima": laws.get("edge_optima", [])}
 
 
+def _sweep_plan(overrides: list[str]) -> tuple[Any, int]:
+    """The sweep's settings as ``recipes/scaling_laws.py`` composes them with ``overrides``."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from dsl_lit.config.resolvers import register_resolvers
+    from dsl_lit.scaling.sweep import register_resolver, sweep_from_config
+
+    register_resolver()
+    register_resolvers()
+    task = [o for o in overrides if not o.lstrip("~+").startswith("hydra.")]
+    if GlobalHydra.instance().is_initialized():
+        return sweep_from_config(compose("scaling_laws", overrides=task))
+    with initialize_config_dir(str(PROJECT_ROOT / "conf"), version_base="1.3"):
+        return sweep_from_config(compose("scaling_laws", overrides=task))
+
+
+def _split(points: list[Any], indices: list[int], parts: int) -> list[list[int]]:
+    """Runs shared out so each part has about the same optimizer steps (longest first, each to the
+    least loaded part)."""
+    loads: list[tuple[int, list[int]]] = [(0, []) for _ in range(max(1, min(parts, len(indices))))]
+    for index in sorted(indices, key=lambda i: -points[i].steps):
+        load, members = min(loads, key=lambda part: part[0])
+        loads[loads.index((load, members))] = (load + points[index].steps, [*members, index])
+    return [sorted(members) for _, members in loads if members]
+
+
 def scaling(ctx: StageContext) -> dict[str, Any]:
-    """The sweep's tiny models read reproduce.data_build when it is given (their own 2048-token
-    build of the bundled corpus would need the pipeline)."""
+    """DeepSeek LLM's two studies in turn, as the paper runs them: the lr x batch grid, then the
+    IsoFLOP runs at the batch and lr the fitted hyperparameter laws give each budget. Each study's
+    runs are shared out over ``reproduce.concurrent_runs`` processes (one core each); where a
+    budget's best run sits on an edge of its grid, the runs one step beyond it follow, up to
+    ``sweep.extension_rounds`` times (:func:`~dsl_lit.scaling.grid_edges.grid_extensions`); then one
+    fit over every run. The sweep's tiny models read reproduce.data_build when it is given (their
+    own 2048-token build of the bundled corpus would need the pipeline)."""
+    from dsl_lit.scaling.grid_edges import grid_extensions
+    from dsl_lit.scaling.laws import PowerLaw
+    from dsl_lit.scaling.sweep import collect_results, fit_results, fit_sweep_dir
+    from dsl_lit.scaling.sweep_plan import plan_overrides, sweep_points, with_isoflop_hparams
+
+    sweep_dir = ctx.dir / "sweep"
     data = build_arguments(ctx.cfg) if ctx.cfg.data_build else []
-    ctx.recipe("scaling_laws.py", [path_override("hydra.sweep.dir", ctx.dir / "sweep"), *data,
-                                   f"trainer.accelerator={ctx.cfg.accelerator}", *seed_arguments(ctx.cfg)])
-    laws = json.loads((ctx.dir / "sweep" / "scaling_laws.json").read_text())
-    return {"laws": laws, **pretraining_hparams(laws, ctx.cfg)}
+    base = [path_override("hydra.sweep.dir", sweep_dir), "~hydra.callbacks.fit", *data,
+            f"trainer.accelerator={ctx.cfg.accelerator}", *seed_arguments(ctx.cfg)]
+    sweep, seq_len = _sweep_plan([*base, *ctx.cfg.overrides.get("scaling", [])])
+    runs: dict[str, list[int]] = {}
+    for study in ("hparams", "isoflop"):
+        if study == "isoflop":
+            laws = fit_results(collect_results(sweep_dir)).get("hparams")
+            if laws:  # the paper's near-optimal settings for each IsoFLOP budget
+                sweep = with_isoflop_hparams(sweep, PowerLaw(**laws["batch_tokens"]), PowerLaw(**laws["lr"]), seq_len)
+        runs[study] = []
+        for round_index in range(sweep.extension_rounds + 1):
+            done = {r.get("name") for r in collect_results(sweep_dir)}
+            points = sweep_points(sweep, seq_len)
+            todo = [i for i, p in enumerate(points) if p.study == study and p.name not in done]
+            if not todo:
+                break
+            parts = _split(points, todo, ctx.cfg.concurrent_runs)
+            plan = plan_overrides(sweep)
+            ctx.run_all([[str(PROJECT_ROOT / "recipes" / "scaling_laws.py"), *base, *plan,
+                          f"hydra.sweeper.params.point=\"{','.join(map(str, part))}\""] for part in parts],
+                        concurrent=len(parts),
+                        log_paths=[ctx.dir / f"{study}_round{round_index}_part{k}.log" for k in range(len(parts))])
+            runs[study].append(len(todo))
+            sweep = grid_extensions(collect_results(sweep_dir), sweep, seq_len, studies=(study,))
+    laws = fit_sweep_dir(sweep_dir)
+    return {"laws": laws, "runs_per_round": runs, "isoflop_hparams": sweep.isoflop_hparams,
+            **pretraining_hparams(laws, ctx.cfg)}
 
 
 # ----------------------------------------------------------------------------------------------

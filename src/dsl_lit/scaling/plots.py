@@ -14,6 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import NullFormatter  # noqa: E402
 
+from dsl_lit.scaling.bootstrap import LawSamples  # noqa: E402
 from dsl_lit.scaling.laws import PAPER_BATCH, PAPER_DATA_SCALE, PAPER_LR, PAPER_MODEL_SCALE, PowerLaw  # noqa: E402
 
 
@@ -65,21 +66,26 @@ def plot_optima(fitted: dict[str, Any], path: Path) -> Path | None:
         a = fitted["allocation"]
         c = [o["budget"] for o in a["optima"]]
         panels += [("M_opt (FLOPs / token)", c, [o["values"]["model_scale"] for o in a["optima"]],
-                    _law(a["model_scale"]), PAPER_MODEL_SCALE),
+                    _law(a["model_scale"]), PAPER_MODEL_SCALE, a.get("bootstrap", {}).get("model_scale")),
                    ("D_opt (tokens)", c, [b / o["values"]["model_scale"] for b, o in zip(c, a["optima"])],
-                    _law(a["data_scale"]), PAPER_DATA_SCALE)]
+                    _law(a["data_scale"]), PAPER_DATA_SCALE, a.get("bootstrap", {}).get("data_scale"))]
     if "hparams" in fitted:
         h = fitted["hparams"]
         c = [o["budget"] for o in h["optima"]]
         panels += [("B_opt (tokens)", c, [o["values"]["batch_tokens"] for o in h["optima"]],
-                    _law(h["batch_tokens"]), PAPER_BATCH),
-                   ("lr_opt", c, [o["values"]["lr"] for o in h["optima"]], _law(h["lr"]), PAPER_LR)]
+                    _law(h["batch_tokens"]), PAPER_BATCH, h.get("bootstrap", {}).get("batch_tokens")),
+                   ("lr_opt", c, [o["values"]["lr"] for o in h["optima"]], _law(h["lr"]), PAPER_LR,
+                    h.get("bootstrap", {}).get("lr"))]
     if not panels:
         return None
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
-    for ax, (label, c, values, law, paper) in zip(axes[0], panels):
+    for ax, (label, c, values, law, paper, samples) in zip(axes[0], panels):
         grid = np.geomspace(min(c) / 2, max(c) * 2, 50)
         ax.plot(c, values, "o", label="sweep optima")
+        if samples:  # the band the bootstrap's refits span (5-95% at each C)
+            band = LawSamples.from_dict(samples)
+            low, high = zip(*(band.value_interval(x) for x in grid))
+            ax.fill_between(grid, low, high, alpha=0.2, label="5-95% bootstrap band")
         ax.plot(grid, [law(x) for x in grid], "-", label=f"fit {law.coefficient:.3g} C^{law.exponent:.3f}")
         ax.plot(grid, [paper(x) for x in grid], "--", label=f"paper {paper.coefficient:.4g} C^{paper.exponent:.4f}")
         ax.set(xscale="log", yscale="log", xlabel="compute C = M D (FLOPs)", ylabel=label,

@@ -178,16 +178,29 @@ def test_bad_subsets_and_changed_settings_are_refused_before_any_stage_runs(tmp_
     assert not (tmp_path / "run" / "grpo").exists()
 
 
-def test_pretraining_batch_and_lr_come_from_the_fit_clamped_with_a_ramp_that_spends_the_tokens():
-    cfg = ReproduceConfig(pretrain_tokens=400_000, seq_len=128, batch_range=[16, 32], micro_batch_size=4).validate()
+def test_pretraining_batch_and_lr_come_from_the_fit_unclamped_with_a_ramp_that_spends_the_tokens():
+    from dsl_lit.scaling.bootstrap import LawSamples
+    from dsl_lit.scaling.laws import PowerLaw
+
+    cfg = ReproduceConfig(pretrain_tokens=400_000, seq_len=128, micro_batch_size=4).validate()
+    samples = {"batch_tokens": LawSamples((PowerLaw(1.0, 0.25), PowerLaw(1.0, 0.35)), 0).to_dict(),
+               "lr": LawSamples((PowerLaw(0.5, -0.2), PowerLaw(0.5, -0.1)), 0).to_dict()}
     laws = {"hparams": {"batch_tokens": {"coefficient": 1.0, "exponent": 0.3}, "lr": {"coefficient": 0.5,
-                                                                                       "exponent": -0.15}}}
+                                                                                       "exponent": -0.15},
+                        "bootstrap": samples}}
     hp = pretraining_hparams(laws, cfg)
     c = hp["compute_C"]
     assert hp["batch_fit_sequences"] == pytest.approx(c**0.3 / 128) and hp["lr_fit"] == pytest.approx(0.5 * c**-0.15)
-    assert 16 <= hp["global_batch_size"] <= 32 and hp["global_batch_size"] % 4 == 0
-    assert hp["lr"] == pytest.approx(min(max(hp["lr_fit"], 3e-4), 3e-3))
+    # the fit's values, the batch only rounded to whole micro-batches
+    assert hp["global_batch_size"] == round(hp["batch_fit_sequences"] / 4) * 4 and hp["lr"] == hp["lr_fit"]
+    assert not hp["clamped"]
+    low, high = hp["batch_interval_sequences"]
+    assert low < hp["batch_fit_sequences"] < high and hp["lr_interval"][0] < hp["lr"] < hp["lr_interval"][1]
     assert hp["ramp_start"] == hp["global_batch_size"] // 4 // 4 * 4 and hp["ramp_tokens"] == 100_000
+    # a preset that pins them (the smoke test's few-step sweep) clamps, and says so
+    pinned = pretraining_hparams(laws, ReproduceConfig(pretrain_tokens=400_000, seq_len=128, micro_batch_size=4,
+                                                       batch_range=[8, 16], lr_range=[3e-4, 3e-3]).validate())
+    assert pinned["global_batch_size"] == 16 and pinned["lr"] == 3e-3 and pinned["clamped"]
     # the steps spend D: one step fewer would not
     from dsl_lit.config.data import BatchRampConfig, BatchSchedule
 
@@ -202,11 +215,26 @@ def _done(results: dict) -> dict:
 
 
 def test_claims_are_judged_by_their_written_thresholds():
-    flat = {"hparams": {"batch_tokens": {"exponent": 1e-16}, "lr": {"exponent": 3e-16}},
-            "allocation": {"model_scale": {"exponent": 0.6}}}
-    table = {row[0]: row[3] for row in claims_table(_done({"scaling": {"laws": flat}}))}
-    assert table["Optimal batch size grows and optimal learning rate shrinks with compute, as power laws"] == NOT_REPRODUCED
-    assert table["The compute-optimal model scale grows with compute"] == REPRODUCED
+    def laws(batch, lr, scale):  # (exponent, its bootstrap interval) of each law
+        def law(name, fit):
+            return {name: {"exponent": fit[0]}, "bootstrap": {name: {"exponent_interval": list(fit[1])}}}
+        hp, alloc = law("batch_tokens", batch), law("model_scale", scale)
+        hp["lr"] = {"exponent": lr[0]}
+        hp["bootstrap"]["lr"] = {"exponent_interval": list(lr[1])}
+        return {"scaling": {"laws": {"hparams": hp, "allocation": alloc}}}
+
+    hparams, allocation = ("Optimal batch size grows and optimal learning rate shrinks with compute, as power laws",
+                           "The compute-optimal model scale grows with compute")
+    flat = laws((1e-16, (-0.1, 0.1)), (-0.3, (-0.5, -0.1)), (0.6, (0.3, 0.9)))
+    table = {row[0]: (row[2], row[3]) for row in claims_table(_done(flat))}
+    assert table[hparams][1] == INCONCLUSIVE and "B_opt ~ C^0 (flat" in table[hparams][0]
+    assert "[-0.100, 0.100]" in table[hparams][0] and table[allocation][1] == REPRODUCED
+    wrong_sign = laws((-0.3, (-0.5, -0.1)), (-0.3, (-0.5, -0.1)), (-0.2, (-0.4, 0.1)))
+    table = {row[0]: row[3] for row in claims_table(_done(wrong_sign))}
+    assert table[hparams] == NOT_REPRODUCED and table[allocation] == INCONCLUSIVE
+    both = laws((0.3, (0.1, 0.5)), (-0.3, (-0.5, -0.1)), (0.6, (0.3, 0.9)))
+    assert {row[0]: row[3] for row in claims_table(_done(both))}[hparams] == REPRODUCED
+    table = {row[0]: row[3] for row in claims_table(_done({"scaling": {"laws": {}}}))}
     assert table["Multi-token prediction improves the main model at equal training steps"] == NOT_MEASURED
     def ablations(baseline, no_mtp, no_bias):  # (val loss, load max/mean) per seed
         runs = {name: [{"val_loss": v, "load_max_over_mean": load} for v, load in values]
@@ -495,8 +523,13 @@ def test_the_report_states_what_the_files_hold(tmp_path):
     _, held_out = arithmetic.split(TaskConfig(**task).validate())
     assert shortcut == sum(p["question"].split()[-1] == p["answer"] for p in held_out) / 8
     results = {
-        "scaling": {"laws": {"hparams": {"batch_tokens": {"exponent": 1.52e-16}, "lr": {"exponent": -0.125}},
-                             "allocation": {"model_scale": {"exponent": 0.61}}},
+        "scaling": {"laws": {"hparams": {"batch_tokens": {"exponent": 1.52e-16}, "lr": {"exponent": -0.125},
+                                         "bootstrap": {"batch_tokens": {"exponent_interval": [-0.05, 0.05]},
+                                                       "lr": {"exponent_interval": [-0.2, -0.05]}}},
+                             "allocation": {"model_scale": {"exponent": 0.61},
+                                            "bootstrap": {"model_scale": {"exponent_interval": [0.4, 0.8]}}}},
+                    "batch_interval_sequences": [6, 11], "lr_interval": [2e-3, 4e-3], "clamped": False,
+                    "runs_per_round": {"hparams": [36, 9], "isoflop": [14]}, "isoflop_hparams": [[1e9, 2, 8e-3]],
                     "batch_fit_sequences": 8, "lr_fit": 3e-3, "paper_batch_sequences": 2, "paper_lr": 2e-3,
                     "global_batch_size": 8, "lr": 3e-3, "model_scale_M": 1.2e7, "tokens_D": 8192, "compute_C": 9.8e10,
                     "source": "this sweep", "max_steps": 11, "ramp_start": 4, "ramp_tokens": 4915},
@@ -520,8 +553,9 @@ def test_the_report_states_what_the_files_hold(tmp_path):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = preset("smoke")
     report = write_report(run_dir, tmp_path / "report", cfg).read_text()
-    assert "B_opt ~ C^0 (flat: the optimum did not move between budgets), lr_opt ~ C^-0.125" in report
-    assert "M_opt ~ C^0.610" in report and "e-16" not in report and "?)" not in report
+    assert "B_opt ~ C^0 (flat: the optimum did not move between budgets) [-0.050, 0.050], lr_opt ~ C^-0.125 [-0.200, -0.050]" in report
+    assert "M_opt ~ C^0.610 [0.400, 0.800]" in report and "| its 5-95% bootstrap interval | [6, 11] | [0.002, 0.004] |" in report
+    assert "used (the fit's, unclamped)" in report and "runs per round: hparams [36, 9], isoflop [14]" in report and "e-16" not in report and "?)" not in report
     assert "(criterion: below 2% beyond the margin)" in report and "(criterion: at least 80% of it)" in report
     assert "| baseline | 4.1 +- 0.141 | 4 +- 0.141 | 1.3 +- 0.141 |" in report  # mean +- sd over the seeds
     assert "Ablations: 2 seeds (1234, 1235) per variant, 6 steps each" in report
