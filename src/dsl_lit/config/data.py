@@ -132,7 +132,15 @@ class DataConfig:
     """Share of the FIM documents in the Suffix-Prefix-Middle order instead."""
     val_windows: int = 0
     """Windows at the end of the packed stream held out for validation (never trained on),
-    validated in whole global batches (``val_windows // global_batch_size`` of them)."""
+    validated in whole batches of ``val_batch_size`` (``val_windows // val_batch_size`` of them)."""
+    val_batch_size: int | None = None
+    """Windows per validation batch; null: ``global_batch_size``. Validation keeps no activations
+    for a backward pass, so a run training one sequence a step (a scaling sweep's smallest batch)
+    need not validate one at a time: the held-out loss is the same mean over the same windows."""
+
+    @property
+    def validation_batch(self) -> int:
+        return self.val_batch_size or self.global_batch_size
 
     @classmethod
     def coerce(cls, cfg: DataConfig | Mapping[str, Any]) -> DataConfig:
@@ -162,6 +170,9 @@ class DataConfig:
             )
         if self.val_windows < 0:
             raise ConfigError(f"data.val_windows={self.val_windows} must be >= 0 (0: no held-out data)")
+        if self.val_batch_size is not None and (self.val_batch_size <= 0 or self.val_batch_size % dp_size):
+            raise ConfigError(f"data.val_batch_size={self.val_batch_size} must be a positive multiple of the "
+                              f"data-parallel size {dp_size} (each rank validates its share), or null")
         if self.num_workers < 0:
             raise ConfigError(f"data.num_workers={self.num_workers} must be >= 0")
         if dp_size <= 0:

@@ -242,10 +242,11 @@ class TrainConfig:
         check_context_parallel_seq_len(self.parallel.cp, self.data.seq_len)
         self.data.validate(dp_size=dp)
         self.layout.check_micro_batches(self.data.smallest_global_batch, self.data.micro_batch_size)
-        if self.trainer.val_every_n_steps and self.data.val_windows < self.data.global_batch_size:
+        if self.trainer.val_every_n_steps and self.data.val_windows < self.data.validation_batch:
+            which = "val_batch_size" if self.data.val_batch_size else "global_batch_size"
             raise ConfigError(
                 f"trainer.val_every_n_steps={self.trainer.val_every_n_steps} needs held-out data: set data.val_windows "
-                f"to at least data.global_batch_size={self.data.global_batch_size} (now {self.data.val_windows})"
+                f"to at least data.{which}={self.data.validation_batch} (now {self.data.val_windows})"
             )
         if self.profiler.enabled and self.profiler.steps_per_cycle > self.trainer.max_steps:
             raise ConfigError(

@@ -164,12 +164,14 @@ class PretrainDataModule(L.LightningDataModule):
         )
 
     def val_dataloader(self) -> DataLoader:
-        """The held-out windows (the last ``data.val_windows``), in order, as global batches of
-        which this rank takes its contiguous slice: every layout validates on the same samples."""
+        """The held-out windows (the last ``data.val_windows``), in order, as batches of
+        ``data.val_batch_size`` (default: the global batch) of which this rank takes its contiguous
+        slice: every layout validates on the same samples."""
         if self.tokens is None:
             self.setup("validate")
         dp_rank, dp_size = self.dp_coordinates()
-        size, share = self.cfg.global_batch_size, self.cfg.global_batch_size // dp_size
+        size = self.cfg.validation_batch
+        share = size // dp_size
         batches = [
             list(range(start + dp_rank * share, start + (dp_rank + 1) * share))
             for start in range(self.train_windows, self.num_windows - size + 1, size)

@@ -128,6 +128,13 @@ def test_training_never_reads_the_held_out_windows(tmp_path):
     assert seen == set(range(module.train_windows))  # every training window, and nothing else
     validated = {i for batch in module.val_dataloader().batch_sampler for i in batch}
     assert validated == held_out
+    # validation in larger batches than training (a sweep's one-sequence runs): the same windows, in order
+    wide = PretrainDataModule({**vars(module.cfg), "global_batch_size": 1, "micro_batch_size": 1, "val_batch_size": 16})
+    wide.setup("fit")
+    batches = list(wide.val_dataloader().batch_sampler)
+    assert [len(b) for b in batches] == [16] * 4 and [i for b in batches for i in b] == sorted(held_out)
+    with pytest.raises(ConfigError, match="data.val_batch_size=3 must be a positive multiple of the data-parallel size 2"):
+        wide.cfg.__class__(**{**vars(wide.cfg), "val_batch_size": 3}).validate(dp_size=2)
 
 
 def test_lm_eval_task_yamls_as_written_in_the_wild(tmp_path):
