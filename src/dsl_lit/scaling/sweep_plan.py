@@ -24,6 +24,11 @@ class SweepConfig:
     lrs: list[float] = field(default_factory=lambda: [1e-3, 3e-3, 1e-2])
     batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4])
     """Sequences per step."""
+    grid_exponents: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    """[batch, lr]: each budget's grid is ``batch_sizes`` and ``lrs`` times (C / the smallest
+    budget) to these powers, so the grid follows where the optimum is expected to move (e.g. the
+    paper's [0.3271, -0.125]) instead of spending runs far from it at the largest budgets; [0, 0]:
+    the same grid at every budget. Only a starting place: the grid's extension finds the optimum."""
     isoflop_budgets: list[float] = field(default_factory=lambda: [1e10, 2e10])
     shapes: list[list[int]] = field(default_factory=lambda: [[2, 8], [1, 16], [2, 16], [1, 32], [2, 32], [2, 48]])
     isoflop_lr: float = 3e-3
@@ -49,6 +54,8 @@ class SweepConfig:
     machine two spinning threads lose 10x when cores are oversubscribed (null: torch's default)."""
 
     def validate(self) -> SweepConfig:
+        if len(self.grid_exponents) != 2:
+            raise ConfigError(f"sweep.grid_exponents={self.grid_exponents} must be [batch exponent, lr exponent]")
         for name in ("hparam_budgets", "isoflop_budgets", "lrs", "batch_sizes"):
             values = getattr(self, name)
             if not values or any(not v > 0 for v in values):
@@ -104,6 +111,13 @@ class Point:
                 f"_lr{self.lr:.4g}_s{self.seq_len}")
 
 
+def hparam_grid(sweep: SweepConfig, budget: float) -> tuple[list[int], list[float]]:
+    """The batch sizes and lrs of ``budget``'s grid (``grid_exponents``)."""
+    ratio = budget / min(sweep.hparam_budgets)
+    growth, decay = ratio ** sweep.grid_exponents[0], ratio ** sweep.grid_exponents[1]
+    return sorted({max(1, round(b * growth)) for b in sweep.batch_sizes}), [lr * decay for lr in sweep.lrs]
+
+
 def isoflop_point(sweep: SweepConfig, budget: float, n_layers: int, d_model: int, seq_len: int) -> Point:
     """The IsoFLOP run of a shape at a budget, at that budget's settings (``isoflop_hparams``)."""
     settings = {float(c): (int(b), float(lr)) for c, b, lr in sweep.isoflop_hparams}
@@ -134,9 +148,8 @@ def sweep_points(sweep: SweepConfig, seq_len: int) -> list[Point]:
     points = []
     n, d = sweep.hparam_shape
     for budget in sweep.hparam_budgets:
-        for batch in sweep.batch_sizes:
-            for lr in sweep.lrs:
-                points.append(Point("hparams", budget, n, d, lr, batch, seq_len))
+        batches, lrs = hparam_grid(sweep, budget)
+        points += [Point("hparams", budget, n, d, lr, batch, seq_len) for batch in batches for lr in lrs]
     for budget, batch, lr in sweep.extra_hparams:
         points.append(Point("hparams", float(budget), n, d, float(lr), int(batch), seq_len))
     for budget in sweep.isoflop_budgets:

@@ -151,3 +151,18 @@ def test_the_plan_reaches_the_recipe_as_overrides_it_reads_back():
         key, value = override.split("=", 1)
         raw[key.removeprefix("sweep.")] = yaml.safe_load(value)
     assert dataclass_from_dict(SweepConfig, raw, "sweep").validate() == sweep
+
+
+def test_a_grid_that_follows_the_expected_law_needs_fewer_runs_to_the_same_optima():
+    """``grid_exponents`` moves each budget's grid by (C / C_min)^exponent: with the laws' own
+    exponents the grids start around every optimum, so fewer runs are added, and the fits agree."""
+    fixed, fixed_results, _ = _driven(_sweep(batch_sizes=[4, 8, 16], lrs=[2e-2, 4e-2, 8e-2]))
+    moving, moving_results, _ = _driven(_sweep(batch_sizes=[4, 8, 16], lrs=[2e-2, 4e-2, 8e-2], grid_exponents=[0.3, -0.35]))
+    hparams = [len([r for r in results if r["study"] == "hparams"]) for results in (fixed_results, moving_results)]
+    assert hparams[1] < hparams[0]
+    for results in (fixed_results, moving_results):
+        assert fit_results(results)["hparams"]["batch_tokens"]["exponent"] == pytest.approx(0.3, abs=0.01)
+    grid = sweep_points(_sweep(grid_exponents=[0.3, -0.5]), SEQ)  # [1, 2, 4] x 3.16e10/1e9 = 31.6 ^ 0.3 = 2.8
+    assert sorted({p.batch_size for p in grid if p.study == "hparams" and p.budget == 3.16e10}) == [3, 6, 11]
+    assert sorted({p.lr for p in grid if p.study == "hparams" and p.budget == 3.16e10}) == pytest.approx(
+        [2e-3 / 31.6**0.5, 4e-3 / 31.6**0.5, 8e-3 / 31.6**0.5])
