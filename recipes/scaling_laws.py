@@ -13,7 +13,12 @@ second IsoFLOP budget). Its grids bracket every budget's best run (lr ~3e-3, bat
 model [1, 16]); a best run on a grid edge is logged as a warning and listed in
 ``scaling_laws.json`` (``edge_optima``), since the fitted optimum there is an extrapolation. The
 toy optima say little about the laws: both IsoFLOP budgets pick the same model, so M_opt's
-fitted exponent is 0.
+fitted exponent is 0. Every law comes with a bootstrap interval over the runs (``bootstrap`` in
+``scaling_laws.json``; the band in ``optima.png``). A best run on a grid edge is also answered with
+the overrides whose runs, one step beyond it, move it inside: rerun with them into the same
+``hydra.sweep.dir`` (each run's directory is its name, so finished runs are not trained again).
+``make reproduce`` runs those rounds itself over four budgets (1.5 decades) with the IsoFLOP study
+at the fitted batch and lr (``dsl_lit.reproduce.stages.scaling``).
 """
 
 from __future__ import annotations
