@@ -238,8 +238,8 @@ class PipelineStageModule(nn.Module):
             positions = shard.query_positions.expand(x.shape[0], -1)
             x = shard.shard(x) if self.is_first else x
         if self.is_first:
-            x = m.embed(x)
-            embeddings = x if self.carries_embeddings else None
+            ids, x = x, m.embed(x)
+            embeddings = m.mtp_embeddings(ids, x) if self.carries_embeddings else None
         x = m.run_layers(x, self.layer_ids, positions, key_valid, token_ids, shard)
         if not self.is_last:
             x = self._attach_aux_losses(x)
@@ -247,9 +247,8 @@ class PipelineStageModule(nn.Module):
                 return x
             # a stage's outputs must be its own tensors (the zero-bubble schedules detach_ them)
             return x, embeddings if self.is_first else embeddings.clone()
-        x = m.collapse(x)
-        logits = m.head(x)
-        mtp_logits = m.mtp_logits(x, embeddings, shard) if len(m.mtp) and self.with_mtp else []
+        logits = m.head(m.collapse(x))
+        mtp_logits = m.mtp_logits(x, embeddings, shard) if len(m.mtp) and self.with_mtp else []  # from the residual
         logits = self._attach_aux_losses(logits)  # after the MTP blocks ran: theirs count too
         return (logits, *mtp_logits) if mtp_logits else logits
 

@@ -248,14 +248,14 @@ class CausalLMModule(L.LightningModule):
         context parallelism, at this rank's positions of the rows (see :meth:`targets`)."""
         shard = self.runner.context_keys(input_ids.shape[1], input_ids.device)
         if shard is None:
-            hidden = self.model.hidden_states(input_ids, inputs.get("positions"), inputs.get("key_valid"))
+            residual = self.model.residual(input_ids, inputs.get("positions"), inputs.get("key_valid"))
         else:  # plain causal rows only (TrainConfig refuses parallel.cp for post-training's rows)
             positions = shard.query_positions.expand(input_ids.shape[0], -1)
-            hidden = self.model.hidden_states(shard.shard(input_ids), positions, cache=shard)
-        logits = self.model.head(hidden)
+            residual = self.model.residual(shard.shard(input_ids), positions, cache=shard)
+        logits = self.model.head(self.model.collapse(residual))
         if not (self.trains_mtp and len(self.model.mtp)):
             return (logits,)
-        return (logits, *self.model.mtp_logits(hidden, input_ids, shard))
+        return (logits, *self.model.mtp_logits(residual, input_ids, shard))
 
     def micro_batch_objective(self, micro_batch: Batch, normalizers: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
         """Run the model on one micro-batch and return ``loss_from_outputs`` (the same path a

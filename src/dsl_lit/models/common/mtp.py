@@ -36,3 +36,7 @@ class MTPModule(nn.Module):
         ``keys``: where attention takes its keys from (context parallelism's whole rows)."""
         h = self.eh_proj(torch.cat([self.enorm(next_embeddings), self.hnorm(hidden)], dim=-1))
         return self.block(h, rope, keys)
+
+    def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the shared head reads of h^k: ``norm(h)``."""
+        return self.norm(hidden)

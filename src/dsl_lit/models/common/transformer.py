@@ -98,18 +98,31 @@ class Transformer(nn.Module):
         key_valid: torch.Tensor | None = None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """Run embedding (when this stage has it) and the blocks; returns the un-normed residual.
+        """Run embedding (when this stage has it) and the blocks; returns the un-normed hidden
+        state the head reads (:meth:`residual` through :meth:`collapse`).
 
         ``positions`` [batch, seq] and ``key_valid`` [batch, cached + seq] describe left-padded
         batches; ``cache`` makes the call incremental (positions continue from ``cache.length``).
         """
+        return self.collapse(self.residual(tokens, positions, key_valid, cache))
+
+    def residual(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        key_valid: torch.Tensor | None = None,
+        cache: KVCache | SequenceShard | None = None,
+    ) -> torch.Tensor:
+        """:meth:`hidden_states` before :meth:`collapse`: the last layer's residual, what the MTP
+        modules read (:meth:`mtp_logits`; the hidden state itself here, DeepSeek-V4's ``hc_mult``
+        streams there)."""
         refresh_compute_copies(self)
         h = self.embed(tokens) if self.tok_embeddings is not None else tokens
         offset = cache.length if cache is not None else 0
         h = self.run_layers(h, [int(name) for name in self.layers], positions, key_valid, tokens, cache, offset)
         if cache is not None:
             cache.advance(tokens.shape[1])
-        return self.collapse(h)
+        return h
 
     # -- the forward cut at layer boundaries: what a pipeline stage runs of it ------------------------
     needs_token_ids: bool = False
@@ -141,6 +154,14 @@ class Transformer(nn.Module):
     last_stage_modules: tuple[str, ...] = ("norm", "output", "mtp")
     """Modules only the last pipeline stage runs (after the last layer)."""
 
+    mtp_drafts: bool = True
+    """Whether greedy decoding can draft with its MTP modules (``dsl_lit.inference.speculative``)."""
+
+    def mtp_embeddings(self, tokens: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The token embeddings the MTP modules read, given the ids and the residual :meth:`embed`
+        made of them (a pipeline's first stage sends them to the last): that residual here."""
+        return residual
+
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and output projection (each only on the stage that holds it)."""
         if self.norm is not None:
@@ -156,14 +177,17 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         return self.head(self.hidden_states(tokens, positions, key_valid, cache))
 
-    def mtp_logits(self, hidden: torch.Tensor, tokens: torch.Tensor, shard: SequenceShard | None = None) -> list[torch.Tensor]:
+    def mtp_logits(self, residual: torch.Tensor, tokens: torch.Tensor, shard: SequenceShard | None = None) -> list[torch.Tensor]:
         """Logits of each MTP depth k = 1..D: [batch, seq - k, vocab], predicting labels[:, k:].
 
-        ``hidden`` is the main model's un-normed output (:meth:`hidden_states`) for ``tokens``;
-        ``tokens`` may also be their embeddings [batch, seq, d_model] (a pipeline's last stage
-        receives those from the first, where the embedding lives).
+        ``residual`` is the main model's last residual (:meth:`residual`; here the un-normed
+        output :meth:`hidden_states` returns, DeepSeek-V4's streams before their collapse) for
+        ``tokens``; ``tokens`` may also be their embeddings [batch, seq, d_model] (a pipeline's
+        last stage receives those from the first, where the embedding lives). Depth k runs its
+        module (:meth:`run_mtp`) on depth k - 1's residual and the embeddings of the tokens k
+        ahead; the shared head reads what the module hands it (``module.head_input``).
 
-        With ``shard`` (context parallelism) ``hidden`` holds only the positions
+        With ``shard`` (context parallelism) ``residual`` holds only the positions
         ``shard.query_positions`` of the whole rows ``tokens`` (token ids [batch, seq], or the
         embeddings of this forward's positions [batch, local seq, d_model] on a pipeline's last
         stage): every depth keeps all positions (depth k at position i reads token i + k, taken
@@ -172,25 +196,32 @@ class Transformer(nn.Module):
         ``shard`` as the main layers do. Logits are then [batch, local seq, vocab] at this
         rank's positions, for ``shard.shift(labels, k, -100)``.
         """
-        if shard is not None:
-            rope = self.rope(hidden.shape[1], 0, shard.query_positions.expand(hidden.shape[0], -1))
-            whole = shard.whole(tokens) if tokens.is_floating_point() else None
-            logits = []
-            for k, module in enumerate(self.mtp.values(), start=1):
-                if whole is not None:
-                    shifted = shard.shift(whole, k, fill=0)
-                else:
-                    shifted = self.tok_embeddings(shard.shift(tokens, k, fill=0))
-                hidden = module(hidden, shifted, rope, shard)
-                logits.append(self.output(module.norm(hidden)))
-            return logits
         embeddings = tokens if tokens.is_floating_point() else None
         logits = []
+        if shard is not None:
+            positions = shard.query_positions.expand(residual.shape[0], -1)
+            whole = shard.whole(embeddings) if embeddings is not None else None
+            for k, module in enumerate(self.mtp.values(), start=1):
+                ids = None if whole is not None else shard.shift(tokens, k, fill=0)
+                shifted = shard.shift(whole, k, fill=0) if whole is not None else self.tok_embeddings(ids)
+                residual = self.run_mtp(module, residual, shifted, ids, positions, shard)
+                logits.append(self.output(module.head_input(residual)))
+            return logits
         for k, module in enumerate(self.mtp.values(), start=1):
-            shifted = embeddings[:, k:] if embeddings is not None else self.tok_embeddings(tokens[:, k:])
-            hidden = module(hidden[:, :-1], shifted, self.rope(hidden.shape[1] - 1))
-            logits.append(self.output(module.norm(hidden)))
+            ids = None if embeddings is not None else tokens[:, k:]
+            shifted = embeddings[:, k:] if embeddings is not None else self.tok_embeddings(ids)
+            residual = self.run_mtp(module, residual[:, :-1], shifted, ids, None, None)
+            logits.append(self.output(module.head_input(residual)))
         return logits
+
+    def run_mtp(self, module: nn.Module, residual: torch.Tensor, next_embeddings: torch.Tensor,
+                next_ids: torch.Tensor | None, positions: torch.Tensor | None,
+                keys: SequenceShard | None) -> torch.Tensor:
+        """One MTP module: depth k - 1's ``residual`` [batch, seq, ...] and the embeddings (and ids,
+        when this stage has them) of the tokens k ahead [batch, seq, d_model] -> depth k's residual.
+        ``positions`` [batch, seq] (None: 0 .. seq - 1); ``keys``: where attention takes its keys
+        from (context parallelism's whole rows)."""
+        return module(residual, next_embeddings, self.rope(residual.shape[1], 0, positions), keys)
 
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]
