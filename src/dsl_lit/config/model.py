@@ -150,7 +150,11 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
     def attention_kind(self, layer_id: int) -> str:
-        """DeepSeek-V4's attention kind of layer ``layer_id`` (:data:`ATTENTION_KINDS`)."""
+        """DeepSeek-V4's attention kind of layer ``layer_id`` (:data:`ATTENTION_KINDS`); from
+        ``n_layers`` on (the MTP blocks) ``sliding``, as DeepSeek releases them (the MTP layer's
+        entry of the release's ``compress_ratios`` is 0)."""
+        if layer_id >= self.n_layers:
+            return "sliding"
         if self.attention_kinds is not None:
             return self.attention_kinds[layer_id]
         return "hca" if layer_id < 2 or layer_id % 2 == 0 else "csa"

@@ -69,6 +69,9 @@ def decode_with_mtp_drafts(
     emitted step (it writes the token, logprob and masks) and returns True to stop."""
     if not len(getattr(model, "mtp", ())):
         raise ValueError("mtp_speculative=True needs a model with an MTP module (e.g. deepseek_v3 with mtp_depth >= 1)")
+    if not getattr(model, "mtp_drafts", False):
+        raise ValueError(f"mtp_speculative=True drafts with DeepSeek-V3's MTP module; {model.config.family}'s "
+                         "does not draft yet (decode without it)")
     batch, total = tokens.shape
     cache = KVCache(batch, total)
     drafter = _MTPDrafter(model, batch, total)

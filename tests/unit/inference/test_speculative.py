@@ -69,3 +69,6 @@ def test_speculative_needs_an_mtp_module_and_greedy():
         generate(dense, [[1, 2]], 4, mtp_speculative=True)
     with pytest.raises(ValueError, match="temperature=0"):
         generate(_model(0), [[1, 2]], 4, mtp_speculative=True, temperature=1.0)
+    v4 = build_model(ModelConfig.from_name("deepseek_v4_tiny", n_layers=1, vocab_size=64, mtp_depth=1))
+    with pytest.raises(ValueError, match="deepseek_v4's does not draft yet"):  # its MTP module trains; V3's drafts
+        generate(v4, [[1, 2]], 4, mtp_speculative=True)

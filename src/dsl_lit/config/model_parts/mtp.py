@@ -1,5 +1,8 @@
-"""The multi-token-prediction part (DeepSeek-V3, sec. 2.2): ``mtp_depth`` sequential modules, each
-predicting one more future token through a block of its own and the shared head."""
+"""The multi-token-prediction part (DeepSeek-V3, sec. 2.2; DeepSeek-V4 keeps it): ``mtp_depth``
+sequential modules, each predicting one more future token through a block of its own and the shared
+embedding and head. What a module is, is the family's (V3: ``models/common/mtp.py``; V4, with its
+residual streams: ``models/deepseek_v4/model.py``); how the modules chain and train is one mechanism
+(``Transformer.mtp_logits``, the pretraining objective's MTP loss)."""
 
 from __future__ import annotations
 

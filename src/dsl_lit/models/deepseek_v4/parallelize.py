@@ -11,7 +11,8 @@ replicated and read by every rank's own heads, so their output gradients are sum
 the whole gradient too); the per-head sinks split like the heads. The CSA indexer is replicated: it
 reads detached inputs, every rank selects the same keys, and its KL target sums the ranks' heads.
 mHC's stream mixing is replicated. Sequence parallelism is refused at start-up (the card): the
-residual is ``hc_mult`` streams, not one sequence to shard.
+residual is ``hc_mult`` streams, not one sequence to shard. The MTP blocks (``mtp.<k>.block``) split as
+the layers do; their input projections (``e_proj``, ``h_proj``) and stream collapse stay replicated.
 """
 
 from __future__ import annotations
@@ -36,5 +37,7 @@ def tp_plan(cfg: ModelConfig, tp: int, sequence_parallel: bool) -> Plan:
     if sequence_parallel:  # (refused at start-up by the card)
         raise ValueError("DeepSeek-V4's tensor-parallel plan has no sequence parallelism")
     plan = decoder_plan(cfg, tp, sequence_parallel, attention_plan, attention_input="")
-    sliding = {f"layers.{i}.attention.compressor.norm" for i in range(cfg.n_layers) if cfg.attention_kind(i) == "sliding"}
+    blocks = [(f"layers.{i}", i) for i in range(cfg.n_layers)]
+    blocks += [(f"mtp.{k}.block", cfg.n_layers + k) for k in range(cfg.mtp_modules)]  # the MTP blocks: sliding
+    sliding = {f"{prefix}.attention.compressor.norm" for prefix, i in blocks if cfg.attention_kind(i) == "sliding"}
     return {name: style for name, style in plan.items() if name not in sliding}
