@@ -15,6 +15,7 @@ each of our names, which HF tensors make it, without reading any.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from abc import ABC, abstractmethod
@@ -118,6 +119,20 @@ class HFAdapter(ABC):
     def hf_sources(self, names: Iterable[str], cfg: ModelConfig) -> dict[str, HFSource]:
         """For each of our tensor ``names``, the HF tensors :meth:`from_hf` would make it from,
         without reading any (a tied head names the embedding). ConfigError lists unknown names."""
+
+
+def keep_present_mtp(cfg: ModelConfig, present: Collection[int], log: logging.Logger) -> ModelConfig:
+    """``cfg`` with ``mtp_depth`` cut to the MTP modules 0, 1, ... whose weights the checkpoint holds
+    (``present``: their indices), a warning on ``log`` when config.json declares more (transformers
+    keeps ``num_nextn_predict_layers`` but saves no MTP layer)."""
+    depth = 0
+    while depth < cfg.mtp_depth and depth in present:
+        depth += 1
+    if depth < cfg.mtp_depth:
+        log.warning("config.json declares num_nextn_predict_layers=%d but the checkpoint holds weights for %d "
+                    "MTP layer(s); loading with mtp_depth=%d", cfg.mtp_depth, depth, depth)
+        cfg.mtp_depth = depth
+    return cfg
 
 
 def require(hf: Mapping[str, Any], key: str) -> Any:

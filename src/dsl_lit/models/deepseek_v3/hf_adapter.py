@@ -20,6 +20,7 @@ from typing import Any
 
 from data_contract.errors import ConfigError
 from dsl_lit.config.model import ModelConfig
+from dsl_lit.models.common.hf_adapter import keep_present_mtp
 from dsl_lit.models.deepseek_v3.hf_layout import HF_LAYER, MLAMoEAdapter
 from dsl_lit.models.deepseek_v3.v2_hf_adapter import V2_ADAPTER
 
@@ -61,20 +62,8 @@ class DeepSeekV3Adapter(MLAMoEAdapter):
     def config_for_checkpoint(self, cfg: ModelConfig, hf_names: Collection[str]) -> ModelConfig:
         """Drop MTP modules that config.json declares but the checkpoint has no weights for
         (transformers keeps ``num_nextn_predict_layers`` but saves no MTP layer)."""
-        present = {int(m[1]) for m in map(HF_LAYER.fullmatch, hf_names) if m}
-        depth = 0
-        while depth < cfg.mtp_depth and cfg.n_layers + depth in present:
-            depth += 1
-        if depth < cfg.mtp_depth:
-            log.warning(
-                "config.json declares num_nextn_predict_layers=%d but the checkpoint holds weights for %d "
-                "MTP layer(s); loading with mtp_depth=%d",
-                cfg.mtp_depth,
-                depth,
-                depth,
-            )
-            cfg.mtp_depth = depth
-        return cfg
+        present = {int(m[1]) - cfg.n_layers for m in map(HF_LAYER.fullmatch, hf_names) if m}
+        return keep_present_mtp(cfg, present, log)
 
     def _writer(self, cfg: ModelConfig) -> MLAMoEAdapter:
         """The model type a ``deepseek_v3``-family model is written as: its routing decides (see the

@@ -10,27 +10,38 @@ Names, ours -> released (no ``model.`` prefix):
   ``attention_norm`` -> ``attn_norm``, ``ffn_norm`` -> ``ffn_norm``, ``attention_hc.{fn,base,scale}``
   -> ``hc_attn_{fn,base,scale}``, ``ffn_hc.*`` -> ``hc_ffn_*``, ``feed_forward.`` -> ``ffn.`` with
   ``gate.expert_bias`` -> ``gate.bias`` (hash layers: ``gate.tid2eid``, no bias) and the stacked
-  experts ``experts.w1/w2/w3`` [E, out, in] written one per expert (``ffn.experts.<e>.w1.weight``).
+  experts ``experts.w1/w2/w3`` [E, out, in] written one per expert (``ffn.experts.<e>.w1.weight``);
+* per MTP module ``mtp.<k>.`` (DeepSeek's ``MTPBlock``, which is a block: its names are a layer's,
+  under ``mtp.<k>.`` rather than ``layers.<i>.``): ``block.`` -> nothing (``mtp.<k>.block.attention.wq_a``
+  -> ``mtp.<k>.attn.wq_a``, ``mtp.<k>.block.attention_hc.fn`` -> ``mtp.<k>.hc_attn_fn``, ...), its own
+  ``enorm``, ``hnorm``, ``e_proj``, ``h_proj``, ``norm`` alike and ``hc_head.{fn,base,scale}`` ->
+  ``hc_head_{fn,base,scale}``. The embedding and head are the main model's (a copy some releases keep
+  as ``mtp.<k>.head.weight`` or ``mtp.<k>.emb.tok_emb.weight`` is dropped on reading, none written).
 
 Checkpoints that transformers' own ``save_pretrained`` wrote (its module names: ``model.`` prefix,
 ``embed_tokens``, ``hc_head.hc_*``, ``attn.norm``) read too (:meth:`DeepseekV4Adapter.release_name`).
 
 The quantised release (``save_pretrained(fp8=True)``, :mod:`dsl_lit.hf.quantised`): the projections
-in :data:`FP8_WEIGHTS` stored with their scales as ``<module>.scale`` (transformers' spelling,
-``<module>.weight_scale_inv``, reads too), every scale a ``float8_e8m0fnu`` power of two
-(``quantization_config.scale_fmt`` "ue8m0"); the routed experts FP4 (``expert_dtype`` "fp4",
-:mod:`dsl_lit.hf.fp4_rows`), the rest e4m3 in 128x128 blocks.
+in :data:`FP8_WEIGHTS` (the MTP layers' too, their ``e_proj`` and ``h_proj`` with them) stored with
+their scales as ``<module>.scale`` (transformers' spelling, ``<module>.weight_scale_inv``, reads too),
+every scale a ``float8_e8m0fnu`` power of two (``quantization_config.scale_fmt`` "ue8m0"); the routed
+experts FP4 (``expert_dtype`` "fp4", :mod:`dsl_lit.hf.fp4_rows`), the rest e4m3 in 128x128 blocks.
 
 config.json is transformers' ``DeepseekV4Config`` (``layer_types``, ``mlp_layer_types``,
-``compress_rates``, nested ``rope_parameters``). The released MTP layer (``mtp.*``) is not built
-here (transformers skips it too): reading a checkpoint that has one leaves it out, with a log line.
+``compress_rates``, nested ``rope_parameters``), ``num_nextn_predict_layers`` the MTP modules
+(``mtp_depth``; transformers builds none and skips ``mtp.*`` on load). Reading keeps the MTP layers
+config.json declares and the files hold (:meth:`DeepseekV4Adapter.config_for_checkpoint`: the files
+transformers' ``save_pretrained`` writes hold none); a model built with fewer leaves the rest out,
+with a log line. An MTP layer whose keys are compressed (a nonzero ``compress_ratios`` entry past the
+layers', in DeepSeek's own config.json) is refused: every release's MTP layer attends through its
+sliding window only.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -44,6 +55,7 @@ from dsl_lit.models.common.hf_adapter import (
     HFSource,
     StateDict,
     check_rope_theta_writable,
+    keep_present_mtp,
     renamed_from_hf,
     renamed_sources,
     renamed_to_hf,
@@ -62,14 +74,23 @@ _TOP = {"tok_embeddings.weight": "embed.weight", "output.weight": "head.weight",
         **{f"hc_head.{p}": f"hc_head_{p}" for p in ("fn", "base", "scale")}}
 _TOP_INV = {hf: ours for ours, hf in _TOP.items()}
 _BLOCK_PREFIXES = (("attention.", "attn."), ("feed_forward.", "ffn."))
+_BLOCK_PREFIXES_INV = tuple((hf, ours) for ours, hf in _BLOCK_PREFIXES)
 _BLOCK = {"attention_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
           "feed_forward.gate.expert_bias": "ffn.gate.bias",
           **{f"attention_hc.{p}": f"hc_attn_{p}" for p in ("fn", "base", "scale")},
           **{f"ffn_hc.{p}": f"hc_ffn_{p}" for p in ("fn", "base", "scale")}}
 _BLOCK_INV = {hf: ours for ours, hf in _BLOCK.items()}
-_STACK = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])")
-_HF_EXPERT = re.compile(r"layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight")
-_OUR_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_MTP_OWN = {**{f"{w}.weight": f"{w}.weight" for w in ("enorm", "hnorm", "e_proj", "h_proj", "norm")},
+            **{f"hc_head.{p}": f"hc_head_{p}" for p in ("fn", "base", "scale")}}
+"""An MTP module's own tensors (after ``mtp.<k>.``), ours -> released; its block's are a layer's."""
+_MTP_OWN_INV = {hf: ours for ours, hf in _MTP_OWN.items()}
+_MTP_SHARED = ("embed.weight", "emb.tok_emb.weight", "head.weight")
+"""Copies of the shared embedding and head some releases keep in an MTP layer (``mtp.<k>.``): dropped."""
+_STACK = re.compile(r"(layers\.\d+|mtp\.\d+\.block)\.feed_forward\.experts\.(w[123])")
+_HF_EXPERT = re.compile(r"((?:layers|mtp)\.\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight")
+_OUR_BLOCK = re.compile(r"(layers\.\d+|mtp\.\d+\.block)\.(.+)")
+_HF_BLOCK = re.compile(r"((?:layers|mtp)\.\d+)\.(.+)")
+_MTP = re.compile(r"mtp\.(\d+)\.(.+)")
 _SAVED_BY_TRANSFORMERS = tuple((re.compile(p), r) for p, r in (
     (r"^model\.", ""), (r"^embed_tokens\.", "embed."), (r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
     (r"^(layers\.\d+\.attn\.)norm\.weight$", r"\1kv_norm.weight")))
@@ -83,13 +104,15 @@ FP32_SUFFIXES = ("attn_sink", ".ape", "gate.bias", "norm.weight", *(f"hc_{w}_{p}
                                                                      for p in ("fn", "base", "scale")))
 """Released names kept in fp32 whatever dtype the rest is written in (transformers'
 ``_keep_in_fp32_modules_strict`` for V4: norms, sinks, window biases, mHC, the balancing bias)."""
-FP8_WEIGHTS = re.compile(r"layers\.\d+\.(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
-                         r"|ffn\.(?:shared_experts|experts\.\d+)\.w[123])\.weight")
+FP8_WEIGHTS = re.compile(r"(?:(?:layers|mtp)\.\d+\.(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
+                         r"|ffn\.(?:shared_experts|experts\.\d+)\.w[123])|mtp\.\d+\.[eh]_proj)\.weight")
 """Released names stored quantised, a ``.scale`` beside each: the attention's projections, the
-indexer's query projection and every expert; the compressors' ``wkv`` and ``wgate``, the indexer's
-``weights_proj`` (transformers' V4 lists them as shipping in BF16), the router, embedding and head
-stay in the model's dtype."""
-FP4_WEIGHTS = re.compile(r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight")
+indexer's query projection and every expert, in the MTP layers as in the others, and the MTP
+layers' ``e_proj`` and ``h_proj`` (DeepSeek's ``MTPBlock`` builds them as every other ``Linear``, in
+the release's FP8); the compressors' ``wkv`` and ``wgate``, the indexer's ``weights_proj``
+(transformers' V4 lists them as shipping in BF16), the router, embedding and head stay in the
+model's dtype."""
+FP4_WEIGHTS = re.compile(r"(?:layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight")
 """Of those, the routed experts are FP4 (``expert_dtype`` "fp4": e2m1 pairs in int8, 1x32 scale
 groups); the rest FP8 in 128x128 blocks. Every scale is a ``float8_e8m0fnu`` power of two."""
 
@@ -120,6 +143,11 @@ class DeepseekV4Adapter(HFAdapter):
         if mlp_types != ["hash_moe"] * n_hash + ["moe"] * (n_layers - n_hash):
             raise ConfigError(f"config.json mlp_layer_types must be hash_moe layers first, then moe; got {mlp_types!r}")
         rates = hf.get("compress_rates") or {}
+        mtp_depth = int(hf.get("num_nextn_predict_layers") or 0)
+        ratios = hf.get("compress_ratios")  # DeepSeek's own config.json lists the MTP layers' after the others'
+        if isinstance(ratios, list) and any(ratios[n_layers : n_layers + mtp_depth]):
+            raise ConfigError(f"config.json compress_ratios={ratios[n_layers:]!r} for the MTP layers: ours attend "
+                              "through the sliding window only, as DeepSeek releases them (a ratio of 0)")
         rope = hf.get("rope_parameters") or {}
         main, compress = rope.get("main") or {}, rope.get("compress") or {}
         partial = float(hf.get("partial_rotary_factor") or main.get("partial_rotary_factor") or 0.125)
@@ -147,7 +175,7 @@ class DeepseekV4Adapter(HFAdapter):
             index_head_dim=int(require(hf, "index_head_dim")), index_topk=int(require(hf, "index_topk")),
             n_hash_layers=n_hash, swiglu_limit=float(hf.get("swiglu_limit") or 0.0),
             hc_mult=int(hf.get("hc_mult", 4)), hc_sinkhorn_iters=int(hf.get("hc_sinkhorn_iters", 20)),
-            hc_eps=float(hf.get("hc_eps", 1e-6)), extra=token_ids_from_hf(hf),
+            hc_eps=float(hf.get("hc_eps", 1e-6)), mtp_depth=mtp_depth, extra=token_ids_from_hf(hf),
         )
 
     @staticmethod
@@ -188,7 +216,7 @@ class DeepseekV4Adapter(HFAdapter):
             "hc_mult": cfg.hc_mult, "hc_sinkhorn_iters": cfg.hc_sinkhorn_iters, "hc_eps": cfg.hc_eps,
             "swiglu_limit": cfg.swiglu_limit, "sliding_window": cfg.sliding_window, "o_groups": cfg.o_groups,
             "o_lora_rank": cfg.o_lora_rank, "index_n_heads": cfg.index_n_heads, "index_head_dim": cfg.index_head_dim,
-            "index_topk": cfg.index_topk, "num_nextn_predict_layers": 0, "hidden_act": "silu",
+            "index_topk": cfg.index_topk, "num_nextn_predict_layers": cfg.mtp_modules, "hidden_act": "silu",
             "rms_norm_eps": cfg.norm_eps, "initializer_range": cfg.init_std,
             "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "use_cache": True,
         }
@@ -210,27 +238,36 @@ class DeepseekV4Adapter(HFAdapter):
         """``layers.0.attn.wq_a.weight`` -> ``layers.0.attn.wq_a.scale``, as the release names them."""
         return hf_name.removesuffix(".weight") + ".scale"
 
+    def config_for_checkpoint(self, cfg: ModelConfig, hf_names: Collection[str]) -> ModelConfig:
+        """Drop MTP modules that config.json declares but the checkpoint has no weights for (what
+        transformers' own ``save_pretrained`` writes: it keeps ``num_nextn_predict_layers``, not ``mtp.*``)."""
+        return keep_present_mtp(cfg, {int(m[1]) for m in map(_MTP.fullmatch, hf_names) if m}, log)
+
     def from_hf(self, hf_state: StateDict, cfg: ModelConfig) -> StateDict:
-        mtp = [n for n in hf_state if n.startswith("mtp.")]
-        if mtp:
-            log.info("left out the checkpoint's %d multi-token-prediction tensors (mtp.*): not built for DeepSeek-V4",
-                     len(mtp))
-        experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+        experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
         plain: StateDict = {}
+        beyond: list[str] = []
         for name, tensor in hf_state.items():
-            if name.startswith("mtp."):
+            mtp = _MTP.fullmatch(name)
+            if mtp and int(mtp[1]) >= cfg.mtp_modules:
+                beyond.append(name)
+                continue
+            if mtp and mtp[2] in _MTP_SHARED:
                 continue
             expert = _HF_EXPERT.fullmatch(name)
             if expert:
-                experts.setdefault((int(expert[1]), expert[3]), {})[int(expert[2])] = tensor
+                experts.setdefault((expert[1], expert[3]), {})[int(expert[2])] = tensor
             else:
                 plain[name] = tensor
+        if beyond:
+            log.info("left out the checkpoint's %d tensors of MTP layers past model.mtp_depth=%d (mtp.*)",
+                     len(beyond), cfg.mtp_modules)
         state = renamed_from_hf(plain, cfg, self._hf_to_ours, self.family)
-        for (layer, w), per_expert in experts.items():
+        for (block, w), per_expert in experts.items():
             if sorted(per_expert) != list(range(cfg.n_routed_experts)):
-                raise ConfigError(f"checkpoint layer {layer} holds experts {sorted(per_expert)[:5]}... of {w}; "
+                raise ConfigError(f"checkpoint {block} holds experts {sorted(per_expert)[:5]}... of {w}; "
                                   f"the model has {cfg.n_routed_experts}")
-            state[f"layers.{layer}.feed_forward.experts.{w}"] = torch.stack([per_expert[e] for e in sorted(per_expert)])
+            state[f"{_our_block(block)}.feed_forward.experts.{w}"] = torch.stack([per_expert[e] for e in sorted(per_expert)])
         return state
 
     def to_hf(self, state: StateDict, cfg: ModelConfig) -> StateDict:
@@ -239,7 +276,7 @@ class DeepseekV4Adapter(HFAdapter):
             stack = _STACK.fullmatch(name)
             if stack:
                 for e, weight in enumerate(tensor.unbind(0)):
-                    flat[f"layers.{stack[1]}.ffn.experts.{e}.{stack[2]}.weight"] = weight
+                    flat[f"{_hf_block(stack[1])}.ffn.experts.{e}.{stack[2]}.weight"] = weight
             else:
                 flat[name] = tensor
         return renamed_to_hf(flat, cfg, lambda n: n if _HF_EXPERT.fullmatch(n) else self._ours_to_hf(n))
@@ -250,7 +287,7 @@ class DeepseekV4Adapter(HFAdapter):
         for name in names:
             stack = _STACK.fullmatch(name)
             if stack:
-                out[name] = HFSource(tuple(f"layers.{stack[1]}.ffn.experts.{e}.{stack[2]}.weight"
+                out[name] = HFSource(tuple(f"{_hf_block(stack[1])}.ffn.experts.{e}.{stack[2]}.weight"
                                            for e in range(cfg.n_routed_experts)), stacked=True)
             else:
                 renamed.append(name)
@@ -258,27 +295,47 @@ class DeepseekV4Adapter(HFAdapter):
 
     @staticmethod
     def _ours_to_hf(name: str) -> str | None:
-        return None if name.endswith("inv_freq") else _renamed(name, _TOP, _BLOCK, _BLOCK_PREFIXES)
+        if name.endswith("inv_freq"):
+            return None
+        if name in _TOP:
+            return _TOP[name]
+        mtp = _MTP.fullmatch(name)
+        if mtp and mtp[2] in _MTP_OWN:
+            return f"mtp.{mtp[1]}.{_MTP_OWN[mtp[2]]}"
+        block = _OUR_BLOCK.fullmatch(name)
+        rest = _in_block(block[2], _BLOCK, _BLOCK_PREFIXES) if block else None
+        return f"{_hf_block(block[1])}.{rest}" if block and rest else None
 
     @staticmethod
     def _hf_to_ours(hf_name: str) -> str | None:
-        return _renamed(hf_name, _TOP_INV, _BLOCK_INV, tuple((hf, ours) for ours, hf in _BLOCK_PREFIXES))
+        if hf_name in _TOP_INV:
+            return _TOP_INV[hf_name]
+        mtp = _MTP.fullmatch(hf_name)
+        if mtp and mtp[2] in _MTP_OWN_INV:
+            return f"mtp.{mtp[1]}.{_MTP_OWN_INV[mtp[2]]}"
+        block = _HF_BLOCK.fullmatch(hf_name)
+        rest = _in_block(block[2], _BLOCK_INV, _BLOCK_PREFIXES_INV) if block else None
+        return f"{_our_block(block[1])}.{rest}" if block and rest else None
 
 
-def _renamed(name: str, top: dict[str, str], block: dict[str, str], prefixes: tuple[tuple[str, str], ...]) -> str | None:
-    """``name`` in the other layout (one direction's tables; None: no counterpart). The stacked
-    experts are not renamed here: they are split or stacked by the adapter."""
-    if name in top:
-        return top[name]
-    layer = _OUR_LAYER.fullmatch(name)
-    if layer is None:
-        return None
-    prefix, rest = f"layers.{layer[1]}.", layer[2]
+def _hf_block(ours: str) -> str:
+    """A block's name prefix, ours -> released: ``layers.<i>`` alike, ``mtp.<k>.block`` -> ``mtp.<k>``."""
+    return ours.removesuffix(".block")
+
+
+def _our_block(released: str) -> str:
+    """A block's name prefix, released -> ours (the inverse of :func:`_hf_block`)."""
+    return f"{released}.block" if released.startswith("mtp.") else released
+
+
+def _in_block(rest: str, block: dict[str, str], prefixes: tuple[tuple[str, str], ...]) -> str | None:
+    """``rest`` (a name inside a block) in the other layout, by one direction's tables (None: no
+    counterpart). The stacked experts are not renamed here: they are split or stacked by the adapter."""
     if rest in block:
-        return prefix + block[rest]
+        return block[rest]
     for source, target in prefixes:
         if rest.startswith(source) and not rest.startswith(source + "experts."):
-            return prefix + target + rest[len(source):]
+            return target + rest[len(source):]
     return None
 
 
