@@ -56,6 +56,24 @@ def test_v4_trains_resumes_exactly_and_exports(tmp_path):
         assert_close_fp32(ours.eval()(ids).float(), reference(input_ids=ids).logits.float(), cfg.d_model * 4 * 48)
 
 
+@pytest.mark.slow
+def test_v4_pretrains_its_mtp_module(tmp_path):
+    """``++model.mtp_depth=1``: the release's MTP layer (``V4MTPModule``) built and trained by the
+    pretraining objective's MTP loss, as V3's is; it learns (its loss falls) and its weights are
+    saved with the rest."""
+    run_recipe(tmp_path, "model=deepseek_v4_tiny", "++model.mtp_depth=1", "trainer.max_steps=3",
+               "checkpoint.every_n_steps=3")
+    mtp = metric(tmp_path, "train/mtp_loss")
+    assert sorted(mtp) == [0, 1, 2] and all(0 < float(v) < 20 for v in mtp.values())
+    assert float(mtp[2]) < float(mtp[0])
+    from dsl_lit.checkpoint.reader import model_config, read_model_weights
+
+    checkpoint = tmp_path / "checkpoints" / "step-3"
+    assert model_config(checkpoint).mtp_depth == 1
+    weights = read_model_weights(checkpoint)
+    assert {"mtp.0.e_proj.weight", "mtp.0.hc_head.fn", "mtp.0.block.attention.wq_a.weight"} <= set(weights)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["trainer.devices=2", "parallel.cp=2"], r"^parallel\.cp=2 with model deepseek_v4_tiny \(family deepseek_v4\) is not supported yet"),
     (["trainer.devices=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
