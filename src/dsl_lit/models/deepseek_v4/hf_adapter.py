@@ -297,25 +297,25 @@ class DeepseekV4Adapter(HFAdapter):
     def _ours_to_hf(name: str) -> str | None:
         if name.endswith("inv_freq"):
             return None
-        if name in _TOP:
-            return _TOP[name]
-        mtp = _MTP.fullmatch(name)
-        if mtp and mtp[2] in _MTP_OWN:
-            return f"mtp.{mtp[1]}.{_MTP_OWN[mtp[2]]}"
-        block = _OUR_BLOCK.fullmatch(name)
-        rest = _in_block(block[2], _BLOCK, _BLOCK_PREFIXES) if block else None
-        return f"{_hf_block(block[1])}.{rest}" if block and rest else None
+        return _renamed(name, _TOP, _MTP_OWN, _OUR_BLOCK, _BLOCK, _BLOCK_PREFIXES, _hf_block)
 
     @staticmethod
     def _hf_to_ours(hf_name: str) -> str | None:
-        if hf_name in _TOP_INV:
-            return _TOP_INV[hf_name]
-        mtp = _MTP.fullmatch(hf_name)
-        if mtp and mtp[2] in _MTP_OWN_INV:
-            return f"mtp.{mtp[1]}.{_MTP_OWN_INV[mtp[2]]}"
-        block = _HF_BLOCK.fullmatch(hf_name)
-        rest = _in_block(block[2], _BLOCK_INV, _BLOCK_PREFIXES_INV) if block else None
-        return f"{_our_block(block[1])}.{rest}" if block and rest else None
+        return _renamed(hf_name, _TOP_INV, _MTP_OWN_INV, _HF_BLOCK, _BLOCK_INV, _BLOCK_PREFIXES_INV, _our_block)
+
+
+def _renamed(name: str, top: dict[str, str], mtp_own: dict[str, str], block_re: re.Pattern[str],
+             block: dict[str, str], prefixes: tuple[tuple[str, str], ...], block_name: Any) -> str | None:
+    """One name in the other layout (either direction, by the tables given): a top-level tensor, an
+    MTP layer's own tensor, or a block's; None for a name the layout does not store."""
+    if name in top:
+        return top[name]
+    mtp = _MTP.fullmatch(name)
+    if mtp and mtp[2] in mtp_own:
+        return f"mtp.{mtp[1]}.{mtp_own[mtp[2]]}"
+    found = block_re.fullmatch(name)
+    rest = _in_block(found[2], block, prefixes) if found else None
+    return f"{block_name(found[1])}.{rest}" if found and rest else None
 
 
 def _hf_block(ours: str) -> str:
