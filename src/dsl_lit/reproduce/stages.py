@@ -131,8 +131,8 @@ def pretraining_hparams(laws: dict[str, Any], cfg: ReproduceConfig) -> dict[str,
             intervals[name] = [low * scale, high * scale]
     micro = cfg.micro_batch_size
     batch_fit, lr_fit = batch_law(c) / cfg.seq_len, float(lr_law(c))
-    batch = max(micro, round(batch_fit / micro) * micro)
-    lr = lr_fit
+    fitted_batch = max(micro, round(batch_fit / micro) * micro)
+    batch, lr = fitted_batch, lr_fit
     if cfg.batch_range is not None:
         batch = int(min(max(batch, cfg.batch_range[0]), cfg.batch_range[1]))
     if cfg.lr_range is not None:
@@ -148,7 +148,7 @@ def pretraining_hparams(laws: dict[str, Any], cfg: ReproduceConfig) -> dict[str,
             "batch_fit_sequences": batch_fit, "batch_interval_sequences": intervals.get("batch_tokens"),
             "lr_fit": lr_fit, "lr_interval": intervals.get("lr"), "paper_batch_sequences": PAPER_BATCH(c) / cfg.seq_len,
             "paper_lr": PAPER_LR(c), "global_batch_size": batch, "lr": lr,
-            "clamped": batch != max(micro, round(batch_fit / micro) * micro) or lr != lr_fit, "ramp_start": ramp.start,
+            "clamped": batch != fitted_batch or lr != lr_fit, "ramp_start": ramp.start,
             "ramp_tokens": ramp.tokens, "max_steps": steps, "edge_optima": laws.get("edge_optima", [])}
 
 
