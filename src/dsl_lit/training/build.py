@@ -28,7 +28,7 @@ from dsl_lit.precision.plugin import AutocastPrecision
 from dsl_lit.training.callbacks.downstream_eval import DownstreamEvaluation
 from dsl_lit.training.callbacks.ema import EMACallback
 from dsl_lit.training.callbacks.expert_load import ExpertLoadMonitor
-from dsl_lit.training.callbacks.preemption import PreemptionHandler
+from dsl_lit.training.callbacks.preemption import PreemptionHandler, exit_together
 from dsl_lit.training.callbacks.profiler import TraceProfiler
 from dsl_lit.training.callbacks.progress import StepProgressBar
 from dsl_lit.training.callbacks.rank_failure import RankFailureReporter
@@ -215,11 +215,11 @@ def fit(cfg: TrainConfig, module: L.LightningModule, datamodule: L.LightningData
     except SIGTERMException:
         if trainer.is_global_zero:
             log.warning("SIGTERM at step %d: checkpoint saved; %s", trainer.global_step, stop_hint(cfg))
-        raise SystemExit(143) from None
+        exit_together(143)
     except FloatingPointError as error:  # raised by CausalLMModule._guard_bad_steps, before any bad update or save
         if trainer.is_global_zero:
             log.error("stopped at step %d: %s; %s", trainer.global_step, error, stop_hint(cfg))
-        raise SystemExit(1) from None
+        exit_together(1)
     if trainer.is_global_zero:
         for line in closing_lines(trainer, next((c for c in trainer.callbacks if isinstance(c, RunLog)), None),
                                   cfg.run_dir, final_checkpoint(cfg), resume_command(cfg)):

@@ -9,6 +9,14 @@ end of each optimizer step, with a max-all-reduce of their flags, so a signal to
 ranks stops all of them after the same step. The checkpoint callback runs after this one
 (Lightning orders checkpoint callbacks last) and saves that step; Lightning's loop then raises
 ``SIGTERMException`` on every rank and the recipe exits 143.
+
+Leaving is the last hazard. A launcher (torchrun's agent, SLURM's step) SIGTERMs the ranks still
+running once the first one exits: a rank still tearing down would then run Lightning's handler,
+which broadcasts from inside the handler (measured in CI: rank 0 inside the teardown's
+``module.cpu()`` failed with "Connection closed by peer" and never printed its resume line), or
+be killed before its last line. So once the stop is agreed this handler stays installed through
+the teardown, and :func:`exit_together` makes every rank ignore SIGTERM and wait for the others
+before any of them exits.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from __future__ import annotations
 import logging
 import signal
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 import lightning as L
 import torch
@@ -48,7 +56,8 @@ class PreemptionHandler(L.Callback):
         self._restore()
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        self._restore()
+        if not self.signalled:  # after an agreed stop, a second SIGTERM must not reach Lightning's handler
+            self._restore()
 
     def _restore(self) -> None:
         if self._previous is not None:
@@ -66,3 +75,21 @@ class PreemptionHandler(L.Callback):
         if stop:
             self.signalled = True
             trainer._signal_connector.received_sigterm = True  # the checkpoint callback and the loop read it
+
+
+def exit_together(code: int) -> NoReturn:
+    """Exit with ``code`` once every rank has reached this point (after the trainer's teardown), with
+    SIGTERM ignored from here on: the launcher's SIGTERM, sent when the first rank exits, can then
+    neither break a peer's last collective nor kill rank 0 before its last line. A peer that is
+    already gone (the barrier fails) does not keep this rank: it exits all the same. One process
+    just exits (its handlers untouched)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            if dist.get_backend() == "nccl":
+                dist.barrier(device_ids=[torch.cuda.current_device()])
+            else:
+                dist.barrier()
+        except Exception as error:  # noqa: BLE001 - leaving regardless; say why the wait ended
+            log.warning("not every rank reached the exit (%s); exiting %d", str(error).splitlines()[0], code)
+    raise SystemExit(code)
