@@ -30,6 +30,7 @@ from dsl_lit.posttrain.chat.rows import document_mask
 from dsl_lit.posttrain.chat.tokenizer import ChatTokenizer
 from dsl_lit.posttrain.logps import token_logps
 from dsl_lit.posttrain.rewards import accuracy_reward
+from dsl_lit.tasks.held_out import write_outcomes
 from dsl_lit.training.causal_lm import Batch, CausalLMModule
 
 
@@ -64,6 +65,8 @@ class PostTrainModule(CausalLMModule):
         self.reference: nn.Module | None = None
         self._inference: InferenceCopy | None = None
         self.tokenizer, self.eval_set, self.eval_max_new_tokens = tokenizer, list(eval_set), eval_max_new_tokens
+        self.eval_outcomes: list[float] = []
+        """The last :meth:`evaluate`'s reward per held-out problem (1.0: right)."""
 
     @torch.no_grad()
     def evaluate(self, batch_size: int = 64) -> float:
@@ -71,14 +74,24 @@ class PostTrainModule(CausalLMModule):
         layouts (:meth:`inference_model`): every rank calls it at the same point."""
         if not self.eval_set:
             return float("nan")
-        model, correct = self.inference_model(), 0.0
+        model, outcomes = self.inference_model(), []
         for i in range(0, len(self.eval_set), batch_size):
             chunk = self.eval_set[i : i + batch_size]
             out = generate(model, [p for p, _ in chunk], self.eval_max_new_tokens,
                            eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id,
                            all_finished=self.all_finished())
-            correct += sum(accuracy_reward(self.tokenizer.decode(c), p) for c, (_, p) in zip(out.completions, chunk))
-        return correct / len(self.eval_set)
+            outcomes += [accuracy_reward(self.tokenizer.decode(c), p) for c, (_, p) in zip(out.completions, chunk)]
+        self.eval_outcomes = outcomes
+        return sum(outcomes) / len(self.eval_set)
+
+    def final_evaluation(self) -> float:
+        """The held-out accuracy at the end of training: logged, and written per problem to the run
+        dir (rank 0, :mod:`dsl_lit.tasks.held_out`) so stages can be compared problem by problem."""
+        accuracy = self.evaluate()
+        self.log_eval_accuracy(accuracy)
+        if self.eval_set and self.trainer.is_global_zero:
+            write_outcomes(self.trainer.default_root_dir, self.trainer.global_step, self.eval_outcomes)
+        return accuracy
 
     def log_eval_accuracy(self, accuracy: float) -> None:
         """``eval/accuracy`` to the loggers at this step only (``self.log`` would repeat the value

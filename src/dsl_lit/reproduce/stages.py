@@ -41,6 +41,7 @@ from dsl_lit.reproduce.runner import (
     path_override,
     write_marker,
 )
+from dsl_lit.tasks.held_out import read_outcomes
 
 PIPELINE_STAGES = "[normalize,exact_dedup,near_dedup,quality_filter,language_filter,decontaminate,train_tokenizer,tokenize_pack]"
 PRETRAIN_MODEL = "deepseek_v3_tiny"
@@ -95,7 +96,8 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
             "load_max_over_mean": tail_mean(series, "moe/load_max_over_mean"),
             "eval_accuracy": last_value(series, "eval/accuracy"),
             "first_eval_accuracy": float(series["eval/accuracy"].values[0]) if "eval/accuracy" in series else None,
-            "tokens_seen": last_value(series, "perf/tokens_seen")}
+            "tokens_seen": last_value(series, "perf/tokens_seen"),
+            "held_out_outcomes": read_outcomes(run_dir)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -415,12 +417,16 @@ def posttrain_arguments(ctx: StageContext, init_from: str | None) -> list[str]:
             f"trainer.accelerator={ctx.cfg.accelerator}", *seed_arguments(ctx.cfg)]
 
 
-COPYING_STEPS = 150
+COPYING_STEPS = 300
 """SFT steps the pretrained V3 tiny needs to read the list it is asked about. Measured (2-core Xeon,
 100 held-out lists): after 60 steps at lr 3e-3 (the earlier setting) it answered "9" to every list
 (its reasoning copied "6 6 6 6" whatever the list: 31%, the share of lists holding a 9, which the
 report took for the shortcut's score); after 60 steps at lr 1e-3, 6%; after 150 steps at lr 3e-3 it
-copies the list and answers by the shortcut it was shown (27.5%), the imperfect cold start R1 needs.
+copied the list and answered by the shortcut it was shown (27.5%), the imperfect cold start R1
+needs, from a base at val loss 4.80; from the bases of 2026-11-28 (val 4.97 and 5.24, pretrained at
+the fit's unclamped lr 4.1e-3 / 4.4e-3) 150 steps left "9" for every list again (31% both), while
+300 steps from the first copy the list and answer by the shortcut (held-out 17%, 78% of the answers
+the shortcut's), from which GRPO (:data:`GRPO_SETTINGS`) rose to 34% (29% at steps 30-50).
 The dense 2-layer model of the GRPO demo, from random weights, learns the copying in 60."""
 
 

@@ -293,8 +293,7 @@ class GRPOModule(PostTrainModule):
 
     def on_train_end(self) -> None:
         """Final held-out accuracy (to the loggers too) and the reward's start and end."""
-        accuracy = self.evaluate()
-        self.log_eval_accuracy(accuracy)
+        accuracy = self.final_evaluation()
         h = self.reward_history
         if h:
             k = max(1, min(5, len(h) // 4))

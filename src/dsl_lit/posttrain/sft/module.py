@@ -35,6 +35,5 @@ class SFTModule(PostTrainModule):
 
     def on_train_end(self) -> None:
         if self.eval_set:
-            accuracy = self.evaluate()
-            self.log_eval_accuracy(accuracy)
+            accuracy = self.final_evaluation()
             log.info("sft: held-out greedy accuracy %.3f at step %d", accuracy, self.trainer.global_step)
