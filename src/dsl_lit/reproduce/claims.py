@@ -1,7 +1,7 @@
 """The papers' statements a reproduction can check, each beside what this run measured.
 
 A claim reads the finished stages' results (their completion markers) and says "reproduced",
-"not reproduced at this scale", "inconclusive: effect within seed noise" or "not measured" (a stage
+"not reproduced at this scale", "inconclusive: effect within its noise" or "not measured" (a stage
 that did not run). The comparisons are the papers' own (with vs without MTP at equal steps, with vs
 without the bias update, before vs after a stage); the thresholds are written in each claim's text,
 fixed before the runs, so a reader can disagree with one. Effects measured over seeds (the
@@ -22,7 +22,9 @@ from typing import Any
 from dsl_lit.scaling.laws import PAPER_BATCH, PAPER_LR, PAPER_MODEL_SCALE
 
 REPRODUCED, NOT_REPRODUCED, NOT_MEASURED = "reproduced", "not reproduced at this scale", "not measured"
-INCONCLUSIVE = "inconclusive: effect within seed noise"
+INCONCLUSIVE = "inconclusive: effect within its noise"
+"""Within the spread the measurement states: over seeds (the ablations), over the sweep's runs
+(the laws' bootstrap), or over the held-out problems (the R1 stages' paired bootstrap)."""
 Results = dict[str, dict[str, Any]]
 
 
