@@ -267,6 +267,14 @@ def test_claims_are_judged_by_their_written_thresholds():
     assert "did not balance the load" in table_unbalanced[free][0]
     one_seed = {"ablations": {"variants": {k: v[:1] for k, v in clear["ablations"]["variants"].items()}}}
     assert {row[0]: row[3] for row in claims_table(_done(one_seed))}[mtp] == INCONCLUSIVE  # no spread, no verdict
+    yarn = "YaRN extension makes retrieval work at the longer context"
+    blind = {"passkey": {"accuracy": {"pretrain": {"128": 0.0, "512": 0.0}, "yarn": {"128": 0.0, "512": 0.0}}},
+             "pretrain": {"steps": 179}}
+    measured, verdict = {row[0]: (row[2], row[3]) for row in claims_table(_done(blind))}[yarn]
+    assert verdict == NOT_REPRODUCED and "nothing at its own length (128 tokens)" in measured and "ran 179 steps" in measured
+    seeing = {"passkey": {"accuracy": {"pretrain": {"128": 0.75, "512": 0.0}, "yarn": {"128": 0.75, "512": 0.5}}}}
+    measured, verdict = {row[0]: (row[2], row[3]) for row in claims_table(_done(seeing))}[yarn]
+    assert verdict == REPRODUCED and "own length" not in measured
 
 
 def test_the_r1_claims_compare_the_stages_problem_by_problem():
