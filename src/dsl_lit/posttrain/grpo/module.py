@@ -287,7 +287,8 @@ class GRPOModule(PostTrainModule):
         finally:
             remove_routes(self.model)
         stats["perf/training_s"] = time.perf_counter() - start
-        self.log_dict(stats, sync_dist=self.trainer.world_size > 1)
+        for name, value in stats.items():
+            self.log_step(name, value, sync_dist=self.trainer.world_size > 1)
         self.reward_history.append(stats["reward/mean"])
         return loss
 

@@ -63,6 +63,12 @@ class RunLog(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.fit_start = time.monotonic()
+        if hasattr(pl_module, "defer_step_logs"):
+            pl_module.defer_step_logs = True  # handed to self.log here, on the steps Lightning writes
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if hasattr(pl_module, "defer_step_logs"):
+            pl_module.defer_step_logs = False  # a later fit without RunLog logs every step again
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.start_step, self.start_tokens = trainer.global_step, self._tokens(pl_module)
@@ -83,7 +89,10 @@ class RunLog(L.Callback):
             # Lightning decides after this hook whether this step's metrics go to the loggers
             # (every log_every_n_steps): the last step's always do.
             self._every, trainer.log_every_n_steps = trainer.log_every_n_steps, 1
-        if not trainer._logger_connector.should_update_logs:
+        written = trainer._logger_connector.should_update_logs
+        if hasattr(pl_module, "flush_step_logs"):
+            pl_module.flush_step_logs(written)  # the step's kept values (CausalLMModule.defer_step_logs)
+        if not written:
             return
         metrics = trainer.callback_metrics
         loss, lr = _value(metrics, "train/loss"), _value(metrics, "train/lr")

@@ -86,9 +86,7 @@ class ThroughputMonitor(L.Callback):
         tokens = pl_module.tokens_in_batch(batch) * step_runner_of(trainer.strategy).dp_size  # tp ranks share data
         tokens_per_s = tokens / seconds
         mfu = tokens_per_s * self.flops_per_token / (self.peak * 1e12 * trainer.world_size)
-        pl_module.log("perf/tokens_per_s", tokens_per_s, prog_bar=True)
-        pl_module.log_dict({
-            "perf/step_time_s": seconds,
-            "perf/tokens_seen": float(pl_module.tokens_seen),
-            "perf/mfu": mfu,
-        })
+        pl_module.log_step("perf/tokens_per_s", tokens_per_s, prog_bar=True)
+        pl_module.log_step("perf/step_time_s", seconds)
+        pl_module.log_step("perf/tokens_seen", float(pl_module.tokens_seen))
+        pl_module.log_step("perf/mfu", mfu)
