@@ -239,21 +239,36 @@ def _outcomes(r: Results, stage: str) -> list[float]:
     return outcomes
 
 
-def _rl_gain(r: Results) -> ProblemGain:
-    return problem_gain(_outcomes(r, "grpo"), _outcomes(r, "cold_start"))
+def _blind(r: Results) -> dict[str, Any]:
+    """The best answer that reads no list (``reproduce.stages.blind_baseline``): every R1 model must
+    beat it list by list, or its accuracy is a constant's, not a skill."""
+    return r["cold_start"]["results"]["blind"]
+
+
+def _above_blind(r: Results, stage: str) -> ProblemGain:
+    return problem_gain(_outcomes(r, stage), _blind(r)["outcomes"])
+
+
+def _rl_gain(r: Results) -> bool | None:
+    """GRPO's gain established: above its cold start and above the blind answer, list by list."""
+    return _both(problem_gain(_outcomes(r, "grpo"), _outcomes(r, "cold_start")).verdict(),
+                 _above_blind(r, "grpo").verdict())
 
 
 def _grpo(r: Results) -> tuple[str, bool | None]:
-    """Criterion: held-out greedy accuracy after GRPO minus after the cold start, above 0 at both
-    ends of its interval (below at both: not; else inconclusive). The sampled accuracy on the
-    training prompts (the reward's own) is shown beside it, since it moves first."""
+    """Criterion: held-out greedy accuracy after GRPO minus after the cold start, and minus the
+    blind answer's (:func:`_blind`), each above 0 at both ends of its interval (either below at
+    both: not; else inconclusive). The sampled accuracy on the training prompts (the reward's own)
+    is shown beside it, since it moves first."""
     cold, rl = r["cold_start"]["results"]["eval_accuracy"], r["grpo"]["results"]["eval_accuracy"]
     first, last = r["grpo"]["results"].get("sampled_accuracy_first"), r["grpo"]["results"].get("sampled_accuracy_last")
     sampled = f"; sampled accuracy on training prompts {first:.0%} -> {last:.0%} (first/last 20% of steps)" \
         if first is not None and last is not None else ""
-    gain = _rl_gain(r)
-    return (f"held-out greedy accuracy {cold:.0%} after the cold start, {rl:.0%} after GRPO: gain {gain.text()}"
-            f"{sampled} (criterion: above 0 at both ends)", gain.verdict())
+    gain, blind = problem_gain(_outcomes(r, "grpo"), _outcomes(r, "cold_start")), _above_blind(r, "grpo")
+    constant = _blind(r)
+    return (f"held-out greedy accuracy {cold:.0%} after the cold start, {rl:.0%} after GRPO: gain {gain.text()}; "
+            f"over answering \"{constant['answer']}\" to every list ({constant['accuracy']:.0%}): {blind.text()}"
+            f"{sampled} (criterion: both above 0 at both ends)", _both(gain.verdict(), blind.verdict()))
 
 
 CARRIED = 0.8
@@ -268,20 +283,22 @@ def _keeps_grpo_skill(stage: str, learner: str, reference: str, no_gain: str) ->
     def check(r: Results) -> tuple[str, bool | None]:
         cold = r["cold_start"]["results"]["eval_accuracy"]
         rl, learned = r["grpo"]["results"]["eval_accuracy"], r[stage]["results"]["eval_accuracy"]
-        kept = problem_gain(_outcomes(r, stage), _outcomes(r, "grpo"), scale=CARRIED)
-        rl_gain = _rl_gain(r).verdict()
+        kept, blind = problem_gain(_outcomes(r, stage), _outcomes(r, "grpo"), scale=CARRIED), _above_blind(r, stage)
+        rl_gain = _rl_gain(r)
         gained = "" if rl_gain else "; " + no_gain.format(cold=f"{cold:.0%}")
         return (f"held-out accuracy {learned:.0%} for {learner}, {rl:.0%} for {reference}; {learner} minus "
-                f"{CARRIED:.0%} of it: {kept.text()} (criterion: above 0 at both ends){gained}",
-                _both(rl_gain, kept.verdict()))
+                f"{CARRIED:.0%} of it: {kept.text()}; minus answering \"{_blind(r)['answer']}\" to every list: "
+                f"{blind.text()} (criterion: both above 0 at both ends){gained}",
+                _both(rl_gain, kept.verdict(), blind.verdict()))
     return check
 
 
 _rejection_sft = _keeps_grpo_skill("sft_rs", "SFT on the kept samples", "the GRPO model",
-                                   "GRPO's gain over its cold start ({cold}) is not established, so there is no "
-                                   "skill to carry")
+                                   "GRPO's gain (over its cold start, {cold}, and over the blind answer) is not "
+                                   "established, so there is no skill to carry")
 _distill = _keeps_grpo_skill("distill", "the smaller student", "its teacher",
-                             "the teacher's gain over its cold start ({cold}) is not established")
+                             "the teacher's gain (over its cold start, {cold}, and over the blind answer) is "
+                             "not established")
 
 
 CLAIMS = (

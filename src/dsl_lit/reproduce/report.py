@@ -189,9 +189,11 @@ def write_report(run_dir: Path, out: Path, cfg: ReproduceConfig) -> Path:
                            [("reward/mean", grpo.get("reward/mean")), ("reward/accuracy", grpo.get("reward/accuracy")),
                             ("held-out accuracy", grpo.get("eval/accuracy"))]), "GRPO"))
     accuracy = {s: r[s]["eval_accuracy"] for s in R1_MODELS if s in r and r[s].get("eval_accuracy") is not None}
-    shortcut = r.get("cold_start", {}).get("shortcut_accuracy")
+    shortcut, blind = r.get("cold_start", {}).get("shortcut_accuracy"), r.get("cold_start", {}).get("blind")
     if accuracy and shortcut is not None:  # the rule a model that learned only the shortcut would score
         accuracy = {"shortcut rule": shortcut, **accuracy}
+    if accuracy and blind:  # and one answer for every list, reading none
+        accuracy = {f"always \"{blind['answer']}\"": blind["accuracy"], **accuracy}
     md.append(_image(_bars(out, "r1_accuracy.png", "held-out greedy accuracy, in pipeline order",
                            "accuracy (share correct)", {"accuracy": accuracy}), "R1 accuracy"))
     md.append(_table(["model", "held-out accuracy"], [[s, a] for s, a in accuracy.items()]))

@@ -288,13 +288,15 @@ def test_the_r1_claims_compare_the_stages_problem_by_problem():
     def right(n: int) -> list[float]:  # the first n of 100 held-out problems solved
         return [1.0] * n + [0.0] * (100 - n)
 
-    def verdicts(cold: int, rl: int, sft: int, student: int) -> dict[str, tuple[str, str]]:
+    def verdicts(cold: int, rl: int, sft: int, student: int, blind: int = 10) -> dict[str, tuple[str, str]]:
         stages = {name: {"eval_accuracy": n / 100, "held_out_outcomes": right(n)}
                   for name, n in (("cold_start", cold), ("grpo", rl), ("sft_rs", sft), ("distill", student))}
+        stages["cold_start"]["blind"] = {"answer": "9", "accuracy": blind / 100, "outcomes": right(blind)}
         return {row[0]: (row[2], row[3]) for row in claims_table(_done(stages))}
 
     clear = verdicts(20, 40, 40, 38)  # +20 points; both learners keep well over 80% of the 40
     assert clear[rl_claim][1] == REPRODUCED and "+20.0 points" in clear[rl_claim][0]
+    assert 'over answering "9" to every list (10%): +30.0 points' in clear[rl_claim][0]
     assert clear[rs_claim][1] == REPRODUCED and clear[distill_claim][1] == REPRODUCED
     assert verdicts(20, 40, 40, 20)[distill_claim][1] == NOT_REPRODUCED  # 20 problems lost: half of it
     noise = verdicts(20, 21, 21, 21)  # one problem more: within what resampling the problems gives
@@ -302,6 +304,11 @@ def test_the_r1_claims_compare_the_stages_problem_by_problem():
     assert noise[rs_claim][1] == INCONCLUSIVE and "not established" in noise[rs_claim][0]  # no gain to carry yet
     worse = verdicts(30, 0, 0, 0)  # a GRPO model that solves nothing leaves nothing to keep
     assert worse[rl_claim][1] == NOT_REPRODUCED and worse[distill_claim][1] == NOT_REPRODUCED
+    # measured 2026-11-28: GRPO's gain was answering "9" more often (39% against the constant's 36%),
+    # and learners that answered "9" to every list "kept 80% of it": no skill, no reproduction
+    constant = verdicts(20, 38, 36, 36, blind=36)
+    assert constant[rl_claim][1] == INCONCLUSIVE and constant[rs_claim][1] == INCONCLUSIVE
+    assert verdicts(20, 60, 36, 58, blind=36)[rs_claim][1] == NOT_REPRODUCED  # the constant's, below 80% of 60
     before_outcomes = {row[0]: row[3] for row in claims_table(_done({
         name: {"eval_accuracy": 0.3, "held_out_outcomes": None} for name in ("cold_start", "grpo", "sft_rs", "distill")}))}
     assert before_outcomes[rl_claim] == NOT_MEASURED  # accuracies alone are not judged
@@ -544,7 +551,7 @@ def test_the_report_states_what_the_files_hold(tmp_path):
     R1 bars come in pipeline order after the shortcut rule's baseline, computed on the run's own
     held-out problems; every bar is labelled (a 0% passkey bar was an empty plot)."""
     from dsl_lit.reproduce.report import write_report
-    from dsl_lit.reproduce.stages import shortcut_accuracy
+    from dsl_lit.reproduce.stages import blind_baseline, shortcut_accuracy
 
     run_dir = tmp_path / "run"
     task = {"name": "arithmetic", "num_problems": 64, "eval_problems": 8, "max_operand": 9,
@@ -560,6 +567,11 @@ def test_the_report_states_what_the_files_hold(tmp_path):
 
     def solved(n: int) -> list[float]:  # the first n of the 8 held-out problems
         return [1.0] * n + [0.0] * (8 - n)
+
+    blind = blind_baseline(run_dir / "cold_start")
+    train, _ = arithmetic.split(TaskConfig(**task).validate())
+    assert blind["answer"] == "9" == max(set(p["answer"] for p in train), key=[p["answer"] for p in train].count)
+    assert blind["outcomes"] == [float(p["answer"] == "9") for p in held_out]
 
     results = {
         "scaling": {"laws": {"hparams": {"batch_tokens": {"exponent": 1.52e-16}, "lr": {"exponent": -0.125},
@@ -581,7 +593,8 @@ def test_the_report_states_what_the_files_hold(tmp_path):
             "no_bias": [{"val_loss": 4.05, "train_loss": 4.0, "load_max_over_mean": 2.5},
                         {"val_loss": 4.05, "train_loss": 4.0, "load_max_over_mean": 2.5}]}},
         "passkey": {"accuracy": {"pretrain": {"128": 0.0, "64": 0.5}, "yarn": {"128": 0.25, "64": 0.75}}},
-        "cold_start": {"eval_accuracy": 0.25, "shortcut_accuracy": shortcut, "held_out_outcomes": solved(2)},
+        "cold_start": {"eval_accuracy": 0.25, "shortcut_accuracy": shortcut, "held_out_outcomes": solved(2),
+                       "blind": blind},
         "grpo": {"eval_accuracy": 0.5, "held_out_outcomes": solved(4)},
         "sft_rs": {"eval_accuracy": 0.375, "held_out_outcomes": solved(3)},
         "distill": {"eval_accuracy": 0.125, "held_out_outcomes": solved(1)},
@@ -597,12 +610,13 @@ def test_the_report_states_what_the_files_hold(tmp_path):
     assert "B_opt ~ C^0 (flat: the optimum did not move between budgets) [-0.050, 0.050], lr_opt ~ C^-0.125 [-0.200, -0.050]" in report
     assert "M_opt ~ C^0.610 [0.400, 0.800]" in report and "| its 5-95% bootstrap interval | [6, 11] | [0.002, 0.004] |" in report
     assert "used (the fit's, unclamped)" in report and "runs per round: hparams [36, 9], isoflop [14]" in report and "e-16" not in report and "?)" not in report
-    assert "(criterion: below 2% beyond the margin)" in report and "(criterion: above 0 at both ends)" in report
+    assert "(criterion: below 2% beyond the margin)" in report and "(criterion: both above 0 at both ends)" in report
     assert "gain +25.0 points [" in report  # GRPO over the cold start, with its interval
     assert "| baseline | 4.1 +- 0.141 | 4 +- 0.141 | 1.3 +- 0.141 |" in report  # mean +- sd over the seeds
     assert "Ablations: 2 seeds (1234, 1235) per variant, 6 steps each" in report
     rows = [line for line in report.split("## 5.")[1].splitlines() if line.startswith("| ") and "accuracy" not in line]
-    assert rows == [f"| shortcut rule | {shortcut:.4g} |", "| cold_start | 0.25 |", "| grpo | 0.5 |",
+    assert rows == [f'| always "9" | {blind["accuracy"]:.4g} |', f"| shortcut rule | {shortcut:.4g} |",
+                    "| cold_start | 0.25 |", "| grpo | 0.5 |",
                     "| sft_rs | 0.375 |", "| distill | 0.125 |"]
     assert "| 64 | 0.5 | 0.75 |" in report.split("## 4.")[1] and "| 128 | 0 | 0.25 |" in report.split("## 4.")[1]
     for png in ("passkey.png", "r1_accuracy.png"):
