@@ -26,7 +26,10 @@ def problems(cfg: TaskConfig) -> list[dict[str, Any]]:
     while len(out) < cfg.num_problems:
         a, b, op = rng.randint(0, cfg.max_operand), rng.randint(0, cfg.max_operand), rng.choice(cfg.operations)
         numbers = (a, b)
-        if op == "largest":
+        if op == "largest" and cfg.uniform_largest:  # the largest first, then the others at most it
+            top, place = rng.randint(0, cfg.max_operand), rng.randrange(cfg.list_length)
+            numbers = tuple(top if i == place else rng.randint(0, top) for i in range(cfg.list_length))
+        elif op == "largest":
             numbers += tuple(rng.randint(0, cfg.max_operand) for _ in range(cfg.list_length - 2))
         if (op, numbers) in seen:
             continue

@@ -173,6 +173,25 @@ def test_largest_problems_their_count_and_a_cold_start_with_shortcuts():
         TaskConfig(operations=["largest"], max_operand=9, list_length=2, num_problems=101).validate()
 
 
+def test_uniform_largest_lists_leave_no_constant_answer_that_wins():
+    """Every digit uniform: "9" is the largest of ~34% of lists of four (1 - 0.9^4), the constant a
+    policy rewarded on accuracy drifted to; drawn around a uniform largest, no answer comes near."""
+    from collections import Counter
+
+    plain = TaskConfig(num_problems=2300, eval_problems=400, max_operand=9, operations=["largest"])
+    uniform = TaskConfig(**{**plain.__dict__, "uniform_largest": True})
+    for cfg, lowest, highest in ((plain, 0.30, 0.40), (uniform, 0.05, 0.25)):
+        drawn = problems(cfg)
+        assert len({p["question"] for p in drawn}) == 2300
+        for p in drawn:
+            numbers = [int(n) for n in p["question"].removeprefix("the largest of ").split()]
+            assert len(numbers) == 4 and p["answer"] == str(max(numbers))
+        share = Counter(p["answer"] for p in drawn).most_common(1)[0][1] / len(drawn)
+        assert lowest < share < highest, (cfg.uniform_largest, share)
+    # the default draws as before the option (the reproductions' earlier held-out lists)
+    assert [p["question"] for p in problems(plain)[:2]] == ["the largest of 6 6 4 8", "the largest of 7 6 7 5"]
+
+
 # -- released tokenizers: their own chat template ---------------------------------------------------
 
 DEEPSEEK_LLM_CHAT = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
