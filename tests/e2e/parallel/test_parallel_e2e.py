@@ -5,7 +5,7 @@ losses and gradient norms of one process on the same global batch; their checkpo
 checkpoints hold every kind of state; DeepSeek LLM runs its TP plan (GQA) end to end under the
 post-training recipes (tests/e2e/recipes/test_posttrain_recipes.py) and with sequence parallelism in
 tests/e2e/parallel/test_tensor_parallel.py, its pipeline in tests/e2e/parallel/test_pipeline.py.
-DeepSeek-V4 (with its MTP module) runs context x tensor parallelism with ZeRO-1."""
+DeepSeek-V4 (with its MTP module) runs context parallelism with tensor parallelism and ZeRO-1, and with DualPipeV."""
 
 from __future__ import annotations
 
@@ -49,9 +49,10 @@ LAYOUTS = {
 LAYOUTS_PER_MODEL = {
     "deepseek_v3_tiny": ["dp2_tp2_sp_zero1", "pp2_dualpipev_cp2", "dp2_cp2_ep2", "pp2_interleaved_ep2"],
     "deepseek_llm_tiny": ["cp2_tp2_zero1"],
-    # V4 (sliding, CSA and HCA layers, a hash-routed one, MTP) under cp x tp: the window, the compressed
-    # windows and the indexer's top-k over gathered keys, its KL over whole rows, MTP on the ranks' streams
-    "deepseek_v4_tiny": ["cp2_tp2_zero1"],
+    # V4 (sliding, CSA and HCA layers, a hash-routed one, MTP) under cp x tp and cp x pp: the window, the
+    # compressed windows and the indexer's top-k over gathered keys, its KL over whole rows, MTP on the
+    # ranks' streams, every stage's hash routing on its shard's token ids
+    "deepseek_v4_tiny": ["cp2_tp2_zero1", "pp2_dualpipev_cp2"],
 }
 MODEL_OVERRIDES = {"deepseek_v4_tiny": ["++model.mtp_depth=1"]}  # its preset builds no MTP module
 # Step 0 is the same computation in every layout: the per-token losses and gradients differ only by
