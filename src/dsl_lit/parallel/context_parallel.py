@@ -4,8 +4,9 @@ Every layer but attention works per position, so a rank runs the model on its sh
 positions and only attention needs the others: each attention layer all-gathers what it builds
 its keys and values from, which for Multi-head Latent Attention is the compressed latent and the
 shared rotary key (kv_lora_rank + qk_rope_head_dim = 576 numbers per token in V3, against
-2 x 128 heads x 128 dims = 32768 for its full keys and values) and for grouped-query attention the
-rotated keys and the values of the kv heads.
+2 x 128 heads x 128 dims = 32768 for its full keys and values), for grouped-query attention the
+rotated keys and the values of the kv heads, and for DeepSeek-V4 its one shared key/value head and its
+compressors' per-token projections (the compressed windows are pooled from the whole rows on every rank).
 
 Load balance: under a causal mask the last positions attend to the most keys, so contiguous
 shards would leave rank 0 idle; the sequence is cut into ``2 cp`` chunks and rank ``r`` holds

@@ -237,6 +237,7 @@ class PipelineStageModule(nn.Module):
             shard = ContextParallelKeys(seq, self.cp_group, x.device)
             positions = shard.query_positions.expand(x.shape[0], -1)
             x = shard.shard(x) if self.is_first else x
+            token_ids = shard.shard(token_ids) if token_ids is not None else None  # V4's hash routing: whole rows
         if self.is_first:
             ids, x = x, m.embed(x)
             embeddings = m.mtp_embeddings(ids, x) if self.carries_embeddings else None

@@ -19,7 +19,7 @@ from dsl_lit.parallel.context_parallel import (
     gather_order,
     rank_positions,
 )
-from tests.numerics import EPS32, assert_close_fp32
+from tests.numerics import EPS32, assert_close_fp32, fp32_tolerance
 from tests.ranks import spawn
 
 SEQ, BATCH = 32, 2
@@ -48,12 +48,17 @@ def test_the_mask_of_a_ranks_queries_is_those_rows_of_the_full_mask(padded):
 
 
 def _model(name: str) -> torch.nn.Module:
-    """Two layers; V3 with two MTP depths and both balance losses at a weight that shows in gradients."""
+    """Two layers; V3 with two MTP depths and both balance losses at a weight that shows in gradients.
+    V4: its 4 layers (hca, sliding, csa, hca; the first hash-routed), one MTP module; a 16-token window
+    and 16-token HCA windows reach across the ranks' 8-token chunks, CSA's indexer keeps 4 of up to 8."""
     torch.manual_seed(0)
     extra = {"mtp_depth": 2, "seq_balance_alpha": 0.1, "batch_balance_alpha": 0.1} if "v3" in name else {}
     if "v32" in name:  # sparse training: top 8 of up to 32 keys, the indexers' KL in the objective
         extra |= {"index_topk": 8, "index_training": "sparse"}
-    return build_model(ModelConfig.from_name(name, n_layers=2, max_seq_len=SEQ, **extra)).float()
+    if "v4" in name:
+        extra = {"mtp_depth": 1, "seq_balance_alpha": 0.1, "batch_balance_alpha": 0.1}
+    layers = {} if "v4" in name else {"n_layers": 2}
+    return build_model(ModelConfig.from_name(name, max_seq_len=SEQ, **layers, **extra)).float()
 
 
 def _data(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,17 +86,17 @@ def _rank(rank: int, init_file: str, name: str) -> None:
         inputs, labels = _data(model.config.vocab_size)
         depths = range(len(model.mtp) + 1)
         counts = [(labels[:, k:] != -100).sum() for k in depths]  # what the step normalises by
-        hidden = reference.hidden_states(inputs)
-        mtp = reference.mtp_logits(hidden, inputs)
-        logits = reference.head(hidden)
+        residual = reference.residual(inputs)  # what MTP reads: V4's hc_mult streams, the hidden state elsewhere
+        mtp = reference.mtp_logits(residual, inputs)
+        logits = reference.head(reference.collapse(residual))
         _objective(reference, logits, mtp, lambda k: labels[:, k:], counts, 1.0).backward()
 
         keys = ContextParallelKeys(SEQ, dist.group.WORLD)
         apply_context_parallel(model, dist.group.WORLD)
         positions = keys.query_positions.expand(BATCH, -1)
-        local_hidden = model.hidden_states(keys.shard(inputs), positions, cache=keys)
-        local_mtp = model.mtp_logits(local_hidden, inputs, keys)
-        local = model.head(local_hidden)
+        local_residual = model.residual(keys.shard(inputs), positions, cache=keys)
+        local_mtp = model.mtp_logits(local_residual, inputs, keys)
+        local = model.head(model.collapse(local_residual))
         # each rank computes the whole rows' balance loss: its gradient, summed over 2 ranks, counts twice
         _objective(model, local, local_mtp, lambda k: keys.shift(labels, k, -100) if k else keys.shard(labels),
                    counts, 0.5).backward()
@@ -114,18 +119,27 @@ def _rank(rank: int, init_file: str, name: str) -> None:
         for ours, theirs in routers:  # expert loads (the bias update's input) over the ranks' tokens
             dist.all_reduce(ours.load.counts)
             assert torch.equal(ours.load.counts, theirs.load.counts)
-        assert len(routers) == (3 if "v3" in name else 0)  # one MoE layer, two MTP depths
+        # V3: one MoE layer, two MTP depths; V4: three top-k layers (the first is hash-routed), one MTP module
+        assert len(routers) == {"deepseek_v3_tiny": 3, "deepseek_v32_tiny": 3, "deepseek_v4_tiny": 4}.get(name, 0)
         for (param_name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
             if p.grad is None:
                 assert q.grad is None or not q.grad.any(), param_name
                 continue
             dist.all_reduce(p.grad)  # cp ranks hold replicas: their gradients add up, as over dp
-            assert_close_fp32(p.grad, q.grad, BATCH * SEQ * model.config.d_model, msg=param_name)
+            reference_grad = q.grad
+            if ".hc_head." in f".{param_name}":
+                # V4's stream collapse feeds an RMSNorm, blind to a scale shared by the 4 near-equal
+                # streams: its gradient is a near-cancelling sum (~1e-6 against ~1e-3 of the norm's),
+                # so it carries the rounding of the gradient reaching the norm that reads it
+                norm = dict(reference.named_parameters())[param_name.split("hc_head.")[0] + "norm.weight"]
+                reference_grad = torch.full_like(q.grad, norm.grad.abs().max().item())
+            tolerance = fp32_tolerance(reference_grad, BATCH * SEQ * model.config.d_model)
+            torch.testing.assert_close(p.grad, q.grad, **tolerance, msg=lambda m, n=param_name: f"{n}: {m}")
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["deepseek_llm_tiny", "deepseek_v3_tiny", "deepseek_v32_tiny"])
+@pytest.mark.parametrize("name", ["deepseek_llm_tiny", "deepseek_v3_tiny", "deepseek_v32_tiny", "deepseek_v4_tiny"])
 def test_cp2_matches_one_process(tmp_path, name):
     spawn(_rank, args=(str(tmp_path / "init"), name), nprocs=2)

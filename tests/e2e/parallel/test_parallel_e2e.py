@@ -4,7 +4,8 @@ losses and gradient norms of one process on the same global batch; their checkpo
 (issue 7: weights, optimizer state and data position, nothing repeated). On DeepSeek-V3, whose
 checkpoints hold every kind of state; DeepSeek LLM runs its TP plan (GQA) end to end under the
 post-training recipes (tests/e2e/recipes/test_posttrain_recipes.py) and with sequence parallelism in
-tests/e2e/parallel/test_tensor_parallel.py, its pipeline in tests/e2e/parallel/test_pipeline.py."""
+tests/e2e/parallel/test_tensor_parallel.py, its pipeline in tests/e2e/parallel/test_pipeline.py.
+DeepSeek-V4 (with its MTP module) runs context parallelism with tensor parallelism and ZeRO-1, and with DualPipeV."""
 
 from __future__ import annotations
 
@@ -48,7 +49,12 @@ LAYOUTS = {
 LAYOUTS_PER_MODEL = {
     "deepseek_v3_tiny": ["dp2_tp2_sp_zero1", "pp2_dualpipev_cp2", "dp2_cp2_ep2", "pp2_interleaved_ep2"],
     "deepseek_llm_tiny": ["cp2_tp2_zero1"],
+    # V4 (sliding, CSA and HCA layers, a hash-routed one, MTP) under cp x tp and cp x pp: the window, the
+    # compressed windows and the indexer's top-k over gathered keys, its KL over whole rows, MTP on the
+    # ranks' streams, every stage's hash routing on its shard's token ids
+    "deepseek_v4_tiny": ["cp2_tp2_zero1", "pp2_dualpipev_cp2"],
 }
+MODEL_OVERRIDES = {"deepseek_v4_tiny": ["++model.mtp_depth=1"]}  # its preset builds no MTP module
 # Step 0 is the same computation in every layout: the per-token losses and gradients differ only by
 # fp32 rounding, and the step's loss and gradient norm by the order in which the 8 rows' (or
 # micro-batches') partial sums are added (measured: at most 1 ulp, 1.1e-7 relative).
@@ -57,7 +63,7 @@ STEP0_REL = 8 * EPS32 * math.sqrt(8)
 RESUMES_PER_MODEL = {
     "deepseek_v3_tiny": [("tp2_pp2", "single"), ("pp2_1f1b", "dp2_tp2_sp_zero1"), ("single", "dp2_cp2_ep2")],
     "deepseek_llm_tiny": [("single", "cp2_tp2_zero1")],
-}
+}  # DeepSeek-V4's cp x tp checkpoint is only exported (below): resuming is the same code as the others'
 # 4 layers (DualPipeV on 2 ranks needs 4 stages), validation every 2 steps on 16 held-out windows;
 # lr 1e-3: at 3e-3 the 4-layer MoE's gradient norm spikes to 12 at step 2 and near-tied top-k
 # choices then flip on 1e-7 differences, moving later gradient norms by up to 2% between layouts.
@@ -72,7 +78,7 @@ def layout_runs(request, tmp_path_factory) -> tuple[str, Path]:
     steps 2 and 4); returns the model and the directory holding one run directory per layout."""
     model, root = request.param, tmp_path_factory.mktemp(request.param)
     for name in ["single", *LAYOUTS_PER_MODEL[model]]:
-        run_recipe(root / name, f"model={model}", *STEPS, *PARITY, *RUN_LAYOUTS[name])
+        run_recipe(root / name, f"model={model}", *MODEL_OVERRIDES.get(model, []), *STEPS, *PARITY, *RUN_LAYOUTS[name])
     return model, root
 
 
@@ -114,11 +120,12 @@ def test_checkpoints_resume_under_another_layout(layout_runs):
     model, root = layout_runs
     reference_losses, reference_norms, reference_val = _results(root / "single")
     tokens = metric(root / "single", "perf/tokens_seen")
-    for layout, saved_by in RESUMES_PER_MODEL[model]:
+    for layout, saved_by in RESUMES_PER_MODEL.get(model, []):
         checkpoint = root / saved_by / "checkpoints" / "step-2"
         assert _consumed_samples(checkpoint) == 2 * 8
         run = root / f"{layout}_from_{saved_by}"
-        run_recipe(run, f"model={model}", *STEPS, *PARITY, *RUN_LAYOUTS[layout], f"checkpoint.resume_from={checkpoint}")
+        run_recipe(run, f"model={model}", *MODEL_OVERRIDES.get(model, []), *STEPS, *PARITY, *RUN_LAYOUTS[layout],
+                   f"checkpoint.resume_from={checkpoint}")
         run_losses, norms, val = _results(run)
         assert sorted(run_losses) == [2, 3], run.name
         for step in (2, 3):

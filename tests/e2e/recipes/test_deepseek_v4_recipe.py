@@ -75,7 +75,6 @@ def test_v4_pretrains_its_mtp_module(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["trainer.devices=2", "parallel.cp=2"], r"^parallel\.cp=2 with model deepseek_v4_tiny \(family deepseek_v4\) is not supported yet"),
     (["trainer.devices=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
      r"^parallel\.sequence_parallel=true with model deepseek_v4_tiny \(family deepseek_v4\) is not supported yet: "
      r".*; set parallel\.sequence_parallel=false$"),

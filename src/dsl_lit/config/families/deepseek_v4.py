@@ -46,8 +46,7 @@ CARD = FamilyCard(
     mtp=MultiTokenPrediction(),  # the release's MTPBlock (V4MTPModule); the tiny preset builds none unless asked
     hyper_connections=HyperConnections(),
     unsupported_parallel={
-        "sequence_parallel": "its hc_mult residual streams are not sharded over the sequence yet",
-        "cp": "the compressed keys and the sliding window are not gathered over context-parallel ranks yet"},
+        "sequence_parallel": "its hc_mult residual streams are not sharded over the sequence yet"},
     split_over_tp=("n_heads", "o_groups"),  # the grouped output projection splits by whole groups of heads
     packed_documents=False,  # its compressors window a row from its first real token, not per document
     ignores=("ffn_hidden",),

@@ -210,10 +210,21 @@ def indexer_kl(target: torch.Tensor, index_scores: torch.Tensor, selected: torch
     """DeepSeek-V3.2's sparse-stage indexer loss: KL(p || softmax(I)) over the ``selected`` keys
     [batch, seq, keys], ``p`` the main attention's distribution over them (``target``, normalised per
     query); the mean over the queries that selected any key."""
-    rows = selected.any(-1)
+    return counted_mean(*indexer_kl_per_query(target, index_scores, selected))
+
+
+def indexer_kl_per_query(target: torch.Tensor, index_scores: torch.Tensor,
+                         selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each query's KL [batch, seq], whether it counts: it selected any key) of :func:`indexer_kl`,
+    kept per query so that context parallelism can average over whole rows."""
     log_q = index_scores.masked_fill(~selected, float("-inf")).log_softmax(-1)
     kl = torch.where(target > 0, target * (target.clamp_min(1e-30).log() - log_q), 0.0).sum(-1)
-    return (kl * rows).sum() / rows.sum().clamp_min(1)
+    return kl, selected.any(-1).to(kl.dtype)
+
+
+def counted_mean(values: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values`` over the entries ``counted`` (1.0) marks (0 when none)."""
+    return (values * counted).sum() / counted.sum().clamp_min(1)
 
 
 class V4Attention(V4AttentionShape, HeadMean, nn.Module):
@@ -270,20 +281,26 @@ class V4Attention(V4AttentionShape, HeadMean, nn.Module):
         nn.init.zeros_(self.attn_sink)
 
     def _indexer_objective(self, index_scores: torch.Tensor, positions: torch.Tensor, compressed_logits: torch.Tensor,
-                           selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                           selected: torch.Tensor, shard: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(KL of the indexer to the attention over the selected compressed keys, recall), as
         DeepSeek-V3.2's sparse stage trains its indexer: the target is the main attention's
         distribution over the selected keys (per head, then the mean over heads); ``index_scores``
         were computed from detached inputs (:meth:`forward`), so this loss trains the indexer only
-        and the language-model loss never reaches it (top-k selection has no gradient either)."""
+        and the language-model loss never reaches it (top-k selection has no gradient either).
+        ``shard``: context parallelism (a training forward has no KV cache): the per-query terms are
+        gathered and every rank takes the means over whole rows (the gather's backward sums each
+        rank's share back), as DeepSeek-V3.2's indexer does (``models/common/dsa.py``)."""
         with torch.no_grad():
             windows = compressed_logits.shape[-1]
             visible = visible_windows(positions, windows, self.compress_rate).expand(index_scores.shape[0], -1, -1)
             logits = compressed_logits.float().transpose(1, 2)  # [batch, seq, heads, windows]
             dense = self.mean_over_heads(logits.masked_fill(~visible.unsqueeze(2), float("-inf")).softmax(-1).nan_to_num(0.0), 2)
-            recall = (dense * selected).sum(-1).sum() / visible.any(-1).sum().clamp_min(1)
+            recall, has_visible = (dense * selected).sum(-1), visible.any(-1).to(dense.dtype)
             target = self.mean_over_heads(logits.masked_fill(~selected.unsqueeze(2), float("-inf")).softmax(-1).nan_to_num(0.0), 2)
-        return indexer_kl(target, index_scores, selected), recall
+        kl, counted = indexer_kl_per_query(target, index_scores, selected)
+        if shard is not None:
+            kl, counted, recall, has_visible = shard.update(self.layer_id, kl, counted, recall, has_visible)
+        return counted_mean(kl, counted), counted_mean(recall, has_visible)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:
@@ -334,7 +351,7 @@ class V4Attention(V4AttentionShape, HeadMean, nn.Module):
         self.index_loss = self.index_recall = None
         if self.training and self.indexer is not None and self.index_training == "sparse":
             self.index_loss, self.index_recall = self._indexer_objective(index_scores, positions,
-                                                                         logits[..., keys_len:], seen)
+                                                                         logits[..., keys_len:], seen, cache)
         logits = logits.masked_fill(~visible.unsqueeze(1), float("-inf"))
         sink = local_part(self.attn_sink).view(1, -1, 1, 1).expand(batch, -1, seq, 1)
         logits = torch.cat([logits, sink], dim=-1)  # the fp32 sink makes the softmax fp32 in any dtype

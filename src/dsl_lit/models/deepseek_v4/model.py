@@ -160,7 +160,8 @@ class V4Transformer(Transformer):
 
     def run_mtp(self, module: nn.Module, residual: torch.Tensor, next_embeddings: torch.Tensor,
                 next_ids: torch.Tensor | None, positions: torch.Tensor | None, keys: None) -> torch.Tensor:
-        """:class:`V4MTPModule` on the streams (``keys``: context parallelism, which the card refuses)."""
+        """:class:`V4MTPModule` on the streams (``keys``: context parallelism's shard of the rows,
+        through which its sliding-window attention gathers the ranks' keys)."""
         if residual.dim() != 4:
             raise ValueError("DeepSeek-V4's MTP modules read the last layer's residual streams [batch, seq, hc_mult, "
                              f"d_model] (V4Transformer.residual), not a tensor of shape {tuple(residual.shape)}")
