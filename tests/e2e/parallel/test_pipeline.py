@@ -41,6 +41,9 @@ V32 = ModelConfig.from_name("deepseek_v32_tiny", n_layers=4, mtp_depth=1, seq_ba
                             index_training="sparse")
 # DeepSeek-V4: 4 residual streams between stages, hash-routed first layer (token ids on every stage)
 V4 = ModelConfig.from_name("deepseek_v4_tiny", n_layers=4, seq_balance_alpha=0.01)
+# ... and with its MTP block (a whole V4 block on the streams) on the last stage, fed the embeddings
+# the first stage sends beside the streams
+V4_MTP = ModelConfig.from_name("deepseek_v4_tiny", n_layers=4, seq_balance_alpha=0.01, mtp_depth=1)
 
 
 def test_split_balances_cost_and_gives_the_head_to_the_last_stage():
@@ -98,25 +101,26 @@ def test_optimizer_state_is_keyed_by_name_on_every_stage():
 LLM = ModelConfig.from_name("deepseek_llm_tiny", n_layers=4)
 
 
-def _objective(cfg: ModelConfig, outputs, labels, counts) -> tuple[torch.Tensor, torch.Tensor]:
-    """(objective, detached main loss); cross_entropy consumes the logits, so each once."""
+def _objective(cfg: ModelConfig, outputs, labels, counts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(objective, detached main loss, detached MTP loss: 0 without MTP); cross_entropy consumes the
+    logits, so each once."""
     logits, *mtp = outputs
     loss = cross_entropy(logits, labels) / counts[0]
-    return loss + sum(0.3 * cross_entropy(m, labels[:, 1:]) / counts[1] for m in mtp), loss.detach()
+    mtp_loss = sum((cross_entropy(m, labels[:, 1:]) / counts[1] for m in mtp), torch.zeros(()))
+    return loss + 0.3 * mtp_loss, loss.detach(), mtp_loss.detach()
 
 
-def _reference(cfg: ModelConfig, tokens: torch.Tensor, labels: torch.Tensor, micro: int):
+def _reference_step(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor, micro: int):
     """One process: the same objective (main + MTP + balance + indexer KL) over the same
-    micro-batches; also the indexers' (KL, recall) over the step, each micro-batch by its share."""
-    torch.manual_seed(0)
-    model = build_model(cfg)
-    total, index = 0.0, torch.zeros(2)
+    micro-batches, backward into ``model``'s gradients; returns the step's (main loss, MTP loss) and
+    the indexers' (KL, recall) over the step, each micro-batch by its share."""
+    losses, index = torch.zeros(2), torch.zeros(2)
     counts = ((labels != -100).sum(), (labels[:, 1:] != -100).sum())
     for mb_tokens, mb_labels in zip(tokens.split(micro), labels.split(micro)):
         share = mb_tokens.shape[0] / tokens.shape[0]
-        hidden = model.hidden_states(mb_tokens)
-        outputs = (model.head(hidden), *(model.mtp_logits(hidden, mb_tokens) if len(model.mtp) else []))
-        objective, loss = _objective(cfg, outputs, mb_labels, counts)
+        residual = model.residual(mb_tokens)  # what MTP reads (DeepSeek-V4: the streams before their collapse)
+        outputs = (model.head(model.collapse(residual)), *(model.mtp_logits(residual, mb_tokens) if len(model.mtp) else []))
+        objective, loss, mtp_loss = _objective(model.config, outputs, mb_labels, counts)
         balance = model.balance_loss()
         if balance is not None:
             objective = objective + balance * share
@@ -125,20 +129,31 @@ def _reference(cfg: ModelConfig, tokens: torch.Tensor, labels: torch.Tensor, mic
             objective = objective + kl * share
             index += torch.stack([kl.detach(), recall]) * share
         objective.backward()
-        total += loss.item()
-    return model, total, index
+        losses += torch.stack([loss, mtp_loss])
+    return losses, index
 
 
-def _worker(rank: int, world: int, init_file: str, schedule: str, family: str) -> None:
+def _sgd(model: torch.nn.Module, lr: float) -> None:
+    """``p -= lr * grad``, then no gradients: an update whose layout differences stay fp32 rounding
+    (Adam would divide a near-cancelling gradient entry by itself)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.sub_(lr * p.grad)
+            p.grad = None
+
+
+def _worker(rank: int, world: int, init_file: str, schedule: str, family: str, steps: int = 1) -> None:
     torch.set_num_threads(1)  # two processes on two cores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        cfg = {"deepseek_v3": V3, "deepseek_v32": V32, "deepseek_v4": V4, "deepseek_llm": LLM}[family]
+        cfg = {"deepseek_v3": V3, "deepseek_v32": V32, "deepseek_v4": V4, "deepseek_v4_mtp": V4_MTP,
+               "deepseek_llm": LLM}[family]
         generator = torch.Generator().manual_seed(1)
         tokens = torch.randint(0, cfg.vocab_size, (8, 16), generator=generator)
         labels = torch.roll(tokens, -1, dims=1)
         labels[:, -1] = -100
-        reference, reference_loss, reference_index = _reference(cfg, tokens, labels, micro=2)
+        torch.manual_seed(0)
+        reference = build_model(cfg)
         torch.manual_seed(0)
         model = build_model(cfg)
         runner = PipelineRunner(model, cfg, dist.group.WORLD, schedule, 2, torch.device("cpu"))
@@ -146,41 +161,54 @@ def _worker(rank: int, world: int, init_file: str, schedule: str, family: str) -
         seen = []
 
         def loss_fn(outputs, target, record):
-            objective, loss = _objective(cfg, outputs, target, counts)
+            objective, loss, mtp_loss = _objective(cfg, outputs, target, counts)
             if record:
-                seen.append(loss)
+                seen.append(torch.stack([loss, mtp_loss]))
             return objective
 
         runner.build_schedule(4, loss_fn)
-        runner.step(tokens, labels, float(tokens.shape[0]))
-        reference_params = dict(reference.named_parameters())
-        for name, p in model.named_parameters():
-            assert_close_fp32(p.grad, reference_params[name].grad, tokens.numel(), msg=name)
-        reference_loads = {n: b for n, b in reference.named_buffers() if n.endswith("load.counts")}
-        for name, counts_now in model.named_buffers():
-            if name.endswith("load.counts"):  # the schedule's shape-inference pass counted nothing
-                assert torch.equal(counts_now, reference_loads[name]), name
-        if runner.has_last:
-            assert len(seen) == 4
-            assert sum(seen).item() == pytest.approx(reference_loss, rel=1e-6)
-        assert (runner.balance_total() is not None) == (family != "deepseek_llm")
-        # every stage's indexers (a rank may hold none): the KL summed, the recall's mean over all of
-        # them, as one process's
-        index = runner.index_totals()
-        summed = torch.stack([index.get(k, torch.zeros(())) for k in ("index_kl", "index_recall_sum", "index_layers")])
-        dist.all_reduce(summed)
-        indexers = sum(1 for m in reference.modules() if getattr(m, "index_loss", None) is not None)
-        assert summed[2].item() == pytest.approx(indexers) and (indexers > 0) == (family in ("deepseek_v32", "deepseek_v4"))
-        if indexers:
-            torch.testing.assert_close(torch.stack([summed[0], summed[1] / summed[2]]), reference_index,
-                                       rtol=1e-5, atol=1e-7)
+        history = []
+        for step in range(steps):  # SGD steps between: every step's losses and gradients as one process's
+            if step:
+                _sgd(reference, 0.3)
+                _sgd(model, 0.3)
+                seen.clear()
+            reference_losses, reference_index = _reference_step(reference, tokens, labels, micro=2)
+            history.append(reference_losses)
+            runner.step(tokens, labels, float(tokens.shape[0]))
+            reference_params = dict(reference.named_parameters())
+            for name, p in model.named_parameters():
+                assert_close_fp32(p.grad, reference_params[name].grad, tokens.numel(), msg=f"step {step}: {name}")
+            reference_loads = {n: b for n, b in reference.named_buffers() if n.endswith("load.counts")}
+            for name, counts_now in model.named_buffers():
+                if name.endswith("load.counts"):  # the schedule's shape-inference pass counted nothing
+                    assert torch.equal(counts_now, reference_loads[name]), name
+            if runner.has_last:
+                assert len(seen) == 4
+                # 4 micro-batches' losses, each a sum of 32 tokens' terms, added in the same order
+                assert_close_fp32(sum(seen), reference_losses, tokens.numel(), msg=f"step {step}: (loss, mtp loss)")
+                assert (reference_losses[1] > 0) == bool(len(reference.mtp))
+            assert (runner.balance_total() is not None) == (family != "deepseek_llm")
+            # every stage's indexers (a rank may hold none): the KL summed, the recall's mean over all
+            # of them, as one process's
+            index = runner.index_totals()
+            summed = torch.stack([index.get(k, torch.zeros(())) for k in ("index_kl", "index_recall_sum", "index_layers")])
+            dist.all_reduce(summed)
+            indexers = sum(1 for m in reference.modules() if getattr(m, "index_loss", None) is not None)
+            assert summed[2].item() == pytest.approx(indexers)
+            assert (indexers > 0) == (family in ("deepseek_v32", "deepseek_v4", "deepseek_v4_mtp"))
+            if indexers:
+                torch.testing.assert_close(torch.stack([summed[0], summed[1] / summed[2]]), reference_index,
+                                           rtol=1e-5, atol=1e-7)
+        if steps > 1:  # the steps trained: both losses fell far beyond the tolerance
+            assert (history[-1] < history[0] - 1e-3).all(), history
         # validation: the forward-only pass gives the same losses and leaves no gradient behind
         model.eval()
         model.zero_grad(set_to_none=True)
         seen.clear()
         runner.step(tokens, labels, float(tokens.shape[0]), backward=False)
         if runner.has_last:
-            assert sum(seen).item() == pytest.approx(reference_loss, rel=1e-6)
+            assert_close_fp32(sum(seen), reference_losses, tokens.numel(), msg="validation (loss, mtp loss)")
         assert all(p.grad is None for p in model.parameters())
     finally:
         dist.destroy_process_group()
@@ -194,9 +222,17 @@ def _worker(rank: int, world: int, init_file: str, schedule: str, family: str) -
 )
 def test_pipeline_gradients_equal_one_process(tmp_path, family, schedule):
     """Each stage's gradients (MTP, balance loss, DeepSeek-V3.2's indexer KL and the embedding fed to
-    MTP included) equal the single-process ones for the same 4 micro-batches, and so does the
-    forward-only validation."""
+    MTP included) and the losses (main and MTP) equal the single-process ones for the same 4
+    micro-batches, and so does the forward-only validation."""
     spawn(_worker, args=(2, str(tmp_path / "init"), schedule, family), nprocs=2)
+
+
+@pytest.mark.slow
+def test_deepseek_v4_mtp_trains_under_1f1b_as_one_process(tmp_path):
+    """DeepSeek-V4 with its MTP block on 2 stages, 1F1B (the last stage on the other rank: the first
+    sends the embeddings beside the 4 streams): over 3 steps (SGD between), each step's main and MTP
+    losses, every gradient and the forward-only validation equal one process's."""
+    spawn(_worker, args=(2, str(tmp_path / "init"), "1F1B", "deepseek_v4_mtp", 3), nprocs=2)
 
 
 def _routed_model(cfg: ModelConfig, tokens: torch.Tensor) -> tuple[torch.nn.Module, torch.Tensor]:
@@ -226,8 +262,8 @@ def _replay_worker(rank: int, world: int, init_file: str, schedule: str) -> None
         for mb_tokens, mb_labels, mb_routes in zip(tokens.split(2), labels.split(2), routes.split(2)):
             tapes = install_routes(reference, mb_routes, enforce=True)
             hidden = reference.hidden_states(mb_tokens)
-            objective, _ = _objective(V3, (reference.head(hidden), *reference.mtp_logits(hidden, mb_tokens)),
-                                      mb_labels, counts)
+            objective = _objective(V3, (reference.head(hidden), *reference.mtp_logits(hidden, mb_tokens)),
+                                   mb_labels, counts)[0]
             (objective + reference.balance_loss() * mb_tokens.shape[0] / tokens.shape[0]).backward()
             for (name, _), tape in zip(named_stack_routers(reference), tapes):
                 flipped[name] = flipped.get(name, 0) + int(tape.flipped)
@@ -252,7 +288,7 @@ def _replay_worker(rank: int, world: int, init_file: str, schedule: str) -> None
         seen: list[torch.Tensor] = []
 
         def shorter_loss(outputs, target, record):
-            objective, loss = _objective(V3, outputs, target, counts)
+            objective, loss, _ = _objective(V3, outputs, target, counts)
             if record:  # not the shape-inference pass (on uninitialised buffers)
                 seen.append(loss)
             return objective
