@@ -30,12 +30,13 @@ class MTPModule(nn.Module):
 
     def forward(
         self, hidden: torch.Tensor, next_embeddings: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-        keys: KVCache | None = None,
+        keys: KVCache | None = None, key_valid: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``hidden`` h^{k-1}[:, :T-k] and ``next_embeddings`` emb(t[:, k:]) -> h^k (un-normed).
-        ``keys``: where attention takes its keys from (context parallelism's whole rows)."""
+        ``keys``: where attention takes its keys from (context parallelism's whole rows, or a
+        drafting KV cache); ``key_valid`` [batch, keys]: the real tokens of a left-padded batch."""
         h = self.eh_proj(torch.cat([self.enorm(next_embeddings), self.hnorm(hidden)], dim=-1))
-        return self.block(h, rope, keys)
+        return self.block(h, rope, keys, key_valid)
 
     def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
         """What the shared head reads of h^k: ``norm(h)``."""

@@ -154,9 +154,6 @@ class Transformer(nn.Module):
     last_stage_modules: tuple[str, ...] = ("norm", "output", "mtp")
     """Modules only the last pipeline stage runs (after the last layer)."""
 
-    mtp_drafts: bool = True
-    """Whether greedy decoding can draft with its MTP modules (``dsl_lit.inference.speculative``)."""
-
     def mtp_embeddings(self, tokens: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The token embeddings the MTP modules read, given the ids and the residual :meth:`embed`
         made of them (a pipeline's first stage sends them to the last): that residual here."""
@@ -216,12 +213,13 @@ class Transformer(nn.Module):
 
     def run_mtp(self, module: nn.Module, residual: torch.Tensor, next_embeddings: torch.Tensor,
                 next_ids: torch.Tensor | None, positions: torch.Tensor | None,
-                keys: SequenceShard | None) -> torch.Tensor:
+                keys: KVCache | SequenceShard | None, key_valid: torch.Tensor | None = None) -> torch.Tensor:
         """One MTP module: depth k - 1's ``residual`` [batch, seq, ...] and the embeddings (and ids,
         when this stage has them) of the tokens k ahead [batch, seq, d_model] -> depth k's residual.
         ``positions`` [batch, seq] (None: 0 .. seq - 1); ``keys``: where attention takes its keys
-        from (context parallelism's whole rows)."""
-        return module(residual, next_embeddings, self.rope(residual.shape[1], 0, positions), keys)
+        from (context parallelism's whole rows, or the KV cache a draft continues,
+        ``dsl_lit.inference.speculative``); ``key_valid`` [batch, keys]: a left-padded batch's real tokens."""
+        return module(residual, next_embeddings, self.rope(residual.shape[1], 0, positions), keys, key_valid)
 
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]

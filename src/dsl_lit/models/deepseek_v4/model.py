@@ -152,20 +152,20 @@ class V4Transformer(Transformer):
         return (rows, seq, self.config.hc_mult, self.config.d_model)
 
     # -- multi-token prediction (Transformer.mtp_logits chains the modules) ---------------------------
-    mtp_drafts = False  # speculative decoding drafts with V3's module only (its cache and rotary tables)
-
     def mtp_embeddings(self, tokens: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The token embeddings themselves (the residual is ``hc_mult`` copies of them)."""
         return self.tok_embeddings(tokens)
 
     def run_mtp(self, module: nn.Module, residual: torch.Tensor, next_embeddings: torch.Tensor,
-                next_ids: torch.Tensor | None, positions: torch.Tensor | None, keys: None) -> torch.Tensor:
+                next_ids: torch.Tensor | None, positions: torch.Tensor | None, keys: KVCache | None,
+                key_valid: torch.Tensor | None = None) -> torch.Tensor:
         """:class:`V4MTPModule` on the streams (``keys``: context parallelism's shard of the rows,
-        through which its sliding-window attention gathers the ranks' keys)."""
+        through which its sliding-window attention gathers the ranks' keys, or the KV cache a draft
+        continues: its block keeps its keys as a main layer does)."""
         if residual.dim() != 4:
             raise ValueError("DeepSeek-V4's MTP modules read the last layer's residual streams [batch, seq, hc_mult, "
                              f"d_model] (V4Transformer.residual), not a tensor of shape {tuple(residual.shape)}")
         if positions is None:
             batch, seq = residual.shape[:2]
             positions = torch.arange(seq, device=residual.device).expand(batch, -1)
-        return module(residual, next_embeddings, positions, next_ids, cache=keys)
+        return module(residual, next_embeddings, positions, next_ids, key_valid, cache=keys)
