@@ -72,7 +72,8 @@ def test_each_packed_document_computes_what_it_computes_alone():
     # the documents are what make it so: read as one document per row, the later ones see the earlier
     with torch.no_grad():
         leaky = model(ids, positions)
-    assert (leaky[real] - packed[real]).abs().max() > 1e-2
+        causal = model(ids, positions, document_mask(doc_ids).tril())  # a mask of past keys only reads alike
+    assert (leaky[real] - packed[real]).abs().max() > 1e-2 and torch.equal(causal[real], packed[real])
 
 
 def test_the_mtp_block_follows_packed_documents():
@@ -92,10 +93,9 @@ def test_the_mtp_block_follows_packed_documents():
 
 
 def test_a_per_query_mask_that_is_not_documents_is_refused():
-    attention = _randomised(build_model(_cfg()), seed=6).layers["2"].attention  # csa
-    hidden = torch.randn(1, 12, D)
-    positions = torch.arange(12).unsqueeze(0)
+    model = _model(seed=6)
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(10))
     interleaved = document_mask(torch.tensor([[0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1]]))
-    with pytest.raises(ValueError, match=r"^DeepSeek-V4's compressed attention reads a per-query key_valid as packed "
-                                         r"documents .*document_mask\(doc_ids\)"):
-        attention(hidden, positions, interleaved)
+    with pytest.raises(ValueError, match=r"^DeepSeek-V4 reads a per-query key_valid as packed documents .*"
+                                         r"document_mask\(doc_ids\)"):
+        model(ids, torch.arange(12).unsqueeze(0), interleaved)

@@ -17,6 +17,27 @@ from dataclasses import dataclass
 import torch
 
 
+def document_starts(same_document: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each token's document, as the index of its first token; whether a token begins one) [batch,
+    seq] of a per-query mask [batch, seq, seq], read from whether each token attends the one before."""
+    batch, seq = same_document.shape[:2]
+    continues = same_document[:, 1:, :-1].diagonal(dim1=1, dim2=2)  # token i + 1 attends token i
+    begins = torch.cat([continues.new_ones(batch, 1), ~continues], dim=1)
+    first = torch.where(begins, torch.arange(seq, device=same_document.device), 0).cummax(dim=1).values
+    return first, begins
+
+
+def check_documents(same_document: torch.Tensor) -> None:
+    """A ValueError unless the per-query mask [batch, seq, seq] is packed documents: query i attends
+    key j <= i exactly when both lie in one run of tokens (once per forward: it waits for the device)."""
+    first, _ = document_starts(same_document)
+    causal = torch.ones(same_document.shape[1:], dtype=torch.bool, device=first.device).tril()
+    if not bool(((same_document == (first.unsqueeze(-1) == first.unsqueeze(-2))) | ~causal).all()):
+        raise ValueError("DeepSeek-V4 reads a per-query key_valid as packed documents "
+                         "(query i attends key j <= i exactly when both are in one run of tokens); pass "
+                         "posttrain.chat.rows.document_mask(doc_ids) or a [batch, keys] padding mask")
+
+
 def passed(positions: torch.Tensor, index: torch.Tensor, rate: int) -> torch.Tensor:
     """[..., seq, windows]: whether a query at ``positions`` [..., seq] (in its document) has seen all
     of the tokens of the window ``index`` [..., windows] of its document (window w holds positions
@@ -65,18 +86,11 @@ class Windows:
     @classmethod
     def of_documents(cls, same_document: torch.Tensor, rate: int) -> Windows:
         """The windows of packed documents, from a per-query mask ``same_document`` [batch, seq, seq]
-        (query i may attend key j: they are in one document, as ``document_mask`` makes it; only
-        keys up to the query are read). A ValueError names a mask of any other kind."""
+        (query i may attend key j: they are in one document, as ``document_mask`` makes it; a
+        document is a run of tokens, :func:`check_documents`)."""
         batch, seq = same_document.shape[:2]
         token = torch.arange(seq, device=same_document.device)
-        continues = same_document[:, 1:, :-1].diagonal(dim1=1, dim2=2)  # token i + 1 attends token i
-        begins = torch.cat([continues.new_ones(batch, 1), ~continues], dim=1)  # [batch, seq]
-        first = torch.where(begins, token, 0).cummax(dim=1).values  # each token's document: its first token
-        causal = token.unsqueeze(-1) >= token
-        if not bool(((same_document == (first.unsqueeze(-1) == first.unsqueeze(-2))) | ~causal).all()):
-            raise ValueError("DeepSeek-V4's compressed attention reads a per-query key_valid as packed documents "
-                             "(query i attends key j <= i exactly when both are in one run of tokens); pass "
-                             "posttrain.chat.rows.document_mask(doc_ids) or a [batch, keys] padding mask")
+        first, begins = document_starts(same_document)
         next_begin = torch.where(begins, token, seq)
         end = torch.cat([next_begin[:, 1:], next_begin.new_full((batch, 1), seq)], dim=1)
         end = end.flip(1).cummin(dim=1).values.flip(1)  # each token's document ends before the next begins
