@@ -232,7 +232,7 @@ class TrainConfig:
                 self.post.sft.packing = self.model.packs_documents
             elif self.post.sft.packing and not self.model.packs_documents:
                 raise ConfigError(f"sft.packing=true with model {self.model.name} (family {self.model.family}): its "
-                                  "compressed attention windows do not follow packed documents yet; set sft.packing=false")
+                                  "attention does not follow packed documents yet; set sft.packing=false")
         for dim, why in self.model.unsupported_parallel.items():
             value = getattr(self.parallel, dim)
             if value is True or (not isinstance(value, bool) and value > 1):

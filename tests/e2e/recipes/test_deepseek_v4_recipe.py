@@ -95,8 +95,9 @@ def test_layouts_v4_cannot_run_are_refused_before_any_process_starts(overrides, 
 
 @pytest.mark.slow
 def test_v4_through_r1s_cold_start_and_grpo(tmp_path):
-    """recipes/grpo.py on DeepSeek-V4: the cold-start SFT unpacked (``sft.packing`` null resolves to
-    false: its windows do not follow packed documents), then GRPO sampling with V4's KV cache."""
+    """recipes/grpo.py on DeepSeek-V4: the cold-start SFT on packed rows (``sft.packing`` null
+    resolves to true: its windows follow packed documents), then GRPO sampling with V4's KV cache;
+    and recipes/sft.py packing rows through every kind of V4 layer."""
     import yaml
 
     run_dir = tmp_path / "grpo"
@@ -108,7 +109,7 @@ def test_v4_through_r1s_cold_start_and_grpo(tmp_path):
          "trainer.max_steps=2"], cwd=ROOT, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     cold = yaml.safe_load((run_dir / "cold_start" / "resolved_config.yaml").read_text())
-    assert cold["model"]["family"] == "deepseek_v4"  # (a packed row's per-document mask would have stopped V4's attention)
+    assert cold["model"]["family"] == "deepseek_v4" and "sft: packed" in result.stdout + result.stderr
     assert sorted(losses(run_dir / "cold_start")) == [0, 1, 2] and (run_dir / "checkpoints" / "step-2").is_dir()
     # the same GRPO steps on 2 pipeline stages with routing replay: sampling through the stages (V4's
     # residual streams and token ids sent along, each rank's share of the KV cache), the training
@@ -127,6 +128,17 @@ def test_v4_through_r1s_cold_start_and_grpo(tmp_path):
     # no token leaves the experts it was sampled with
     assert all(float(v) < 64 * 5 * EPS32 for v in metric(piped, "train/rollout_logp_gap").values())
     assert all(float(v) == 0 for v in metric(piped, "train/router_flips").values())
-    refused = run_python([sys.executable, str(ROOT / "recipes" / "sft.py"), f"hydra.run.dir={tmp_path / 'sft'}",
-                          "model=deepseek_v4_tiny", "sft.packing=true"], cwd=ROOT, timeout=300)
-    assert refused.returncode == 2 and "sft.packing=true with model deepseek_v4_tiny" in refused.stderr
+    # recipes/sft.py packs conversations into rows through sliding, CSA and HCA layers and learns
+    # (its per-document parity: tests/unit/posttrain/test_sft.py, tests/unit/models/test_deepseek_v4_packed.py)
+    sft = tmp_path / "sft"
+    result = run_python(
+        [sys.executable, str(ROOT / "recipes" / "sft.py"), f"hydra.run.dir={sft}", "model=deepseek_v4_tiny",
+         "model.n_layers=4", "sft.packing=true", "logger=csv", "trainer.progress_bar=false", "trainer.log_every_n_steps=1",
+         "task.num_problems=200",
+         "data.seq_len=128", "data.global_batch_size=4", "data.micro_batch_size=2", "schedule.warmup_steps=0",
+         "trainer.max_steps=3", "checkpoint.every_n_steps=0", "checkpoint.every_minutes=0"], cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "sft: packed 136 documents into 34 rows of 128 tokens" in result.stdout + result.stderr
+    loss = {step: float(v) for step, v in losses(sft).items()}
+    assert sorted(loss) == [0, 1, 2] and loss[2] < loss[0] - 0.5  # measured: 9.03 -> 8.00
+    assert all(0 < float(v) < 1 for v in metric(sft, "train/index_kl").values())  # the CSA indexer on packed rows

@@ -48,6 +48,5 @@ CARD = FamilyCard(
     unsupported_parallel={
         "sequence_parallel": "its hc_mult residual streams are not sharded over the sequence yet"},
     split_over_tp=("n_heads", "o_groups"),  # the grouped output projection splits by whole groups of heads
-    packed_documents=False,  # its compressors window a row from its first real token, not per document
     ignores=("ffn_hidden",),
 )

@@ -37,6 +37,7 @@ from dsl_lit.config.model_parts.v4_attention import V4AttentionShape
 from dsl_lit.models.common.kv_cache import KVCache
 from dsl_lit.models.common.layers import rope_frequencies
 from dsl_lit.models.common.split_heads import HeadMean, local_part
+from dsl_lit.models.deepseek_v4.windows import Windows, passed
 
 LayerKind = Literal["sliding", "csa", "hca"]
 
@@ -122,25 +123,32 @@ class WindowCompressor(nn.Module):
         these, so a decoding step pools windows without projecting the past again)."""
         return self.wkv(hidden), self.wgate(hidden)
 
-    def pool(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """The keys of the complete windows [batch, windows, head_dim] of tokens whose projections
-        (:meth:`project`) are ``kv``, ``gate`` [batch, seq, width], the first at position 0."""
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, windows: Windows | None = None) -> torch.Tensor:
+        """The keys [batch, windows, head_dim] of the complete ``windows`` (None: one document per
+        row, the first token at position 0) of tokens whose projections (:meth:`project`) are ``kv``,
+        ``gate`` [batch, seq, width]: each window's tokens gathered, all windows of the batch at once."""
         batch, seq, _ = kv.shape
-        windows, m, d = seq // self.rate, self.rate, self.head_dim
-        if windows == 0:
+        m, d = self.rate, self.head_dim
+        windows = Windows.of_rows(m, seq, device=kv.device) if windows is None else windows
+        count = windows.start.shape[1]
+        if count == 0:
             return kv.new_zeros(batch, 0, d)
-        kv = kv[:, : windows * m].reshape(batch, windows, m, -1)
-        gate = gate[:, : windows * m].reshape(batch, windows, m, -1) + self.ape
+        slots = (windows.start.unsqueeze(-1) + torch.arange(m, device=kv.device)).expand(batch, -1, -1)
+        slots = slots.clamp_max(seq - 1)  # a padding window's (document -1: never seen) may reach past the row
+
+        def gathered(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:  # [batch, windows, m, width]
+            index = at.flatten(1).unsqueeze(-1).expand(-1, -1, x.shape[-1])
+            return x.gather(1, index).view(batch, count, m, -1)
+
+        own_kv, own_gate = gathered(kv, slots), gathered(gate, slots) + self.ape
         if self.overlap:  # slots: the previous window's first halves, then this window's second halves
-            pooled_kv = kv.new_zeros(batch, windows, 2 * m, d)
-            pooled_gate = gate.new_full((batch, windows, 2 * m, d), float("-inf"))
-            pooled_kv[:, :, m:], pooled_gate[:, :, m:] = kv[..., d:], gate[..., d:]
-            pooled_kv[:, 1:, :m], pooled_gate[:, 1:, :m] = kv[:, :-1, :, :d], gate[:, :-1, :, :d]
-            kv, gate = pooled_kv, pooled_gate
-        weights = gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)
-        keys = self.norm((kv * weights).sum(dim=2))
-        starts = torch.arange(windows, device=kv.device) * m
-        cos, sin = self.rotary(starts, keys.dtype)
+            earlier = gathered(kv, (slots - m).clamp_min(0)), gathered(gate, (slots - m).clamp_min(0)) + self.ape
+            first = (windows.index == 0).expand(batch, -1)[..., None, None]  # no previous window in its document
+            own_kv = torch.cat([earlier[0][..., :d].masked_fill(first, 0.0), own_kv[..., d:]], dim=2)
+            own_gate = torch.cat([earlier[1][..., :d].masked_fill(first, float("-inf")), own_gate[..., d:]], dim=2)
+        weights = own_gate.softmax(dim=2, dtype=torch.float32).to(own_kv.dtype)
+        keys = self.norm((own_kv * weights).sum(dim=2))
+        cos, sin = self.rotary(windows.index * m, keys.dtype)
         return rotate_tail(keys.unsqueeze(2), cos, sin).squeeze(2)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -148,21 +156,10 @@ class WindowCompressor(nn.Module):
         return self.pool(*self.project(hidden))
 
 
-def left_aligned(tensors: list[torch.Tensor], key_valid: torch.Tensor | None) -> list[torch.Tensor]:
-    """Each row of ``tensors`` [batch, seq, ...] shifted left past its left padding (``key_valid``
-    False), the pads wrapped to the end: windows are counted from a row's first real token, and a
-    window reaching into the wrapped pads lies past every query of the row, so none sees it."""
-    if key_valid is None:
-        return tensors
-    seq = tensors[0].shape[1]
-    pads = key_valid[:, :seq].long().argmax(-1, keepdim=True)  # the first real token (right pads stay put)
-    index = (torch.arange(seq, device=key_valid.device) + pads) % seq  # [batch, seq]
-    return [t.gather(1, index.view(*index.shape, *([1] * (t.dim() - 2))).expand_as(t)) for t in tensors]
-
-
 def visible_windows(positions: torch.Tensor, windows: int, rate: int) -> torch.Tensor:
-    """[batch, seq, windows]: whether a query at ``positions`` has seen all of a window's tokens."""
-    return torch.arange(windows, device=positions.device) < ((positions + 1) // rate).unsqueeze(-1)
+    """[batch, seq, windows]: whether a query at ``positions`` has seen all of a window's tokens
+    (one document per row, from position 0)."""
+    return passed(positions, torch.arange(windows, device=positions.device), rate)
 
 
 class LightningIndexer(nn.Module):
@@ -190,11 +187,14 @@ class LightningIndexer(nn.Module):
         weights = self.weights_proj(hidden).float() * self.n_heads**-0.5  # [batch, seq, heads]
         return (scores * weights.unsqueeze(-1)).sum(dim=2)
 
-    def select(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[batch, seq, windows] bool: the ``topk`` visible windows of highest score per query (all
-        of them when it has passed fewer)."""
-        batch, windows = scores.shape[0], scores.shape[-1]
-        visible = visible_windows(positions, windows, self.rate).expand(batch, -1, -1)
+    def select(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """[batch, seq, windows] bool: the ``topk`` ``visible`` windows [batch, seq, windows] of
+        highest score per query (all of them when it sees fewer). Windows tied at the k-th score (the
+        ReLU's exact zeros, when every index head scores a window below zero) are chosen as
+        ``torch.topk`` chooses, by where they lie in the row (as transformers does): a packed
+        document may pick another of its tied windows than it picks alone."""
+        windows = scores.shape[-1]
+        visible = visible.expand_as(scores)
         if windows == 0:
             return visible
         chosen = scores.masked_fill(~visible, float("-inf")).topk(min(self.topk, windows), dim=-1).indices
@@ -203,7 +203,8 @@ class LightningIndexer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[batch, seq, windows] bool: the windows each query selects."""
-        return self.select(self.scores(hidden, q_latent, positions), positions)
+        scores = self.scores(hidden, q_latent, positions)
+        return self.select(scores, visible_windows(positions, scores.shape[-1], self.rate))
 
 
 def indexer_kl(target: torch.Tensor, index_scores: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
@@ -280,19 +281,19 @@ class V4Attention(V4AttentionShape, HeadMean, nn.Module):
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.attn_sink)
 
-    def _indexer_objective(self, index_scores: torch.Tensor, positions: torch.Tensor, compressed_logits: torch.Tensor,
+    def _indexer_objective(self, index_scores: torch.Tensor, visible: torch.Tensor, compressed_logits: torch.Tensor,
                            selected: torch.Tensor, shard: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(KL of the indexer to the attention over the selected compressed keys, recall), as
         DeepSeek-V3.2's sparse stage trains its indexer: the target is the main attention's
-        distribution over the selected keys (per head, then the mean over heads); ``index_scores``
+        distribution over the selected keys (per head, then the mean over heads), the recall's over
+        the ``visible`` ones [batch, seq, windows]; ``index_scores``
         were computed from detached inputs (:meth:`forward`), so this loss trains the indexer only
         and the language-model loss never reaches it (top-k selection has no gradient either).
         ``shard``: context parallelism (a training forward has no KV cache): the per-query terms are
         gathered and every rank takes the means over whole rows (the gather's backward sums each
         rank's share back), as DeepSeek-V3.2's indexer does (``models/common/dsa.py``)."""
         with torch.no_grad():
-            windows = compressed_logits.shape[-1]
-            visible = visible_windows(positions, windows, self.compress_rate).expand(index_scores.shape[0], -1, -1)
+            visible = visible.expand_as(index_scores)
             logits = compressed_logits.float().transpose(1, 2)  # [batch, seq, heads, windows]
             dense = self.mean_over_heads(logits.masked_fill(~visible.unsqueeze(2), float("-inf")).softmax(-1).nan_to_num(0.0), 2)
             recall, has_visible = (dense * selected).sum(-1), visible.any(-1).to(dense.dtype)
@@ -304,13 +305,16 @@ class V4Attention(V4AttentionShape, HeadMean, nn.Module):
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:
-        """``key_valid`` [batch, keys]: the real tokens of a left-padded batch (None: all);
-        ``cache``: this call continues the cached positions (it keeps each token's rotated key
-        and its compressors' projections, so a step pools windows without projecting the past)."""
+        """``key_valid`` [batch, keys]: the real tokens of a left-padded batch (None: all), or
+        [batch, seq, seq]: packed documents (``posttrain/chat/rows.py: document_mask``; ``positions``
+        restart at each), where the sliding window and the compressed windows follow each document as
+        if it were alone; ``cache``: this call continues the cached positions (it keeps each token's
+        rotated key and its compressors' projections, so a step pools windows without projecting the past)."""
         batch, seq, _ = hidden.shape
-        if key_valid is not None and key_valid.dim() != 2:
-            raise ValueError("DeepSeek-V4's attention takes a [batch, keys] padding mask; packed documents (a "
-                             "per-query mask) are not followed by its compressed windows yet")
+        packed = key_valid is not None and key_valid.dim() == 3
+        if packed and cache is not None:
+            raise ValueError("DeepSeek-V4's attention follows packed documents (a per-query key_valid) in a "
+                             "full-sequence forward only; continue a KV cache with a [batch, keys] padding mask")
         cos, sin = self.rotary(positions, hidden.dtype)
         q_latent = self.q_norm(self.wq_a(hidden))
         q = rms_normalised(self.wq_b(q_latent).view(batch, seq, -1, self.head_dim), self.norm_eps)  # (this rank's heads)
@@ -326,7 +330,7 @@ class V4Attention(V4AttentionShape, HeadMean, nn.Module):
         if cache is not None:
             kv, *projections = cache.update(self.layer_id, kv, *projections)
         keys_len = kv.shape[1]
-        if cache is None and key_valid is None:
+        if cache is None and (key_valid is None or packed):
             key_positions = positions
         elif key_valid is None:
             key_positions = torch.arange(keys_len, device=hidden.device).unsqueeze(0)
@@ -335,22 +339,23 @@ class V4Attention(V4AttentionShape, HeadMean, nn.Module):
         offsets = positions.unsqueeze(-1) - key_positions.unsqueeze(-2)  # query - key position
         visible = (offsets >= 0) & (offsets < self.sliding_window)  # [batch, seq, keys]
         if key_valid is not None:
-            visible = visible & key_valid[:, None, :keys_len]
-        seen = index_scores = None
+            visible = visible & (key_valid if packed else key_valid[:, None, :keys_len])
+        seen = index_scores = reachable = None
         if self.compressor is not None:
-            projections = left_aligned(projections, key_valid)
-            keys = self.compressor.pool(projections[0], projections[1])
+            windows = Windows.of_keys(key_valid, keys_len, self.compress_rate, hidden.device)
+            reachable = windows.visible(positions)  # its own document's windows a query has passed
+            keys = self.compressor.pool(projections[0], projections[1], windows)
             if self.indexer is not None:
-                index_keys = self.indexer.compressor.pool(projections[2], projections[3])
+                index_keys = self.indexer.compressor.pool(projections[2], projections[3], windows)
                 index_scores = self.indexer.scores(hidden.detach(), q_latent.detach(), positions, index_keys)
-                seen = self.indexer.select(index_scores, positions)
+                seen = self.indexer.select(index_scores, reachable)
             else:
-                seen = visible_windows(positions, keys.shape[1], self.compress_rate).expand(batch, -1, -1)
+                seen = reachable.expand(batch, -1, -1)
             kv, visible = torch.cat([kv, keys], dim=1), torch.cat([visible.expand(batch, -1, -1), seen], dim=-1)
         logits = (q.transpose(1, 2) @ kv.unsqueeze(1).transpose(-1, -2)) * self.head_dim**-0.5
         self.index_loss = self.index_recall = None
         if self.training and self.indexer is not None and self.index_training == "sparse":
-            self.index_loss, self.index_recall = self._indexer_objective(index_scores, positions,
+            self.index_loss, self.index_recall = self._indexer_objective(index_scores, reachable,
                                                                          logits[..., keys_len:], seen, cache)
         logits = logits.masked_fill(~visible.unsqueeze(1), float("-inf"))
         sink = local_part(self.attn_sink).view(1, -1, 1, 1).expand(batch, -1, seq, 1)

@@ -29,6 +29,7 @@ from dsl_lit.models.common.kv_cache import KVCache
 from dsl_lit.models.common.moe import HashRouter, MoE, TopKRouter
 from dsl_lit.models.common.transformer import Transformer
 from dsl_lit.models.deepseek_v4.attention import Fp32RMSNorm, PairRotary, V4Attention
+from dsl_lit.models.deepseek_v4.windows import check_documents
 
 
 class V4Block(nn.Module):
@@ -136,8 +137,10 @@ class V4Transformer(Transformer):
                    key_valid: torch.Tensor | None, token_ids: torch.Tensor | None,
                    cache: KVCache | None = None, offset: int = 0) -> torch.Tensor:
         """``positions`` [batch, seq] (default: from ``offset`` on), ``key_valid`` [batch, cached + seq]
-        for left-padded batches, ``cache``: each layer keeps its rotated keys and its compressors'
-        per-token projections."""
+        for left-padded batches or [batch, seq, seq] for packed documents (checked here, once for all
+        layers), ``cache``: each layer keeps its rotated keys and its compressors' per-token projections."""
+        if key_valid is not None and key_valid.dim() == 3:
+            check_documents(key_valid)
         if positions is None:
             batch, seq = streams.shape[:2]
             positions = torch.arange(offset, offset + seq, device=streams.device).expand(batch, -1)
