@@ -314,3 +314,36 @@ def test_in_loop_evaluation_equals_evaluating_the_checkpoint(tmp_path: Path, lay
     # expert load from every pipeline stage's MoE layers (under pp=2 rank 0 holds layers 0-1 only)
     for layer in ("layers.1", "layers.2", "layers.3", "mtp.0"):
         assert f"moe/load_max_over_mean/{layer}" in header
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["deepseek_v32_tiny", "deepseek_v4_tiny"])
+def test_the_newest_families_score_as_lm_evals_hf_backend_scores_their_export(tmp_path: Path, tokenizer_dir: Path,
+                                                                               preset: str) -> None:
+    """DeepSeek-V3.2 (the indexer's top-k keys) and V4 (mHC streams, compressed windows) through our
+    lm-eval model and through lm-eval's own ``hf`` backend on the hub export (transformers 5.24's
+    classes): every multiple-choice and rolling loglikelihood equal within fp32 reordering, the same
+    greedy flags; ours batched, lm-eval's one request at a time (transformers' DeepseekV32 scores a
+    right-padded batch of 4 differently from its rows alone: measured -355.98 against -355.53 on the
+    first document, where ours gives -355.53 batched or not). Eight index heads: with the presets' four, some
+    keys score exactly 0 for every head (all ReLUs zero) and ties at the k-th place are broken by
+    ``torch.topk`` by where a key lies in the row, so a right-padded batch may pick other tied keys
+    than the row alone, in transformers' indexer as in ours (measured: log-likelihood sums 3e-4 to
+    7e-4 apart; the released configs' 64 heads make such ties vanishingly rare). (Generation: the
+    families' greedy parity tests, tests/unit/models/.)"""
+    from lm_eval import simple_evaluate
+
+    from dsl_lit.hf import save_pretrained
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig.from_name(preset, init_std=0.1, index_n_heads=8)).eval()
+    save_pretrained(model, tmp_path / "hf")
+    tasks = ["dsl_kjv_next_sentence", "dsl_devil_perplexity"]
+    cfg = EvalTasksConfig(tasks=tasks, limit=6, bootstrap_iters=0, log_samples=True)
+    with Harness(cfg) as harness:
+        ours = harness.evaluate(DslLitLM(model, EvalTokenizer.from_dir(tokenizer_dir), batch_size=3))
+        reference = simple_evaluate(model="hf", model_args=dict(pretrained=str(tmp_path / "hf"), tokenizer=str(tokenizer_dir),
+                                                                dtype="float32", device="cpu", attn_implementation="eager"),
+                                    batch_size=1, tasks=tasks, limit=6, bootstrap_iters=0, log_samples=True,
+                                    task_manager=harness.task_manager)
+    _compare_samples(ours, reference, tasks)

@@ -142,7 +142,8 @@ def test_fp8_experts_refuse_unaligned_groups_and_align_them_exactly(recipe):
 
 
 PRESETS = [("deepseek_v3_tiny", "grouped_mm"), ("deepseek_v3_tiny", "split"), ("deepseek_v2_tiny", "grouped_mm"),
-           ("deepseek_v2_tiny", "split"), ("deepseek_llm_tiny", None)]  # (preset, expert backend: None, dense)
+           ("deepseek_v2_tiny", "split"), ("deepseek_llm_tiny", None), ("deepseek_v32_tiny", "grouped_mm"),
+           ("deepseek_v4_tiny", "grouped_mm")]  # (preset, expert backend: None, dense)
 
 
 @pytest.mark.parametrize("preset, expert_backend", PRESETS)
