@@ -29,6 +29,23 @@ AFTER_A_STAGE = {"experiment=cpu_context_512": "data.tokenizer_dir=null",
 def with_stage_inputs(overrides: list[str]) -> list[str]:
     return overrides + [AFTER_A_STAGE[o] for o in overrides if o in AFTER_A_STAGE]
 
+
+def scratch_dir(request: pytest.FixtureRequest, name: str) -> Path:
+    """A fresh directory for a module-scoped fixture, removed when that fixture is torn down (its
+    module ends, or its next parameter starts) unless a test failed meanwhile, as pytest's own
+    `tmp_path_retention_policy = "failed"` does for `tmp_path`. Kept to the session's end, the
+    fixtures' recipe runs and checkpoints reached 15 GB and filled CI's disk; removed, a worker holds
+    only the runs of the module it is in."""
+    directory = request.getfixturevalue("tmp_path_factory").mktemp(name)
+    failed_before = request.session.testsfailed
+
+    def remove() -> None:
+        if request.session.testsfailed == failed_before:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    request.addfinalizer(remove)
+    return directory
+
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):

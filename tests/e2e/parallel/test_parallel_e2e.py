@@ -17,6 +17,7 @@ import torch
 
 from dsl_lit.checkpoint.reader import load_checkpoint_model
 from dsl_lit.checkpoint.sharded import read_full_tensors
+from tests.conftest import scratch_dir
 from tests.numerics import EPS32
 from tests.recipe_runs import losses, metric, run_recipe
 
@@ -73,10 +74,10 @@ RUN_LAYOUTS = {"single": ["trainer.devices=1"], "tp2": ["trainer.devices=2", "pa
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS_PER_MODEL))
-def layout_runs(request, tmp_path_factory) -> tuple[str, Path]:
+def layout_runs(request) -> tuple[str, Path]:
     """One process and every layout of the model, 4 steps each from the same start (checkpoints at
     steps 2 and 4); returns the model and the directory holding one run directory per layout."""
-    model, root = request.param, tmp_path_factory.mktemp(request.param)
+    model, root = request.param, scratch_dir(request, request.param)
     for name in ["single", *LAYOUTS_PER_MODEL[model]]:
         run_recipe(root / name, f"model={model}", *MODEL_OVERRIDES.get(model, []), *STEPS, *PARITY, *RUN_LAYOUTS[name])
     return model, root

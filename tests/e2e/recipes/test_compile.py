@@ -17,7 +17,7 @@ from dsl_lit.config import TrainConfig
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.parallel.model_transforms import compile_blocks
 from dsl_lit.training.run_plan import compiles
-from tests.conftest import compose_config
+from tests.conftest import compose_config, scratch_dir
 from tests.numerics import EPS32, assert_close_fp32
 from tests.recipe_runs import losses, run_recipe
 
@@ -73,8 +73,8 @@ COMPILED_LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def eager_run(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("eager") / "one_process"
+def eager_run(request: pytest.FixtureRequest) -> Path:
+    run_dir = scratch_dir(request, "eager") / "one_process"
     run_recipe(run_dir, *COMMON, "trainer.compile=false")
     return run_dir
 

@@ -27,7 +27,7 @@ from dsl_lit.checkpoint.integrity import file_checksum
 from dsl_lit.checkpoint.sharded import read_full_tensors
 from dsl_lit.hf.token_ids import hf_token_ids, write_token_ids
 from dsl_lit.models import ModelConfig, build_model
-from tests.conftest import ROOT
+from tests.conftest import ROOT, scratch_dir
 from tests.forked_python import run_python
 from tests.numerics import assert_close_fp32
 from tests.recipe_runs import run_recipe
@@ -58,8 +58,8 @@ def run_export(*overrides: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module", params=list(RUNS))
-def checkpoint(request, tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp(request.param)
+def checkpoint(request) -> Path:
+    run_dir = scratch_dir(request, request.param)
     run_recipe(run_dir, f"model={request.param}", "trainer.max_steps=2", "checkpoint.every_n_steps=2",
                "logger=csv", *RUNS[request.param])
     return run_dir / "checkpoints" / "step-2"

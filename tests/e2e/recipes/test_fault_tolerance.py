@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, scratch_dir
 from tests.forked_python import start_python
 from tests.recipe_runs import SMALL, losses, run_recipe
 
@@ -44,9 +44,9 @@ def _wait_for(path: Path, process: subprocess.Popen, timeout: float = 300) -> No
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> dict[int, str]:
+def uninterrupted(request: pytest.FixtureRequest) -> dict[int, str]:
     """The losses of the run every interrupted one must reproduce (saving does not change them)."""
-    full = tmp_path_factory.mktemp("full")
+    full = scratch_dir(request, "full")
     run_recipe(full, *RUN)
     return losses(full)
 

@@ -21,6 +21,7 @@ from dsl_lit.parallel.tensor_parallel import apply_tensor_parallel
 from dsl_lit.training import PretrainModule
 from dsl_lit.training.pretrained import StartingWeights
 from dsl_lit.utils.materialise import local_target
+from tests.conftest import scratch_dir
 from tests.ranks import spawn
 from tests.recipe_runs import losses, run_recipe
 
@@ -173,9 +174,9 @@ LAYOUTS = {"single": [], "pp2": ["trainer.devices=2", "parallel=pp_1f1b"], "ep2"
 
 
 @pytest.fixture(scope="module")
-def hf_runs(tmp_path_factory) -> Path:
+def hf_runs(request: pytest.FixtureRequest) -> Path:
     """One step of the pretrain recipe from an HF directory, on one process, pp=2 and ep=2."""
-    root = tmp_path_factory.mktemp("init_from_hf")
+    root = scratch_dir(request, "init_from_hf")
     cfg = ModelConfig.from_name("deepseek_v3_tiny", n_layers=2)
     save_pretrained(_random(cfg), root / "hf")
     for name, layout in LAYOUTS.items():

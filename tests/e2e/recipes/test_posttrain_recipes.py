@@ -32,7 +32,7 @@ from dsl_lit.posttrain.chat.tokenizer import ChatTokenizer
 from dsl_lit.posttrain.rejection.data import rejection_sample
 from dsl_lit.tasks import arithmetic
 from dsl_lit.training.pretrained import load_pretrained
-from tests.conftest import ROOT
+from tests.conftest import ROOT, scratch_dir
 from tests.forked_python import run_python
 
 SFT_STEPS = 30
@@ -75,10 +75,10 @@ def assert_same_steps(actual: dict, expected: dict, keys: list[str], rel: float,
 
 
 @pytest.fixture(scope="module")
-def sft_run(tmp_path_factory) -> Path:
+def sft_run(request: pytest.FixtureRequest) -> Path:
     """The shared starting point: 30 SFT steps of a 2-layer DeepSeek LLM on the arithmetic task's
     R1-format replies (enough that sampled replies sometimes earn a reward)."""
-    run_dir = tmp_path_factory.mktemp("posttrain") / "sft"
+    run_dir = scratch_dir(request, "posttrain") / "sft"
     run("sft", run_dir, *SFT, f"trainer.max_steps={SFT_STEPS}", f"checkpoint.every_n_steps={SFT_STEPS}")
     return run_dir
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, scratch_dir
 from tests.forked_python import rank_pids, start_python
 from tests.recipe_runs import SMALL, losses, run_recipe
 
@@ -78,8 +78,8 @@ def _preempt(tmp_path: Path, name: str, who: str, *overrides: str, base: tuple[s
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> dict[int, str]:
-    full = tmp_path_factory.mktemp("full")
+def uninterrupted(request: pytest.FixtureRequest) -> dict[int, str]:
+    full = scratch_dir(request, "full")
     run_recipe(full, *TWO)
     return losses(full)
 

@@ -25,6 +25,7 @@ from dsl_lit.config.reproduce import STAGES, ReproduceConfig
 from dsl_lit.reproduce.claims import INCONCLUSIVE, NOT_MEASURED, NOT_REPRODUCED, REPRODUCED, claims_table
 from dsl_lit.reproduce.runner import MARKER, selected
 from dsl_lit.reproduce.stages import EVALUATED, STAGE_TABLE, pretraining_hparams
+from tests.conftest import scratch_dir
 from tests.forked_python import run_python, start_python
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -45,9 +46,9 @@ def metrics(run_dir: Path) -> dict[int, dict[str, float]]:
 
 
 @pytest.fixture(scope="module")
-def interrupted_run(tmp_path_factory) -> tuple[Path, str]:
+def interrupted_run(request: pytest.FixtureRequest) -> tuple[Path, str]:
     """The smoke chain, stopped by SIGTERM once GRPO has saved its first checkpoint, then rerun."""
-    run_dir = tmp_path_factory.mktemp("reproduce") / "smoke"
+    run_dir = scratch_dir(request, "reproduce") / "smoke"
     first_checkpoint = run_dir / "grpo" / "checkpoints" / "step-2" / "meta.json"
     child = start_python([*RECIPE, f"hydra.run.dir={run_dir}"], cwd=ROOT, env=ENV, stdout=run_dir.parent / "first.log")
     deadline = time.monotonic() + 900

@@ -41,7 +41,7 @@ from dsl_lit.hf import save_pretrained
 from dsl_lit.models import build_model
 from dsl_lit.optim.schedules import cosine_multiplier
 from dsl_lit.parallel.strategy import DeepSeekStrategy
-from tests.conftest import compose_config
+from tests.conftest import compose_config, scratch_dir
 from tests.recipe_runs import losses, metric, run_recipe
 from tests.unit.checkpoint.test_checkpoint_policy import _batches, _module
 
@@ -422,8 +422,8 @@ TINY = ["model=deepseek_llm_tiny", "logger=csv", "trainer.accelerator=cpu", "che
 
 
 @pytest.fixture(scope="module")
-def recipe_run_of_4_steps(tmp_path_factory) -> Path:
-    run = tmp_path_factory.mktemp("recipe") / "run"
+def recipe_run_of_4_steps(request: pytest.FixtureRequest) -> Path:
+    run = scratch_dir(request, "recipe") / "run"
     run_recipe(run, *TINY, "trainer.max_steps=4")
     return run
 

@@ -16,7 +16,7 @@ import pytest
 from data_contract.format import META_FILE, SHARDS_DIR, TOKENIZER_DIR
 from dsl_lit.data.cache import BUILDS_DIR, build_dir, prepare_cache, settings_fingerprint, stale_reason
 from dsl_lit.data.datamodule import PretrainDataModule
-from tests.conftest import ROOT
+from tests.conftest import ROOT, scratch_dir
 
 BUNDLED = ROOT / "data" / "corpus"
 
@@ -37,8 +37,8 @@ def other_corpus(path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return part_of_bundled(tmp_path_factory.mktemp("corpus") / "kjv", "kjv_bible.jsonl.gz", 600)
+def corpus(request: pytest.FixtureRequest) -> Path:
+    return part_of_bundled(scratch_dir(request, "corpus") / "kjv", "kjv_bible.jsonl.gz", 600)
 
 
 def data_cfg(cache: Path, corpus: Path, **extra) -> dict:

@@ -26,6 +26,7 @@ from data_contract.errors import ConfigError
 from dsl_lit.config.data import DataConfig
 from dsl_lit.data.datamodule import PretrainDataModule
 from dsl_lit.data.packed import PackedTokens
+from tests.conftest import scratch_dir
 
 ROOT = Path(__file__).resolve().parents[3]
 CORPUS = ROOT / "data" / "corpus"
@@ -33,9 +34,9 @@ SEQ, G = 32, 8
 
 
 @pytest.fixture(scope="module")
-def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def small_corpus(request: pytest.FixtureRequest) -> Path:
     """A slice of the bundled corpus: 120 dictionary entries and 30 Bible chapters."""
-    out = tmp_path_factory.mktemp("corpus")
+    out = scratch_dir(request, "corpus")
     for name, count in (("devils_dictionary.jsonl.gz", 120), ("kjv_bible.jsonl.gz", 30)):
         with gzip.open(CORPUS / name, "rt", encoding="utf-8") as src, gzip.open(out / name, "wt") as dst:
             for _, line in zip(range(count), src):
@@ -49,8 +50,8 @@ def make_cfg(corpus: Path, cache: Path, **kw: object) -> DataConfig:
 
 
 @pytest.fixture(scope="module")
-def cfg(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> DataConfig:
-    cfg = make_cfg(small_corpus, tmp_path_factory.mktemp("cache"))
+def cfg(small_corpus: Path, request: pytest.FixtureRequest) -> DataConfig:
+    cfg = make_cfg(small_corpus, scratch_dir(request, "cache"))
     PretrainDataModule(cfg).prepare_data()
     return cfg
 

@@ -18,7 +18,7 @@ from data_pipeline.config import load_config
 from data_pipeline.runner import run
 from data_pipeline.stages.decontaminate import DecontaminateConfig, contamination, ngram_index, words
 from dsl_lit.data.datamodule import PretrainDataModule
-from tests.conftest import ROOT
+from tests.conftest import ROOT, scratch_dir
 
 TASKS = ROOT / "data" / "eval_tasks"
 
@@ -32,8 +32,8 @@ def kept_texts(out: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def decontaminated(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("decontaminated") / "out"
+def decontaminated(request: pytest.FixtureRequest) -> Path:
+    out = scratch_dir(request, "decontaminated") / "out"
     run(load_config({"input": {"path": str(ROOT / "data" / "corpus")}, "output_dir": str(out),
                      "stages": ["normalize", "decontaminate"]}))
     return out

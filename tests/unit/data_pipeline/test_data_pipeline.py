@@ -26,6 +26,7 @@ from data_pipeline.document_step import Verdicts, write_split
 from data_pipeline.io.shards import read_documents, shard_file
 from data_pipeline.runner import plan, run
 from data_pipeline.stage import Stage, Step
+from tests.conftest import scratch_dir
 from tests.forked_python import run_python
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -40,9 +41,9 @@ def _doc(i: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def messy_input(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def messy_input(request: pytest.FixtureRequest) -> Path:
     """jsonl, gzipped jsonl (truncated), txt files, parquet and broken records: 25 documents in all."""
-    root = tmp_path_factory.mktemp("messy") / "in"
+    root = scratch_dir(request, "messy") / "in"
     (root / "txt" / "sub").mkdir(parents=True)
     lines = [json.dumps({"id": f"j{i}", "text": _doc(i), "source": "web"}).encode() for i in range(8)]
     lines[2] = b'{"id": "broken", "text": "no closing brace"'
@@ -89,8 +90,8 @@ def output_bytes(output_dir: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def messy_run(messy_input: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("messy_out") / "out"
+def messy_run(messy_input: Path, request: pytest.FixtureRequest) -> Path:
+    out = scratch_dir(request, "messy_out") / "out"
     assert run_pipeline(messy_input, out) is not None
     return out
 

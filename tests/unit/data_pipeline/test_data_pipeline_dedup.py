@@ -18,6 +18,7 @@ from data_pipeline.dedup.union_find import connected_components
 from data_pipeline.io.shards import read_marker
 from data_pipeline.runner import plan, run
 from data_pipeline.synthetic import jaccard, planted_corpus
+from tests.conftest import scratch_dir
 
 TARGETS = [0.3, 0.45, 0.6, 0.7, 0.8, 0.85, 0.88, 0.9, 0.93, 0.96, 0.99]
 
@@ -61,8 +62,8 @@ def corpus():
 
 
 @pytest.fixture(scope="module")
-def dedup_run(corpus, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("near")
+def dedup_run(corpus, request: pytest.FixtureRequest) -> Path:
+    root = scratch_dir(request, "near")
     half = len(corpus.texts) // 2  # two input files -> two shards: pairs cross shards
     write_jsonl(root / "in" / "a.jsonl", corpus.texts[:half], corpus.ids[:half])
     write_jsonl(root / "in" / "b.jsonl", corpus.texts[half:], corpus.ids[half:])

@@ -26,6 +26,7 @@ from data_pipeline.io.shards import read_documents, read_marker, shard_file
 from data_pipeline.runner import plan, run
 from data_pipeline.stage import Stage, Step
 from data_pipeline.synthetic import planted_corpus
+from tests.conftest import scratch_dir
 from tests.ranks import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -155,12 +156,12 @@ def cluster() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def corpus(request: pytest.FixtureRequest) -> Path:
     """Two files, one cut into shards by rows: near and exact duplicates across the shards."""
     planted = planted_corpus(num_originals=240, words_per_doc=80, targets=[0.0, 0.9], seed=11)
     records = [{"id": i, "text": t} for i, t in zip(planted.ids, planted.texts)]
     records += [{"id": f"copy-{k}", "text": planted.texts[k * 3]} for k in range(40)]
-    root = tmp_path_factory.mktemp("ray_in")
+    root = scratch_dir(request, "ray_in")
     half = len(records) // 2
     for name, part in (("a.jsonl", records[:half]), ("b.jsonl", records[half:])):
         (root / name).write_text("".join(json.dumps(r) + "\n" for r in part))

@@ -13,14 +13,14 @@ from data_pipeline.tokenizer.fim import encode_documents, fim_token_ids, plan_do
 from data_pipeline.tokenizer.spec import load_spec
 from data_pipeline.tokenizer.training import train_tokenizer
 from dsl_lit.config.data import DataConfig
-from tests.conftest import ROOT
+from tests.conftest import ROOT, scratch_dir
 
 TEXTS = [f"Verse {i}: and the waters prevailed upon the earth {i * 7} days. " * (1 + i % 3) for i in range(400)]
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory) -> Tokenizer:
-    directory = train_tokenizer(TEXTS, 400, tmp_path_factory.mktemp("tok") / "tokenizer")  # the bundled spec
+def tokenizer(request: pytest.FixtureRequest) -> Tokenizer:
+    directory = train_tokenizer(TEXTS, 400, scratch_dir(request, "tok") / "tokenizer")  # the bundled spec
     return Tokenizer.from_file(str(directory / "tokenizer.json"))
 
 

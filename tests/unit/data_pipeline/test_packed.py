@@ -17,6 +17,7 @@ from data_pipeline.io.sources import load_documents
 from data_pipeline.stages.tokenize_pack import tokenize_pack
 from data_pipeline.tokenizer.training import train_tokenizer
 from dsl_lit.data.packed import PackedTokens
+from tests.conftest import scratch_dir
 
 CORPUS = Path(__file__).resolve().parents[3] / "data" / "corpus"
 EOS = 1
@@ -32,17 +33,17 @@ def _write(path: Path, docs: list[list[int]], shard_tokens: int, padded_vocab: i
 
 
 @pytest.fixture(scope="module")
-def documents(tmp_path_factory: pytest.TempPathFactory) -> datasets.Dataset:
+def documents(request: pytest.FixtureRequest) -> datasets.Dataset:
     """The Devil's Dictionary's first 150 entries, plus an empty document in the middle."""
-    full = load_documents([CORPUS / "devils_dictionary.jsonl.gz"], cache_dir=tmp_path_factory.mktemp("hf"))
+    full = load_documents([CORPUS / "devils_dictionary.jsonl.gz"], cache_dir=scratch_dir(request, "hf"))
     rows = full.select(range(150)).to_dict()
     rows["text"][70] = ""
     return datasets.Dataset.from_dict(rows)
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(documents: datasets.Dataset, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return train_tokenizer(documents["text"], 384, tmp_path_factory.mktemp("tok") / "tokenizer")
+def tokenizer_dir(documents: datasets.Dataset, request: pytest.FixtureRequest) -> Path:
+    return train_tokenizer(documents["text"], 384, scratch_dir(request, "tok") / "tokenizer")
 
 
 def test_round_trip_with_shard_rollover(tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ from data_pipeline.runner import run
 from data_pipeline.tokenizer.spec import load_spec, reserved_token, untrained_tokenizer
 from data_pipeline.tokenizer.training import tokenizer_spec, train_tokenizer
 from dsl_lit.data.packed import PackedTokens
+from tests.conftest import scratch_dir
 
 ROOT = Path(__file__).resolve().parents[3]
 CORPUS = ROOT / "data" / "corpus"
@@ -56,9 +57,9 @@ def reference() -> dict:
 
 
 @pytest.fixture(scope="module")
-def corpus_texts(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+def corpus_texts(request: pytest.FixtureRequest) -> list[str]:
     files = sorted(CORPUS.glob("*.jsonl.gz"))
-    return list(load_documents(files, cache_dir=tmp_path_factory.mktemp("hf_datasets"))["text"])
+    return list(load_documents(files, cache_dir=scratch_dir(request, "hf_datasets"))["text"])
 
 
 def _variants(text: str) -> list[str]:
@@ -78,9 +79,9 @@ def documents(corpus_texts: list[str]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def trained(corpus_texts: list[str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def trained(corpus_texts: list[str], request: pytest.FixtureRequest) -> dict[str, Path]:
     """A 2000-token tokenizer of each preset, trained on 1 MB of the bundled corpus."""
-    root = tmp_path_factory.mktemp("presets")
+    root = scratch_dir(request, "presets")
     return {name: train_tokenizer(corpus_texts, LEARNED, root / name, spec=tokenizer_spec(name),
                                   max_bytes=1_000_000, embedding_size=load_spec(name).embedding_size)
             for name in PRESETS}

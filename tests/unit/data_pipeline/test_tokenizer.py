@@ -16,22 +16,23 @@ from data_pipeline.tokenizer.training import (
     sample_texts,
     train_tokenizer,
 )
+from tests.conftest import scratch_dir
 
 CORPUS = Path(__file__).resolve().parents[3] / "data" / "corpus"
 VOCAB = 512
 
 
 @pytest.fixture(scope="module")
-def corpus_texts(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+def corpus_texts(request: pytest.FixtureRequest) -> list[str]:
     files = sorted(CORPUS.glob("*.jsonl.gz"))
-    ds = load_documents(files, cache_dir=tmp_path_factory.mktemp("hf_datasets"))
+    ds = load_documents(files, cache_dir=scratch_dir(request, "hf_datasets"))
     return list(ds["text"])
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(corpus_texts: list[str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tokenizer_dir(corpus_texts: list[str], request: pytest.FixtureRequest) -> Path:
     return train_tokenizer(
-        corpus_texts, VOCAB, tmp_path_factory.mktemp("tok") / "tokenizer", max_bytes=400_000
+        corpus_texts, VOCAB, scratch_dir(request, "tok") / "tokenizer", max_bytes=400_000
     )
 
 

@@ -40,6 +40,7 @@ from dsl_lit.posttrain.grpo.loss import grpo_loss
 from dsl_lit.posttrain.grpo.rollout import Rollouts, training_rows
 from dsl_lit.posttrain.logps import token_logps
 from dsl_lit.posttrain.rewards import WeightedRewards
+from tests.conftest import scratch_dir
 from tests.numerics import assert_close_fp32
 from tests.unit.training.test_pretrain_module import _llm
 
@@ -57,9 +58,9 @@ WIDTH = max(map(len, COMPLETIONS))  # 5 < MAX_LEN: dr_grpo divides by the config
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def model_dir(request: pytest.FixtureRequest):
     """A tiny random Llama and a word-level tokenizer, saved where TRL loads them from (no network)."""
-    directory = tmp_path_factory.mktemp("tiny_llama")
+    directory = scratch_dir(request, "tiny_llama")
     vocab = {"<pad>": PAD, "<eos>": EOS, **{f"t{i}": i for i in range(2, VOCAB)}}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

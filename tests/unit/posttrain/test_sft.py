@@ -32,7 +32,7 @@ from dsl_lit.posttrain.chat.conversations import task_conversations
 from dsl_lit.posttrain.chat.rows import IGNORE, document, packed_rows, padded_rows, sft_rows
 from dsl_lit.posttrain.chat.tokenizer import ChatTokenizer
 from dsl_lit.tasks.arithmetic import problems
-from tests.conftest import ROOT, compose_config
+from tests.conftest import ROOT, compose_config, scratch_dir
 from tests.forked_python import run_python
 from tests.numerics import assert_close_fp32
 
@@ -222,14 +222,14 @@ MULTI_TURN = [
 
 
 @pytest.fixture(scope="module")
-def v3_dir(tmp_path_factory) -> Path:
+def v3_dir(request: pytest.FixtureRequest) -> Path:
     """A tokenizer with DeepSeek-V3's released spec (600 learned tokens), shaped like a model
     repository's: tokenizer.json and tokenizer_config.json with V3's chat template, no meta.json."""
     texts = load_documents(sorted((ROOT / "data" / "corpus").glob("*.jsonl.gz")),
-                           cache_dir=tmp_path_factory.mktemp("hf"))["text"]
-    trained = train_tokenizer(texts, 600, tmp_path_factory.mktemp("v3") / "tok", spec=tokenizer_spec("deepseek_v3"),
+                           cache_dir=scratch_dir(request, "hf"))["text"]
+    trained = train_tokenizer(texts, 600, scratch_dir(request, "v3") / "tok", spec=tokenizer_spec("deepseek_v3"),
                               max_bytes=300_000)
-    release = tmp_path_factory.mktemp("release")
+    release = scratch_dir(request, "release")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(trained / name, release / name)
     return release
