@@ -4,9 +4,13 @@
     python recipes/distill.py                                    # CPU demo: cold-started teacher, 1-layer student
     python recipes/distill.py teacher_from=outputs/grpo/<run> student.n_layers=2   # init_from: the student's start
 
+    python recipes/distill.py teacher_samples=outputs/rejection_sample/<run>/samples.jsonl student.n_layers=2
+
 Stages, each in the run dir: ``teacher/`` (only without ``teacher_from``: a cold-start SFT of the
 ``model`` group), ``distill_data.jsonl`` (the teacher's kept samples), then the student's SFT run
-(``model`` with the ``student`` overrides, or ``init_from``'s weights) with its checkpoints.
+(``model`` with the ``student`` overrides, or ``init_from``'s weights) with its checkpoints. With
+``teacher_samples`` the student learns from that file and nothing is sampled (R1 distils its students
+from the same 800K curated samples its own second SFT uses).
 """
 
 from __future__ import annotations
@@ -46,7 +50,16 @@ from dsl_lit.training.runs import exits_on_config_error
 def main(hydra_cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     data = run_dir / "distill_data.jsonl"
-    if not data.is_file():  # a rerun resumes the student's SFT with the same data
+    given = hydra_cfg.get("teacher_samples")
+    if given:  # samples drawn and verified already (recipes/rejection_sample.py): R1 distils from that same data
+        if hydra_cfg.get("teacher_from"):
+            raise ConfigError(f"teacher_samples={given} and teacher_from={hydra_cfg.teacher_from}: give one (the "
+                              "samples to learn from, or the teacher to draw them from)")
+        data = Path(given)
+        if not data.is_file() or not read_conversations(data):
+            raise ConfigError(f"teacher_samples={given}: no such .jsonl of conversations, or an empty one (write it "
+                              "with recipes/rejection_sample.py, or set teacher_samples=null to sample a teacher)")
+    elif not data.is_file():  # a rerun resumes the student's SFT with the same data
         teacher = hydra_cfg.get("teacher_from")
         if not teacher:
             teacher = str(cold_start_sft(hydra_cfg, run_dir / "teacher", hydra_cfg.teacher_cold_start_steps,

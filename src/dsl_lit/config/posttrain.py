@@ -18,7 +18,7 @@ DPO_LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo")
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 ADVANTAGE_SCALES = ("group", "batch", "none")
-REWARDS = ("accuracy", "format", "language")
+REWARDS = ("accuracy", "format", "language", "restatement")
 """Names of the rule rewards (``dsl_lit.posttrain.rewards.REWARD_FUNCTIONS`` has one function per name)."""
 TASK_OPERATIONS = ("+", "-", "*", "largest")
 """Operations the generated arithmetic task can draw (``dsl_lit.tasks.arithmetic``): binary ones on two

@@ -70,7 +70,7 @@ STAGE_ROWS: tuple[StageRow, ...] = (
     StageRow("rejection_sample", ("data", "grpo"), "rejection_sample", "rejection sampling from the GRPO model", R1),
     StageRow("sft_rs", ("data", "pretrain", "rejection_sample"), "sft_rs",
              "SFT of the pretrained model on the kept samples", R1),
-    StageRow("distill", ("data", "grpo"), "distill", "distillation into a smaller dense student", R1),
+    StageRow("distill", ("data", "rejection_sample"), "distill", "distillation into a smaller dense student", R1),
     StageRow("evaluate", EVALUATED, "evaluate", "lm-eval on each stage's checkpoint", ("eval_limit", "device"),
              trains=False),
     StageRow("report", (), "report", "report.md and figures", trains=False, redrawn=True),

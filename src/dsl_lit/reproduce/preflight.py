@@ -26,7 +26,7 @@ from dsl_lit.reproduce.runner import MARKER, Stage, StageContext, marker
 
 PRETRAINING = ("pretrain.py",)
 SWEEP = "scaling_laws.py"
-FROM_CHECKPOINTS = ("hydra.run.dir=", "hydra.sweep.dir=", "init_from=", "teacher_from=")
+FROM_CHECKPOINTS = ("hydra.run.dir=", "hydra.sweep.dir=", "init_from=", "teacher_from=", "teacher_samples=")
 
 
 class _Recorded(Exception):

@@ -437,11 +437,22 @@ the shortcut's), from which GRPO (:data:`GRPO_SETTINGS`) rose to 34% (29% at ste
 The dense 2-layer model of the GRPO demo, from random weights, learns the copying in 60."""
 
 
+SHORTCUT_SHARE = 0.5
+"""The share of cold-start replies that answer by the shortcut (the list's last number). Measured
+(held-out greedy accuracy, 400 lists, 2-core Xeon, seeds 1234 / 1 of 2026-11-29): at 0.8, the earlier
+share, both cold starts answered by the shortcut alone (right on 100% / 81% of the lists whose last
+number is the largest, on 1.1% / 0% of the others: 32% / 25%), and GRPO, whose samples then rarely
+held the right answer, found it on 13.8% / 1.8% of those lists (40% / 26%: seed 1's gain inside its
+noise); at 0.5 the cold starts read the list in part (24% / 48% of those lists right: 48% / 60%
+held-out) and GRPO gained +6.8 [+4.0, +9.5] / +3.8 [+0.5, +7.0] points on both seeds. At 0.6 (seed
+1) the cold start was 16.5%."""
+
+
 def cold_start(ctx: StageContext) -> dict[str, Any]:
-    """R1's cold start: SFT of the pretrained model on the task's R1-format replies, 80% of them
-    answering by a shortcut (an imperfect start that RL can improve on, as the paper's readable but
-    unpolished cold-start data), for :data:`COPYING_STEPS`."""
-    ctx.recipe("sft.py", [*posttrain_arguments(ctx, "pretrain"), "sft.shortcut_share=0.8",
+    """R1's cold start: SFT of the pretrained model on the task's R1-format replies, a
+    :data:`SHORTCUT_SHARE` of them answering by a shortcut (an imperfect start that RL can improve
+    on, as the paper's readable but unpolished cold-start data), for :data:`COPYING_STEPS`."""
+    ctx.recipe("sft.py", [*posttrain_arguments(ctx, "pretrain"), f"sft.shortcut_share={SHORTCUT_SHARE}",
                           f"trainer.max_steps={COPYING_STEPS}", "data.global_batch_size=8", "data.micro_batch_size=8",
                           "optim.lr=3e-3"])
     return {**run_summary(ctx.dir), "shortcut_accuracy": shortcut_accuracy(ctx.dir), "blind": blind_baseline(ctx.dir)}
@@ -507,8 +518,23 @@ def grpo(ctx: StageContext) -> dict[str, Any]:
             "sampled_accuracy_last": tail_mean(series, "reward/accuracy")}
 
 
+REJECTION_SETTINGS = ("rejection.num_prompts=1900", "rejection.samples_per_prompt=4",
+                      "rejection.rewards.format=0.25", "rejection.rewards.restatement=0.25")
+"""Every training prompt (2300 - 400 held out), 4 samples each, one sample kept per prompt among
+those right, well formed and whose reasoning restates the question (``rejection.min_reward`` 1.0:
+all three; :mod:`dsl_lit.posttrain.rewards.restatement`, R1's readability filter in miniature): the
+data of R1's second SFT and of its distilled student. Measured from the GRPO models of 2026-11-29
+(GRPO 55% / 63% for seeds 1234 / 1; the SFT of the pretrained model on the kept samples, packed, 300
+steps; held-out greedy accuracy, 400 lists, 2-core Xeon): the earlier 168 prompts x 8, right and well
+formed, kept 120 / 115 samples: 41% / 21% (unpacked, then the default); 800 x 8: 90% / 26%; 1900 x 4:
+28% / 70% (1,217 / 1,358 samples, 52% / 76% of them restating the question; where the SFT stayed low
+its loss sat at 0.5 for all 300 steps: it never learned to copy the list); 1900 x 4 restating: 83% /
+64% (630 / 1,038 samples), both seeds learning to copy by step ~100."""
+
+
 def rejection_sample(ctx: StageContext) -> dict[str, Any]:
-    ctx.recipe("rejection_sample.py", posttrain_arguments(ctx, "grpo"))
+    """R1's rejection sampling: the GRPO model's verified samples of :data:`REJECTION_SETTINGS`."""
+    ctx.recipe("rejection_sample.py", [*posttrain_arguments(ctx, "grpo"), *REJECTION_SETTINGS])
     stats = json.loads((ctx.dir / "rejection_stats.json").read_text())
     if not stats["kept"]:  # sft_rs would train on nothing: stop here, saying why
         raise StageFailed(f"stage rejection_sample: none of {stats['samples']} samples of the GRPO model was "
@@ -522,20 +548,25 @@ def _lines(path: Path) -> int:
     return sum(1 for line in path.open() if line.strip()) if path.is_file() else 0
 
 
+def rs_samples(ctx: StageContext) -> Path:
+    return ctx.dir_of("rejection_sample") / "samples.jsonl"
+
+
 def sft_rs(ctx: StageContext) -> dict[str, Any]:
     """R1's second SFT: the pretrained model on the RL model's verified samples, as long as the cold
     start (:data:`COPYING_STEPS`: at 60 steps and lr 1e-3, the earlier setting, the pretrained model
-    does not yet read the list; measured 6% held-out)."""
-    ctx.recipe("sft.py", [*posttrain_arguments(ctx, "pretrain"), path_override("sft.dataset", ctx.dir_of("rejection_sample") / "samples.jsonl"),
-                          "sft.packing=false", f"trainer.max_steps={COPYING_STEPS}", "data.global_batch_size=8",
+    does not yet read the list; measured 6% held-out), packed as the cold start's replies are (one
+    sample a row, the earlier setting, gave it 8 samples a step: see :data:`REJECTION_SETTINGS`)."""
+    ctx.recipe("sft.py", [*posttrain_arguments(ctx, "pretrain"), path_override("sft.dataset", rs_samples(ctx)),
+                          f"trainer.max_steps={COPYING_STEPS}", "data.global_batch_size=8",
                           "data.micro_batch_size=8", "optim.lr=3e-3"])
     return run_summary(ctx.dir)
 
 
-DISTILL_SETTINGS = ("model=deepseek_llm_tiny", "student.n_layers=2", f"trainer.max_steps={COPYING_STEPS}",
-                    "rejection.num_prompts=800")
-"""A 2-layer dense student from random weights, :data:`COPYING_STEPS` steps on the teacher's verified
-samples of 800 training prompts. Measured from the GRPO models of 2026-11-28 (held-out greedy
+DISTILL_SETTINGS = ("model=deepseek_llm_tiny", "student.n_layers=2", f"trainer.max_steps={COPYING_STEPS}")
+"""A 2-layer dense student from random weights, :data:`COPYING_STEPS` steps on the rejection
+sampling stage's verified samples (R1 distils from the same curated data as its second SFT; until
+2026-11-29 the student's recipe drew its own, 800 prompts x 4). Measured from the GRPO models of 2026-11-28 (held-out greedy
 accuracy, 400 lists, 2-core Xeon): the earlier 1 layer, 150 steps, 168 prompts (80 kept samples)
 gave 17% (seed 1234: answers 5 or 6) and 42% (seed 1); 1 layer, 150 steps, 800 prompts (431 kept)
 2%; 2 layers, 300 steps, 800 prompts 96% (seed 1234, teacher 40%) and 38% (seed 1, teacher 26%).
@@ -546,9 +577,9 @@ in these budgets. R1's students are pretrained models; this one learns the task 
 def distill(ctx: StageContext) -> dict[str, Any]:
     """R1-Distill: a smaller dense student SFT-ed on the GRPO model's verified samples
     (:data:`DISTILL_SETTINGS`)."""
-    ctx.recipe("distill.py", [*posttrain_arguments(ctx, None), path_override("teacher_from", ctx.dir_of("grpo")),
+    ctx.recipe("distill.py", [*posttrain_arguments(ctx, None), path_override("teacher_samples", rs_samples(ctx)),
                               *DISTILL_SETTINGS])
-    return {**run_summary(ctx.dir), "teacher_samples": _lines(ctx.dir / "distill_data.jsonl")}
+    return {**run_summary(ctx.dir), "teacher_samples": _lines(rs_samples(ctx))}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -192,6 +192,36 @@ def test_distill_samples_on_two_processes_what_one_draws(sft_run, tmp_path):
 
 
 @pytest.mark.slow
+def test_distill_from_given_samples_samples_nothing_and_refuses_bad_ones(sft_run, tmp_path):
+    """teacher_samples=<recipes/rejection_sample.py's samples.jsonl>: the student learns from that
+    file and no teacher is sampled (the reproduction's distill stage reads its rejection-sampling
+    stage's samples, as R1 distils from its second SFT's data); a missing or empty file, or a teacher
+    named as well, is refused in one line before anything runs (exit 2)."""
+    train, _ = arithmetic.split(PostTrainConfig.from_raw(
+        yaml.safe_load((sft_run / "resolved_config.yaml").read_text())).task)
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text("".join(json.dumps({"messages": [*arithmetic.prompt(p), {"role": "assistant", "content": arithmetic.reply(p)}],
+                                           "reward": 1.0, "answer": p["answer"]}) + "\n" for p in train[:24]))
+    run_dir = tmp_path / "student"
+    run("distill", run_dir, f"teacher_samples={samples}", "data.global_batch_size=4", "data.micro_batch_size=2",
+        "trainer.max_steps=3", "checkpoint.every_n_steps=0")
+    assert not (run_dir / "teacher").exists() and not (run_dir / "distill_data.jsonl").exists()
+    assert not (run_dir / "rejection_stats.json").exists()
+    assert "in 24 conversations" in "".join(p.read_text() for p in run_dir.glob("*.log"))
+    student = rows(run_dir)
+    assert sorted(student) == [0, 1, 2] and student[2]["train/loss"] < student[0]["train/loss"]
+    (tmp_path / "empty.jsonl").write_text("")
+    for bad, names in ([f"teacher_samples={tmp_path / 'none.jsonl'}"], "teacher_samples="), \
+            ([f"teacher_samples={tmp_path / 'empty.jsonl'}"], "teacher_samples="), \
+            ([f"teacher_samples={samples}", f"teacher_from={sft_run}"], "give one"):
+        result = run_python([sys.executable, str(ROOT / "recipes" / "distill.py"), f"hydra.run.dir={tmp_path / 'refused'}",
+                             *COMMON, *bad], cwd=ROOT, timeout=300)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert names in result.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "refused" / "checkpoints").exists()
+
+
+@pytest.mark.slow
 def test_rejection_sample_recipe_from_a_hugging_face_directory(sft_run, tmp_path):
     """recipes/rejection_sample.py with init_from=<an HF export of the SFT run>: the samples it
     keeps are exactly what the library draws from the same weights."""

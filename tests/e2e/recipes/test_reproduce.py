@@ -83,7 +83,8 @@ def test_every_stage_feeds_the_next_and_the_report_has_every_section(interrupted
     assert resolved("grpo")["init_from"] == str(run_dir / "cold_start")
     assert resolved("sft_rs")["init_from"] == str(run_dir / "pretrain")
     assert resolved("sft_rs")["sft"]["dataset"] == str(run_dir / "rejection_sample" / "samples.jsonl")
-    assert f"teacher_from='{run_dir / 'grpo'}'" in done["distill"]["commands"][0]
+    assert f"teacher_samples='{run_dir / 'rejection_sample' / 'samples.jsonl'}'" in done["distill"]["commands"][0]
+    assert resolved("sft_rs")["sft"]["packing"] is not False  # packed, as the cold start's replies
     ablation = {name: [f"ablations/{name}/seed{k}" for k in range(2)] for name in ("baseline", "no_mtp", "no_bias")}
     for stage in ("pretrain", *ablation["baseline"], *ablation["no_mtp"], *ablation["no_bias"], "yarn"):
         assert resolved(stage)["data"]["cache_dir"] == str(run_dir / "data" / "pipeline")

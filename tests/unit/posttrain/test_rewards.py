@@ -11,8 +11,10 @@ from dsl_lit.posttrain.rewards import (
     extract_boxed,
     format_reward,
     language_consistency_reward,
+    restatement_reward,
     target_language_share,
 )
+from dsl_lit.tasks import arithmetic
 
 
 @pytest.mark.parametrize(
@@ -89,3 +91,33 @@ def test_weighted_rewards():
     assert parts["accuracy"].tolist() == [1.0, 1.0, 0.0] and parts["format"].tolist() == [1.0, 0.0, 1.0]
     with pytest.raises(ValueError, match="unknown reward"):
         WeightedRewards({"length": 1.0})
+
+
+LIST = {"question": "the largest of 6 0 4 8", "answer": "8"}
+
+
+@pytest.mark.parametrize(
+    ("completion", "reward"),
+    [
+        ("<think>the largest of 6 0 4 8 = 8</think><answer>8</answer>", 1.0),
+        ("<think> the largest of 6 0 4 8  = 8</think><answer>8</answer>", 1.0),  # spacing around the question
+        ("<think>the largest of 6 6 4 8 = 8</think><answer>8</answer>", 0.0),  # misquoted, right by luck
+        ("<think>the largest of 6 0 4 8 9 = 9</think><answer>9</answer>", 0.0),  # a number added
+        ("<think>the largest of 6 0 4 = 6</think><answer>8</answer>", 0.0),  # a number dropped
+        ("<think>largest: 8</think><answer>8</answer>", 0.0),  # no restatement
+        ("<answer>8</answer>", 0.0),  # no reasoning
+    ],
+)
+def test_restatement_reward(completion, reward):
+    assert restatement_reward(completion, LIST) == reward
+    assert restatement_reward(completion, {"answer": "8"}) == 0.0  # a sample without its question
+
+
+def test_every_generated_reference_reply_restates_its_question():
+    """The rule holds for the generated tasks' own reference replies (every operation)."""
+    from dsl_lit.config.posttrain import TaskConfig
+
+    for task in (TaskConfig(), TaskConfig(operations=["largest"], list_length=4)):
+        for problem in arithmetic.problems(task.validate())[:50]:
+            assert restatement_reward(arithmetic.reply(problem), problem) == 1.0, problem
+            assert restatement_reward(arithmetic.reply(problem, "x"), problem) == 1.0  # the answer is another rule's

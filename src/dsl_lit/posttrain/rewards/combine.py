@@ -14,12 +14,14 @@ import torch
 from dsl_lit.posttrain.rewards.accuracy import accuracy_reward
 from dsl_lit.posttrain.rewards.format import format_reward
 from dsl_lit.posttrain.rewards.language import language_consistency_reward
+from dsl_lit.posttrain.rewards.restatement import restatement_reward
 
 RewardFunction = Callable[[str, Mapping[str, Any]], float]
 REWARD_FUNCTIONS: dict[str, RewardFunction] = {
     "accuracy": accuracy_reward,
     "format": format_reward,
     "language": language_consistency_reward,
+    "restatement": restatement_reward,
 }
 
 
