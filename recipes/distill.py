@@ -56,9 +56,10 @@ def main(hydra_cfg: DictConfig) -> None:
             raise ConfigError(f"teacher_samples={given} and teacher_from={hydra_cfg.teacher_from}: give one (the "
                               "samples to learn from, or the teacher to draw them from)")
         data = Path(given)
-        if not data.is_file() or not read_conversations(data):
-            raise ConfigError(f"teacher_samples={given}: no such .jsonl of conversations, or an empty one (write it "
-                              "with recipes/rejection_sample.py, or set teacher_samples=null to sample a teacher)")
+        if not data.is_file():
+            raise ConfigError(f"teacher_samples={given}: no such file (write it with recipes/rejection_sample.py, "
+                              "or set teacher_samples=null to sample a teacher)")
+        read_conversations(data)  # an empty or malformed one refused now, naming it, before the student is built
     elif not data.is_file():  # a rerun resumes the student's SFT with the same data
         teacher = hydra_cfg.get("teacher_from")
         if not teacher:

@@ -212,7 +212,7 @@ def test_distill_from_given_samples_samples_nothing_and_refuses_bad_ones(sft_run
     assert sorted(student) == [0, 1, 2] and student[2]["train/loss"] < student[0]["train/loss"]
     (tmp_path / "empty.jsonl").write_text("")
     for bad, names in ([f"teacher_samples={tmp_path / 'none.jsonl'}"], "teacher_samples="), \
-            ([f"teacher_samples={tmp_path / 'empty.jsonl'}"], "teacher_samples="), \
+            ([f"teacher_samples={tmp_path / 'empty.jsonl'}"], "empty.jsonl holds no conversation"), \
             ([f"teacher_samples={samples}", f"teacher_from={sft_run}"], "give one"):
         result = run_python([sys.executable, str(ROOT / "recipes" / "distill.py"), f"hydra.run.dir={tmp_path / 'refused'}",
                              *COMMON, *bad], cwd=ROOT, timeout=300)
