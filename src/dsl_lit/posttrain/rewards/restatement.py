@@ -7,7 +7,8 @@ misquotes the list and still answers right was right by luck, and teaches whoeve
 misquote. Measured on the reproduction's GRPO models (2026-11-29, 2-core Xeon): 52% and 76% of their
 verified samples restated the question exactly; SFT of the pretrained model on all of them reached
 28% and 70% held-out (seed 1234's never learned to copy the list in its 300 steps: loss stuck at
-0.5), on the restating ones 83% and 64%.
+0.5), on the restating ones 83% and 64%; kept by this rule while sampling (893 / 1,212 samples),
+99% and 79%.
 """
 
 from __future__ import annotations
