@@ -31,7 +31,7 @@ from tokenizers import Tokenizer
 from data_contract.format import TOKENIZER_FILE
 from data_contract.schema import dataclass_from_dict
 from dsl_lit.config.passkey import PasskeyConfig
-from dsl_lit.evaluation.passkey import markdown_table, passkey_accuracy, with_context
+from dsl_lit.evaluation.passkey import markdown_table, passkey_outcomes, shares, with_context
 from dsl_lit.evaluation.source import load_eval_model
 from dsl_lit.training.runs import exits_on_config_error
 
@@ -48,10 +48,13 @@ def main(hydra_cfg: DictConfig) -> None:
     source = load_eval_model(cfg.checkpoint, device=cfg.device, tokenizer_dir=cfg.tokenizer_dir)  # the run's, or refused
     model = with_context(source.model, max(max(cfg.lengths), source.model.config.max_seq_len), cfg.rope_scaling)
     tokenizer = Tokenizer.from_file(str(Path(source.tokenizer_dir) / TOKENIZER_FILE))
-    table = passkey_accuracy(model, tokenizer, cfg.lengths, cfg.depths, cfg.per_depth, cfg.seed, cfg.device)
+    outcomes = passkey_outcomes(model, tokenizer, cfg.lengths, cfg.depths, cfg.per_depth, cfg.seed, cfg.device)
+    table = shares(outcomes)
     out = Path(HydraConfig.get().runtime.output_dir) / "passkey.json"
     result = {"checkpoint": source.info, "rope_scaling": model.config.rope_scaling,
-              "accuracy": {str(n): {str(d): a for d, a in row.items()} for n, row in table.items()}}
+              "accuracy": {str(n): {str(d): a for d, a in row.items()} for n, row in table.items()},
+              "retrieved": {str(n): {str(d): [int(hit) for hit in hits] for d, hits in row.items()}
+                            for n, row in outcomes.items()}}
     out.write_text(json.dumps(result, indent=2))
     print(markdown_table(table))
     log.info("wrote %s", out)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from data_contract.errors import ConfigError
-from dsl_lit.config.reproduce_stages import STAGES
+from dsl_lit.config.reproduce_stages import CONTEXT_LENGTHS, STAGES
 
 MAX_PRETRAIN_TOKENS = 10**10
 """A miniature's ceiling (gpu_small trains ~10^8 tokens): above it the start-up arithmetic of the
@@ -107,8 +107,10 @@ class ReproduceConfig:
             raise ConfigError(f"reproduce.ablation_fraction={self.ablation_fraction} must be in (0, 1]")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise ConfigError(f"reproduce.seed={self.seed!r} must be a non-negative integer or null")
-        if not self.passkey_lengths or min(self.passkey_lengths) < 48:
-            raise ConfigError(f"reproduce.passkey_lengths={self.passkey_lengths} must be lengths of at least 48 tokens")
+        missing = [n for n in CONTEXT_LENGTHS if n not in (self.passkey_lengths or [])]
+        if missing:
+            raise ConfigError(f"reproduce.passkey_lengths={self.passkey_lengths} must include {missing[0]}: the claim "
+                              f"scores the context base and its YaRN extension at their trained lengths {list(CONTEXT_LENGTHS)}")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"reproduce.device={self.device!r} must be cpu or cuda")
         if self.data_build is not None and not str(self.data_build).strip():

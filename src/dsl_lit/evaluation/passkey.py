@@ -69,20 +69,34 @@ def retrieved(model: nn.Module, prompt: PasskeyPrompt, device: torch.device | st
     return bool(torch.equal(guess, tokens[0, -prompt.answer_len:]))
 
 
-def passkey_accuracy(
+def passkey_outcomes(
     model: nn.Module, tokenizer: Tokenizer, lengths: Sequence[int], depths: Sequence[float],
     per_depth: int, seed: int = 0, device: torch.device | str = "cpu",
-) -> dict[int, dict[float, float]]:
-    """``{length: {depth: share of prompts retrieved}}``; the same prompts for the same seed."""
+) -> dict[int, dict[float, list[bool]]]:
+    """``{length: {depth: [retrieved, ...]}}``, prompt by prompt; the same prompts for the same seed
+    (so two models' outcomes pair up, prompt by prompt)."""
     model.eval()
-    table: dict[int, dict[float, float]] = {}
+    table: dict[int, dict[float, list[bool]]] = {}
     for length in lengths:
         table[length] = {}
         for depth in depths:
             rng = random.Random(f"{seed}/{length}/{depth}")
-            hits = sum(retrieved(model, passkey_prompt(tokenizer, rng, length, depth), device) for _ in range(per_depth))
-            table[length][depth] = hits / per_depth
+            table[length][depth] = [retrieved(model, passkey_prompt(tokenizer, rng, length, depth), device)
+                                    for _ in range(per_depth)]
     return table
+
+
+def passkey_accuracy(
+    model: nn.Module, tokenizer: Tokenizer, lengths: Sequence[int], depths: Sequence[float],
+    per_depth: int, seed: int = 0, device: torch.device | str = "cpu",
+) -> dict[int, dict[float, float]]:
+    """``{length: {depth: share of prompts retrieved}}`` of :func:`passkey_outcomes`."""
+    return shares(passkey_outcomes(model, tokenizer, lengths, depths, per_depth, seed, device))
+
+
+def shares(outcomes: dict[int, dict[float, list[bool]]]) -> dict[int, dict[float, float]]:
+    """The share retrieved per (length, depth) of prompt-by-prompt outcomes."""
+    return {n: {d: sum(hits) / len(hits) for d, hits in row.items()} for n, row in outcomes.items()}
 
 
 def with_context(model: Transformer, max_seq_len: int, rope_scaling: dict[str, Any] | None = None) -> Transformer:

@@ -179,23 +179,23 @@ def _bias_loss(r: Results) -> tuple[str, bool | None]:
     return text, verdict
 
 
-RETRIEVAL_ONSET = "none by step 1,000, 73% by step 1,250 (experiment=cpu_context_128, the passkey corpus alone)"
-"""When a tiny model learns passkey retrieval at its own length (``dsl_lit.tasks.passkey``)."""
-
-
-def _passkey(r: Results) -> tuple[str, bool]:
-    """Criterion: retrieval at the longest length higher after YaRN than before. A base model that
-    retrieves nothing at its own (shortest) length had nothing for YaRN to extend: said, with why."""
-    acc = r["passkey"]["results"]["accuracy"]
-    longest, own = max(acc["yarn"], key=int), min(acc["pretrain"], key=int)
-    before, after = acc["pretrain"][longest], acc["yarn"][longest]
-    text = f"passkey accuracy at {longest} tokens: {before:.0%} before, {after:.0%} after YaRN"
-    if not acc["pretrain"][own]:
-        steps = r.get("pretrain", {}).get("results", {}).get("steps")
-        text += (f"; the base model retrieves nothing at its own length ({own} tokens), so there was nothing to "
-                 f"extend: a tiny model learns retrieval late ({RETRIEVAL_ONSET}), and this pretraining ran "
-                 f"{steps} steps")
-    return text, after > before
+def _passkey(r: Results) -> tuple[str, bool | None]:
+    """Criterion: at the extended length (the YaRN model's), retrieval after YaRN minus before (the
+    context base, plain RoPE past its length), prompt by prompt on the same prompts, above 0 at
+    both ends of its interval (below at both: not; else inconclusive). Only a claim where the base
+    retrieves at its own length: a base that retrieves nothing there had nothing to extend."""
+    p = r["passkey"]["results"]
+    acc, trained = p["accuracy"], p["trained_length"]
+    own, longer = str(trained["context_base"]), str(trained["yarn"])
+    if longer not in acc["yarn"] or own not in acc["context_base"]:
+        raise KeyError(f"passkey: no accuracy at the trained lengths {own} and {longer} (reproduce.passkey_lengths)")
+    before, after = acc["context_base"][longer], acc["yarn"][longer]
+    gain = problem_gain(p["retrieved"]["yarn"][longer], p["retrieved"]["context_base"][longer], unit="passkey prompts")
+    retrieves = acc["context_base"][own] > 0
+    text = (f"passkey accuracy at {longer} tokens: {before:.0%} before, {after:.0%} after YaRN; gain {gain.text()}; "
+            f"the base retrieves {acc['context_base'][own]:.0%} at its own length ({own} tokens)"
+            f"{'' if retrieves else ', so there was nothing to extend'} (criterion: above 0 at both ends)")
+    return text, gain.verdict() if retrieves else False
 
 
 BOOTSTRAP_SAMPLES = 2000
@@ -211,6 +211,7 @@ class ProblemGain:
     low: float
     high: float
     problems: int
+    unit: str = "held-out problems"
 
     def verdict(self) -> bool | None:
         """Above 0 at both ends of the interval, below 0 at both, or inconclusive."""
@@ -218,18 +219,19 @@ class ProblemGain:
 
     def text(self) -> str:
         return (f"{self.mean * 100:+.1f} points [{self.low * 100:+.1f}, {self.high * 100:+.1f}] (5-95%, paired "
-                f"bootstrap over the {self.problems} held-out problems)")
+                f"bootstrap over the {self.problems} {self.unit})")
 
 
-def problem_gain(after: list[float], before: list[float], scale: float = 1.0, seed: int = 0) -> ProblemGain:
+def problem_gain(after: list[float], before: list[float], scale: float = 1.0, seed: int = 0,
+                 unit: str = "held-out problems") -> ProblemGain:
     differences = [a - scale * b for a, b in zip(after, before, strict=True)]
     n = len(differences)
     if not n:
-        raise KeyError("no held-out problems")
+        raise KeyError(f"no {unit}")
     rng = random.Random(seed)
     means = sorted(sum(differences[rng.randrange(n)] for _ in range(n)) / n for _ in range(BOOTSTRAP_SAMPLES))
     return ProblemGain(statistics.fmean(differences), means[int(0.05 * BOOTSTRAP_SAMPLES)],
-                       means[int(0.95 * BOOTSTRAP_SAMPLES) - 1], n)
+                       means[int(0.95 * BOOTSTRAP_SAMPLES) - 1], n, unit)
 
 
 def _outcomes(r: Results, stage: str) -> list[float]:

@@ -4,7 +4,8 @@ composed by Hydra and validated as its recipe would validate it, so a typo in
 
 The commands are recorded, not run: a stage function is called with a context whose ``run``
 keeps the argument list and stops the stage there. Checkpoints named by ``init_from`` do not exist
-yet, so those arguments are left out (their architecture would replace the model group).
+yet, so those arguments are left out (their architecture would replace the model group), and a
+tokenizer an earlier stage's run directory will hold is composed as none (trained by the recipe).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from dsl_lit.reproduce.runner import MARKER, Stage, StageContext, marker
 PRETRAINING = ("pretrain.py",)
 SWEEP = "scaling_laws.py"
 FROM_CHECKPOINTS = ("hydra.run.dir=", "hydra.sweep.dir=", "init_from=", "teacher_from=", "teacher_samples=")
+FROM_EARLIER_RUNS = ("data.tokenizer_dir=",)
+"""Arguments naming what an earlier stage's run directory will hold, validated as null."""
 
 
 class _Recorded(Exception):
@@ -76,7 +79,8 @@ def check_commands(cfg: ReproduceConfig, stages: Sequence[Stage], run_dir: Path)
     configs: dict[str, Any] = {}
     for name, commands in stage_commands(cfg, stages, run_dir).items():
         for index, (script, *arguments) in enumerate(commands):
-            overrides = [a for a in arguments if not a.startswith(FROM_CHECKPOINTS)]
+            overrides = [f"{a.split('=', 1)[0]}=null" if a.startswith(FROM_EARLIER_RUNS) else a
+                         for a in arguments if not a.startswith(FROM_CHECKPOINTS)]
             run = f", run {index + 1} of {len(commands)}" if len(commands) > 1 else ""
             where = f"stage {name} (recipes/{Path(script).name} with reproduce.overrides.{name}{run})"
             try:

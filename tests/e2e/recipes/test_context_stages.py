@@ -66,6 +66,7 @@ def test_stages_start_from_the_previous_stage_at_their_own_length(tmp_path: Path
                          "lengths=[128,512]", "depths=[0.5]", "per_depth=2", f"hydra.run.dir={out}"], cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     scores = json.loads((out / "passkey.json").read_text())
-    assert set(scores["accuracy"]) == {"128", "512"}
+    assert set(scores["accuracy"]) == set(scores["retrieved"]) == {"128", "512"}
+    assert {n: [len(hits) for hits in row.values()] for n, row in scores["retrieved"].items()} == {"128": [2], "512": [2]}
     assert scores["rope_scaling"]["factor"] == 4  # the stage's own scaling, read from its checkpoint
     assert "| 512 |" in result.stdout

@@ -45,6 +45,12 @@ def metrics(run_dir: Path) -> dict[int, dict[str, float]]:
                 for r in csv.DictReader(f) if r.get("train/loss")}
 
 
+def val_steps(run_dir: Path) -> list[int]:
+    """The steps a run validated at (its CSV's val/loss rows, logged at the step's index)."""
+    with (run_dir / "metrics.csv").open() as f:
+        return [int(r["step"]) for r in csv.DictReader(f) if r.get("val/loss")]
+
+
 @pytest.fixture(scope="module")
 def interrupted_run(request: pytest.FixtureRequest) -> tuple[Path, str]:
     """The smoke chain, stopped by SIGTERM once GRPO has saved its first checkpoint, then rerun."""
@@ -78,7 +84,7 @@ def test_every_stage_feeds_the_next_and_the_report_has_every_section(interrupted
         return yaml.safe_load((run_dir / stage / "resolved_config.yaml").read_text())
 
     # checkpoints chain through init_from (and teacher_from); the data stage's shards and tokenizer everywhere
-    assert resolved("yarn")["init_from"] == str(run_dir / "pretrain")
+    assert resolved("yarn")["init_from"] == str(run_dir / "context_base")
     assert resolved("cold_start")["init_from"] == str(run_dir / "pretrain")
     assert resolved("grpo")["init_from"] == str(run_dir / "cold_start")
     assert resolved("sft_rs")["init_from"] == str(run_dir / "pretrain")
@@ -86,8 +92,10 @@ def test_every_stage_feeds_the_next_and_the_report_has_every_section(interrupted
     assert f"teacher_samples='{run_dir / 'rejection_sample' / 'samples.jsonl'}'" in done["distill"]["commands"][0]
     assert resolved("sft_rs")["sft"]["packing"] is not False  # packed, as the cold start's replies
     ablation = {name: [f"ablations/{name}/seed{k}" for k in range(2)] for name in ("baseline", "no_mtp", "no_bias")}
-    for stage in ("pretrain", *ablation["baseline"], *ablation["no_mtp"], *ablation["no_bias"], "yarn"):
+    for stage in ("pretrain", *ablation["baseline"], *ablation["no_mtp"], *ablation["no_bias"]):
         assert resolved(stage)["data"]["cache_dir"] == str(run_dir / "data" / "pipeline")
+    assert all(resolved(stage)["data"]["corpus_dir"].endswith("data/passkey/short" if stage == "context_base" else
+                                                              "data/passkey/medium") for stage in ("context_base", "yarn"))
     # the fitted lr and batch (with its ramp) are what pretraining ran with
     hp = done["scaling"]["results"]
     pre = resolved("pretrain")
@@ -101,12 +109,20 @@ def test_every_stage_feeds_the_next_and_the_report_has_every_section(interrupted
     for name, dirs in ablation.items():
         assert [resolved(d)["trainer"]["seed"] for d in dirs] == [1234, 1235], name
         assert [resolved(d)["trainer"]["max_steps"] for d in dirs] == [done["ablations"]["results"]["steps"]] * 2
+        # validated once, after the last step (every 4 steps before: the last one mid-run)
+        assert [resolved(d)["trainer"]["val_every_n_steps"] for d in dirs] == [done["ablations"]["results"]["steps"]] * 2
+        assert [val_steps(run_dir / d) for d in dirs] == [[done["ablations"]["results"]["steps"] - 1]] * 2
     assert {resolved(d)["model"]["mtp_depth"] for d in ablation["no_mtp"]} == {0}
     assert all(r["mtp_loss"] > 0 for r in runs["baseline"]) and all(r["mtp_loss"] is None for r in runs["no_mtp"])
     assert {tuple(resolved(d)["objective"]["bias_update_rate"]) for d in ablation["no_bias"]} == {(0.0, 0.0)}
     assert runs["baseline"][0]["val_loss"] != runs["baseline"][1]["val_loss"]  # another seed, another run
+    assert resolved("context_base")["data"]["seq_len"] == 128 and resolved("context_base")["model"]["rope_scaling"] is None
     assert resolved("yarn")["model"]["rope_scaling"]["factor"] == 4 and resolved("yarn")["data"]["seq_len"] == 512
-    assert set(done["passkey"]["results"]["accuracy"]) == {"pretrain", "yarn"}
+    key = done["passkey"]["results"]
+    assert set(key["accuracy"]) == set(key["retrieved"]) == {"context_base", "yarn"}
+    assert key["trained_length"] == {"context_base": 128, "yarn": 512}
+    for model in ("context_base", "yarn"):  # prompt by prompt (one depth, one prompt each: the smoke preset)
+        assert {n: sum(hits) / len(hits) for n, hits in key["retrieved"][model].items()} == key["accuracy"][model]
     for stage in ("cold_start", "grpo", "sft_rs", "distill"):  # each R1 stage's held-out outcomes, problem by problem
         outcomes = done[stage]["results"]["held_out_outcomes"]
         assert len(outcomes) == 8 and sum(outcomes) / 8 == done[stage]["results"]["eval_accuracy"], stage
@@ -270,13 +286,25 @@ def test_claims_are_judged_by_their_written_thresholds():
     one_seed = {"ablations": {"variants": {k: v[:1] for k, v in clear["ablations"]["variants"].items()}}}
     assert {row[0]: row[3] for row in claims_table(_done(one_seed))}[mtp] == INCONCLUSIVE  # no spread, no verdict
     yarn = "YaRN extension makes retrieval work at the longer context"
-    blind = {"passkey": {"accuracy": {"pretrain": {"128": 0.0, "512": 0.0}, "yarn": {"128": 0.0, "512": 0.0}}},
-             "pretrain": {"steps": 179}}
+
+    def passkey(base: tuple[list[int], list[int]], extended: tuple[list[int], list[int]]) -> dict:
+        """Prompt-by-prompt outcomes at 128 and 512 tokens of the context base and its extension."""
+        retrieved = {model: {"128": at128, "512": at512} for model, (at128, at512) in
+                     (("context_base", base), ("yarn", extended))}
+        return {"passkey": {"accuracy": {m: {n: sum(h) / len(h) for n, h in row.items()} for m, row in retrieved.items()},
+                            "retrieved": retrieved, "trained_length": {"context_base": 128, "yarn": 512}}}
+    blind = passkey(([0] * 20, [0] * 20), ([0] * 20, [0] * 20))
     measured, verdict = {row[0]: (row[2], row[3]) for row in claims_table(_done(blind))}[yarn]
-    assert verdict == NOT_REPRODUCED and "nothing at its own length (128 tokens)" in measured and "ran 179 steps" in measured
-    seeing = {"passkey": {"accuracy": {"pretrain": {"128": 0.75, "512": 0.0}, "yarn": {"128": 0.75, "512": 0.5}}}}
+    assert verdict == NOT_REPRODUCED and "retrieves 0% at its own length (128 tokens), so there was nothing to extend" in measured
+    seeing = passkey(([1] * 15 + [0] * 5, [0] * 20), ([1] * 15 + [0] * 5, [1] * 10 + [0] * 10))
     measured, verdict = {row[0]: (row[2], row[3]) for row in claims_table(_done(seeing))}[yarn]
-    assert verdict == REPRODUCED and "own length" not in measured
+    assert verdict == REPRODUCED and "0% before, 50% after YaRN; gain +50.0 points [" in measured
+    assert "paired bootstrap over the 20 passkey prompts" in measured and "nothing to extend" not in measured
+    # one prompt's difference among 20 is no verdict either way
+    close = passkey(([1] * 15 + [0] * 5, [1] + [0] * 19), ([1] * 15 + [0] * 5, [1, 1] + [0] * 18))
+    assert {row[0]: row[3] for row in claims_table(_done(close))}[yarn] == INCONCLUSIVE
+    worse = passkey(([1] * 15 + [0] * 5, [1] * 10 + [0] * 10), ([1] * 15 + [0] * 5, [0] * 20))
+    assert {row[0]: row[3] for row in claims_table(_done(worse))}[yarn] == NOT_REPRODUCED
 
 
 def test_the_r1_claims_compare_the_stages_problem_by_problem():
@@ -364,8 +392,11 @@ def test_every_presets_stage_commands_compose_and_validate(name, tmp_path, reque
         assert cfg.data_build == str(build) and cfg.device == "cuda"
         real = str((build / "shards").resolve().parent)  # the cache's links resolved: its build
         for stage, train in configs.items():
-            if stage != "scaling":
+            if stage in ("context_base", "yarn"):  # the passkey documents: a tiny build of their own, no datasets needed
+                assert Path(train.data.corpus_dir).parent == ROOT / "data" / "passkey", stage
+            elif stage != "scaling":
                 assert train.data.cache_dir == real and train.data.fim_rate == 0.0, stage
+            if stage != "scaling":
                 assert train.trainer.compile is False and not train.logger.wandb.enabled, stage
         sweep = " ".join(stage_commands(cfg, STAGE_TABLE, tmp_path)["scaling"][0])
         assert f"data.cache_dir='{real}'" in sweep and "data.tokenizer_vocab_size=8192" in sweep
@@ -594,7 +625,10 @@ def test_the_report_states_what_the_files_hold(tmp_path):
                        {"val_loss": 4.1, "train_loss": 4.0, "load_max_over_mean": 1.3}],
             "no_bias": [{"val_loss": 4.05, "train_loss": 4.0, "load_max_over_mean": 2.5},
                         {"val_loss": 4.05, "train_loss": 4.0, "load_max_over_mean": 2.5}]}},
-        "passkey": {"accuracy": {"pretrain": {"128": 0.0, "64": 0.5}, "yarn": {"128": 0.25, "64": 0.75}}},
+        "context_base": {"steps": 1500, "train_loss": 1.25}, "yarn": {"steps": 150, "train_loss": 0.42},
+        "passkey": {"accuracy": {"context_base": {"128": 0.5, "512": 0.0}, "yarn": {"128": 0.75, "512": 0.25}},
+                    "retrieved": {"context_base": {"128": [1, 0], "512": [0, 0]}, "yarn": {"128": [1, 1], "512": [1, 0]}},
+                    "trained_length": {"context_base": 128, "yarn": 512}},
         "cold_start": {"eval_accuracy": 0.25, "shortcut_accuracy": shortcut, "held_out_outcomes": solved(2),
                        "blind": blind},
         "grpo": {"eval_accuracy": 0.5, "held_out_outcomes": solved(4)},
@@ -620,7 +654,9 @@ def test_the_report_states_what_the_files_hold(tmp_path):
     assert rows == [f'| always "9" | {blind["accuracy"]:.4g} |', f"| shortcut rule | {shortcut:.4g} |",
                     "| cold_start | 0.25 |", "| grpo | 0.5 |",
                     "| sft_rs | 0.375 |", "| distill | 0.125 |"]
-    assert "| 64 | 0.5 | 0.75 |" in report.split("## 4.")[1] and "| 128 | 0 | 0.25 |" in report.split("## 4.")[1]
+    context = report.split("## 4.")[1].split("## 5.")[0]
+    assert "| 128 | 0.5 | 0.75 |" in context and "| 512 | 0 | 0.25 |" in context
+    assert "| context_base | 1500 | 1.25 |" in context and "| yarn | 150 | 0.42 |" in context
     for png in ("passkey.png", "r1_accuracy.png"):
         assert (tmp_path / "report" / png).stat().st_size > 5000
 
@@ -636,7 +672,7 @@ def test_the_seed_and_the_ablations_are_set_from_the_command_line(tmp_path):
         cfg = preset("cpu_mini", "reproduce.seed=7", "reproduce.ablation_seeds=2")
     assert (cfg.seed, cfg.ablation_seeds, cfg.ablation_fraction, cfg.concurrent_runs) == (7, 2, 0.5, 2)
     commands = stage_commands(cfg, STAGE_TABLE, tmp_path)
-    for stage in ("scaling", "pretrain", "yarn", "cold_start", "grpo", "sft_rs", "distill"):
+    for stage in ("scaling", "pretrain", "context_base", "yarn", "cold_start", "grpo", "sft_rs", "distill"):
         assert [a for a in commands[stage][0] if a.startswith("trainer.seed=")] == ["trainer.seed=7"], stage
     seeds = [next(a for a in c if a.startswith("trainer.seed=")) for c in commands["ablations"]]
     assert seeds == ["trainer.seed=7", "trainer.seed=8"] * 3 and len(commands["ablations"]) == 6

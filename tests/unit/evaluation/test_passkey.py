@@ -16,7 +16,13 @@ from torch import nn
 
 from data_contract.errors import ConfigError
 from dsl_lit.config.passkey import PasskeyConfig
-from dsl_lit.evaluation.passkey import passkey_accuracy, passkey_prompt, with_context
+from dsl_lit.evaluation.passkey import (
+    passkey_accuracy,
+    passkey_outcomes,
+    passkey_prompt,
+    shares,
+    with_context,
+)
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.tasks.passkey import CORPORA, KEY_LENGTH, QUESTION, SHIPPED_DIR, key_sentence, write_corpus
 
@@ -82,6 +88,29 @@ def test_accuracy_separates_retrieval_from_a_near_miss() -> None:
     assert all(a == 1.0 for row in perfect.values() for a in row.values())
     wrong = passkey_accuracy(Retriever(tokenizer, wrong=True), tokenizer, lengths, depths, per_depth=4)
     assert all(a == 0.0 for row in wrong.values() for a in row.values())
+
+
+def test_outcomes_are_prompt_by_prompt_on_the_same_prompts() -> None:
+    """Two models are compared prompt by prompt (the reproduce report's paired interval): one
+    outcome per prompt, the same prompts for the same seed, other prompts for another seed."""
+    tokenizer = _tokenizer()
+
+    class Alternating(Retriever):  # right on every other prompt it is shown
+        def __init__(self, tokenizer: Tokenizer) -> None:
+            super().__init__(tokenizer)
+            self.calls = 0
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return super().forward(tokens) if self.calls % 2 else torch.zeros_like(super().forward(tokens))
+
+    outcomes = passkey_outcomes(Alternating(tokenizer), tokenizer, [96, 400], [0.0, 1.0], per_depth=3)
+    assert {n: {d: len(hits) for d, hits in row.items()} for n, row in outcomes.items()} == \
+        {96: {0.0: 3, 1.0: 3}, 400: {0.0: 3, 1.0: 3}}
+    assert [hit for row in outcomes.values() for hits in row.values() for hit in hits] == [True, False, True] * 4
+    assert shares(outcomes)[96] == {0.0: 2 / 3, 1.0: 1 / 3}
+    prompts = [passkey_prompt(tokenizer, random.Random(f"{seed}/96/0.0"), 96, 0.0).tokens for seed in (0, 0, 1)]
+    assert prompts[0] == prompts[1] != prompts[2]
 
 
 def test_with_context_extrapolates_or_applies_yarn_to_the_same_weights() -> None:
