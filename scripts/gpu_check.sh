@@ -17,7 +17,7 @@
 #      tokens, bf16 eager / compile and FP8 + compile; each headline figure printed when measured;
 #   4. with GPU_CHECK_SLOW=1, what takes over a minute: blockwise FP8 (Triton autotune) in the tests and
 #      the benchmark, the transformers rows (GPU_SLOW_TIMEOUT=240);
-#   5. with REPRODUCE=1, `make reproduce` on the GPU: reproduce=gpu_short, ~4 min estimated, outputs in
+#   5. with REPRODUCE=1, `make reproduce` on the GPU: reproduce=gpu_short, ~5.5 min estimated, outputs in
 #      outputs/reproduce/gpu_short/ (GPU_REPRODUCE_TIMEOUT=420).
 # Then one summary table (device, versions, each test pass/fail/timeout with its first error line, each
 # benchmark figure): $OUT/summary.md, also printed. Everything goes under $GPU_CHECK_OUT, else the
