@@ -96,9 +96,11 @@ def head_mean(series: dict[str, Series], key: str, share: float = 0.2) -> float 
 
 
 def run_summary(run_dir: Path) -> dict[str, Any]:
-    """End numbers of a training run from its metrics.csv."""
+    """End numbers of a training run from its metrics.csv (whose step column is the 0-based index
+    of the optimizer step: a 90-step run's last row is step 89, which the report printed as its
+    length)."""
     series = read_metrics(run_dir / METRICS_FILE)
-    return {"steps": int(max(s.steps.max() for s in series.values())) if series else 0,
+    return {"steps": int(max(s.steps.max() for s in series.values())) + 1 if series else 0,
             "train_loss": tail_mean(series, "train/loss", 0.1), "val_loss": last_value(series, "val/loss"),
             "mtp_loss": tail_mean(series, "train/mtp_loss", 0.1),
             "load_max_over_mean": tail_mean(series, "moe/load_max_over_mean"),

@@ -100,6 +100,8 @@ def test_every_stage_feeds_the_next_and_the_report_has_every_section(interrupted
     hp = done["scaling"]["results"]
     pre = resolved("pretrain")
     assert pre["optim"]["lr"] == hp["lr"] and pre["data"]["global_batch_size"] == hp["global_batch_size"] == 8
+    for stage in ("pretrain", "context_base", "yarn"):  # the steps each trained (not its last 0-based index)
+        assert done[stage]["results"]["steps"] == resolved(stage)["trainer"]["max_steps"], stage
     assert pre["data"]["batch_ramp"] == {"start": 4, "tokens": hp["ramp_tokens"], "increment": 4}
     ramp = {int(s): r["train/global_batch_size"] for s, r in metrics(run_dir / "pretrain").items()}
     assert ramp[min(ramp)] == 4 and ramp[max(ramp)] == 8
