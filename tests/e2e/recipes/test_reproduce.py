@@ -501,6 +501,9 @@ def test_paths_reach_the_recipes_as_one_value_whatever_they_hold(path):
     ("seq_len", 0, "reproduce.seq_len=0 must be a positive integer"),
     ("micro_batch_size", 0, "reproduce.micro_batch_size=0 must be a positive integer"),
     ("pretrain_tokens", 10**15, "reproduce.pretrain_tokens=1000000000000000 is over 1e+10"),
+    # the YaRN claim compares the context base and its extension at their trained lengths
+    ("passkey_lengths", [256, 512, 1024], "reproduce.passkey_lengths=[256, 512, 1024] must include 128: the claim"),
+    ("passkey_lengths", [128, 256], "reproduce.passkey_lengths=[128, 256] must include 512: the claim"),
 ])
 def test_sizes_that_hang_or_crash_the_start_up_are_one_line(field, value, message):
     """Before: seq_len=-128 hung at start-up (the step-count loop never ended), a huge budget sat
