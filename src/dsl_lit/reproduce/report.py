@@ -162,9 +162,10 @@ def write_report(run_dir: Path, out: Path, cfg: ReproduceConfig) -> Path:
                             ("no bias update", first["no_bias"].get("moe/load_max_over_mean"))]), "expert load"))
     md.append(_image(_plot(out, "batch_ramp.png", "pretraining: global batch by step", "sequences per step",
                            [("global batch", pre.get("train/global_batch_size"))]), "batch ramp"))
-    rows = [[s, r[s].get("steps"), r[s].get("train_loss"), r[s].get("val_loss"), r[s].get("load_max_over_mean")]
-            for s in ("pretrain",) if s in r]
-    md.append(_table(["run", "steps", "train loss (last 10%)", "val loss", "load max/mean (last 20%)"], rows))
+    rows = [[s, r[s].get("steps"), r[s].get("train_loss"), r[s].get("val_loss"), r[s].get("val_step"),
+             r[s].get("load_max_over_mean")] for s in ("pretrain",) if s in r]
+    md.append(_table(["run", "steps", "train loss (last 10%)", "val loss (last validation)", "validated after step",
+                      "load max/mean (last 20%)"], rows))
     if "ablations" in r:
         ab = r["ablations"]
         md.append(f"\nAblations: {len(ab['seeds'])} seeds ({', '.join(map(str, ab['seeds']))}) per variant, "

@@ -102,6 +102,7 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
     series = read_metrics(run_dir / METRICS_FILE)
     return {"steps": int(max(s.steps.max() for s in series.values())) + 1 if series else 0,
             "train_loss": tail_mean(series, "train/loss", 0.1), "val_loss": last_value(series, "val/loss"),
+            "val_step": int(series["val/loss"].steps[-1]) + 1 if "val/loss" in series else None,
             "mtp_loss": tail_mean(series, "train/mtp_loss", 0.1),
             "load_max_over_mean": tail_mean(series, "moe/load_max_over_mean"),
             "eval_accuracy": last_value(series, "eval/accuracy"),

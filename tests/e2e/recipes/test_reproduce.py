@@ -102,6 +102,9 @@ def test_every_stage_feeds_the_next_and_the_report_has_every_section(interrupted
     assert pre["optim"]["lr"] == hp["lr"] and pre["data"]["global_batch_size"] == hp["global_batch_size"] == 8
     for stage in ("pretrain", "context_base", "yarn"):  # the steps each trained (not its last 0-based index)
         assert done[stage]["results"]["steps"] == resolved(stage)["trainer"]["max_steps"], stage
+    # the pretraining's last validation, and after which step it ran (the report names it beside the loss)
+    assert done["pretrain"]["results"]["val_step"] == max(val_steps(run_dir / "pretrain")) + 1
+    assert done["pretrain"]["results"]["val_step"] % resolved("pretrain")["trainer"]["val_every_n_steps"] == 0
     assert pre["data"]["batch_ramp"] == {"start": 4, "tokens": hp["ramp_tokens"], "increment": 4}
     ramp = {int(s): r["train/global_batch_size"] for s, r in metrics(run_dir / "pretrain").items()}
     assert ramp[min(ramp)] == 4 and ramp[max(ramp)] == 8
@@ -622,7 +625,7 @@ def test_the_report_states_what_the_files_hold(tmp_path):
                     "batch_fit_sequences": 8, "lr_fit": 3e-3, "paper_batch_sequences": 2, "paper_lr": 2e-3,
                     "global_batch_size": 8, "lr": 3e-3, "model_scale_M": 1.2e7, "tokens_D": 8192, "compute_C": 9.8e10,
                     "source": "this sweep", "max_steps": 11, "ramp_start": 4, "ramp_tokens": 4915},
-        "pretrain": {"val_loss": 4.0, "load_max_over_mean": 1.2, "steps": 11},
+        "pretrain": {"val_loss": 4.0, "val_step": 10, "train_loss": 4.1, "load_max_over_mean": 1.2, "steps": 11},
         "ablations": {"steps": 6, "seeds": [1234, 1235], "variants": {
             "baseline": [{"val_loss": 4.0, "train_loss": 3.9, "load_max_over_mean": 1.2},
                          {"val_loss": 4.2, "train_loss": 4.1, "load_max_over_mean": 1.4}],
@@ -659,6 +662,7 @@ def test_the_report_states_what_the_files_hold(tmp_path):
     assert rows == [f'| always "9" | {blind["accuracy"]:.4g} |', f"| shortcut rule | {shortcut:.4g} |",
                     "| cold_start | 0.25 |", "| grpo | 0.5 |",
                     "| sft_rs | 0.375 |", "| distill | 0.125 |"]
+    assert "| pretrain | 11 | 4.1 | 4 | 10 | 1.2 |" in report  # its last validation came after step 10 of 11
     context = report.split("## 4.")[1].split("## 5.")[0]
     assert "| 128 | 0.5 | 0.75 |" in context and "| 512 | 0 | 0.25 |" in context
     assert "| context_base | 1500 | 1.25 |" in context and "| yarn | 150 | 0.42 |" in context
