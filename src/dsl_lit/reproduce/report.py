@@ -181,8 +181,8 @@ def write_report(run_dir: Path, out: Path, cfg: ReproduceConfig) -> Path:
         md.append("Design: YaRN extends a base that retrieves at its own length. The pretrained DeepSeek-V3 tiny "
                   "above does not (a tiny model learns retrieval abruptly, after ~1,200 steps of passkey "
                   "documents), so a small DeepSeek-V3 (2 layers of width 128) is pretrained on passkey documents "
-                  "at 128 tokens (`experiment=cpu_context_128`), then extended x4 with YaRN and 150 steps at 512 "
-                  "tokens (`experiment=cpu_context_512`), as DeepSeek-V3 extends 4K -> 32K.\n")
+                  "at 128 tokens (`experiment=cpu_context_128`), then extended x4 with YaRN and trained briefly "
+                  "at 512 tokens (`experiment=cpu_context_512`), as DeepSeek-V3 extends 4K -> 32K; steps below.\n")
         md.append(_table(["run", "steps", "train loss (last 10%)"], rows))
     if "passkey" in r:
         acc = r["passkey"]["accuracy"]
