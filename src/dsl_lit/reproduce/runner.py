@@ -267,19 +267,16 @@ def _minutes(seconds: float) -> str:
     return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
 
 
-def priorities(stages: Sequence[Stage], estimates_s: dict[str, float]) -> dict[str, int]:
+def priorities(stages: Sequence[Stage]) -> dict[str, int]:
     """Each stage's claim on a free core slot: the length of the longest chain of stages that wait on
     it (the pretraining's, through the R1 stages to the evaluation, is the longest), so that chain
-    never queues behind the runs of a stage nothing waits on (the ablations); between stages as far
-    from the end, the longer one (its ``estimates_s``) first: SFT on the rejection samples before the
-    distillation, which the evaluation waits on as well."""
+    never queues behind the runs of a stage nothing waits on (the ablations)."""
     names = {s.name for s in stages}
-    hops: dict[str, int] = {}
+    rank: dict[str, int] = {}
     for stage in reversed(stages):  # the rows are in an order where every stage follows what it needs
-        waiting = [hops[s.name] for s in stages if stage.name in s.needs and s.name in hops]
-        hops[stage.name] = 1 + max(waiting) if waiting else 0
-    return {name: h * 1_000_000 + min(999_999, round(estimates_s.get(name, 0.0)))
-            for name, h in hops.items() if name in names}
+        waiting = [rank[s.name] for s in stages if stage.name in s.needs and s.name in rank]
+        rank[stage.name] = 1 + max(waiting) if waiting else 0
+    return {name: r for name, r in rank.items() if name in names}
 
 
 def run_stages(cfg: ReproduceConfig, stages: Sequence[Stage], run_dir: Path,
@@ -406,7 +403,7 @@ def _run_chosen(cfg: ReproduceConfig, chosen: Sequence[Stage], prints: dict[str,
     runs in it, in the rows' order. A stage's numbers do not depend on what runs beside it: every
     run has its own process and the same thread count whatever overlaps it."""
     start, spent, estimated = time.monotonic(), 0.0, 0.0
-    slots, ranks = CoreSlots(cfg.concurrent_runs), priorities(chosen, cfg.estimates_s)
+    slots, ranks = CoreSlots(cfg.concurrent_runs), priorities(chosen)
     number = {stage.name: index for index, stage in enumerate(chosen, 1)}
     results: dict[str, dict[str, Any]] = {}
     todo: list[Stage] = []

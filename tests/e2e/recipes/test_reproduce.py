@@ -689,7 +689,7 @@ def test_the_seed_and_the_ablations_are_set_from_the_command_line(tmp_path):
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = preset("cpu_mini", "reproduce.seed=7", "reproduce.ablation_seeds=2")
-    assert (cfg.seed, cfg.ablation_seeds, cfg.ablation_fraction, cfg.concurrent_runs) == (7, 2, 0.4, 2)
+    assert (cfg.seed, cfg.ablation_seeds, cfg.ablation_fraction, cfg.concurrent_runs) == (7, 2, 0.5, 2)
     commands = stage_commands(cfg, STAGE_TABLE, tmp_path)
     for stage in ("scaling", "pretrain", "context_base", "yarn", "cold_start", "grpo", "sft_rs", "distill"):
         assert [a for a in commands[stage][0] if a.startswith("trainer.seed=")] == ["trainer.seed=7"], stage
