@@ -74,15 +74,8 @@ def interrupted_run(request: pytest.FixtureRequest) -> tuple[Path, str]:
 def test_every_stage_feeds_the_next_and_the_report_has_every_section(interrupted_run):
     run_dir, log = interrupted_run
     n = len(STAGES)
-    needs = {stage.name: stage.needs for stage in STAGE_TABLE}
-    upstream, frontier = set(), ["grpo"]
-    while frontier:  # what GRPO needs, directly or not: finished before the stop
-        upstream.update(added := {need for stage in frontier for need in needs[stage]} - upstream)
-        frontier = list(added)
-    assert upstream == {"scaling", "data", "pretrain", "cold_start"}
-    for index, stage in enumerate(STAGES[:STAGES.index("grpo")], 1):  # skipped; the others beside GRPO may be not
-        assert f"stage {index}/{n} {stage}: finished earlier" in log or (
-            stage not in upstream and f"stage {index}/{n} {stage}: " in log), stage
+    for index, stage in enumerate(STAGES[:STAGES.index("grpo")], 1):  # finished before the stop: skipped
+        assert f"stage {index}/{n} {stage}: finished earlier" in log
     assert f"stage {STAGES.index('grpo') + 1}/{n} grpo: GRPO" in log and "about" in log and "elapsed" in log
     assert "resuming from" in (run_dir / "grpo" / "stage.log").read_text()
     done = {s: json.loads((run_dir / s / MARKER).read_text()) for s in STAGES}
@@ -153,7 +146,6 @@ def test_every_stage_feeds_the_next_and_the_report_has_every_section(interrupted
                 if line.startswith("| ") and "DeepSeek" in line]
     assert len(verdicts) == 9 and set(verdicts) <= {REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE}
     assert "Ablations: 2 seeds (1234, 1235) per variant" in report
-    assert "from the first one's start to the last one's end" in report  # stages overlap: not their sum
 
 
 @pytest.mark.slow
