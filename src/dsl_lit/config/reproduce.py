@@ -60,10 +60,8 @@ class ReproduceConfig:
     ablation_fraction: float = 1.0
     """Share of the pretraining's steps each ablation run trains (the same lr and batch schedule)."""
     concurrent_runs: int = 1
-    """Recipe runs at a time, of one stage (the ablations' seeds) or of stages that do not need each
-    other (the ablations and the context base beside the R1 chain), each on cores / this many
-    threads: on two cores, two one-thread runs do more work than one two-thread run (a second thread
-    speeds the tiny pretraining's step up 1.6x, not 2x), and no core idles while a stage waits."""
+    """Runs of one stage at a time (the ablations' seeds), each on cores / this many threads: two
+    single-thread runs of a tiny model finish in about the time of one two-thread run."""
     overrides: dict[str, list[str]] = field(default_factory=dict)
     """Hydra overrides per stage, e.g. ``{pretrain: [trainer.max_steps=100]}``, applied after the
     wiring (init_from, data dirs, fitted lr and batch), so a preset can change anything."""

@@ -87,17 +87,6 @@ def _minutes(seconds: float) -> str:
     return f"{int(seconds // 60)} min {int(seconds % 60):02d} s"
 
 
-def _time_taken(done: dict[str, dict[str, Any]]) -> str:
-    """The stages' time: from the first one's start to the last one's end where their markers say
-    when (independent stages overlap, so their seconds add up to more), else their seconds summed."""
-    total = _minutes(sum(m["seconds"] for m in done.values()))
-    if not done or not all("started_at" in m and "finished_at" in m for m in done.values()):
-        return f"their time: {total} in all"
-    wall = max(m["finished_at"] for m in done.values()) - min(m["started_at"] for m in done.values())
-    return (f"their time: {_minutes(wall)} from the first one's start to the last one's end ({total} of stage "
-            "time: independent stages overlap)")
-
-
 def write_report(run_dir: Path, out: Path, cfg: ReproduceConfig) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     results_of = [row.name for row in STAGE_ROWS if not row.redrawn]  # the stages with results (not the report)
@@ -107,7 +96,8 @@ def write_report(run_dir: Path, out: Path, cfg: ReproduceConfig) -> Path:
     md = [f"# DeepSeek in miniature: `reproduce={cfg.name}`\n",
           f"Machine: {machine_description()}.\n",
           f"Stages finished: {len(done) - len(skipped_here)} of {len(results_of)} (the report is the last)"
-          + (f", skipped here: {', '.join(skipped_here)}" if skipped_here else "") + f"; {_time_taken(done)}.\n"]
+          + (f", skipped here: {', '.join(skipped_here)}" if skipped_here else "") + "; their time: "
+          f"{_minutes(sum(m['seconds'] for m in done.values()))} in all.\n"]
     md.append(_table(["stage", "seconds"], [[s, "skipped" if s in skipped_here else done[s]["seconds"] if s in done else "not run"]
                                             for s in results_of]))
 

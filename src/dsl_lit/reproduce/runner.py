@@ -25,9 +25,8 @@ from typing import Any
 from data_contract.errors import ConfigError
 from dsl_lit.config.reproduce import ReproduceConfig
 from dsl_lit.config.reproduce_stages import StageRow
-from dsl_lit.reproduce.core_slots import CoreSlots
 from dsl_lit.reproduce.run_dir_lock import hold_run_dir
-from dsl_lit.reproduce.stage_process import StageProcess, can_fork, fork_call, preload, start_stage
+from dsl_lit.reproduce.stage_process import StageProcess, preload, start_stage
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +81,6 @@ class StageContext:
     commands: list[list[str]] = field(default_factory=list)
     lock_fd: int | None = None
     """The run dir's lock (:mod:`~dsl_lit.reproduce.run_dir_lock`), handed to every stage it starts."""
-    slots: CoreSlots | None = None
-    """The run's cores, shared with the stages running beside this one (None: this stage's own,
-    ``concurrent`` of them per :meth:`run_all`)."""
-    priority: int = 0
-    """This stage's claim on a free slot (:func:`priorities`)."""
-    owner: int = 1
-    """Who this stage is to the slots (the runner numbers its stages)."""
 
     @property
     def dir(self) -> Path:
@@ -117,23 +109,19 @@ class StageContext:
 
     def run_all(self, argvs: Sequence[Sequence[str]], concurrent: int = 1,
                 log_paths: Sequence[Path] | None = None) -> None:
-        """``python <argv> <the preset's overrides>`` for each of ``argvs``, at most ``concurrent`` at
-        a time, each once it holds a core slot (:class:`~dsl_lit.reproduce.core_slots.CoreSlots`: the
-        run's ``reproduce.concurrent_runs`` slots, shared with the stages running beside this one) and
-        on its share of the cores (``OMP_NUM_THREADS`` = cores / slots: a second thread speeds a tiny
-        model's step up 1.4-1.6x, so two one-thread runs do more than one two-thread run, and every run
-        gets the same thread count whatever runs beside it). Output to ``log_paths`` (default: the stage's log). A SIGTERM or SIGINT reaches every
-        running child, which saves and exits; no further one starts. A failure stops the others and
-        raises :class:`StageFailed` naming its log."""
+        """``python <argv> <the preset's overrides>`` for each of ``argvs``, ``concurrent`` at a time
+        (each then on its share of the cores: ``OMP_NUM_THREADS`` = cores / ``concurrent``; a tiny
+        model's step gains little from a second thread, so two runs on one core each finish in about
+        the time of one on both). Output to ``log_paths`` (default: the stage's log). A SIGTERM or
+        SIGINT reaches every running child, which saves and exits; no further one starts. A failure
+        stops the others and raises :class:`StageFailed` naming its log."""
         commands = [[sys.executable, *argv, *self.cfg.overrides.get(self.name, [])] for argv in argvs]
         self.commands.extend(command[1:] for command in commands)
         self.dir.mkdir(parents=True, exist_ok=True)
         logs = list(log_paths) if log_paths is not None else [self.dir / "stage.log"] * len(commands)
         env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1"}
-        slots = self.slots or CoreSlots(concurrent)
-        threads = slots.threads()
-        if threads is not None:
-            env["OMP_NUM_THREADS"] = str(threads)
+        if concurrent > 1:
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // concurrent))
         stop: list[int] = []
         live: dict[int, StageProcess] = {}
         failed: tuple[int, int] | None = None
@@ -147,8 +135,7 @@ class StageContext:
         try:
             pending = list(range(len(commands)))
             while live or (pending and not stop and failed is None):
-                while (pending and len(live) < concurrent and not stop and failed is None
-                       and (len(live) < slots.held(self.owner) or slots.try_take(self.owner, self.priority))):
+                while pending and len(live) < concurrent and not stop and failed is None:
                     index = pending.pop(0)
                     with logs[index].open("a") as out:
                         out.write(f"\n$ {' '.join(commands[index])}\n")
@@ -159,21 +146,15 @@ class StageContext:
                 finished = {i: code for i, child in live.items() if (code := child.poll()) is not None}
                 for index, code in finished.items():
                     del live[index]
-                    more = pending and not stop and failed is None
-                    if (live and not more) or (more and slots.outranked(self.priority)):
-                        # not needed until the others end, or wanted more elsewhere; the last one's slot
-                        # stays for what this stage does next (the runner takes it back when it ends)
-                        slots.give_back(self.owner)
                     if code != 0 and failed is None and not stop and code not in (143, -signal.SIGTERM):
                         failed = (index, code)
                         for child in live.values():  # the others are of no use now
                             child.send_signal(signal.SIGTERM)
                     elif code in (143, -signal.SIGTERM) and failed is None:
                         stop.append(signal.SIGTERM)
-                if not finished:
+                if live and not finished:
                     time.sleep(0.1)
         finally:
-            slots.withdraw(self.owner)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
         if failed is not None:
@@ -267,18 +248,6 @@ def _minutes(seconds: float) -> str:
     return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
 
 
-def priorities(stages: Sequence[Stage]) -> dict[str, int]:
-    """Each stage's claim on a free core slot: the length of the longest chain of stages that wait on
-    it (the pretraining's, through the R1 stages to the evaluation, is the longest), so that chain
-    never queues behind the runs of a stage nothing waits on (the ablations)."""
-    names = {s.name for s in stages}
-    rank: dict[str, int] = {}
-    for stage in reversed(stages):  # the rows are in an order where every stage follows what it needs
-        waiting = [rank[s.name] for s in stages if stage.name in s.needs and s.name in rank]
-        rank[stage.name] = 1 + max(waiting) if waiting else 0
-    return {name: r for name, r in rank.items() if name in names}
-
-
 def run_stages(cfg: ReproduceConfig, stages: Sequence[Stage], run_dir: Path,
                progress: Callable[[str], None] = print) -> dict[str, dict[str, Any]]:
     """Run every selected stage not finished yet; returns each stage's results."""
@@ -293,200 +262,37 @@ def run_stages(cfg: ReproduceConfig, stages: Sequence[Stage], run_dir: Path,
         os.close(lock_fd)  # the stages that still hold it (none, normally) keep it until they exit
 
 
-@dataclass
-class _Running:
-    """A stage running in a process of its own."""
-
-    process: StageProcess
-    failure: int
-    """The read end of the pipe its failure message comes through."""
-
-
-CONFIG_EXIT = 2
-"""A stage process's status when its stage raised ConfigError (a recipe's own exit 2 is a StageFailed)."""
-FAILURE_BYTES = 16384
-"""At most this much of a failure's message comes back (a pipe holds it without blocking the stage)."""
-
-
-def _run_stage(stage: Stage, context: StageContext, fingerprint: str) -> None:
-    """One stage's work and its markers: STARTED (the settings its checkpoints are made with), then
-    DONE with its results, its seconds and its recipes' commands."""
-    stage_dir = context.dir
-    stage_dir.mkdir(parents=True, exist_ok=True)
-    write_marker(stage_dir, {"stage": stage.name, "fingerprint": fingerprint}, STARTED)
-    began, began_at = time.monotonic(), time.time()
-    stage_results = stage.run(context)
-    write_marker(stage_dir, {"stage": stage.name, "fingerprint": fingerprint,
-                             "seconds": round(time.monotonic() - began, 1), "started_at": round(began_at, 1),
-                             "finished_at": round(time.time(), 1), "results": stage_results,
-                             "commands": context.commands})
-
-
-class _Finished:
-    """A stage that ran in this process: its status, as a finished process's."""
-
-    def __init__(self, status: int) -> None:
-        self.status = status
-
-    def send_signal(self, signum: int) -> None:
-        pass
-
-    def poll(self) -> int | None:
-        return self.status
-
-
-def _start(stage: Stage, context: StageContext, fingerprint: str, slots: CoreSlots) -> _Running:
-    """The stage in a fork of this process (one thread here), else run here to its end; either way
-    its claim on a core slot registered first."""
-    slots.claim(context.owner, context.priority)
-    read, write = os.pipe()
-    os.set_blocking(read, False)  # read once it has exited: what its message left, never a wait
-    if not can_fork():
-        os.close(write)
-        try:
-            _run_stage(stage, context, fingerprint)
-        except BaseException:
-            os.close(read)
-            raise
-        finally:
-            slots.reclaim(context.owner)  # it has ended: the next stage, here, takes its slot
-        return _Running(_Finished(0), read)
-
-    def body() -> int:
-        os.close(read)
-        stopped = signal.SIGTERM, signal.SIGINT  # between runs: exit; during one, run_all forwards it first
-
-        def end(_signum: int, _frame: Any) -> None:
-            raise SystemExit(143)
-
-        for signum in stopped:
-            signal.signal(signum, end)
-        status, message = 0, ""
-        try:
-            _run_stage(stage, context, fingerprint)
-        except (StageFailed, ConfigError) as error:
-            status, message = (CONFIG_EXIT if isinstance(error, ConfigError) else 1), str(error)
-        except SystemExit as exit_:
-            status = exit_.code if isinstance(exit_.code, int) else 1
-        except BaseException as error:  # a bug in the stage's own code: its traceback in the stage's log
-            import traceback
-
-            with (context.dir / "stage.log").open("a") as out:
-                traceback.print_exc(file=out)
-            status, message = 1, f"stage {stage.name}: {type(error).__name__}: {error} (traceback in {context.dir / 'stage.log'})"
-        os.write(write, message.encode()[:FAILURE_BYTES])
-        os.close(write)
-        return status
-
-    process = fork_call(body)
-    os.close(write)
-    return _Running(process, read)
-
-
-def _read_failure(fd: int) -> str:
-    chunks = []
-    try:
-        while chunk := os.read(fd, 65536):
-            chunks.append(chunk)
-    except BlockingIOError:  # a run it started still holds the pipe open: the message is in already
-        pass
-    finally:
-        os.close(fd)
-    return b"".join(chunks).decode(errors="replace")
-
-
 def _run_chosen(cfg: ReproduceConfig, chosen: Sequence[Stage], prints: dict[str, str], run_dir: Path,
                 progress: Callable[[str], None], lock_fd: int) -> dict[str, dict[str, Any]]:
-    """Every stage starts, in a process of its own, once the stages it needs have finished (the
-    report once every other has), so independent stages overlap; their recipe runs share
-    ``reproduce.concurrent_runs`` core slots. Where this process cannot fork, one stage at a time
-    runs in it, in the rows' order. A stage's numbers do not depend on what runs beside it: every
-    run has its own process and the same thread count whatever overlaps it."""
     start, spent, estimated = time.monotonic(), 0.0, 0.0
-    slots, ranks = CoreSlots(cfg.concurrent_runs), priorities(chosen)
-    number = {stage.name: index for index, stage in enumerate(chosen, 1)}
-    results: dict[str, dict[str, Any]] = {}
-    todo: list[Stage] = []
-    for stage in chosen:
-        done = marker(run_dir / stage.name)
+    results = {}
+    for index, stage in enumerate(chosen, 1):
+        stage_dir = run_dir / stage.name
+        done = marker(stage_dir)
         # the report is redrawn every time, and a stage skipped for a missing package runs once it is there
         if done is not None and not stage.row.redrawn and not skipped(done["results"]):
-            progress(f"stage {number[stage.name]}/{len(chosen)} {stage.name}: finished earlier "
-                     f"({_minutes(done['seconds'])}), skipped")
+            progress(f"stage {index}/{len(chosen)} {stage.name}: finished earlier ({_minutes(done['seconds'])}), skipped")
             results[stage.name] = done["results"]
+            continue
+        left = sum(cfg.estimates_s.get(s.name, 0.0) for s in chosen[index - 1:] if marker(run_dir / s.name) is None)
+        pace = spent / estimated if estimated else 1.0
+        progress(f"stage {index}/{len(chosen)} {stage.name}: {stage.description} (elapsed "
+                 f"{_minutes(time.monotonic() - start)}, about {_minutes(left * pace)} left)")
+        began = time.monotonic()
+        context = StageContext(cfg, run_dir, stage.name, lock_fd=lock_fd)
+        stage_dir.mkdir(parents=True, exist_ok=True)
+        write_marker(stage_dir, {"stage": stage.name, "fingerprint": prints[stage.name]}, STARTED)
+        stage_results = stage.run(context)
+        seconds = time.monotonic() - began
+        spent += seconds
+        estimated += cfg.estimates_s.get(stage.name, seconds)
+        write_marker(stage_dir, {"stage": stage.name, "fingerprint": prints[stage.name], "seconds": round(seconds, 1),
+                                 "results": stage_results, "commands": context.commands})
+        results[stage.name] = stage_results
+        if skipped(stage_results):
+            progress(f"stage {index}/{len(chosen)} {stage.name}: skipped: {stage_results['skipped']}")
         else:
-            todo.append(stage)
-    running: dict[str, _Running] = {}
-    stop: list[int] = []
-    failed: tuple[str, str] | None = None
-    failed_config = False
-
-    def forward(signum: int, _frame: Any) -> None:  # SIGTERM/SIGINT: every stage saves and exits
-        stop.append(signum)
-        for entry in running.values():
-            entry.process.send_signal(signal.SIGTERM)
-
-    def ready(stage: Stage) -> bool:
-        if stage.row.redrawn:
-            return len(todo) == 1 and not running
-        return all(need in results or marker(run_dir / need) is not None for need in stage.needs)
-
-    ended: list[int] = []  # the stages that ended since the last look: their slots come back
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        while (todo and not stop and failed is None) or running:
-            startable = [s for s in todo if ready(s)] if not stop and failed is None else []
-            if todo and not startable and not running and not stop and failed is None:  # selected() rules it out
-                raise ConfigError(f"reproduce: stages {', '.join(s.name for s in todo)} wait on stages that never ran")
-            for stage in startable:  # each registers its claim on a slot before the ended stages' slots come back
-                left = sum(cfg.estimates_s.get(s.name, 0.0) for s in todo) / max(1, min(cfg.concurrent_runs, len(todo)))
-                pace = spent / estimated if estimated else 1.0
-                progress(f"stage {number[stage.name]}/{len(chosen)} {stage.name}: {stage.description} (elapsed "
-                         f"{_minutes(time.monotonic() - start)}, about {_minutes(left * pace)} left)")
-                todo.remove(stage)
-                context = StageContext(cfg, run_dir, stage.name, lock_fd=lock_fd, slots=slots, priority=ranks[stage.name],
-                                       owner=number[stage.name])
-                running[stage.name] = _start(stage, context, prints[stage.name], slots)
-            for owner in ended:
-                slots.reclaim(owner)
-            ended = []
-            for name, entry in list(running.items()):
-                code = entry.process.poll()
-                if code is None:
-                    continue
-                del running[name]
-                ended.append(number[name])
-                message = _read_failure(entry.failure)
-                if code == 0:
-                    done = marker(run_dir / name)
-                    if done is None:
-                        failed = failed or (name, f"stage {name} ended without its marker")
-                        continue
-                    results[name] = done["results"]
-                    spent += done["seconds"]
-                    estimated += cfg.estimates_s.get(name, done["seconds"])
-                    if skipped(done["results"]):
-                        progress(f"stage {number[name]}/{len(chosen)} {name}: skipped: {done['results']['skipped']}")
-                    else:
-                        progress(f"stage {number[name]}/{len(chosen)} {name}: done in {_minutes(done['seconds'])}")
-                elif code in (143, -signal.SIGTERM) or stop:
-                    stop.append(signal.SIGTERM)
-                    for other in running.values():
-                        other.process.send_signal(signal.SIGTERM)
-                elif failed is None:
-                    failed, failed_config = (name, message or f"stage {name} exited {code}"), code == CONFIG_EXIT
-                    for other in running.values():  # the others are of no use now: they save and exit
-                        other.process.send_signal(signal.SIGTERM)
-            if running:
-                time.sleep(0.1)
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-    if failed is not None:
-        name, message = failed
-        raise (ConfigError if failed_config else StageFailed)(message)
-    if stop:
-        raise SystemExit(143)  # stopped: no marker; the stages' runs saved their checkpoints and a rerun resumes
+            progress(f"stage {index}/{len(chosen)} {stage.name}: done in {_minutes(seconds)}")
     redrawn = [s.name for s in chosen if s.row.redrawn]
     report = f"; report: {run_dir / redrawn[0] / 'report.md'}" if redrawn else (
         " (no report stage in this subset: add report to reproduce.stages for one)")

@@ -23,7 +23,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -74,31 +74,6 @@ def start_stage(argv: Sequence[str], *, cwd: Path, env: dict[str, str], log_path
             status = run_as_main(argv)
         finally:
             exit_process(status)
-    return ForkedStage(pid)
-
-
-def fork_call(body: Callable[[], int]) -> ForkedStage:
-    """``body()`` in a fork of this process (one thread: :func:`can_fork`), its return value the
-    fork's exit status; the fork dies with this process and ends without this process's exit
-    handlers (they belong to the runner: its logging, its run directory's lock)."""
-    for handler in logging.getLogger().handlers:
-        handler.flush()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns
-        status = 1
-        try:
-            die_with_parent()
-            status = body()
-        except SystemExit as stopped:
-            status = stopped.code if isinstance(stopped.code, int) else 1
-        finally:
-            for handler in logging.getLogger().handlers:
-                handler.flush()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(status)
     return ForkedStage(pid)
 
 

@@ -428,8 +428,6 @@ def test_without_datasets_and_lm_eval_gpu_short_reads_the_carried_build_and_skip
         without_build = preset("gpu_short", "reproduce.data_build=null")
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets / lm_eval: ImportError
     monkeypatch.setitem(sys.modules, "lm_eval", None)
-    # the stages in this process, one by one (as where it cannot fork), where caplog hears what they say
-    monkeypatch.setattr("dsl_lit.reproduce.runner.can_fork", lambda: False)
     with pytest.raises(ConfigError, match=r"^stage data needs datasets \(.*\): install it, or set reproduce\.data_build"):
         check_packages(without_build, tmp_path)
     check_packages(cfg, tmp_path)
