@@ -373,7 +373,9 @@ def ablations(ctx: StageContext) -> dict[str, Any]:
             if not a.startswith(("trainer.seed=", "trainer.max_steps=", "data.batch_ramp.tokens="))]
     runs = ablation_runs(ctx)
     commands, logs, todo = [], [], []
-    for name, arguments in ABLATIONS:
+    # the runs without the MTP module (~30% less per step) last: the last wave's lone run, which
+    # leaves a core idle, is then a short one (runs are independent: the order changes no number)
+    for name, arguments in sorted(ABLATIONS, key=lambda variant: "++model.mtp_depth=0" in variant[1]):
         for k, run_dir in enumerate(runs[name]):
             if marker(run_dir) is not None:  # finished before an interruption
                 continue
