@@ -685,3 +685,5 @@ def test_the_seed_and_the_ablations_are_set_from_the_command_line(tmp_path):
         assert [a for a in commands[stage][0] if a.startswith("trainer.seed=")] == ["trainer.seed=7"], stage
     seeds = [next(a for a in c if a.startswith("trainer.seed=")) for c in commands["ablations"]]
     assert seeds == ["trainer.seed=7", "trainer.seed=8"] * 3 and len(commands["ablations"]) == 6
+    # the runs without MTP (the shortest) last, so the last wave's lone run idles a core the least
+    assert ["++model.mtp_depth=0" in c for c in commands["ablations"]] == [False] * 4 + [True] * 2
