@@ -16,9 +16,11 @@ HPARAMS = ("pretrain_tokens", "seq_len", "batch_range", "lr_range", "micro_batch
 """What the scaling stage's batch and lr for the pretraining depend on (the pretrained model's size too)."""
 TRAINS = ("seq_len", "micro_batch_size", "device", "seed")
 R1 = ("device", "seed")
+WITHOUT_MTP = "++model.mtp_depth=0"
+"""The ablation's override that drops the MTP module (its runs are the cheapest: the stage starts them last)."""
 ABLATIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("baseline", ()),
-    ("no_mtp", ("++model.mtp_depth=0",)),
+    ("no_mtp", (WITHOUT_MTP,)),
     ("no_bias", ("objective.bias_update_rate=[0.0,0.0]",)),
 )
 """The ablation study's variants (name, recipe overrides on the pretraining's), each trained over

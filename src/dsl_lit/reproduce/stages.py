@@ -31,7 +31,7 @@ import yaml
 from data_contract.errors import ConfigError
 from dsl_lit.config.model import ModelConfig
 from dsl_lit.config.reproduce import ReproduceConfig
-from dsl_lit.config.reproduce_stages import ABLATIONS, EVALUATED, STAGE_ROWS
+from dsl_lit.config.reproduce_stages import ABLATIONS, EVALUATED, STAGE_ROWS, WITHOUT_MTP
 from dsl_lit.report.metrics import METRICS_FILE, Series, read_metrics
 from dsl_lit.reproduce.runner import (
     PROJECT_ROOT,
@@ -375,7 +375,7 @@ def ablations(ctx: StageContext) -> dict[str, Any]:
     commands, logs, todo = [], [], []
     # the runs without the MTP module (~30% less per step) last: the last wave's lone run, which
     # leaves a core idle, is then a short one (runs are independent: the order changes no number)
-    for name, arguments in sorted(ABLATIONS, key=lambda variant: "++model.mtp_depth=0" in variant[1]):
+    for name, arguments in sorted(ABLATIONS, key=lambda variant: WITHOUT_MTP in variant[1]):
         for k, run_dir in enumerate(runs[name]):
             if marker(run_dir) is not None:  # finished before an interruption
                 continue
