@@ -106,19 +106,57 @@ def _exponent(x: float) -> str:
     return f"{x:.3f}" if abs(x) >= 5e-4 else "0 (flat: the optimum did not move between budgets)"
 
 
-def _law(laws: dict[str, Any], name: str, sign: int) -> tuple[str, bool | None]:
+def _edge_bounds(law: dict[str, Any], name: str, sign: int) -> tuple[list[str], list[str]]:
+    """The budgets whose optimum of ``name`` sat on an edge of the grid swept there, split by what
+    that can do to the fitted exponent's sign. An optimum on an edge is only a bound (the true one
+    lies at it or beyond); the least-squares slope through (log C, log optimum) moves by
+    (log C_i - the budgets' mean log C) times a shift of point i, so a low edge below the mean budget
+    can only steepen the slope and one above it only flatten it (a high edge the other way round).
+    Returns (edges that could move the exponent against ``sign``, edges that could only move it
+    further toward ``sign``); one with under three values swept ("narrow") could do either."""
+    edges = [e for e in law.get("edges", []) if e["axis"] == name]
+    if not edges:
+        return [], []
+    centre = statistics.fmean(math.log(o["budget"]) for o in law["optima"])
+    against, toward = [], []
+    for edge in edges:
+        where = f"C={edge['budget']:.3g} ({edge['side']} edge, {edge['value']:.3g})"
+        if edge["side"] == "narrow":
+            against.append(where)
+            toward.append(where)
+            continue
+        effect = (1 if edge["side"] == "high" else -1) * (math.log(edge["budget"]) - centre) * sign
+        if effect < 0:
+            against.append(where)
+        elif effect > 0:
+            toward.append(where)
+    return against, toward
+
+
+def _law(law: dict[str, Any], name: str, sign: int) -> tuple[str, bool | None]:
     """A fitted exponent with its bootstrap interval over the sweep's runs (5-95%), judged as the
     seed margins are: the paper's sign beyond the interval (``sign`` > 0: its lower end above 0),
-    the other sign beyond it, or the interval holding 0 (inconclusive)."""
-    exponent = laws[name]["exponent"]
-    low, high = laws["bootstrap"][name]["exponent_interval"]
+    the other sign beyond it, or the interval holding 0 (inconclusive). An optimum on its grid's
+    edge that could move the exponent against the verdict (:func:`_edge_bounds`) leaves it
+    inconclusive: the fit extrapolated there, and the grid did not measure that optimum."""
+    exponent = law[name]["exponent"]
+    low, high = law["bootstrap"][name]["exponent_interval"]
     if (low > 0 if sign > 0 else high < 0):
         agrees: bool | None = True
     elif (high < 0 if sign > 0 else low > 0):
         agrees = False
     else:
         agrees = None
-    return f"C^{_exponent(exponent)} [{low:.3f}, {high:.3f}]", agrees
+    against, toward = _edge_bounds(law, name, sign)
+    text = f"C^{_exponent(exponent)} [{low:.3f}, {high:.3f}]"
+    undone = against if agrees is True else toward if agrees is False else []
+    if undone:
+        return f"{text}, but its optimum sat on the grid's edge at {', '.join(undone)}: a bound that could " \
+               "reverse the verdict", None
+    if against or toward:
+        text += f" (optimum on the grid's edge at {', '.join(dict.fromkeys(against + toward))}" + \
+                ("" if agrees is None else ": a bound that can only strengthen the verdict") + ")"
+    return text, agrees
 
 
 def _both(*verdicts: bool | None) -> bool | None:

@@ -62,11 +62,6 @@ def find_edges(results: Sequence[Result]) -> list[Edge]:
     return edges
 
 
-def edge_optima(results: Sequence[Result]) -> list[str]:
-    """One line per edge, e.g. ``"isoflop C=1e+10: model_scale at the grid's low edge (3.07e+04)"``."""
-    return [edge.text() for edge in find_edges(results)]
-
-
 def _beyond(values: list[float], side: str, ratio: float) -> float:
     return values[0] / ratio if side == "low" else values[-1] * ratio
 

@@ -35,7 +35,7 @@ from data_contract.errors import ConfigError
 from data_contract.schema import dataclass_from_dict
 from dsl_lit.scaling.bootstrap import bootstrap_laws
 from dsl_lit.scaling.fit import AllocationFit, HparamFit, fit_allocation, fit_hparam_laws
-from dsl_lit.scaling.grid_edges import edge_optima, grid_extensions
+from dsl_lit.scaling.grid_edges import find_edges, grid_extensions
 from dsl_lit.scaling.laws import PowerLaw
 from dsl_lit.scaling.sweep_plan import Point, SweepConfig, plan_overrides, point_overrides, sweep_points
 
@@ -141,8 +141,10 @@ def fit_results(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Fitted laws (JSON-ready) from the collected results, each with its bootstrap over the runs
     (``bootstrap``: per law, the exponent's 5-95% interval and the resampled laws); a study with
     under two budgets is skipped. ``edge_optima`` lists the budgets whose optimum is on a grid edge
-    (see :func:`~dsl_lit.scaling.grid_edges.find_edges`)."""
-    fitted: dict[str, Any] = {"runs": len(results), "edge_optima": edge_optima(results)}
+    (see :func:`~dsl_lit.scaling.grid_edges.find_edges`); each study's entry holds its own as
+    records (``edges``: study, budget, axis, side, value), which the reproduction's claims read."""
+    edges = find_edges(results)
+    fitted: dict[str, Any] = {"runs": len(results), "edge_optima": [edge.text() for edge in edges]}
     for entry, (study, fit, names) in STUDIES.items():
         runs = [r for r in results if r["study"] == study]
         if len({r["budget"] for r in runs}) < 2:
@@ -153,7 +155,8 @@ def fit_results(results: list[dict[str, Any]]) -> dict[str, Any]:
             return {name: getattr(fitted_laws, name) for name in names}
 
         samples = bootstrap_laws(laws, runs)
-        fitted[entry] = {**fit(runs).to_dict(), "bootstrap": {name: s.to_dict() for name, s in samples.items()}}
+        fitted[entry] = {**fit(runs).to_dict(), "bootstrap": {name: s.to_dict() for name, s in samples.items()},
+                         "edges": [asdict(e) for e in edges if e.study == study]}
     return fitted
 
 

@@ -312,6 +312,46 @@ def test_claims_are_judged_by_their_written_thresholds():
     assert {row[0]: row[3] for row in claims_table(_done(worse))}[yarn] == NOT_REPRODUCED
 
 
+def test_a_law_whose_optimum_sat_on_a_grid_edge_is_judged_by_what_that_bound_can_do():
+    """An optimum on its grid's edge is a bound: a low edge at the largest budgets could flatten a
+    growing law (the first sweeps' M_opt: every budget's best model was the smallest the step cap
+    allowed, and the fit followed the cap), so the law is inconclusive; at the smallest budget it
+    can only steepen it, so the verdict stands and says so."""
+    budgets = [1e9, 3.16e9, 1e10, 3.16e10]
+
+    def allocation(interval: tuple[float, float], *edges: tuple[float, str]) -> dict:
+        law = {"model_scale": {"exponent": sum(interval) / 2}, "optima": [{"budget": c} for c in budgets],
+               "bootstrap": {"model_scale": {"exponent_interval": list(interval)}},
+               "edges": [{"study": "isoflop", "budget": c, "axis": "model_scale", "side": side, "value": 2e4}
+                         for c, side in edges]}
+        return {"scaling": {"laws": {"allocation": law}}}
+
+    claim = "The compute-optimal model scale grows with compute"
+
+    def judged(laws: dict) -> tuple[str, str]:
+        return {row[0]: (row[2], row[3]) for row in claims_table(_done(laws))}[claim]
+
+    measured, verdict = judged(allocation((0.2, 0.6), *[(c, "low") for c in budgets]))
+    assert verdict == INCONCLUSIVE and "could reverse the verdict" in measured
+    assert "C=1e+10 (low edge, 2e+04)" in measured and "C=1e+09" not in measured  # the smallest only steepens
+    measured, verdict = judged(allocation((0.2, 0.6), (1e9, "low"), (3.16e9, "low")))
+    assert verdict == REPRODUCED and "C=3.16e+09 (low edge, 2e+04): a bound that can only strengthen" in measured
+    assert judged(allocation((0.2, 0.6), (3.16e10, "high")))[1] == REPRODUCED  # higher still: steeper
+    assert judged(allocation((0.2, 0.6), (3.16e10, "narrow")))[1] == INCONCLUSIVE  # no interior: either way
+    # a law against the paper's sign: an edge that could only steepen it toward the paper's undoes that verdict
+    assert judged(allocation((-0.6, -0.2), (1e9, "low")))[1] == INCONCLUSIVE
+    assert judged(allocation((-0.6, -0.2), (3.16e10, "low")))[1] == NOT_REPRODUCED
+    # the lr law shrinks (sign -): a high edge at the smallest budget can only steepen its fall
+    hparams = {"batch_tokens": {"exponent": 0.4}, "lr": {"exponent": -0.2}, "optima": [{"budget": c} for c in budgets],
+               "bootstrap": {"batch_tokens": {"exponent_interval": [0.2, 0.6]}, "lr": {"exponent_interval": [-0.3, -0.1]}},
+               "edges": [{"study": "hparams", "budget": 1e9, "axis": "lr", "side": "high", "value": 8e-3}]}
+    laws = {"scaling": {"laws": {"hparams": hparams}}}
+    hparams_claim = "Optimal batch size grows and optimal learning rate shrinks with compute, as power laws"
+    assert {row[0]: row[3] for row in claims_table(_done(laws))}[hparams_claim] == REPRODUCED
+    hparams["edges"][0]["budget"] = 3.16e10
+    assert {row[0]: row[3] for row in claims_table(_done(laws))}[hparams_claim] == INCONCLUSIVE
+
+
 def test_the_r1_claims_compare_the_stages_problem_by_problem():
     """Each R1 stage's held-out outcomes, problem by problem: a gain is judged by its paired
     bootstrap interval, so one or two problems' difference among 100 is no verdict either way."""

@@ -23,7 +23,8 @@ from dsl_lit.scaling import (
     optimal_allocation,
     optimal_hparams,
 )
-from dsl_lit.scaling.sweep import SweepConfig, edge_optima, fit_results, point_overrides, sweep_points
+from dsl_lit.scaling.grid_edges import find_edges
+from dsl_lit.scaling.sweep import SweepConfig, fit_results, point_overrides, sweep_points
 
 SEQ = 4096
 TOKENS = 2e12  # both models were trained on 2T tokens
@@ -171,6 +172,9 @@ def test_optima_on_a_grid_edge_are_reported(tmp_path, caplog):
 
     from dsl_lit.scaling.sweep import RESULT_FILE, FitSweep
 
+    def edge_optima(results: list[dict]) -> list[str]:
+        return [edge.text() for edge in find_edges(results)]
+
     points = sweep_points(SweepConfig().validate(), 64)
     assert edge_optima(_results(points, 3e-3, 6e4)) == []  # the default grids bracket these optima
     results = _results(points, 1e-1, 1e3)
@@ -183,4 +187,10 @@ def test_optima_on_a_grid_edge_are_reported(tmp_path, caplog):
     FitSweep().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == len(edges) and "grid edge" in warned[0]
-    assert json.loads((tmp_path / "scaling_laws.json").read_text())["edge_optima"] == edges
+    written = json.loads((tmp_path / "scaling_laws.json").read_text())
+    assert written["edge_optima"] == edges
+    # each study's entry holds its own edges as records, which the reproduction's claims judge by
+    assert {"study": "hparams", "budget": 1e10, "axis": "lr", "side": "high", "value": 0.01,
+            "count": 0} in written["hparams"]["edges"]
+    assert {e["study"] for e in written["allocation"]["edges"]} == {"isoflop"}
+    assert len(written["hparams"]["edges"]) + len(written["allocation"]["edges"]) == len(edges)
