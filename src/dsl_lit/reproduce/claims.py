@@ -113,8 +113,9 @@ def _edge_bounds(law: dict[str, Any], name: str, sign: int) -> tuple[list[str], 
     (log C_i - the budgets' mean log C) times a shift of point i, so a low edge below the mean budget
     can only steepen the slope and one above it only flatten it (a high edge the other way round).
     Returns (edges that could move the exponent against ``sign``, edges that could only move it
-    further toward ``sign``); one with under three values swept ("narrow") could do either."""
-    edges = [e for e in law.get("edges", []) if e["axis"] == name]
+    further toward ``sign``); one with under three values swept ("narrow") could do either. A fit
+    that did not record its edges (a sweep older than the records) is not judged: KeyError."""
+    edges = [e for e in law["edges"] if e["axis"] == name]
     if not edges:
         return [], []
     centre = statistics.fmean(math.log(o["budget"]) for o in law["optima"])

@@ -243,7 +243,7 @@ def _done(results: dict) -> dict:
 def test_claims_are_judged_by_their_written_thresholds():
     def laws(batch, lr, scale):  # (exponent, its bootstrap interval) of each law
         def law(name, fit):
-            return {name: {"exponent": fit[0]}, "bootstrap": {name: {"exponent_interval": list(fit[1])}}}
+            return {name: {"exponent": fit[0]}, "bootstrap": {name: {"exponent_interval": list(fit[1])}}, "edges": []}
         hp, alloc = law("batch_tokens", batch), law("model_scale", scale)
         hp["lr"] = {"exponent": lr[0]}
         hp["bootstrap"]["lr"] = {"exponent_interval": list(lr[1])}
@@ -657,8 +657,8 @@ def test_the_report_states_what_the_files_hold(tmp_path):
     results = {
         "scaling": {"laws": {"hparams": {"batch_tokens": {"exponent": 1.52e-16}, "lr": {"exponent": -0.125},
                                          "bootstrap": {"batch_tokens": {"exponent_interval": [-0.05, 0.05]},
-                                                       "lr": {"exponent_interval": [-0.2, -0.05]}}},
-                             "allocation": {"model_scale": {"exponent": 0.61},
+                                                       "lr": {"exponent_interval": [-0.2, -0.05]}}, "edges": []},
+                             "allocation": {"model_scale": {"exponent": 0.61}, "edges": [],
                                             "bootstrap": {"model_scale": {"exponent_interval": [0.4, 0.8]}}}},
                     "batch_interval_sequences": [6, 11], "lr_interval": [2e-3, 4e-3], "clamped": False,
                     "runs_per_round": {"hparams": [36, 9], "isoflop": [14]}, "isoflop_hparams": [[1e9, 2, 8e-3]],
@@ -727,3 +727,17 @@ def test_the_seed_and_the_ablations_are_set_from_the_command_line(tmp_path):
     assert seeds == ["trainer.seed=7", "trainer.seed=8"] * 3 and len(commands["ablations"]) == 6
     # the runs without MTP (the shortest) last, so the last wave's lone run idles a core the least
     assert ["++model.mtp_depth=0" in c for c in commands["ablations"]] == [False] * 4 + [True] * 2
+
+
+def test_the_committed_report_states_what_its_run_measured():
+    """docs/reproduce/report.md is the committed run's report: its verdict table is what today's
+    claims make of that run's results (docs/reproduce/results.json), row for row, so a changed
+    criterion cannot leave an old verdict standing in the README's report."""
+    docs = ROOT / "docs" / "reproduce"
+    results = json.loads((docs / "results.json").read_text())
+    report = (docs / "report.md").read_text()
+    rows = claims_table({stage: {"results": r} for stage, r in results.items()})
+    assert len(rows) == 9
+    for statement, source, measured, verdict in rows:
+        assert f"| {statement} | {source} | {measured} | {verdict} |" in report, statement
+    assert sum(verdict == REPRODUCED for *_, verdict in rows) == report.count(f"| {REPRODUCED} |")
