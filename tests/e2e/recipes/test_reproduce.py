@@ -279,8 +279,12 @@ def test_claims_are_judged_by_their_written_thresholds():
     # the earlier design's case: one draw's difference of 0.01 inside a spread of 0.05 is no verdict either way
     noisy = ablations([(4.82, 1.2), (4.70, 1.3), (4.90, 1.2)], [(4.81, 1.2), (4.78, 1.3), (4.85, 1.2)],
                       [(4.80, 2.5), (4.75, 2.6), (4.88, 2.4)])
-    table_noisy = {row[0]: row[3] for row in claims_table(_done(noisy))}
-    assert table_noisy[mtp] == INCONCLUSIVE and table_noisy[balanced] == REPRODUCED
+    table_noisy = {row[0]: (row[2], row[3]) for row in claims_table(_done(noisy))}
+    assert table_noisy[mtp][1] == INCONCLUSIVE and table_noisy[balanced][1] == REPRODUCED
+    # an inconclusive effect says what would resolve it: differences -0.01, +0.08, -0.05 (mean +0.0067,
+    # sd 0.0666) would need more than 100 seeds; a verdict says nothing of seeds
+    assert "over 100 paired seeds would not resolve it" in table_noisy[mtp][0]
+    assert "seeds would" not in table_noisy[balanced][0]
     hurt = ablations([(4.20, 1.2), (4.25, 1.3), (4.21, 1.2)], [(4.0, 1.2)] * 3, [(4.00, 2.5), (4.02, 2.6), (4.01, 2.4)])
     table_hurt = {row[0]: row[3] for row in claims_table(_done(hurt))}
     assert table_hurt[mtp] == NOT_REPRODUCED and table_hurt[free] == NOT_REPRODUCED  # MTP hurt; the bias cost 5%
@@ -741,3 +745,18 @@ def test_the_committed_report_states_what_its_run_measured():
     for statement, source, measured, verdict in rows:
         assert f"| {statement} | {source} | {measured} | {verdict} |" in report, statement
     assert sum(verdict == REPRODUCED for *_, verdict in rows) == report.count(f"| {REPRODUCED} |")
+
+
+def test_an_inconclusive_effect_is_given_the_seeds_that_would_resolve_it():
+    """The seeds a paired effect needs, were the spread what was measured: the smallest n whose
+    one-sided 95% margin t(n-1) sd / sqrt(n) is under the mean's distance from the criterion."""
+    from dsl_lit.reproduce.claims import MOST_SEEDS, Paired, t_95
+
+    mtp = Paired((0.156, 0.256, -0.008))  # session 31's seeds: -0.135 +- 0.133 the other way round
+    assert mtp.seeds_to_resolve(0.0) == 5  # n=4: 2.353 x 0.133 / 2 = 0.157 > 0.135; n=5: 0.127 < 0.135
+    assert Paired((0.01, 0.01, 0.01)).seeds_to_resolve(0.0) is None  # no spread: nothing to plan from
+    assert Paired((0.02, -0.02, 0.0)).seeds_to_resolve(0.0) is None  # mean on the criterion: never
+    assert Paired((0.5, -0.4, 0.0)).seeds_to_resolve(0.0) is None and MOST_SEEDS == 100
+    # past the table, the approximation stays within 0.02 of Student's t (10, 20, 30 dof: 1.812, 1.725, 1.697)
+    for dof, exact in ((10, 1.812), (20, 1.725), (30, 1.697)):
+        assert abs(t_95(dof) - exact) < 0.02
