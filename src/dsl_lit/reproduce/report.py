@@ -128,11 +128,14 @@ def write_report(run_dir: Path, out: Path, cfg: ReproduceConfig) -> Path:
                   f"FLOPs; laws from: {hp['source']}; {hp['max_steps']} steps with the ramp "
                   f"{hp['ramp_start']} -> {hp['global_batch_size']} sequences over {hp['ramp_tokens']:,} tokens.\n")
         if rounds:
+            settings = "; ".join(f"C={c:.3g}: {int(b)} sequence(s), lr {lr:.3g}" for c, b, lr in hp.get("isoflop_hparams", []))
             md.append("\nDesign: the lr x batch grid at each budget, extended one step beyond any edge its best run sat "
                       "on (runs per round: " + ", ".join(f"{study} {rounds[study]}" for study in rounds) + "); then "
-                      "the IsoFLOP models at the batch and lr the fitted laws give each budget "
-                      f"({hp.get('isoflop_hparams')}, [budget, sequences, lr]). Each law's interval: 200 refits on "
-                      "the runs resampled with replacement within each budget.\n")
+                      f"the IsoFLOP models at the batch and lr the fitted laws give each budget ({settings}). Each "
+                      "law's interval: 200 refits on the runs resampled with replacement within each budget. An "
+                      "optimum left on its grid's edge (below) is a bound on the true one: a law is judged only where "
+                      "no such bound could reverse its verdict (a low edge below the budgets' mean log C can only "
+                      "steepen a growing law, one above it could flatten it).\n")
         for edge in hp.get("edge_optima", []):
             md.append(f"- grid edge left: {edge}\n")
 

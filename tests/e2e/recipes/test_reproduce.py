@@ -698,6 +698,7 @@ def test_the_report_states_what_the_files_hold(tmp_path):
     assert "B_opt ~ C^0 (flat: the optimum did not move between budgets) [-0.050, 0.050], lr_opt ~ C^-0.125 [-0.200, -0.050]" in report
     assert "M_opt ~ C^0.610 [0.400, 0.800]" in report and "| its 5-95% bootstrap interval | [6, 11] | [0.002, 0.004] |" in report
     assert "used (the fit's, unclamped)" in report and "runs per round: hparams [36, 9], isoflop [14]" in report and "e-16" not in report and "?)" not in report
+    assert "each budget (C=1e+09: 2 sequence(s), lr 0.008)" in report and "is a bound on the true one" in report
     assert "(criterion: below 2% beyond the margin)" in report and "(criterion: both above 0 at both ends)" in report
     assert "gain +25.0 points [" in report  # GRPO over the cold start, with its interval
     assert "| baseline | 4.1 +- 0.141 | 4 +- 0.141 | 1.3 +- 0.141 |" in report  # mean +- sd over the seeds
