@@ -162,6 +162,7 @@ def write_report(run_dir: Path, out: Path, cfg: ReproduceConfig) -> Path:
     md.append(_image(_plot(out, "expert_load.png", "ablations, first seed: expert load by step (max/mean over experts, "
                            "mean over MoE layers)", "max / mean (1 = even)",
                            [("bias update", first["baseline"].get("moe/load_max_over_mean")),
+                            ("bias update, no MTP", first["no_mtp"].get("moe/load_max_over_mean")),
                             ("no bias update", first["no_bias"].get("moe/load_max_over_mean"))]), "expert load"))
     md.append(_image(_plot(out, "batch_ramp.png", "pretraining: global batch by step", "sequences per step",
                            [("global batch", pre.get("train/global_batch_size"))]), "batch ramp"))

@@ -292,6 +292,19 @@ def test_claims_are_judged_by_their_written_thresholds():
     table_unbalanced = {row[0]: (row[2], row[3]) for row in claims_table(_done(unbalanced))}
     assert table_unbalanced[free][1] == NOT_REPRODUCED  # before: reproduced on the loss alone
     assert "did not balance the load" in table_unbalanced[free][0]
+    # 2026-11-29's AMD run: without MTP the routing stayed collapsed longer (load 2.7-3.1 against
+    # 1.5-1.7 at the end) and the loss was 0.48 higher; the loss alone said "reproduced"
+    collapsed = ablations([(5.321, 1.52), (5.330, 1.69), (5.530, 1.61)], [(5.813, 2.70), (5.766, 3.07), (6.034, 3.09)],
+                          [(5.172, 3.54), (5.091, 3.72), (5.881, 3.83)])
+    measured, verdict = {row[0]: (row[2], row[3]) for row in claims_table(_done(collapsed))}[mtp]
+    assert verdict == INCONCLUSIVE and "+0.477 +- 0.036" in measured
+    assert "the arms' routing differs: expert load max/mean 2.95 without MTP, 1.61 with it" in measured
+    assert "seeds would" not in measured  # more seeds would not remove the confound
+    # equally balanced arms (session 31's Xeon run): the loss decides, the text says nothing of routing
+    xeon = ablations([(5.352, 1.628), (5.468, 1.849), (5.301, 1.483)], [(5.196, 1.608), (5.212, 1.543), (5.309, 1.905)],
+                     [(5.276, 3.697), (5.450, 3.831), (5.161, 3.711)])
+    measured, verdict = {row[0]: (row[2], row[3]) for row in claims_table(_done(xeon))}[mtp]
+    assert verdict == INCONCLUSIVE and "routing" not in measured and "~5 paired seeds would resolve it" in measured
     one_seed = {"ablations": {"variants": {k: v[:1] for k, v in clear["ablations"]["variants"].items()}}}
     assert {row[0]: row[3] for row in claims_table(_done(one_seed))}[mtp] == INCONCLUSIVE  # no spread, no verdict
     yarn = "YaRN extension makes retrieval work at the longer context"
