@@ -31,8 +31,15 @@ def loss_and_grads(model: torch.nn.Module, tokens: torch.Tensor) -> list[torch.T
     return [loss.detach()] + [p.grad for p in model.parameters()]
 
 
+COMPILE_BACKENDS = {"deepseek_llm_tiny": "inductor", "deepseek_v32_tiny": "inductor", "deepseek_v4_tiny": "aot_eager"}
+"""Inductor's CPU code generation for the dense model and for MLA + MoE + DeepSeek-V3.2's indexer;
+V4's blocks traced by Dynamo and AOTAutograd only: with a cold inductor cache (a fresh CI machine)
+their C++ kernels took 330 s of the suite's 925 s (2-core AMD EPYC, 2026-11-29; V3.2 177 s, the
+dense model 60 s), and a CUDA run generates Triton, not this C++."""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["deepseek_llm_tiny", "deepseek_v32_tiny", "deepseek_v4_tiny"])  # V3: the recipe below
+@pytest.mark.parametrize("preset", list(COMPILE_BACKENDS))  # V3: the recipe below
 def test_compiled_blocks_match_eager_and_keep_names(preset):
     """A forward and backward (MTP included) of a compiled copy against eager: the loss and every
     gradient within fp32 reordering (inductor fuses norms, softmax and SwiGLU, reordering their
@@ -43,7 +50,7 @@ def test_compiled_blocks_match_eager_and_keep_names(preset):
     cfg = ModelConfig.from_name(preset)
     model = build_model(cfg)
     compiled = copy.deepcopy(model)
-    assert compile_blocks(compiled) == cfg.n_layers + cfg.mtp_modules
+    assert compile_blocks(compiled, backend=COMPILE_BACKENDS[preset]) == cfg.n_layers + cfg.mtp_modules
     assert list(compiled.state_dict()) == list(model.state_dict())
     tokens = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(1))
     names = ["loss"] + [name for name, _ in model.named_parameters()]
