@@ -118,6 +118,8 @@ def test_every_stage_feeds_the_next_and_the_report_has_every_section(interrupted
         assert [resolved(d)["trainer"]["val_every_n_steps"] for d in dirs] == [done["ablations"]["results"]["steps"]] * 2
         assert [val_steps(run_dir / d) for d in dirs] == [[done["ablations"]["results"]["steps"] - 1]] * 2
     assert {resolved(d)["model"]["mtp_depth"] for d in ablation["no_mtp"]} == {0}
+    # V3's init std scaled to the tiny width, the pretraining's and every ablation run's
+    assert {resolved(d)["model"]["init_std"] for dirs in ablation.values() for d in dirs} == {pre["model"]["init_std"]} == {0.0317}
     assert all(r["mtp_loss"] > 0 for r in runs["baseline"]) and all(r["mtp_loss"] is None for r in runs["no_mtp"])
     assert {tuple(resolved(d)["objective"]["bias_update_rate"]) for d in ablation["no_bias"]} == {(0.0, 0.0)}
     assert runs["baseline"][0]["val_loss"] != runs["baseline"][1]["val_loss"]  # another seed, another run
