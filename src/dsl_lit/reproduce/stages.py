@@ -46,22 +46,27 @@ from dsl_lit.tasks.held_out import read_outcomes
 
 PIPELINE_STAGES = "[normalize,exact_dedup,near_dedup,quality_filter,language_filter,decontaminate,train_tokenizer,tokenize_pack]"
 PRETRAIN_MODEL = "deepseek_v3_tiny"
-V3_INIT_STD, V3_D_MODEL, TINY_D_MODEL = 0.006, 7168, 256
-PRETRAIN_INIT_STD = round(V3_INIT_STD * (V3_D_MODEL / TINY_D_MODEL) ** 0.5, 4)
-"""The pretrained model's initial weights' std: DeepSeek-V3's 0.006, stated for width 7168, scaled to
-the tiny model's 256 as a fan-in init scales (std x sqrt(7168 / 256) = 0.0317), so a router's logits
-start as spread out across experts as V3's do. At 0.006 itself they start ~5x flatter: every
-ablation run's routing collapsed onto 4 of the 16 experts within 10 steps (load max/mean 3.9-4.0 of
-at most 4), and each run's loss then depended on when it left that collapse (seeds 1234-1236, 90
-steps, 2-core AMD EPYC, 2026-11-29): validation 5.32 / 5.33 / 5.53 with MTP and the bias update,
-5.81 / 5.77 / 6.03 without MTP (still collapsed at step 65), 5.17 / 5.09 / 5.88 without the bias
-update; the same run without MTP at lr 4.09e-3 instead of 3.76e-3 left the collapse by step 50 and
-ended at 5.23. So the bias's paired loss cost scattered +0.53% +- 5.70% (+1.49% +- 1.20% on a Xeon)
-and MTP's effect flipped sign between machines. At 0.0317 (same runs): 4.936 / 4.927 / 4.921 with
-both, 4.982 / 4.936 / 4.967 without MTP, 4.968 / 4.950 / 4.941 without the bias update: its cost
--0.50% +- 0.12% (reproduced), MTP's effect +0.034 +- 0.021 (margin 0.036), the load 1.35 against 3.48,
-every run out of the collapse by step ~40; the pretraining's validation loss 4.68 (~5.0 at 0.006),
-and the R1 stages from it: cold start 76%, GRPO 100%, SFT on its samples 100%, the student 100%."""
+V3_INIT_STD, V3_D_MODEL = 0.006, 7168
+
+
+def pretrain_init_std() -> float:
+    """The pretrained model's initial weights' std: DeepSeek-V3's 0.006, stated for width 7168, scaled to
+    the tiny model's 256 as a fan-in init scales (std x sqrt(7168 / 256) = 0.0317), so a router's logits
+    start as spread out across experts as V3's do. At 0.006 itself they start ~5x flatter: every
+    ablation run's routing collapsed onto 4 of the 16 experts within 10 steps (load max/mean 3.9-4.0 of
+    at most 4), and each run's loss then depended on when it left that collapse (seeds 1234-1236, 90
+    steps, 2-core AMD EPYC, 2026-11-29): validation 5.32 / 5.33 / 5.53 with MTP and the bias update,
+    5.81 / 5.77 / 6.03 without MTP (still collapsed at step 65), 5.17 / 5.09 / 5.88 without the bias
+    update; the same run without MTP at lr 4.09e-3 instead of 3.76e-3 left the collapse by step 50 and
+    ended at 5.23. So the bias's paired loss cost scattered +0.53% +- 5.70% (+1.49% +- 1.20% on a Xeon)
+    and MTP's effect flipped sign between machines. At 0.0317 (same runs): 4.936 / 4.927 / 4.921 with
+    both, 4.982 / 4.936 / 4.967 without MTP, 4.968 / 4.950 / 4.941 without the bias update: its cost
+    -0.50% +- 0.12% (reproduced), MTP's effect +0.034 +- 0.021 (margin 0.036), the load 1.35 against 3.48,
+    every run out of the collapse by step ~40; the pretraining's validation loss 4.68 (~5.0 at 0.006),
+    and the R1 stages from it: cold start 76%, GRPO 100%, SFT on its samples 100%, the student 100%."""
+    return round(V3_INIT_STD * (V3_D_MODEL / ModelConfig.from_name(PRETRAIN_MODEL).d_model) ** 0.5, 4)
+
+
 FIM = {"rate": 0.1, "spm_rate": 0.5, "seed": 1234}
 """DeepSeek-V3's FIM rate 0.1 (PSM and SPM); the seed is data.seed's default, which the data module checks."""
 R1_TASK = ("task=largest", "task.num_problems=2300", "task.eval_problems=400", "task.uniform_largest=true")
@@ -355,7 +360,7 @@ def pretrain_arguments(ctx: StageContext) -> list[str]:
     hp, cfg = ctx.results("scaling"), ctx.cfg
     ramp = ([f"data.batch_ramp.start={hp['ramp_start']}", f"data.batch_ramp.tokens={hp['ramp_tokens']}",
              f"data.batch_ramp.increment={cfg.micro_batch_size}"] if hp["ramp_start"] else [])
-    return [f"model={PRETRAIN_MODEL}", f"++model.init_std={PRETRAIN_INIT_STD}", *data_arguments(ctx), f"data.seq_len={cfg.seq_len}",
+    return [f"model={PRETRAIN_MODEL}", f"++model.init_std={pretrain_init_std()}", *data_arguments(ctx), f"data.seq_len={cfg.seq_len}",
             f"data.global_batch_size={hp['global_batch_size']}", f"data.micro_batch_size={cfg.micro_batch_size}",
             *ramp, f"optim.lr={hp['lr']}", f"trainer.max_steps={hp['max_steps']}", "logger=csv",
             "trainer.progress_bar=false", f"trainer.accelerator={ctx.cfg.accelerator}", *seed_arguments(ctx.cfg)]
