@@ -43,7 +43,9 @@ class AdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         if self.moments_dtype == torch.float32:
-            return super().step(closure)
+            loss = super().step(closure)
+            self._count_fused_updates()
+            return loss
         loss = closure() if closure is not None else None
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
@@ -59,6 +61,15 @@ class AdamW(torch.optim.AdamW):
                 denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
                 p.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
         return loss
+
+    def _count_fused_updates(self) -> None:
+        """Move the version counter of every parameter the fused kernel updated, as any other in-place
+        update does: ``torch._fused_adamw_`` writes the parameters without it (measured on CPU, torch
+        2.13), so whatever keys on versions (the experts' bf16 copies,
+        :mod:`dsl_lit.models.common.compute_copies`) would keep serving the weights of before the step."""
+        for group in self.param_groups:
+            if group.get("fused"):
+                torch.autograd.graph.increment_version([p for p in group["params"] if p.grad is not None])
 
     def load_state_dict(self, state_dict) -> None:
         """torch casts loaded moments to the parameters' dtype; put them back in ours."""

@@ -8,10 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsl_lit.config.optim import OptimConfig
 from dsl_lit.inference.generation import generate
 from dsl_lit.memory.recompute import apply_recompute
 from dsl_lit.models import ModelConfig, build_model
 from dsl_lit.models.common.moe import GroupedExperts
+from dsl_lit.optim import build_optimizer
 from dsl_lit.parallel.model_transforms import TransformPlan, compile_blocks, transform_model
 from dsl_lit.precision.weight_copies import keep_expert_weight_copies, weight_casts
 
@@ -29,8 +31,10 @@ def _pair(backend: str = "split", **overrides):
 
 
 def _train(model, cfg, compiled: bool = False) -> list[torch.Tensor]:
-    """STEPS AdamW steps of MICRO_BATCHES micro-batches each under bf16 autocast; the losses."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    """STEPS steps of the recipes' optimizer (``optim`` defaults: torch's fused AdamW kernel, which
+    does not move the weights' version counters itself) of MICRO_BATCHES micro-batches each under
+    bf16 autocast; the losses."""
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-2).validate())
     g = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(STEPS):

@@ -151,6 +151,25 @@ def test_fused_adamw_is_the_default_wherever_it_applies(config, fused):
     assert all(bool(group["fused"]) == fused for group in optimizer.param_groups)
 
 
+@pytest.mark.parametrize("config", [{}, {"foreach": True}, {"moments_dtype": "bf16"}, {"fused": False},
+                                    {"name": "muon"}], ids=["fused", "foreach", "bf16_moments", "per_tensor", "muon"])
+def test_every_optimizer_step_moves_the_version_of_what_it_updated(config):
+    """Every kind of step marks the parameters it wrote as changed (their version counter moves):
+    torch's fused AdamW kernel writes them without it, and the experts' bf16 copies, which recast a
+    weight only when its version moved, then served the weights of step 0 to every later forward
+    (found on an H200: a bf16 run resumed from its step-10 checkpoint lost 1e-3 of loss at once).
+    A parameter without a gradient is not written and keeps its version."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    model[1].requires_grad_(False)  # no gradient: left alone
+    optimizer = build_optimizer(model, OptimConfig(**config).validate())
+    model(torch.randn(4, 16)).square().sum().backward()
+    before = {name: p._version for name, p in model.named_parameters()}
+    optimizer.step()
+    for name, p in model.named_parameters():
+        assert (p._version > before[name]) == (p.grad is not None), (name, before[name], p._version)
+
+
 def test_fused_adamw_is_not_chosen_for_groups_mixing_dtensors_and_tensors(tmp_path):
     """Expert parallelism shards only the experts (DTensors): torch's fused kernel refuses a group
     mixing them with plain tensors, so the default falls back to the per-tensor loop there."""
