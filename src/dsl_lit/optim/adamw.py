@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 def param_groups(model: nn.Module, weight_decay: float, exclude: frozenset[int] = frozenset()) -> list[dict]:
@@ -69,7 +70,10 @@ class AdamW(torch.optim.AdamW):
         :mod:`dsl_lit.models.common.compute_copies`) would keep serving the weights of before the step."""
         for group in self.param_groups:
             if group.get("fused"):
-                torch.autograd.graph.increment_version([p for p in group["params"] if p.grad is not None])
+                # a DTensor's local shard (what a forward computes with) has a counter of its own
+                torch.autograd.graph.increment_version(
+                    [t for p in group["params"] if p.grad is not None
+                     for t in ((p, p._local_tensor) if isinstance(p, DTensor) else (p,))])
 
     def load_state_dict(self, state_dict) -> None:
         """torch casts loaded moments to the parameters' dtype; put them back in ours."""

@@ -187,5 +187,14 @@ def test_fused_adamw_is_not_chosen_for_groups_mixing_dtensors_and_tensors(tmp_pa
         for p in mixed.parameters():
             p.grad = torch.ones_like(p)
         optimizer.step()  # the per-tensor loop steps the mix (the fused kernel raised here)
+        # all DTensors (tensor parallelism): the fused kernel, and the local shards' versions move too
+        sharded = torch.nn.Linear(16, 8, bias=False)
+        sharded.weight = torch.nn.Parameter(distribute_tensor(sharded.weight.detach(), init_device_mesh("cpu", (1,)), [Shard(0)]))
+        optimizer = build_optimizer(sharded, OptimConfig().validate())
+        assert optimizer.param_groups[0]["fused"]
+        sharded.weight.grad = torch.ones_like(sharded.weight)
+        before = sharded.weight.to_local()._version
+        optimizer.step()
+        assert sharded.weight.to_local()._version > before
     finally:
         dist.destroy_process_group()
