@@ -3,7 +3,8 @@
     python scripts/gpu_check_summary.py OUT      # prints Markdown (the check saves it as OUT/summary.md)
 
 Reads ``device.txt`` (device and versions), ``parts.tsv`` (each part: passed / failed / timeout and
-its seconds), ``collected.txt`` (the tests the check meant to run), ``tests.tsv`` (each test's
+its seconds), ``collected.txt`` (the tests the check meant to run, as each part's pytest collected
+them: tests/conftest.py), ``tests.tsv`` (each test's
 outcome, seconds and first error line, one line written the moment it ended: tests/conftest.py)
 and the ``HEADLINE`` lines of every ``*.log`` (benchmarks/headline.py). A test collected but
 never reported was cut by its part's deadline: "timeout". No torch import: it runs in a second.
@@ -39,8 +40,9 @@ def summary(out: Path) -> str:
     lines += ["", "| part | result | s |", "|---|---|---|"]
     lines += [f"| {cell(a)} | {cell(b)} | {cell(c)} |" for a, b, c in read_tsv(out / "parts.tsv", 3)]
     reported = {row[0]: row for row in read_tsv(out / "tests.tsv", 4)}
-    collected = [line.strip() for line in (out / "collected.txt").read_text().splitlines()] \
-        if (out / "collected.txt").exists() else []
+    # every pytest-xdist worker writes the ids it collected: each once, in order
+    collected = list(dict.fromkeys(line.strip() for line in (out / "collected.txt").read_text().splitlines()
+                                   if line.strip())) if (out / "collected.txt").exists() else []
     names = collected + [name for name in reported if name not in collected]
     counts: dict[str, int] = {}
     lines += ["", "| test | result | s | first error line |", "|---|---|---|---|"]

@@ -125,6 +125,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(NO_GPU)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """With ``DSL_LIT_TEST_COLLECTED`` set (scripts/gpu_check.sh), append the ids of the tests this run
+    selected to that file: what a part meant to run, so that its summary names every test a deadline
+    cut. Each pytest-xdist worker collects and writes the same list (the summary reads each id once)."""
+    path = os.environ.get("DSL_LIT_TEST_COLLECTED")
+    if path and session.items:
+        with open(path, "a") as f:
+            f.write("".join(f"{item.nodeid}\n" for item in session.items))
+
+
 def first_error_line(report: pytest.TestReport) -> str:
     """The line that says what went wrong: the first ``E`` line of the traceback (else its last)."""
     text = str(report.longrepr).strip().splitlines() if report.longrepr else []

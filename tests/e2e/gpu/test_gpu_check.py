@@ -54,6 +54,50 @@ def test_gpu_check_summary_reports_every_test_and_figure(tmp_path):
     assert text.count("| dense MFU, bf16 + compile | 50.4 % | >= 55% |") == 1
 
 
+def test_the_checks_pytest_runs_record_what_they_selected_and_each_outcome(tmp_path):
+    """The check's own pytest command line (``-v``, pytest-xdist workers) on CPU: every selected test's
+    id lands in collected.txt (once per worker) and its outcome in tests.tsv, so the summary names
+    each one. (A separate ``--collect-only -q`` after ``-v`` printed pytest's tree, no ids: the H200
+    check of session 35 reported no test it had not reached.)"""
+    env = {**os.environ, "DSL_LIT_TEST_COLLECTED": str(tmp_path / "collected.txt"),
+           "DSL_LIT_TEST_RESULTS": str(tmp_path / "tests.tsv")}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider",
+                             "tests/e2e/gpu/test_gpu.py", "-m", "gpu and exclusive and not gpu_long", "-n", "2"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout[-2000:]
+    wanted = ["tests/e2e/gpu/test_gpu.py::test_torchao_modules_are_installed",
+              "tests/e2e/gpu/test_gpu.py::test_training_step_has_no_host_sync[bf16]"]
+    assert sorted(set((tmp_path / "collected.txt").read_text().splitlines())) == sorted(wanted)
+    text = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check_summary.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=60, check=True).stdout
+    for name in wanted:
+        assert text.count(f"| {name.split('::')[1]} | skipped |") == 1, text
+    assert "tests: 2 skipped" in text
+
+
+def test_the_benchmarks_floors_catch_a_slow_path(capsys):
+    """The check's speed floors on rows as an H200 measured them (2026-11-29: dense bf16 + compile
+    98.6 ms, fp8_tensorwise + compile 89.7 ms; MoE bf16 eager 77.8 ms): every floor holds; a dense
+    step at 40% of the MFU, an FP8 step at 1.2x bf16's or experts at half the MoE's speed each fail
+    their floor, named, and nothing is reported before its rows exist."""
+    from benchmarks.gpu_train_step import FLOORS, Result, check_floors
+
+    def rows(dense_s: float, fp8_s: float, moe_s: float) -> dict:
+        return {"dense": {"ours bf16 compile": Result(2.0, dense_s, 0), "ours fp8_tensorwise compile": Result(15.0, fp8_s, 0)},
+                "moe": {"ours bf16": Result(1.0, moe_s, 0)}}
+
+    reported: set[str] = set()
+    assert check_floors(rows(0.0986, 0.0897, 0.0778), 2048, 4 * 2048, 989.0, False, reported) == []
+    assert reported == {floor.what for floor in FLOORS}
+    assert capsys.readouterr().out.count(": ok\n") == 3
+    failed = check_floors(rows(0.0986 * 50.9 / 39.0, 0.0986 * 50.9 / 39.0 * 1.2, 0.0778 * 2), 2048, 4 * 2048, 989.0,
+                          False, set())
+    assert [line.split(":")[0] for line in failed] == [floor.what for floor in FLOORS]
+    assert capsys.readouterr().out.count(": FAILED\n") == 3
+    assert check_floors({"dense": {"ours bf16 compile": Result(2.0, 0.0986, 0)}}, 2048, 8192, None, False, set()) == []
+    assert capsys.readouterr().out == ""  # no peak, no MFU; no FP8 row, no ratio
+
+
 @pytest.mark.slow
 def test_gpu_train_step_benchmark_smoke():
     result = run_python(  # forked from the tests' zygote: torch and transformers imported once
