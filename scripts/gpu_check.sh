@@ -19,8 +19,9 @@
 #      the MFU floors a fallback to a slow path would break (--floors: the part fails on one);
 #   4. with GPU_CHECK_SLOW=1, what takes over a minute: V3's FP8 runs and blockwise FP8 (Triton
 #      autotune) in the tests and the benchmark, the transformers rows (GPU_SLOW_TIMEOUT=240);
-#   5. with REPRODUCE=1, `make reproduce` on the GPU: reproduce=gpu_short, ~5.5 min estimated, outputs in
-#      outputs/reproduce/gpu_short/ (GPU_REPRODUCE_TIMEOUT=420).
+#   5. with REPRODUCE=1, `make reproduce` on the GPU: reproduce=gpu_short, ~10.5 min estimated (its first
+#      three stages measured on an H200), outputs in outputs/reproduce/gpu_short/, finished stages kept for
+#      a rerun (GPU_REPRODUCE_TIMEOUT=720).
 # Then one summary table (device, versions, each test pass/fail/timeout with its first error line, each
 # benchmark figure): $OUT/summary.md, also printed. Everything goes under $GPU_CHECK_OUT, else the
 # caller's $OUT, else gpu_check/; recipe run dirs under $GPU_CHECK_RUNS (default $OUT/runs).
@@ -116,7 +117,7 @@ if [ "$SLOW" = 1 ]; then
     --moe-variants "ours fp8_rowwise compile,transformers bf16"
 fi
 if [ "${REPRODUCE:-0}" = 1 ]; then
-  part "make reproduce (gpu_short)" "${GPU_REPRODUCE_TIMEOUT:-420}" reproduce.log \
+  part "make reproduce (gpu_short)" "${GPU_REPRODUCE_TIMEOUT:-720}" reproduce.log \
     "$PY" recipes/reproduce.py reproduce=gpu_short
 fi
 
