@@ -125,6 +125,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(NO_GPU)
 
 
+_IN_XDIST_WORKER = False
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _IN_XDIST_WORKER
+    # from the config, not PYTEST_XDIST_WORKER: a pytest that a test starts inherits that variable
+    _IN_XDIST_WORKER = hasattr(config, "workerinput")
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """With ``DSL_LIT_TEST_COLLECTED`` set (scripts/gpu_check.sh), append the ids of the tests this run
     selected to that file: what a part meant to run, so that its summary names every test a deadline
@@ -147,7 +156,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     file the moment it is known (test, outcome, seconds, first error line; tab-separated), in the
     process that reports (pytest-xdist's controller), so a run cut by a deadline keeps what finished."""
     path = os.environ.get("DSL_LIT_TEST_RESULTS")
-    if not path or os.environ.get("PYTEST_XDIST_WORKER"):
+    if not path or _IN_XDIST_WORKER:
         return
     ended = report.when == "call" or (report.when == "setup" and not report.passed) or (
         report.when == "teardown" and report.failed)

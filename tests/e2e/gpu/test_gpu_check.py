@@ -59,8 +59,9 @@ def test_the_checks_pytest_runs_record_what_they_selected_and_each_outcome(tmp_p
     id lands in collected.txt (once per worker) and its outcome in tests.tsv, so the summary names
     each one. (A separate ``--collect-only -q`` after ``-v`` printed pytest's tree, no ids: the H200
     check of session 35 reported no test it had not reached.)"""
-    env = {**os.environ, "DSL_LIT_TEST_COLLECTED": str(tmp_path / "collected.txt"),
-           "DSL_LIT_TEST_RESULTS": str(tmp_path / "tests.tsv")}
+    # run from the suite (itself maybe an xdist worker, writing a --junitxml report): a pytest of its own
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env.update(DSL_LIT_TEST_COLLECTED=str(tmp_path / "collected.txt"), DSL_LIT_TEST_RESULTS=str(tmp_path / "tests.tsv"))
     result = subprocess.run([sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider",
                              "tests/e2e/gpu/test_gpu.py", "-m", "gpu and exclusive and not gpu_long", "-n", "2"],
                             cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
