@@ -51,17 +51,18 @@ def test_train_log_and_checkpoint(tmp_path):
 @pytest.mark.slow
 def test_a_bf16_run_resumed_mid_run_continues_exactly(tmp_path):
     """The CPU twin of the GPU resume test: bf16 autocast (the routed experts' bf16 weight copies on),
-    the default optimizer (torch's fused AdamW), a step-4 checkpoint resumed in a new run dir: steps
-    4-7 equal the uninterrupted run's bit for bit (CPU kernels are deterministic). Stale expert copies
-    (a fused step that left the weights' versions alone) made the resumed run differ from step 4 on."""
+    the default optimizer (torch's fused AdamW), a step-2 checkpoint resumed in a new run dir: steps
+    2-3 equal the uninterrupted run's bit for bit (CPU kernels are deterministic). Stale expert copies
+    (a fused step that left the weights' versions alone) made the resumed run differ at once (at step
+    4 of 8: 7.5852 vs 7.5838). Few steps: a CPU without native bf16 emulates its GEMMs (~15x slower)."""
     import shutil
 
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    args = ("trainer.max_steps=8", "checkpoint.every_n_steps=4", "precision=bf16", "logger=csv",
+    args = ("trainer.max_steps=4", "checkpoint.every_n_steps=2", "precision=bf16", "logger=csv",
             "trainer.peak_tflops=null")
     run_recipe(full, *args)
-    shutil.copytree(full / "checkpoints" / "step-4", resumed / "checkpoints" / "step-4")
+    shutil.copytree(full / "checkpoints" / "step-2", resumed / "checkpoints" / "step-2")
     run_recipe(resumed, *args)
     reference, after = losses(full), losses(resumed)
-    assert sorted(after) == list(range(4, 8))
+    assert sorted(after) == [2, 3]
     assert {step: after[step] for step in after} == {step: reference[step] for step in after}
