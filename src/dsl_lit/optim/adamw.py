@@ -45,7 +45,7 @@ class AdamW(torch.optim.AdamW):
     def step(self, closure=None):
         if self.moments_dtype == torch.float32:
             loss = super().step(closure)
-            self._count_fused_updates()
+            self._mark_fused_writes()
             return loss
         loss = closure() if closure is not None else None
         for group in self.param_groups:
@@ -63,7 +63,7 @@ class AdamW(torch.optim.AdamW):
                 p.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
         return loss
 
-    def _count_fused_updates(self) -> None:
+    def _mark_fused_writes(self) -> None:
         """Move the version counter of every parameter the fused kernel updated, as any other in-place
         update does: ``torch._fused_adamw_`` writes the parameters without it (measured on CPU, torch
         2.13), so whatever keys on versions (the experts' bf16 copies,
