@@ -63,15 +63,53 @@ class EvalTasksConfig:
 
 
 @dataclass
+class PasskeyProbeConfig:
+    """Passkey retrieval measured inside the training loop (``eval.passkey``): every
+    ``every_n_steps`` optimizer steps, ``per_depth`` prompts at each key depth of ``length`` tokens
+    (null: the run's ``data.seq_len``), logged as ``eval/passkey/<length>``. With ``stop_at``, the
+    run stops (and saves) at the first probe that retrieves at least that share: a small model learns
+    retrieval abruptly, at a step that moves by hundreds with the seed, so a context-extension base
+    is trained until it retrieves rather than for a fixed count (``trainer.max_steps`` the cap).
+    ``seed`` draws the prompts: keep it apart from the seed the run is later scored with
+    (``recipes/passkey.py``'s default is 0), so the stopping rule never sees the test prompts."""
+
+    every_n_steps: int = 0
+    length: int | None = None
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    per_depth: int = 8
+    seed: int = 101
+    stop_at: float | None = None
+
+    def validate(self) -> PasskeyProbeConfig:
+        if self.every_n_steps < 0:
+            raise ConfigError(f"eval.passkey.every_n_steps={self.every_n_steps} must be >= 0 (0: never)")
+        if self.stop_at is not None and not (0.0 < self.stop_at <= 1.0 and self.every_n_steps):
+            raise ConfigError(f"eval.passkey.stop_at={self.stop_at} needs a share in (0, 1] and "
+                              "eval.passkey.every_n_steps > 0 (the probe that decides it)")
+        if self.length is not None and self.length < 48:
+            raise ConfigError(f"eval.passkey.length={self.length} must be at least 48 tokens (one prompt), or null")
+        if not self.depths or any(not 0.0 <= d <= 1.0 for d in self.depths):
+            raise ConfigError(f"eval.passkey.depths={self.depths} must be fractions in [0, 1]")
+        if self.per_depth < 1:
+            raise ConfigError(f"eval.passkey.per_depth={self.per_depth} must be at least 1")
+        return self
+
+
+@dataclass
 class EvalConfig(EvalTasksConfig):
     """The ``eval`` group of the training recipes: run ``tasks`` every ``every_n_steps`` optimizer
     steps (0: never) on the current weights, logged as ``eval/<task>/<metric>``; lm-eval's
     results.json of each evaluation goes to ``<run dir>/eval/step-<N>/``."""
 
     every_n_steps: int = 0
+    passkey: PasskeyProbeConfig = field(default_factory=PasskeyProbeConfig)
 
     def validate(self) -> EvalConfig:
         super().validate()
+        self.passkey.validate()
+        if self.passkey.every_n_steps and not self.tokenizer_dir:
+            raise ConfigError("eval.tokenizer_dir is empty: the passkey probe needs the run's tokenizer "
+                              "(the default is ${data.cache_dir}/tokenizer)")
         if self.every_n_steps < 0:
             raise ConfigError(f"eval.every_n_steps={self.every_n_steps} must be >= 0 (0 disables evaluation)")
         if self.every_n_steps and not self.tasks:

@@ -248,6 +248,10 @@ class TrainConfig:
                 f"trainer.val_every_n_steps={self.trainer.val_every_n_steps} needs held-out data: set data.val_windows "
                 f"to at least data.{which}={self.data.validation_batch} (now {self.data.val_windows})"
             )
+        probe = self.eval.passkey
+        if probe.every_n_steps and (probe.length or self.data.seq_len) > self.model.max_seq_len:
+            raise ConfigError(f"eval.passkey.length={probe.length} exceeds model.max_seq_len={self.model.max_seq_len}; "
+                              "probe at most the trained length (null: data.seq_len)")
         if self.profiler.enabled and self.profiler.steps_per_cycle > self.trainer.max_steps:
             raise ConfigError(
                 f"profiler.wait+warmup+active={self.profiler.steps_per_cycle} exceeds trainer.max_steps="

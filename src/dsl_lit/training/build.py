@@ -28,6 +28,7 @@ from dsl_lit.precision.plugin import AutocastPrecision
 from dsl_lit.training.callbacks.downstream_eval import DownstreamEvaluation
 from dsl_lit.training.callbacks.ema import EMACallback
 from dsl_lit.training.callbacks.expert_load import ExpertLoadMonitor
+from dsl_lit.training.callbacks.passkey_probe import PasskeyProbe
 from dsl_lit.training.callbacks.preemption import PreemptionHandler, exit_together
 from dsl_lit.training.callbacks.profiler import TraceProfiler
 from dsl_lit.training.callbacks.progress import StepProgressBar
@@ -158,6 +159,11 @@ def build_trainer(cfg: TrainConfig, extra_callbacks: list[L.Callback] | None = N
         callbacks.append(ExpertLoadMonitor(cfg.logger.expert_load_every_n_steps))
     if cfg.eval.every_n_steps:
         callbacks.append(DownstreamEvaluation(cfg.eval, cfg.run_dir, plan.precision.name))
+    probe = cfg.eval.passkey
+    if probe.every_n_steps:
+        assert cfg.eval.tokenizer_dir  # EvalConfig.validate refuses a probe without one
+        callbacks.append(PasskeyProbe(probe, probe.length or cfg.data.seq_len, cfg.eval.tokenizer_dir,
+                                      plan.precision.name))
     if cfg.profiler.enabled:
         callbacks.append(TraceProfiler(cfg.profiler, cfg.run_dir))
     if cfg.memory.ema_decay:
