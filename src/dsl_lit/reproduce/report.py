@@ -18,7 +18,7 @@ from typing import Any
 import matplotlib.pyplot as plt
 
 from dsl_lit.config.reproduce import ReproduceConfig
-from dsl_lit.config.reproduce_stages import ABLATIONS, STAGE_ROWS
+from dsl_lit.config.reproduce_stages import ABLATIONS, CONTEXT_LENGTHS, STAGE_ROWS
 from dsl_lit.report.figures import plot_lines, save_figure
 from dsl_lit.report.metrics import METRICS_FILE, Series, read_metrics
 from dsl_lit.reproduce.claims import claims_table
@@ -183,10 +183,24 @@ def write_report(run_dir: Path, out: Path, cfg: ReproduceConfig) -> Path:
     rows = [[s, r[s].get("steps"), r[s].get("train_loss")] for s in ("context_base", "yarn") if s in r]
     if rows:
         md.append("Design: YaRN extends a base that retrieves at its own length. The pretrained DeepSeek-V3 tiny "
-                  "above does not (a tiny model learns retrieval abruptly, after ~1,200 steps of passkey "
-                  "documents), so a small DeepSeek-V3 (2 layers of width 128) is pretrained on passkey documents "
-                  "at 128 tokens (`experiment=cpu_context_128`), then extended x4 with YaRN and trained briefly "
-                  "at 512 tokens (`experiment=cpu_context_512`), as DeepSeek-V3 extends 4K -> 32K; steps below.\n")
+                  "above does not (a tiny model learns retrieval abruptly, after ~1,000-1,600 steps of passkey "
+                  "documents, the step moving with the seed), so a small DeepSeek-V3 (2 layers of width 128) is "
+                  "pretrained on passkey documents at 128 tokens (`experiment=cpu_context_128`) until an "
+                  "in-training probe (its own prompts, not the ones scored below) retrieves the share set in "
+                  "advance (`eval.passkey.stop_at`, capped at the experiment's steps), then extended x4 with YaRN "
+                  "and trained briefly at 512 tokens (`experiment=cpu_context_512`), as DeepSeek-V3 extends "
+                  "4K -> 32K; steps below.\n")
+        base = r.get("context_base", {})
+        if base.get("probe"):
+            step, share = base["probe"][-1]
+            reached = base.get("stop_at") is not None and share >= base["stop_at"]
+            md.append(f"The base's probe retrieved {share:.0%} at step {step} "
+                      f"({'its stop' if reached else 'the cap, below its stop'} at {base.get('stop_at', 0):.0%}; "
+                      f"first above 0: step {next((s for s, a in base['probe'] if a > 0), '-')}).\n")
+            probe = _series(run_dir, "context_base").get(f"eval/passkey/{CONTEXT_LENGTHS[0]}")
+            md.append(_image(_plot(out, "context_base_probe.png",
+                                   f"context base: passkey retrieval at {CONTEXT_LENGTHS[0]} tokens while training",
+                                   "share retrieved (probe prompts)", [("probe", probe)]), "context base probe"))
         md.append(_table(["run", "steps", "train loss (last 10%)"], rows))
     if "passkey" in r:
         acc = r["passkey"]["accuracy"]

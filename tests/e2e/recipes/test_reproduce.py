@@ -24,7 +24,7 @@ from data_contract.errors import ConfigError
 from dsl_lit.config.reproduce import STAGES, ReproduceConfig
 from dsl_lit.reproduce.claims import INCONCLUSIVE, NOT_MEASURED, NOT_REPRODUCED, REPRODUCED, claims_table
 from dsl_lit.reproduce.runner import MARKER, selected
-from dsl_lit.reproduce.stages import EVALUATED, STAGE_TABLE, pretraining_hparams
+from dsl_lit.reproduce.stages import CONTEXT_BASE_STOP_AT, EVALUATED, STAGE_TABLE, pretraining_hparams
 from tests.conftest import scratch_dir
 from tests.forked_python import run_python, start_python
 
@@ -125,6 +125,11 @@ def test_every_stage_feeds_the_next_and_the_report_has_every_section(interrupted
     assert runs["baseline"][0]["val_loss"] != runs["baseline"][1]["val_loss"]  # another seed, another run
     assert resolved("context_base")["data"]["seq_len"] == 128 and resolved("context_base")["model"]["rope_scaling"] is None
     assert resolved("yarn")["model"]["rope_scaling"]["factor"] == 4 and resolved("yarn")["data"]["seq_len"] == 512
+    # the base probed retrieval while training (every 2 steps in the smoke preset), to stop at CONTEXT_BASE_STOP_AT
+    probe = resolved("context_base")["eval"]["passkey"]
+    assert (probe["every_n_steps"], probe["stop_at"], probe["length"]) == (2, CONTEXT_BASE_STOP_AT, 128)
+    assert [step for step, _ in done["context_base"]["results"]["probe"]] == [2, 4]  # 4 steps retrieve (next to) nothing
+    assert all(share < CONTEXT_BASE_STOP_AT for _, share in done["context_base"]["results"]["probe"])
     key = done["passkey"]["results"]
     assert set(key["accuracy"]) == set(key["retrieved"]) == {"context_base", "yarn"}
     assert key["trained_length"] == {"context_base": 128, "yarn": 512}
@@ -141,7 +146,8 @@ def test_every_stage_feeds_the_next_and_the_report_has_every_section(interrupted
     for heading in ("What the papers say", "1. Scaling laws", "2. Data pipeline", "3. Pretraining",
                     "4. Context extension", "5. The R1 pipeline", "6. lm-eval"):
         assert heading in report
-    for png in ("pretrain_loss.png", "expert_load.png", "batch_ramp.png", "passkey.png", "grpo.png",
+    assert re.search(r"The base's probe retrieved \d+% at step 4 \(the cap, below its stop at 70%", report)
+    for png in ("pretrain_loss.png", "expert_load.png", "batch_ramp.png", "passkey.png", "context_base_probe.png", "grpo.png",
                 "r1_accuracy.png", "scaling_hparam_landscape.png"):
         assert f"]({png})" in report and (run_dir / "report" / png).stat().st_size > 5000
     verdicts = [line.rsplit("|", 2)[-2].strip() for line in report.split("## 1.")[0].splitlines()
