@@ -74,6 +74,26 @@ def test_the_run_stops_at_the_first_probe_that_retrieves_stop_at(tokenizer_dir: 
     assert trainer.global_step == 6 and len(module.draws) == 6
 
 
+def test_a_stopped_run_resumed_trains_no_further_unless_stop_at_is_raised(tokenizer_dir: Path) -> None:
+    trainer, module, probe = fit(tokenizer_dir, stop_at=0.5)
+    checkpoint = tokenizer_dir.parent / "stopped.ckpt"
+    trainer.save_checkpoint(checkpoint)
+
+    def resume(stop_at: float | None) -> tuple[L.Trainer, Module, PasskeyProbe]:
+        again = Module(LearnsToRetrieve(word_tokenizer(), wrong=True), learns_at=0)  # retrieves from the start
+        callback = PasskeyProbe(PasskeyProbeConfig(every_n_steps=2, per_depth=2, stop_at=stop_at).validate(),
+                                length=96, tokenizer_dir=str(tokenizer_dir))
+        resumed = L.Trainer(max_steps=12, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
+        resumed.fit(again, DataLoader(torch.arange(64), batch_size=4), ckpt_path=checkpoint)
+        return resumed, again, callback
+
+    resumed, again, callback = resume(stop_at=0.5)
+    assert resumed.global_step == 6 and again.draws == [] and callback.history == probe.history
+    resumed, again, callback = resume(stop_at=None)  # the stop dropped: trains on to max_steps
+    assert resumed.global_step == 12 and len(again.draws) == 6 and callback.history[-1] == (12, 1.0)
+
+
 def test_without_stop_at_the_probe_only_measures_and_leaves_training_as_it_was(tokenizer_dir: Path) -> None:
     trainer, module, probe = fit(tokenizer_dir, stop_at=None, max_steps=8)
     assert probe.history == [(2, 0.0), (4, 0.0), (6, 1.0), (8, 1.0)] and trainer.global_step == 8

@@ -37,7 +37,28 @@ class PasskeyProbe(L.Callback):
         self.autocast_dtype = DTYPES[precision]
         self.tokenizer: Tokenizer | None = None
         self.history: list[tuple[int, float]] = []
-        """(step, share retrieved) of every probe of this process."""
+        """(step, share retrieved) of every probe of this run (kept in its checkpoints)."""
+        self.stopped_at: int | None = None
+        """The step whose probe reached ``stop_at``: a rerun of the stopped run trains no further."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": [list(h) for h in self.history], "stopped_at": self.stopped_at}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.history = [(int(step), float(share)) for step, share in state_dict.get("history", [])]
+        self.stopped_at = state_dict.get("stopped_at")
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Resumed from the step where the probe stopped the run: stop again before any step (the
+        command run twice must not train past its stop), unless ``stop_at`` was raised or dropped."""
+        if self.stopped_at is None or self.stopped_at != trainer.global_step:
+            return
+        share = dict(self.history).get(self.stopped_at, 0.0)
+        if self.cfg.stop_at is not None and share >= self.cfg.stop_at:
+            log.info("step %d: this run stopped here, its passkey retrieval %.0f%% >= eval.passkey.stop_at=%g; "
+                     "raise eval.passkey.stop_at (or set it null) to train on", self.stopped_at, 100 * share,
+                     self.cfg.stop_at)
+            trainer.should_stop = True
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """The tokenizer once the data module has built it (a fresh ``data.cache_dir`` has none before)."""
@@ -58,6 +79,7 @@ class PasskeyProbe(L.Callback):
             log.info("step %d: passkey retrieval at %d tokens %.0f%%%s", step, self.length, 100 * share,
                      f" >= eval.passkey.stop_at={self.cfg.stop_at:g}: stopping here" if stop else "")
         if stop:
+            self.stopped_at = step
             trainer.should_stop = True  # Lightning ends the loop after this step; the last step is saved
 
     def probe(self, pl_module: Any) -> float:
