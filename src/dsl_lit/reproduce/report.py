@@ -23,6 +23,7 @@ from dsl_lit.report.figures import plot_lines, save_figure
 from dsl_lit.report.metrics import METRICS_FILE, Series, read_metrics
 from dsl_lit.reproduce.claims import claims_table
 from dsl_lit.reproduce.runner import marker, skipped
+from dsl_lit.tasks.passkey import KEY_WORDS
 from dsl_lit.utils.machine import machine_description
 
 R1_MODELS = ("cold_start", "grpo", "sft_rs", "distill")
@@ -196,7 +197,7 @@ def write_report(run_dir: Path, out: Path, cfg: ReproduceConfig) -> Path:
             reached = base.get("stop_at") is not None and share >= base["stop_at"]
             md.append(f"The base's probe retrieved {share:.0%} at step {step} "
                       f"({'its stop' if reached else 'the cap, below its stop'} at {base.get('stop_at', 0):.0%}; "
-                      f"first above 0: step {next((s for s, a in base['probe'] if a > 0), '-')}).\n")
+                      f"its probes below, a guess being right on 1 prompt in {len(KEY_WORDS)}).\n")
             probe = _series(run_dir, "context_base").get(f"eval/passkey/{CONTEXT_LENGTHS[0]}")
             md.append(_image(_plot(out, "context_base_probe.png",
                                    f"context base: passkey retrieval at {CONTEXT_LENGTHS[0]} tokens while training",
