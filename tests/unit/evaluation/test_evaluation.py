@@ -22,17 +22,19 @@ from pathlib import Path
 import pytest
 import torch
 from lm_eval.api.instance import Instance
+from tokenizers import Tokenizer
 
 from data_contract.errors import ConfigError
 from data_contract.schema import dataclass_from_dict
 from dsl_lit.config import TrainConfig
-from dsl_lit.config.eval import EvalConfig, EvalTasksConfig
+from dsl_lit.config.eval import EvalConfig, EvalTasksConfig, PasskeyProbeConfig
 from dsl_lit.config.evaluate import EvaluateConfig
 from dsl_lit.data.datamodule import PretrainDataModule
 from dsl_lit.evaluation import bundled
 from dsl_lit.evaluation.checkpoint import evaluate_checkpoint
 from dsl_lit.evaluation.harness import Harness, flat_metrics
 from dsl_lit.evaluation.lm import DslLitLM
+from dsl_lit.evaluation.passkey import passkey_outcomes
 from dsl_lit.evaluation.source import load_eval_model
 from dsl_lit.evaluation.tokenizer import EvalTokenizer
 from dsl_lit.inference.generation import generate
@@ -276,18 +278,19 @@ def test_evaluate_recipe_matches_lm_evals_hf_backend(tmp_path: Path, tokenizer_d
 
 
 def _eval_rows(run: Path) -> dict[str, float]:
-    """The eval/ scalars metrics.csv holds (one evaluation)."""
+    """The eval/ scalars metrics.csv holds (one evaluation: lm-eval's row and the passkey probe's, at one step)."""
     with (run / "metrics.csv").open() as f:
         rows = [r for r in csv.DictReader(f) if any(k.startswith("eval/") and v for k, v in r.items())]
-    assert len(rows) == 1, rows
-    return {k: float(v) for k, v in rows[0].items() if k.startswith("eval/") and k != "eval/time_s" and v}
+    assert len({r["step"] for r in rows}) == 1, rows
+    return {k: float(v) for r in rows for k, v in r.items() if k.startswith("eval/") and k != "eval/time_s" and v}
 
 
 IN_LOOP = ["model=deepseek_v3_tiny", "++model.n_layers=4", "data.seq_len=64", "data.global_batch_size=8",
            "data.micro_batch_size=2", "trainer.max_steps=2", "checkpoint.every_n_steps=2", "logger=csv",
            "trainer.progress_bar=false", "trainer.log_every_n_steps=1", "trainer.accelerator=cpu",
            "eval.every_n_steps=2", "eval.limit=10", "eval.batch_size=4",
-           "eval.tasks=[dsl_kjv_next_sentence,dsl_devil_perplexity,dsl_arithmetic]"]
+           "eval.tasks=[dsl_kjv_next_sentence,dsl_devil_perplexity,dsl_arithmetic]",
+           "eval.passkey.every_n_steps=2", "eval.passkey.per_depth=2"]  # and the passkey probe, at data.seq_len
 
 
 @pytest.mark.slow
@@ -297,6 +300,7 @@ def test_in_loop_evaluation_equals_evaluating_the_checkpoint(tmp_path: Path, lay
     run = tmp_path / "run"
     _run("pretrain.py", *IN_LOOP, *layout, f"hydra.run.dir={run}")
     logged = _eval_rows(run)
+    probed = logged.pop("eval/passkey/64")  # the probe ran on every rank (a gathered copy under pp) and stopped none
     results = json.loads((run / "eval" / "step-2" / "results.json").read_text())
     assert flat_metrics(results) == pytest.approx(logged, rel=1e-12)  # what rank 0 wrote is what it logged
     assert {r["sample_len"] for r in results["results"].values()} == {10}  # both ranks' documents, gathered
@@ -305,6 +309,9 @@ def test_in_loop_evaluation_equals_evaluating_the_checkpoint(tmp_path: Path, lay
     source = load_eval_model(run / "checkpoints" / "step-2")
     with Harness(cfg) as harness:
         alone = flat_metrics(harness.evaluate(DslLitLM(source.model, EvalTokenizer.from_dir(source.tokenizer_dir))))
+    outcomes = passkey_outcomes(source.model, Tokenizer.from_file(str(Path(source.tokenizer_dir) / "tokenizer.json")),
+                                [64], PasskeyProbeConfig().depths, per_depth=2, seed=PasskeyProbeConfig().seed)
+    assert probed == sum(sum(hits) for hits in outcomes[64].values()) / 10
     assert alone.keys() == logged.keys()
     for key, value in alone.items():  # other batches and another split of the documents: fp32 reordering
         assert logged[key] == pytest.approx(value, rel=1e-5), key
