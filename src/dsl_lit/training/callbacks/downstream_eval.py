@@ -42,6 +42,14 @@ def whole_model(pl_module: Any) -> nn.Module:
     return copy
 
 
+def log_at_this_step(trainer: L.Trainer, metrics: dict[str, float]) -> None:
+    """Straight to the loggers, at the row of this step's training metrics (as Lightning's
+    LearningRateMonitor does): through ``self.log``, a value logged only every N steps is logged
+    again at the next step too."""
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
 class DownstreamEvaluation(L.Callback):
     def __init__(self, cfg: EvalConfig, run_dir: str | Path, precision: str = "fp32") -> None:
         self.cfg = cfg
@@ -78,11 +86,7 @@ class DownstreamEvaluation(L.Callback):
         write_results(results, self.run_dir / "eval" / f"step-{step}")
         metrics = flat_metrics(results)
         metrics["eval/time_s"] = time.perf_counter() - start
-        # Straight to the loggers, at the row of this step's training metrics (as Lightning's
-        # LearningRateMonitor does): through self.log, a value logged only every N steps is
-        # logged again at the next step too.
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+        log_at_this_step(trainer, metrics)
         log.info("step %d: %s", step, ", ".join(f"{k.removeprefix('eval/')}={v:.4g}" for k, v in metrics.items()))
         return metrics
 

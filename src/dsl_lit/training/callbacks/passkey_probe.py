@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 from dsl_lit.config.eval import PasskeyProbeConfig
 from dsl_lit.evaluation.passkey import passkey_outcomes
 from dsl_lit.precision.plugin import DTYPES
-from dsl_lit.training.callbacks.downstream_eval import whole_model
+from dsl_lit.training.callbacks.downstream_eval import log_at_this_step, whole_model
 from dsl_lit.training.callbacks.rng_state import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
@@ -74,8 +74,7 @@ class PasskeyProbe(L.Callback):
         stop = self.cfg.stop_at is not None and share >= self.cfg.stop_at
         stop = bool(trainer.strategy.broadcast(stop, src=0))
         if trainer.is_global_zero:
-            for logger in trainer.loggers:  # at this step's row, as DownstreamEvaluation logs
-                logger.log_metrics(metric, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+            log_at_this_step(trainer, metric)
             log.info("step %d: passkey retrieval at %d tokens %.0f%%%s", step, self.length, 100 * share,
                      f" >= eval.passkey.stop_at={self.cfg.stop_at:g}: stopping here" if stop else "")
         if stop:
